@@ -1,0 +1,1 @@
+"""Fuzzing: hypothesis strategies, campaigns, shrinking and repro files."""

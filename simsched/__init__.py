@@ -1,0 +1,1 @@
+"""simsched: a simulator and fuzzer for vLLM's native KV offloading scheduler."""
