@@ -1,0 +1,170 @@
+"""A case: a layout plus a workload, the unit that the model and every release worker run.
+
+Case files are JSON data (``format: simsched-case/1``); they are parsed and validated, never
+evaluated. Prompts are lists of segments ``[seed, length]``: two requests whose prompts start with
+the same segments share that prefix token for token, which is how a workload asks for prefix hits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from simsched.layout import Layout, LayoutError, _bool, _int, _take
+
+CASE_FORMAT = "simsched-case/1"
+VOCAB = 32000
+
+
+def segment_tokens(seed: int, length: int) -> list[int]:
+    """The token ids of one prompt segment: a fixed function of (seed, position)."""
+    return [(seed * 7919 + i * 104729 + 17) % VOCAB for i in range(length)]
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of the workload. Times are scheduler steps."""
+
+    id: str
+    prompt: tuple[tuple[int, int], ...]    # segments (seed, length)
+    arrival: int = 0
+    decode: int = 1                         # output tokens to generate
+    abort_at: int | None = None             # step at which the request is aborted
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return sum(length for _, length in self.prompt)
+
+    def prompt_tokens(self) -> list[int]:
+        out: list[int] = []
+        for seed, length in self.prompt:
+            out.extend(segment_tokens(seed, length))
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str) -> "RequestSpec":
+        obj = _take(obj, path, {f.name for f in fields(cls)})
+        rid = obj.get("id")
+        if not isinstance(rid, str) or not rid:
+            raise LayoutError(f"{path}.id", "a non-empty string is required")
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, list) or not prompt:
+            raise LayoutError(f"{path}.prompt", "a non-empty list of [seed, length] is required")
+        segments = []
+        for i, seg in enumerate(prompt):
+            if (not isinstance(seg, list) or len(seg) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in seg)
+                    or seg[0] < 0 or seg[1] < 1):
+                raise LayoutError(f"{path}.prompt[{i}]",
+                                  f"expected [seed >= 0, length >= 1], got {seg!r}")
+            segments.append((seg[0], seg[1]))
+        return cls(
+            id=rid,
+            prompt=tuple(segments),
+            arrival=_int(obj, "arrival", path, default=0, lo=0),
+            decode=_int(obj, "decode", path, default=1, lo=1, hi=1 << 16),
+            abort_at=_int(obj, "abort_at", path, default=None, optional=True, lo=0),
+            max_load_tokens=_int(obj, "max_load_tokens", path, default=None, optional=True, lo=0),
+            max_offload_tokens=_int(obj, "max_offload_tokens", path, default=None, optional=True,
+                                    lo=0),
+        )
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"id": self.id, "prompt": [list(s) for s in self.prompt]}
+        for f in fields(self)[2:]:
+            if getattr(self, f.name) != f.default:
+                out[f.name] = getattr(self, f.name)
+        return out
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When transfers complete, in scheduler steps after the step that created the job."""
+
+    store_latency: int = 1
+    load_latency: int = 1
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 32
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str = "timing") -> "Timing":
+        obj = _take(obj, path, {f.name for f in fields(cls)})
+        return cls(
+            store_latency=_int(obj, "store_latency", path, default=1, lo=0, hi=1000),
+            load_latency=_int(obj, "load_latency", path, default=1, lo=0, hi=1000),
+            max_num_batched_tokens=_int(obj, "max_num_batched_tokens", path, default=2048),
+            max_num_seqs=_int(obj, "max_num_seqs", path, default=32, hi=4096),
+        )
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != f.default}
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: Layout
+    requests: tuple[RequestSpec, ...] = ()
+    timing: Timing = field(default_factory=Timing)
+    seed: int = 0
+    asserts: bool = True    # False: run vLLM with asserts stripped (python -O)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Case":
+        obj = _take(obj, "", {"format", "layout", "requests", "timing", "seed", "asserts"})
+        fmt = obj.get("format", CASE_FORMAT)
+        if fmt != CASE_FORMAT:
+            raise LayoutError("format", f"expected {CASE_FORMAT!r}, got {fmt!r}")
+        if "layout" not in obj:
+            raise LayoutError("layout", "required")
+        layout = Layout.from_json(obj["layout"])
+        requests = obj.get("requests", [])
+        if not isinstance(requests, list):
+            raise LayoutError("requests", "expected a list of requests")
+        parsed = tuple(RequestSpec.from_json(r, f"requests[{i}]") for i, r in enumerate(requests))
+        ids = [r.id for r in parsed]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise LayoutError("requests", f"duplicate request id {dup!r}")
+        return cls(layout=layout, requests=parsed,
+                   timing=Timing.from_json(obj.get("timing", {})),
+                   seed=_int(obj, "seed", "", default=0, lo=0, hi=(1 << 63) - 1),
+                   asserts=_bool(obj, "asserts", "", True))
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"format": CASE_FORMAT, "layout": self.layout.to_json(),
+                               "requests": [r.to_json() for r in self.requests]}
+        timing = self.timing.to_json()
+        if timing:
+            out["timing"] = timing
+        if self.seed:
+            out["seed"] = self.seed
+        if not self.asserts:
+            out["asserts"] = False
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n"
+
+
+def load_case(path: str | Path) -> Case:
+    """Read a case file; any problem becomes a :class:`LayoutError` naming the file and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise LayoutError(str(path), f"cannot read: {e.strerror or e}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LayoutError(str(path), f"not valid JSON (line {e.lineno}: {e.msg})") from None
+    if isinstance(obj, dict) and "groups" in obj and "layout" not in obj:
+        obj = {"layout": obj}   # a bare layout file is a case with no requests
+    try:
+        return Case.from_json(obj)
+    except LayoutError as e:
+        raise LayoutError(f"{path}: {e.field}", e.reason) from None

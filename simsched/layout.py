@@ -1,0 +1,267 @@
+"""The layout language: what reaches vLLM's offloading scheduler.
+
+A layout is the KV cache groups of a model (their kinds and block sizes) plus the engine knobs that
+shape offloading. It is plain data: ``Layout.from_json`` validates a JSON object and refuses an
+impossible layout with a :class:`LayoutError` that names the field and the reason; ``to_json``
+gives the same object back. Configurations that vLLM itself rejects (for instance both
+``blocks_per_chunk`` and ``offload_block_size`` set) are *not* refused here: predicting and
+observing vLLM's own error is the point of the tool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+#: Group kinds and what each one is in vLLM (``vllm/v1/kv_cache_interface.py``).
+KINDS: dict[str, str] = {
+    "full": "FullAttentionSpec",
+    "mla": "MLAAttentionSpec",
+    "sliding_window": "SlidingWindowSpec",
+    "sliding_window_mla": "SlidingWindowMLASpec",
+    "chunked_local": "ChunkedLocalAttentionSpec",
+    "mamba": "MambaSpec",
+    "ring": "CircularBufferSpec",
+    "cross_attention": "CrossAttentionSpec",
+}
+#: Kinds whose attention reaches back only a bounded number of tokens.
+WINDOWED_KINDS = ("sliding_window", "sliding_window_mla")
+#: Kinds whose block size is scaled by decode context parallelism (attention specs).
+DCP_SHARDED_KINDS = tuple(k for k in KINDS if k != "mamba")
+MAMBA_CACHE_MODES = ("none", "align")
+SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
+
+MAX_BLOCK_SIZE = 1 << 16
+MAX_TOKENS = 1 << 24
+
+
+class LayoutError(ValueError):
+    """An impossible layout or case: ``field`` names where, the message says why."""
+
+    def __init__(self, field_path: str, reason: str):
+        self.field = field_path
+        self.reason = reason
+        super().__init__(f"{field_path}: {reason}")
+
+
+def _take(obj: Any, path: str, allowed: set[str]) -> dict:
+    if not isinstance(obj, dict):
+        raise LayoutError(path or "<top>", f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise LayoutError(f"{path}.{unknown[0]}" if path else unknown[0],
+                          f"unknown field (allowed: {', '.join(sorted(allowed))})")
+    return obj
+
+
+def _int(obj: dict, key: str, path: str, *, default: Any = ..., lo: int = 1,
+         hi: int = MAX_TOKENS, optional: bool = False) -> Any:
+    where = f"{path}.{key}" if path else key
+    if key not in obj or (optional and obj[key] is None):
+        if default is ...:
+            raise LayoutError(where, "required")
+        return default
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(where, f"expected an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise LayoutError(where, f"must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _bool(obj: dict, key: str, path: str, default: bool) -> bool:
+    value = obj.get(key, default)
+    if not isinstance(value, bool):
+        raise LayoutError(f"{path}.{key}" if path else key, f"expected true or false, got {value!r}")
+    return value
+
+
+def _choice(obj: dict, key: str, path: str, choices: tuple[str, ...], default: Any = ...) -> Any:
+    where = f"{path}.{key}" if path else key
+    if key not in obj:
+        if default is ...:
+            raise LayoutError(where, f"required (one of {', '.join(choices)})")
+        return default
+    value = obj[key]
+    if value not in choices:
+        raise LayoutError(where, f"must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group: its kind, block size in tokens, and kind-specific sizes."""
+
+    kind: str
+    block_size: int
+    layers: int = 1
+    sliding_window: int | None = None        # sliding_window, sliding_window_mla
+    attention_chunk_size: int | None = None  # chunked_local
+    mamba_cache_mode: str | None = None      # mamba: "none" or "align"
+    drafter: bool = False                    # an EAGLE/MTP drafter group beside its target
+
+    @property
+    def spec_name(self) -> str:
+        return KINDS[self.kind]
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether vLLM addresses this group's blocks by block hashes (``spec.prefix_cacheable``)."""
+        return self.kind != "ring"
+
+    @property
+    def dcp_sharded(self) -> bool:
+        return self.kind in DCP_SHARDED_KINDS
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str) -> "Group":
+        allowed = {f.name for f in fields(cls)}
+        obj = _take(obj, path, allowed)
+        kind = _choice(obj, "kind", path, tuple(KINDS))
+        group = cls(
+            kind=kind,
+            block_size=_int(obj, "block_size", path, hi=MAX_BLOCK_SIZE),
+            layers=_int(obj, "layers", path, default=1, hi=1024),
+            sliding_window=_int(obj, "sliding_window", path, default=None, optional=True),
+            attention_chunk_size=_int(obj, "attention_chunk_size", path, default=None,
+                                      optional=True),
+            mamba_cache_mode=(_choice(obj, "mamba_cache_mode", path, MAMBA_CACHE_MODES, "none")
+                              if kind == "mamba" else obj.get("mamba_cache_mode")),
+            drafter=_bool(obj, "drafter", path, False),
+        )
+        group._check(path)
+        return group
+
+    def _check(self, path: str) -> None:
+        needs = {"sliding_window": self.kind in WINDOWED_KINDS,
+                 "attention_chunk_size": self.kind == "chunked_local",
+                 "mamba_cache_mode": self.kind == "mamba"}
+        for name, needed in needs.items():
+            value = getattr(self, name)
+            if needed and value is None:
+                raise LayoutError(f"{path}.{name}", f"required for kind {self.kind!r}")
+            if not needed and value is not None:
+                raise LayoutError(f"{path}.{name}", f"not used by kind {self.kind!r}")
+        if self.drafter and self.kind not in ("full", "mla", "sliding_window"):
+            raise LayoutError(f"{path}.drafter", f"a drafter group is attention, not {self.kind!r}")
+
+    def to_json(self) -> dict:
+        out = {"kind": self.kind, "block_size": self.block_size}
+        if self.layers != 1:
+            out["layers"] = self.layers
+        for name in ("sliding_window", "attention_chunk_size", "mamba_cache_mode"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.drafter:
+            out["drafter"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class Speculative:
+    method: str
+    num_tokens: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine knobs that reach the offloading scheduler."""
+
+    blocks_per_chunk: int | None = None     # kv_connector_extra_config["blocks_per_chunk"]
+    offload_block_size: int | None = None   # kv_connector_extra_config["block_size"]
+    prefix_match_unit: int | None = None    # cache_config.prefix_match_unit
+    enable_prefix_caching: bool = True
+    dcp_size: int = 1                       # decode context parallel size
+    speculative: Speculative | None = None
+    async_scheduling: bool = False
+    retention_interval: int | None = None   # cache_config.prefix_cache_retention_interval
+    num_gpu_blocks: int = 1024
+    cpu_chunks: int = 256                   # capacity of the CPU tier, in offload chunks
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str = "engine") -> "Engine":
+        obj = _take(obj, path, {f.name for f in fields(cls)})
+        spec = obj.get("speculative")
+        if spec is not None:
+            spath = f"{path}.speculative"
+            spec = _take(spec, spath, {"method", "num_tokens"})
+            spec = Speculative(method=_choice(spec, "method", spath, SPEC_METHODS),
+                               num_tokens=_int(spec, "num_tokens", spath, hi=16))
+        return cls(
+            blocks_per_chunk=_int(obj, "blocks_per_chunk", path, default=None, optional=True,
+                                  hi=4096),
+            offload_block_size=_int(obj, "offload_block_size", path, default=None, optional=True,
+                                    hi=MAX_TOKENS),
+            prefix_match_unit=_int(obj, "prefix_match_unit", path, default=None, optional=True,
+                                   hi=MAX_BLOCK_SIZE),
+            enable_prefix_caching=_bool(obj, "enable_prefix_caching", path, True),
+            dcp_size=_int(obj, "dcp_size", path, default=1, hi=64),
+            speculative=spec,
+            async_scheduling=_bool(obj, "async_scheduling", path, False),
+            retention_interval=_int(obj, "retention_interval", path, default=None, optional=True,
+                                    lo=0),
+            num_gpu_blocks=_int(obj, "num_gpu_blocks", path, default=1024, lo=2, hi=1 << 20),
+            cpu_chunks=_int(obj, "cpu_chunks", path, default=256, lo=1, hi=1 << 20),
+        )
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                out[f.name] = value.to_json() if isinstance(value, Speculative) else value
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """KV cache groups in the order vLLM's ``KVCacheConfig.kv_cache_groups`` lists them."""
+
+    groups: tuple[Group, ...]
+    engine: Engine = field(default_factory=Engine)
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str = "layout") -> "Layout":
+        obj = _take(obj, path, {"groups", "engine"})
+        groups = obj.get("groups")
+        if not isinstance(groups, list) or not groups:
+            raise LayoutError(f"{path}.groups", "a non-empty list of groups is required")
+        if len(groups) > 16:
+            raise LayoutError(f"{path}.groups", f"at most 16 groups, got {len(groups)}")
+        parsed = tuple(Group.from_json(g, f"{path}.groups[{i}]") for i, g in enumerate(groups))
+        engine = Engine.from_json(obj.get("engine", {}), f"{path}.engine")
+        layout = cls(groups=parsed, engine=engine)
+        layout._check(path)
+        return layout
+
+    def _check(self, path: str) -> None:
+        if self.engine.speculative is None and any(g.drafter for g in self.groups):
+            i = next(i for i, g in enumerate(self.groups) if g.drafter)
+            raise LayoutError(f"{path}.groups[{i}].drafter",
+                              "a drafter group needs engine.speculative")
+        if all(g.drafter for g in self.groups):
+            raise LayoutError(f"{path}.groups", "a layout needs at least one target group")
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"groups": [g.to_json() for g in self.groups]}
+        engine = self.engine.to_json()
+        if engine:
+            out["engine"] = engine
+        return out
+
+    def with_engine(self, **changes: Any) -> "Layout":
+        return replace(self, engine=replace(self.engine, **changes))
+
+    def describe(self) -> str:
+        """The layout on one line, e.g. ``mla/64 + ring/4 | blocks_per_chunk=1``."""
+        parts = []
+        for g in self.groups:
+            extra = (g.sliding_window or g.attention_chunk_size or
+                     (g.mamba_cache_mode if g.kind == "mamba" else None))
+            parts.append(f"{g.kind}/{g.block_size}" + (f"(w={extra})" if extra else "")
+                         + ("[drafter]" if g.drafter else ""))
+        knobs = " ".join(f"{k}={v}" for k, v in self.engine.to_json().items())
+        return " + ".join(parts) + (f" | {knobs}" if knobs else "")
