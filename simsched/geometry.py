@@ -1,0 +1,343 @@
+"""Derived offload geometry, and the behaviour profiles that say how a vLLM release derives it.
+
+From a :class:`~simsched.layout.Layout` this module computes what vLLM computes at start-up and on
+the first scheduled request: the scheduler block size and the hash unit
+(``resolve_kv_cache_block_sizes``), which groups are offloaded and their chunk geometry
+(``build_offloading_config``, ``SchedulerOffloadConfig.from_spec``) and the offload keys of a
+request (``RequestOffloadState.update_offload_keys``). Where vLLM raises, :func:`derive` raises a
+:class:`ConfigError` naming the exception type and the raising vLLM function.
+
+vLLM changed these rules between releases, so the rules that differ are a :class:`Profile`: a few
+named policy fields, one profile per distinct behaviour. ``asserts=False`` mirrors running vLLM
+under ``python -O``: its ``assert`` statements vanish, and the code walks on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from simsched.layout import Group, Layout
+
+CONFIG_PY = "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
+SCHEDULER_PY = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+KV_CACHE_UTILS_PY = "v1/core/kv_cache_utils.py"
+
+
+class ConfigError(Exception):
+    """What vLLM raises while configuring offloading, as the model predicts it."""
+
+    def __init__(self, exception: str, function: str, file: str, stage: str, message: str):
+        self.exception, self.function, self.file = exception, function, file
+        self.stage, self.message = stage, message
+        super().__init__(f"{exception} in {function}: {message}")
+
+    def to_json(self) -> dict:
+        return {"status": "error", "stage": self.stage, "exception": self.exception,
+                "function": self.function, "file": self.file, "message": self.message}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    group_id: int              # index in the layout (vLLM's group_idx)
+    kind: str
+    tokens_per_block: int      # block size, scaled by DCP for attention kinds
+    tokens_per_chunk: int
+    hashes_per_chunk: int
+    sliding_window_in_chunks: int | None
+    drafter: bool
+
+    def to_json(self) -> dict:
+        return {"group_id": self.group_id, "tokens_per_block": self.tokens_per_block,
+                "tokens_per_chunk": self.tokens_per_chunk,
+                "hashes_per_chunk": self.hashes_per_chunk,
+                "sliding_window_in_chunks": self.sliding_window_in_chunks,
+                "drafter": self.drafter}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    scheduler_block_size: int
+    tokens_per_hash: int
+    blocks_per_chunk: int
+    alignment_tokens: int | None
+    groups: tuple[GroupGeometry, ...]   # the offloaded groups, in layout order
+
+    def to_json(self) -> dict:
+        return {"scheduler_block_size": self.scheduler_block_size,
+                "tokens_per_hash": self.tokens_per_hash,
+                "blocks_per_chunk": self.blocks_per_chunk,
+                "alignment_tokens": self.alignment_tokens,
+                "groups": [g.to_json() for g in self.groups]}
+
+
+# --- the policies a profile is made of -----------------------------------------------------------
+
+def every_group(layout: Layout) -> tuple[int, ...]:
+    """0.29.0/0.30.0: every KV cache group is offloaded."""
+    return tuple(range(len(layout.groups)))
+
+
+def prefix_cacheable_groups(layout: Layout) -> tuple[int, ...]:
+    """0.31.0+ and PR #54743: only groups whose spec is prefix-cacheable are offloaded."""
+    return tuple(i for i, g in enumerate(layout.groups) if g.prefix_cacheable)
+
+
+def prefix_cacheable_or_all(layout: Layout) -> tuple[int, ...]:
+    """PR #55037: the boot assert checks prefix-cacheable groups, or all when none are."""
+    return prefix_cacheable_groups(layout) or every_group(layout)
+
+
+def window_full_attention_only(group: Group, tokens_per_chunk: int) -> int | None:
+    """``get_sliding_window_size_in_chunks`` as released: anything else must be full attention."""
+    if group.kind in ("sliding_window", "sliding_window_mla"):
+        return _cdiv(group.sliding_window, tokens_per_chunk)
+    if group.kind == "chunked_local":
+        return _cdiv(group.attention_chunk_size, tokens_per_chunk)
+    if group.kind == "mamba":
+        return 1
+    if group.kind in ("full", "mla"):
+        return None
+    raise _WindowAssert(group.spec_name)
+
+
+def window_ring_is_one_block(group: Group, tokens_per_chunk: int) -> int | None:
+    """PR #55038's first change: a ring reaches back one chunk, like a Mamba state."""
+    if group.kind == "ring":
+        return 1
+    return window_full_attention_only(group, tokens_per_chunk)
+
+
+class _WindowAssert(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One distinct behaviour of the offloading scheduler's configuration and keying."""
+
+    name: str
+    summary: str
+    releases: tuple[str, ...] = ()
+    offloaded_groups: Callable[[Layout], tuple[int, ...]] = every_group
+    asserted_groups: Callable[[Layout], tuple[int, ...]] = every_group
+    window_in_chunks: Callable[[Group, int], int | None] = window_full_attention_only
+    window_file: str = SCHEDULER_PY
+    # ``storable_chunks`` clamps to the number of keyed chunks (0.30.0+).
+    keyed_chunk_clamp: bool = True
+    # ``update_offload_keys`` skips groups with zero hashes per chunk (PR #55038).
+    skip_zero_hash_groups: bool = False
+    # A chunk 'block_size' that is no multiple of the block size: ValueError (0.30.0+).
+    chunk_size_error: str = "ValueError"
+    extra: dict = field(default_factory=dict)
+
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (
+    Profile("every-group-no-clamp",
+            "every group offloaded and asserted divisible by the hash unit; storable chunks not "
+            "clamped to keyed chunks",
+            releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError"),
+    Profile("every-group",
+            "every group offloaded and asserted divisible by the hash unit",
+            releases=("0.30.0",)),
+    Profile("prefix-cacheable",
+            "only prefix-cacheable groups offloaded (a ring is left out); also upstream PR #54743",
+            releases=("0.31.0", "0.32.0"), offloaded_groups=prefix_cacheable_groups,
+            asserted_groups=prefix_cacheable_groups),
+    Profile("prefix-cacheable-windows-in-config",
+            "as prefix-cacheable; sliding windows in chunks derived in offloading/config.py",
+            releases=("0.33.0",), offloaded_groups=prefix_cacheable_groups,
+            asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY),
+    Profile("fix-assert-only",
+            "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
+            "which are still offloaded",
+            asserted_groups=prefix_cacheable_or_all),
+    Profile("fix-assert-and-window",
+            "PR #55037 plus the first change of #55038: a ring's reach is one chunk",
+            asserted_groups=prefix_cacheable_or_all, window_in_chunks=window_ring_is_one_block),
+    Profile("fix-skip-zero-hash",
+            "PR #55037 plus all of #55038: groups with zero hashes per chunk are never keyed",
+            asserted_groups=prefix_cacheable_or_all, window_in_chunks=window_ring_is_one_block,
+            skip_zero_hash_groups=True),
+)}
+
+DEFAULT_PROFILE = "prefix-cacheable-windows-in-config"
+
+
+def profile_for_release(version: str) -> Profile:
+    """The profile that stands for a release; releases before 0.29.0 map to the nearest one."""
+    for p in PROFILES.values():
+        if version in p.releases:
+            return p
+    key = tuple(int(x) for x in version.split("."))
+    if key < (0, 29, 0):
+        return PROFILES["every-group-no-clamp"]
+    return PROFILES[DEFAULT_PROFILE]
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+# --- the derivation ------------------------------------------------------------------------------
+
+def effective_block_size(group: Group, dcp: int) -> int:
+    """``resolve_dcp_kv_block_size``: attention groups span ``dcp`` times their block size."""
+    return group.block_size * dcp if group.dcp_sharded else group.block_size
+
+
+def resolve_block_sizes(layout: Layout) -> tuple[int, int]:
+    """``resolve_kv_cache_block_sizes``: (scheduler block size, tokens per hash)."""
+    engine, groups = layout.engine, layout.groups
+    dcp = engine.dcp_size
+    if len(groups) == 1:
+        bs = groups[0].block_size * dcp
+        return bs, bs
+    sizes = [effective_block_size(g, dcp) for g in groups]
+    scheduler = math.lcm(*sizes)
+    # The offloading connector is always configured here, so block hashing is active.
+    if any(g.kind == "mamba" and g.mamba_cache_mode != "align" for g in groups):
+        return scheduler, scheduler
+    hashing = [s for g, s in zip(groups, sizes) if g.prefix_cacheable] or sizes
+    unit = engine.prefix_match_unit if engine.prefix_match_unit is not None else math.gcd(*hashing)
+    if any(s % unit for s in hashing):
+        raise ConfigError("ValueError", "resolve_kv_cache_block_sizes", KV_CACHE_UTILS_PY,
+                          "resolve", f"Invalid prefix_match_unit={unit}; prefix-cacheable KV "
+                          f"cache group block sizes must be divisible by prefix_match_unit")
+    return scheduler, unit
+
+
+def _blocks_per_chunk(layout: Layout, tokens_per_block: list[int], profile: Profile,
+                      asserts: bool) -> int:
+    engine = layout.engine
+    if engine.blocks_per_chunk is not None and engine.offload_block_size is not None:
+        raise ConfigError("ValueError", "build_offloading_config", CONFIG_PY,
+                          "build_offloading_config",
+                          "Specify only one of 'block_size' or 'blocks_per_chunk' in "
+                          "kv_connector_extra_config.")
+    if engine.blocks_per_chunk is not None:
+        return engine.blocks_per_chunk
+    if engine.offload_block_size is None:
+        return 1
+    unique = set(tokens_per_block)
+    if len(unique) != 1:
+        if asserts:
+            raise ConfigError("AssertionError", "build_offloading_config", CONFIG_PY,
+                              "build_offloading_config",
+                              "If 'block_size' is specified in kv_connector_extra_config, "
+                              "all groups must have the same block size.")
+    tpb = unique.pop()   # with asserts stripped, vLLM takes whatever set.pop() gives: so do we
+    if engine.offload_block_size % tpb:
+        if profile.chunk_size_error == "ValueError" or asserts:
+            raise ConfigError(profile.chunk_size_error, "build_offloading_config", CONFIG_PY,
+                              "build_offloading_config",
+                              f"'block_size'={engine.offload_block_size} in "
+                              "kv_connector_extra_config must be a multiple of the GPU KV cache "
+                              f"block size ({tpb} tokens).")
+    return engine.offload_block_size // tpb
+
+
+def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
+           asserts: bool = True) -> Geometry:
+    """The geometry a release with ``profile`` derives for ``layout``, or its ConfigError."""
+    if isinstance(profile, str):
+        profile = get_profile(profile)
+    scheduler_block_size, tokens_per_hash = resolve_block_sizes(layout)
+    dcp = layout.engine.dcp_size
+
+    selected = profile.offloaded_groups(layout)
+    if not selected:
+        raise ConfigError("ValueError", "build_offloading_config", CONFIG_PY,
+                          "build_offloading_config",
+                          "KV offloading found no eligible cache groups.")
+    tpb = {i: effective_block_size(layout.groups[i], dcp) for i in selected}
+    if asserts:
+        for i in profile.asserted_groups(layout):
+            size = effective_block_size(layout.groups[i], dcp)
+            if size % tokens_per_hash:
+                raise ConfigError("AssertionError", "build_offloading_config", CONFIG_PY,
+                                  "build_offloading_config",
+                                  f"tokens_per_block={size} not divisible by "
+                                  f"tokens_per_hash={tokens_per_hash}.")
+    blocks_per_chunk = _blocks_per_chunk(layout, list(tpb.values()), profile, asserts)
+
+    groups = []
+    for i in selected:
+        group = layout.groups[i]
+        tokens_per_chunk = tpb[i] * blocks_per_chunk
+        try:
+            window = profile.window_in_chunks(group, tokens_per_chunk)
+        except _WindowAssert as e:
+            if asserts:
+                raise ConfigError("AssertionError", "get_sliding_window_size_in_chunks",
+                                  profile.window_file, "from_spec",
+                                  f"{e.args[0]} is not a FullAttentionSpec") from None
+            window = None
+        groups.append(GroupGeometry(
+            group_id=i, kind=group.kind, tokens_per_block=tpb[i],
+            tokens_per_chunk=tokens_per_chunk,
+            hashes_per_chunk=tokens_per_chunk // tokens_per_hash,
+            sliding_window_in_chunks=window, drafter=group.drafter))
+
+    full = {g.tokens_per_chunk for g in groups if g.sliding_window_in_chunks is None}
+    alignment = full.pop() if len(full) == 1 else (
+        None if full else max(g.tokens_per_chunk for g in groups))
+
+    retention = layout.engine.retention_interval
+    if retention is not None:
+        for g in groups:
+            if g.sliding_window_in_chunks is not None and retention % g.tokens_per_chunk:
+                raise ConfigError("ValueError", "from_spec", SCHEDULER_PY, "from_spec",
+                                  f"prefix_cache_retention_interval ({retention}) must be a "
+                                  f"multiple of tokens_per_chunk ({g.tokens_per_chunk}).")
+
+    return Geometry(scheduler_block_size=scheduler_block_size, tokens_per_hash=tokens_per_hash,
+                    blocks_per_chunk=blocks_per_chunk, alignment_tokens=alignment,
+                    groups=tuple(groups))
+
+
+def num_block_hashes(geometry: Geometry, num_tokens: int) -> int:
+    """How many block hashes a request of ``num_tokens`` tokens carries (full hash units only)."""
+    return num_tokens // geometry.tokens_per_hash
+
+
+def offload_key_indices(group: GroupGeometry, num_hashes: int, num_keys: int,
+                        profile: Profile) -> list[int]:
+    """``update_offload_keys`` for one group: indices of the block hashes that become new keys.
+
+    ``num_keys`` keys exist already. The real code calls
+    ``islice(block_hashes, hpc * num_keys + hpc - 1, None, hpc)``; CPython rejects a negative
+    start (``hpc == 0`` gives -1) and a zero step with a ValueError, raised in
+    ``update_offload_keys``.
+    """
+    hpc = group.hashes_per_chunk
+    if hpc == 0 and profile.skip_zero_hash_groups:
+        return []
+    start = hpc * num_keys + hpc - 1
+    if start < 0 or hpc <= 0:
+        raise ConfigError("ValueError", "update_offload_keys", SCHEDULER_PY, "update_offload_keys",
+                          "Indices for islice() must be None or an integer: "
+                          "0 <= x <= sys.maxsize.")
+    return list(range(start, num_hashes, hpc))
+
+
+def config_outcome(layout: Layout, num_tokens: int, profile: Profile | str = DEFAULT_PROFILE,
+                   asserts: bool = True) -> dict:
+    """The model's prediction of the config-level chain, in the worker's outcome format."""
+    if isinstance(profile, str):
+        profile = get_profile(profile)
+    try:
+        geometry = derive(layout, profile, asserts)
+        num_hashes = num_block_hashes(geometry, num_tokens)
+        keys = [offload_key_indices(g, num_hashes, 0, profile) for g in geometry.groups]
+    except ConfigError as e:
+        return e.to_json()
+    return {"status": "ok", "geometry": geometry.to_json(), "num_hashes": num_hashes,
+            "offload_keys": keys}
