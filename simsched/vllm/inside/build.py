@@ -1,0 +1,251 @@
+"""Layout -> real vLLM config objects (runs inside a release worker only).
+
+:class:`ConfigBuilder` builds the expensive base ``VllmConfig`` (a real ``ModelConfig`` over a tiny
+Llama ``config.json``) once per worker, then derives each layout's ``VllmConfig`` and
+``KVCacheConfig`` cheaply by shallow copies of the sub-configs that change.
+
+Release differences are detected by what exists (dataclass fields, module attributes), never by
+version strings; :data:`ConfigBuilder.features` lists what was detected. A kind or knob a release
+cannot express raises :class:`Unsupported`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from simsched.layout import Layout
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 20,
+    "rms_norm_eps": 1e-6, "torch_dtype": "float16", "head_dim": 16,
+}
+HEAD_SIZE = 16
+DTYPE = torch.float16
+ENGINE_ID = "simsched"
+
+
+class Unsupported(Exception):
+    """The release cannot express this layout (a kind or an engine knob it lacks)."""
+
+
+def _init_fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def write_model_dir(cache_dir: str | os.PathLike) -> str:
+    path = Path(cache_dir) / "simsched-tiny-llama"
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = path / "config.json"
+    text = json.dumps(TINY_LLAMA, indent=1)
+    if not cfg.exists() or cfg.read_text() != text:
+        cfg.write_text(text)
+    return str(path)
+
+
+class ConfigBuilder:
+    def __init__(self, cache_dir: str | os.PathLike | None = None):
+        import vllm.v1.kv_cache_interface as kvi
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                                 ParallelConfig, VllmConfig)
+
+        self.kvi = kvi
+        cache_dir = cache_dir or os.environ.get("VLLM_CACHE_ROOT") or "/tmp/simsched-vllm"
+        self.model_dir = write_model_dir(cache_dir)
+        self.KVTransferConfig = KVTransferConfig
+        self.spec_classes = {kind: getattr(kvi, name, None) for kind, name in {
+            "full": "FullAttentionSpec", "mla": "MLAAttentionSpec",
+            "sliding_window": "SlidingWindowSpec", "sliding_window_mla": "SlidingWindowMLASpec",
+            "chunked_local": "ChunkedLocalAttentionSpec", "mamba": "MambaSpec",
+            "ring": "CircularBufferSpec", "cross_attention": "CrossAttentionSpec"}.items()}
+        self.spec_fields = {k: _init_fields(c) for k, c in self.spec_classes.items() if c}
+        self.group_fields = _init_fields(kvi.KVCacheGroupSpec)
+        self.config_fields = _init_fields(kvi.KVCacheConfig)
+        self.tensor_fields = _init_fields(kvi.KVCacheTensor)
+        self.cache_fields = _init_fields(CacheConfig)
+        self.parallel_fields = _init_fields(ParallelConfig)
+        # prefix_match_unit (0.26+) was hash_block_size (0.25.1) on CacheConfig.
+        self.match_unit_field = next((n for n in ("prefix_match_unit", "hash_block_size")
+                                      if n in self.cache_fields), None)
+        self.retention_field = ("prefix_cache_retention_interval"
+                                if "prefix_cache_retention_interval" in self.cache_fields else None)
+        self.cpu_alignment = 1
+        try:
+            from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+            self.cpu_alignment = int(getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1))
+        except Exception:   # noqa: BLE001 - only the sizing hint
+            pass
+
+        model_config = ModelConfig(model=self.model_dir, skip_tokenizer_init=True,
+                                   dtype="float16", max_model_len=1 << 20)
+        kt = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20},
+                              engine_id=ENGINE_ID)
+        self.base = VllmConfig(device_config=DeviceConfig(device="cpu"),
+                               model_config=model_config,
+                               cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
+                               kv_transfer_config=kt)
+        self.spec_cls = None
+        try:
+            from vllm.config import SpeculativeConfig
+            self.spec_cls = SpeculativeConfig
+        except ImportError:
+            pass
+
+    @property
+    def features(self) -> dict[str, Any]:
+        return {
+            "missing_kinds": sorted(k for k, c in self.spec_classes.items() if c is None),
+            "prefix_match_unit_field": self.match_unit_field,
+            "retention_field": self.retention_field,
+            "is_eagle_group": "is_eagle_group" in self.group_fields,
+            "kv_cache_tensor_fields": sorted(self.tensor_fields),
+            "kv_cache_config_retention": "prefix_cache_retention_interval" in self.config_fields,
+            "mamba_cache_mode": "mamba_cache_mode" in self.spec_fields.get("mamba", ()),
+            "spec_dcp_sharded_field": "dcp_sharded" in self.spec_fields.get("full", ()),
+        }
+
+    # -- KV cache specs --------------------------------------------------------------------
+    def make_spec(self, group) -> Any:
+        cls = self.spec_classes.get(group.kind)
+        if cls is None:
+            raise Unsupported(f"kind {group.kind!r}: this release has no {group.spec_name}")
+        names = self.spec_fields[group.kind]
+        kw: dict[str, Any] = {"block_size": group.block_size}
+        if group.kind == "mamba":
+            kw.update(shapes=((4, 8),), dtypes=(DTYPE,))
+            if "mamba_cache_mode" in names:
+                kw["mamba_cache_mode"] = group.mamba_cache_mode
+            elif group.mamba_cache_mode != "none":
+                raise Unsupported("mamba_cache_mode: MambaSpec has no mamba_cache_mode field")
+        else:
+            kw.update(num_kv_heads=1, head_size=HEAD_SIZE, dtype=DTYPE)
+            if group.kind in ("sliding_window", "sliding_window_mla"):
+                kw["sliding_window"] = group.sliding_window
+            if group.kind == "chunked_local":
+                kw["attention_chunk_size"] = group.attention_chunk_size
+        if group.drafter and "is_draft" in names:
+            kw["is_draft"] = True
+        return cls(**kw)
+
+    # -- per-layout configs ---------------------------------------------------------------------
+    def build(self, layout: Layout) -> tuple[Any, Any]:
+        """(VllmConfig, KVCacheConfig) for ``layout``; raises :class:`Unsupported`."""
+        kvi = self.kvi
+        eng = layout.engine
+        groups = []
+        tensor_layers: list[str] = []
+        bytes_per_block = 0
+        n = 0
+        for g in layout.groups:
+            spec = self.make_spec(g)
+            names = [f"model.layers.{n + i}.attn" for i in range(g.layers)]
+            n += g.layers
+            tensor_layers += names
+            bytes_per_block += spec.page_size_bytes * g.layers
+            gkw: dict[str, Any] = {"layer_names": names, "kv_cache_spec": spec}
+            if g.drafter:
+                if "is_eagle_group" not in self.group_fields:
+                    raise Unsupported("drafter: KVCacheGroupSpec has no is_eagle_group")
+                gkw["is_eagle_group"] = True
+            groups.append(kvi.KVCacheGroupSpec(**gkw))
+
+        num_blocks = eng.num_gpu_blocks
+        total = bytes_per_block * num_blocks
+        if "shared_by" in self.tensor_fields:        # 0.25.x-0.28.x
+            tensor = kvi.KVCacheTensor(size=total, shared_by=tensor_layers)
+        else:                                        # 0.29.0+: layers + strides
+            tensor = kvi.KVCacheTensor(size=total, layers=tensor_layers,
+                                       layer_stride=0, block_stride=bytes_per_block)
+        ckw: dict[str, Any] = {"num_blocks": num_blocks, "kv_cache_tensors": [tensor],
+                               "kv_cache_groups": groups}
+        if eng.retention_interval is not None:
+            if "prefix_cache_retention_interval" in self.config_fields:
+                ckw["prefix_cache_retention_interval"] = eng.retention_interval
+        kv_cache_config = kvi.KVCacheConfig(**ckw)
+
+        # --- VllmConfig derived from the base one ---
+        base = self.base
+        vc = copy.copy(base)
+        cc = copy.copy(base.cache_config)
+        # The engine's cache_config.block_size is the attention block size; mamba groups in
+        # "align" mode share it. Take the first non-mamba target group (else the first group).
+        attn = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
+        cc.block_size = (attn[0] if attn else layout.groups[0]).block_size
+        cc.enable_prefix_caching = eng.enable_prefix_caching
+        if eng.prefix_match_unit is not None:
+            if self.match_unit_field is None:
+                raise Unsupported("prefix_match_unit: CacheConfig has neither prefix_match_unit "
+                                  "nor hash_block_size")
+            setattr(cc, self.match_unit_field, eng.prefix_match_unit)
+        if eng.retention_interval is not None:
+            if self.retention_field is None:
+                raise Unsupported("retention_interval: CacheConfig has no "
+                                  "prefix_cache_retention_interval")
+            setattr(cc, self.retention_field, eng.retention_interval)
+        vc.cache_config = cc
+
+        if eng.dcp_size != 1:
+            pc = copy.copy(base.parallel_config)
+            pc.decode_context_parallel_size = eng.dcp_size
+            vc.parallel_config = pc
+
+        bpc = 1
+        extra: dict[str, Any] = {}
+        if eng.blocks_per_chunk is not None:
+            extra["blocks_per_chunk"] = eng.blocks_per_chunk
+            bpc = eng.blocks_per_chunk
+        if eng.offload_block_size is not None:
+            extra["block_size"] = eng.offload_block_size
+            if eng.blocks_per_chunk is None:
+                bpc = max(1, eng.offload_block_size // layout.groups[0].block_size)
+        chunk_bytes = (bytes_per_block * bpc + self.cpu_alignment - 1) \
+            // self.cpu_alignment * self.cpu_alignment
+        extra["cpu_bytes_to_use"] = chunk_bytes * eng.cpu_chunks
+        kt = copy.copy(base.kv_transfer_config)
+        kt.kv_connector_extra_config = extra
+        vc.kv_transfer_config = kt
+
+        if eng.speculative is not None:
+            vc.speculative_config = self.speculative(eng.speculative)
+        if eng.async_scheduling:
+            sc = copy.copy(base.scheduler_config)
+            if not hasattr(sc, "async_scheduling"):
+                raise Unsupported("async_scheduling: SchedulerConfig has no async_scheduling")
+            sc.async_scheduling = True
+            vc.scheduler_config = sc
+        return vc, kv_cache_config
+
+    def speculative(self, spec) -> Any:
+        """A SpeculativeConfig carrying ``method`` and ``num_speculative_tokens``.
+
+        A real ``SpeculativeConfig`` needs a draft model (or, for ngram, a full engine model
+        config) and resolves it in ``__post_init__``. Offline, the smallest honest construction is
+        an instance of the real class made without ``__init__``, every field set to its declared
+        default and then ``method``/``num_speculative_tokens``: the release's own methods
+        (``use_eagle()``, ``use_eagle_block_drop()``, ...) then run on real attribute values.
+        """
+        if self.spec_cls is None:
+            raise Unsupported("speculative: no SpeculativeConfig")
+        cls = self.spec_cls
+        obj = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                value = None
+            object.__setattr__(obj, f.name, value)
+        object.__setattr__(obj, "method", spec.method)
+        object.__setattr__(obj, "num_speculative_tokens", spec.num_tokens)
+        return obj
