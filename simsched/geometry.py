@@ -38,7 +38,14 @@ class ConfigError(Exception):
                 "function": self.function, "file": self.file, "message": self.message}
 
 
+MATH_UTILS_PY = "utils/math_utils.py"
+
+
 def _cdiv(a: int, b: int) -> int:
+    """``vllm.utils.math_utils.cdiv``, including its ZeroDivisionError on a zero divisor."""
+    if b == 0:
+        raise ConfigError("ZeroDivisionError", "cdiv", MATH_UTILS_PY, "from_spec",
+                          "integer division or modulo by zero")
     return -(-a // b)
 
 
@@ -293,6 +300,9 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
     retention = layout.engine.retention_interval
     if retention is not None:
         for g in groups:
+            if g.sliding_window_in_chunks is not None and g.tokens_per_chunk == 0:
+                raise ConfigError("ZeroDivisionError", "from_spec", SCHEDULER_PY, "from_spec",
+                                  "integer division or modulo by zero")
             if g.sliding_window_in_chunks is not None and retention % g.tokens_per_chunk:
                 raise ConfigError("ValueError", "from_spec", SCHEDULER_PY, "from_spec",
                                   f"prefix_cache_retention_interval ({retention}) must be a "

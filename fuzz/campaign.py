@@ -1,0 +1,279 @@
+"""A time-boxed fuzz campaign: generate cases, run them on every target, shrink each new finding.
+
+One campaign round is one hypothesis run. The test body runs a case on every target and turns the
+outcomes into signatures. While no finding is being hunted, a signature the campaign has not seen
+makes the body fail, and hypothesis shrinks the case; while shrinking, the body fails only when the
+hunted signature is still present, so the shrunk case shows the same finding. Each shrunk finding
+is replayed on every installed release and every profile, written to disk at once (case, pytest
+repro, report) and becomes known; the next round looks for the next one.
+
+Nothing is kept only in memory: ``report.json`` is rewritten atomically after every finding, and
+a campaign started on an output folder that already holds findings resumes from them (and from the
+hypothesis example database kept beside them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from fuzz import report as report_mod
+from fuzz import repro as repro_mod
+from fuzz.strategies import config_cases, family_of
+from simsched.case import Case
+from simsched.geometry import PROFILES
+from simsched.outcome import Signature, describe
+from simsched.replay import Observation, observe
+from simsched.targets import ModelTarget, Releases, ReleaseTarget
+
+TARGET_CHOICES = "model, a release such as 0.30.0, releases, or all"
+
+
+class CampaignError(Exception):
+    pass
+
+
+@dataclass
+class Finding:
+    id: str
+    signature: Signature
+    case: Case
+    first_target: str
+    outcome: dict
+    found_after_s: float
+    examples_before: int
+    releases_affected: list[str] = field(default_factory=list)
+    releases_clean: list[str] = field(default_factory=list)
+    profiles_affected: list[str] = field(default_factory=list)
+    releases_not_run: dict = field(default_factory=dict)  # release -> why (unsupported, worker)
+    outcomes: dict = field(default_factory=dict)     # target -> outcome of the shrunk case
+
+    def to_json(self, out: Path) -> dict:
+        o = self.outcome
+        return {
+            "id": self.id, "signature": str(self.signature), "kind": self.signature.kind,
+            "exception": self.signature.exception or None,
+            "function": (self.signature.function if self.signature.kind == "crash" else None),
+            "field": (self.signature.function if self.signature.kind == "divergence" else None),
+            "invariant": self.signature.invariant or None,
+            "file": o.get("file"), "line": o.get("line"), "stage": o.get("stage"),
+            "message": o.get("message"),
+            "asserts": self.case.asserts,
+            "releases_affected": self.releases_affected, "releases_clean": self.releases_clean,
+            "profiles_affected": self.profiles_affected,
+            "releases_not_run": self.releases_not_run,
+            "first_target": self.first_target,
+            "layout": self.case.layout.describe(),
+            "case": f"repros/{self.id}/case.json",
+            "groups": len(self.case.layout.groups), "requests": len(self.case.requests),
+            "steps": 1,
+            "found_after_s": round(self.found_after_s, 3),
+            "examples_before": self.examples_before,
+        }
+
+
+def finding_id(sig: Signature) -> str:
+    text = str(sig).replace(":", "-").replace(".", "_")
+    return "".join(ch for ch in text if ch.isalnum() or ch in "-_")[:80]
+
+
+def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str]]:
+    """(run the model?, releases to run) for a ``--target`` value."""
+    if target == "all":
+        return True, installed
+    if target == "model":
+        return True, []
+    if target == "releases":
+        if not installed:
+            raise CampaignError("--target releases: no vLLM release is installed "
+                                "(run: simsched releases install)")
+        return False, installed
+    if target == "lockstep":
+        raise CampaignError("--target lockstep needs the lockstep replay harness, "
+                            "which this version does not have yet")
+    if target.count(".") == 2 and all(p.isdigit() for p in target.split(".")):
+        if target not in installed:
+            raise CampaignError(f"--target {target}: release not installed "
+                                f"(installed: {', '.join(installed) or 'none'}); "
+                                f"run: simsched releases install {target}")
+        return False, [target]
+    raise CampaignError(f"--target {target!r}: expected {TARGET_CHOICES}")
+
+
+class Campaign:
+    def __init__(self, out: Path, releases: Releases, *, model: bool = True,
+                 run_releases: list[str] | None = None, budget: float = 120.0, seed_: int = 0,
+                 asserts: bool | None = True, progress: Callable[[str], None] | None = None,
+                 round_examples: int = 300):
+        self.out = Path(out)
+        self.pool = releases
+        self.model_targets = [ModelTarget(p) for p in PROFILES.values()] if model else []
+        self.release_targets = [ReleaseTarget(v, releases) for v in (run_releases or [])]
+        self.all_release_targets = [ReleaseTarget(v, releases) for v in releases.versions]
+        self.budget = budget
+        self.seed = seed_
+        self.asserts = asserts
+        self.progress = progress or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.round_examples = round_examples
+        self.findings: dict[Signature, Finding] = {}
+        self.prior: list[dict] = []
+        self.examples = 0
+        self.families: dict[str, int] = {}
+        self.knobs: dict[str, int] = {}
+        self.timeline: list[dict] = []
+        self.started = 0.0
+
+    # --- evaluating one case ---------------------------------------------------------------
+
+    def observe(self, case: Case, releases: list[ReleaseTarget] | None = None,
+                outcomes: dict | None = None) -> list[Observation]:
+        return observe(case, self.model_targets,
+                       self.release_targets if releases is None else releases, outcomes)
+
+    # --- the rounds -----------------------------------------------------------------------
+
+    def _count(self, case: Case) -> None:
+        self.examples += 1
+        fam = family_of(case.layout)
+        self.families[fam] = self.families.get(fam, 0) + 1
+        for k in case.layout.engine.to_json():
+            self.knobs[k] = self.knobs.get(k, 0) + 1
+        kinds = {g.kind for g in case.layout.groups}
+        for k in kinds:
+            self.knobs[f"kind:{k}"] = self.knobs.get(f"kind:{k}", 0) + 1
+
+    def _round(self, round_no: int, deadline: float, db) -> Finding | None:
+        state = {"hunting": None, "case": None, "obs": None, "t": 0.0, "n": 0}
+        known = set(self.findings) | {Signature.parse(f["signature"]) for f in self.prior}
+
+        class Found(Exception):
+            pass
+
+        @seed(self.seed * 1_000_003 + round_no)
+        @settings(database=db, max_examples=self.round_examples, deadline=None,
+                  report_multiple_bugs=False, print_blob=False,
+                  suppress_health_check=list(HealthCheck),
+                  phases=(Phase.reuse, Phase.generate, Phase.shrink))
+        @given(config_cases(asserts=self.asserts))
+        def body(case: Case) -> None:
+            if state["hunting"] is None:
+                if time.monotonic() > deadline:
+                    return
+                self._count(case)
+                self._maybe_progress()
+            obs = self.observe(case)
+            sigs = [o.signature for o in obs]
+            if state["hunting"] is None:
+                new = [o for o in obs if o.signature not in known]
+                if not new:
+                    return
+                state["hunting"] = new[0].signature
+                state["t"] = time.monotonic() - self.started
+                state["n"] = self.examples
+            if state["hunting"] in sigs:
+                state["case"] = case
+                state["obs"] = next(o for o in obs if o.signature == state["hunting"])
+                raise Found(str(state["hunting"]))
+
+        try:
+            body()
+        except Found:
+            o = state["obs"]
+            return Finding(id=finding_id(o.signature), signature=o.signature, case=state["case"],
+                           first_target=o.target, outcome=o.outcome, found_after_s=state["t"],
+                           examples_before=state["n"])
+        return None
+
+    def _maybe_progress(self) -> None:
+        now = time.monotonic()
+        if now - getattr(self, "_last_progress", 0.0) < 5.0:
+            return
+        self._last_progress = now
+        el = now - self.started
+        self.progress(f"[{el:6.1f}s] {self.examples} examples ({self.examples / max(el, 1e-9):.0f}/s), "
+                      f"{len(self.findings) + len(self.prior)} findings, "
+                      f"families {len(self.families)}/7")
+
+    def replay_everywhere(self, finding: Finding) -> None:
+        """Fill in where a shrunk finding's signature is present and where it is absent."""
+        saved, self.model_targets = self.model_targets, [ModelTarget(p) for p in PROFILES.values()]
+        try:
+            obs = self.observe(finding.case, self.all_release_targets, finding.outcomes)
+        finally:
+            self.model_targets = saved
+        hit = {o.target for o in obs if o.signature == finding.signature}
+        finding.profiles_affected = [p for p in PROFILES if f"model:{p}" in hit]
+        for t in self.all_release_targets:
+            outcome = finding.outcomes[t.name]
+            if t.name in hit:
+                finding.releases_affected.append(t.name)
+            elif outcome.get("status") == "unsupported" or outcome.get("stage") == "worker":
+                finding.releases_not_run[t.name] = describe(outcome)
+            else:
+                finding.releases_clean.append(t.name)
+
+    def load_prior(self) -> None:
+        path = self.out / "report.json"
+        if not path.exists():
+            return
+        try:
+            data = json.loads(path.read_text())
+            self.prior = list(data["findings"])
+            self.examples = int(data.get("examples", 0))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CampaignError(f"{path}: cannot resume from a damaged report ({e}); "
+                                "move it away or pick another --out") from None
+
+    def run(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.load_prior()
+        self.started = time.monotonic()
+        deadline = self.started + self.budget
+        db = DirectoryBasedExampleDatabase(str(self.out / "hypothesis-db"))
+        if self.prior:
+            self.progress(f"resuming: {len(self.prior)} findings already in {self.out}")
+        round_no = 0
+        self.write_report()
+        while time.monotonic() < deadline:
+            finding = self._round(round_no, deadline, db)
+            round_no += 1
+            if finding is None:
+                continue
+            self.replay_everywhere(finding)
+            self.findings[finding.signature] = finding
+            repro_mod.write_repro(self.out, finding)
+            self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,
+                                  "examples": finding.examples_before})
+            self.write_report()
+            self.progress(f"[{time.monotonic() - self.started:6.1f}s] finding {finding.id}: "
+                          f"{finding.case.layout.describe()} | affected "
+                          f"{', '.join(finding.releases_affected) or '-'} | profiles "
+                          f"{', '.join(finding.profiles_affected) or '-'}")
+        return self.write_report()
+
+    def write_report(self) -> dict:
+        el = time.monotonic() - self.started if self.started else 0.0
+        new = [f.to_json(self.out) for f in self.findings.values()]
+        new_ids = {f["id"] for f in new}
+        data = {
+            "format": "simsched-report/1",
+            "seed": self.seed, "budget_s": self.budget, "elapsed_s": round(el, 3),
+            "examples": self.examples,
+            "examples_per_s": round(self.examples / el, 1) if el else 0.0,
+            "targets": ([t.name for t in self.model_targets]
+                        + [t.name for t in self.release_targets]),
+            "releases_installed": list(self.pool.versions),
+            "families": dict(sorted(self.families.items())),
+            "knobs": dict(sorted(self.knobs.items())),
+            "timeline": self.timeline,
+            "findings": [f for f in self.prior if f["id"] not in new_ids] + new,
+        }
+        report_mod.write(self.out, data)
+        return data

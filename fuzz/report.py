@@ -1,0 +1,54 @@
+"""Campaign reports: ``report.json`` (the stable contract people script against) and ``report.md``.
+
+``report.json`` (``format: simsched-report/1``) holds the campaign's figures and a ``findings``
+list; every finding has ``id``, ``signature``, ``kind`` (crash, invariant, divergence),
+``exception``, ``function``, ``file`` (relative to the ``vllm`` package, or to the project for a
+model finding), ``releases_affected``, ``releases_clean``, ``profiles_affected``, ``case`` (path
+relative to the output folder) and the sizes ``groups``, ``requests``, ``steps``. Both files are
+written atomically: a campaign killed at any moment leaves the last complete report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def markdown(data: dict) -> str:
+    lines = ["# simsched campaign report", "",
+             f"Seed {data['seed']}, budget {data['budget_s']} s, elapsed {data['elapsed_s']} s, "
+             f"{data['examples']} examples ({data['examples_per_s']}/s).  ",
+             f"Targets: {', '.join(data['targets']) or 'none'}.  ",
+             f"Releases installed: {', '.join(data['releases_installed']) or 'none'}.", "",
+             f"## Findings ({len(data['findings'])})", ""]
+    if data["findings"]:
+        lines += ["| id | kind | what | layout | present in | absent from | profiles | asserts |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for f in data["findings"]:
+            what = f"{f.get('exception') or ''} {f.get('function') or f.get('field') or ''}".strip()
+            lines.append(
+                f"| [{f['id']}]({f['case'].rsplit('/', 1)[0]}/README.md) | {f['kind']} | {what} | "
+                f"`{f['layout']}` | {', '.join(f['releases_affected']) or '-'} | "
+                f"{', '.join(f['releases_clean']) or '-'} | "
+                f"{', '.join(f['profiles_affected']) or '-'} | {'on' if f['asserts'] else 'off'} |")
+    else:
+        lines.append("No findings.")
+    lines += ["", "## Coverage", "", "Layout families: "
+              + (", ".join(f"{k} {v}" for k, v in data["families"].items()) or "none"), "",
+              "Knobs and kinds: " + (", ".join(f"{k} {v}" for k, v in data["knobs"].items())
+                                     or "none"), ""]
+    return "\n".join(lines)
+
+
+def write(out: Path, data: dict) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic(out / "report.json", json.dumps(data, indent=1) + "\n")
+    _atomic(out / "report.md", markdown(data))

@@ -1,0 +1,109 @@
+"""Writing a shrunk finding out as files worth attaching upstream.
+
+Per finding, ``repros/<id>/`` holds ``case.json`` (the shrunk case), ``test_repro.py`` (a
+standalone pytest file: it needs only simsched and the installed releases, and fails on exactly the
+releases where the finding is present) and ``README.md`` (the text of an upstream issue).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from simsched.outcome import describe
+
+TEST_TEMPLATE = '''"""Repro of simsched finding {id}: {signature}.
+
+Layout: {layout}
+Present in: {affected}. Absent from: {clean}.
+Run: python -m pytest {path}  (needs simsched and `simsched releases install`).
+It fails on every installed release where the finding is present and passes where it is absent.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from simsched.case import load_case
+from simsched.replay import shows
+from simsched.targets import Releases
+
+CASE = load_case(Path(__file__).with_name("case.json"))
+SIGNATURE = {signature!r}
+
+
+def _installed():
+    from simsched.vllm.releases import installed
+    return [r.version for r in installed()]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Releases.installed() as p:
+        yield p
+
+
+def test_some_release_is_installed():
+    assert _installed(), "no vLLM release installed: run `simsched releases install`"
+
+
+@pytest.mark.parametrize("release", _installed())
+def test_repro(pool, release):
+    target = next(t for t in pool.targets() if t.version == release)
+    present, outcome = shows(CASE, target, SIGNATURE)
+    assert not present, f"vLLM {{release}}: {{SIGNATURE}} is present: {{outcome}}"
+'''
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def issue_text(data: dict, case_text: str, outcomes: dict) -> str:
+    """The README of a repro: the text of an upstream bug report."""
+    lines = [f"# {data['exception'] or data['kind']} in `{data['function'] or data['field']}`"
+             f" ({data['kind']})", "",
+             f"**Layout:** `{data['layout']}`", ""]
+    geo = next((o["geometry"] for o in outcomes.values()
+                if isinstance(o, dict) and o.get("status") == "ok"), None)
+    if geo:
+        lines += ["**Derived geometry where it configures** (hash unit "
+                  f"{geo['tokens_per_hash']} tokens, scheduler block {geo['scheduler_block_size']}):",
+                  "", "| group | tokens/block | tokens/chunk | hashes/chunk | window (chunks) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {g['group_id']} | {g['tokens_per_block']} | {g['tokens_per_chunk']} | "
+                  f"{g['hashes_per_chunk']} | {g['sliding_window_in_chunks']} |" for g in geo["groups"]]
+        lines.append("")
+    if data.get("file"):
+        lines += [f"**Failing code:** `vllm/{data['file']}`"
+                  + (f" line {data['line']}" if data.get("line") else "")
+                  + f", in `{data['function']}`: `{data.get('message') or ''}`", ""]
+    lines += [f"**Present in:** {', '.join(data['releases_affected']) or 'no installed release'}  ",
+              f"**Absent from:** {', '.join(data['releases_clean']) or 'no installed release'}  ",
+              f"**Model profiles predicting it:** {', '.join(data['profiles_affected']) or 'none'}  ",
+              f"**Python asserts:** {'on' if data['asserts'] else 'stripped (python -O)'}", "",
+              "## What each target does with this case", ""]
+    lines += [f"- `{name}`: {describe(o)}" for name, o in outcomes.items()]
+    lines += ["", "## Case", "", "```json", case_text.rstrip(), "```", "",
+              "Reproduce: `simsched replay case.json --all-releases`, or "
+              "`python -m pytest test_repro.py`.", ""]
+    return "\n".join(lines)
+
+
+def write_repro(out: Path, finding) -> Path:
+    folder = Path(out) / "repros" / finding.id
+    folder.mkdir(parents=True, exist_ok=True)
+    data = finding.to_json(out)
+    case_text = finding.case.dumps()
+    _write(folder / "case.json", case_text)
+    _write(folder / "test_repro.py", TEST_TEMPLATE.format(
+        id=finding.id, signature=str(finding.signature), layout=data["layout"],
+        affected=", ".join(data["releases_affected"]) or "none installed",
+        clean=", ".join(data["releases_clean"]) or "none installed",
+        path=f"repros/{finding.id}/test_repro.py"))
+    _write(folder / "README.md", issue_text(data, case_text, finding.outcomes))
+    _write(folder / "finding.json", json.dumps(data, indent=1) + "\n")
+    return folder

@@ -1,0 +1,175 @@
+"""The ``simsched`` command line.
+
+    simsched fuzz [--budget S] [--seed N] [--target T] [--out DIR]   a campaign
+    simsched replay CASE.json [--release X | --all-releases | --model [--profile P]]
+    simsched run CASE.json [--profile P]                            the model's step trace
+    simsched geometry CASE.json [--profile P]                       derived geometry
+    simsched profiles                                               behaviour profiles
+    simsched releases install [X.Y.Z ...] | list                    real vLLM releases
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class UsageError(Exception):
+    pass
+
+
+def _fail(msg: str) -> int:
+    print(f"simsched: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_profiles(args) -> int:
+    from simsched.geometry import DEFAULT_PROFILE, PROFILES
+    for p in PROFILES.values():
+        rel = ", ".join(p.releases) if p.releases else "upstream proposal"
+        mark = " (default)" if p.name == DEFAULT_PROFILE else ""
+        print(f"{p.name}{mark}\n    stands for: {rel}\n    {p.summary}")
+    return 0
+
+
+def cmd_geometry(args) -> int:
+    from simsched.case import load_case
+    from simsched.geometry import DEFAULT_PROFILE, config_outcome
+    case = load_case(args.case)
+    num = case.requests[0].prompt_len if case.requests else 0
+    out = config_outcome(case.layout, num, args.profile or DEFAULT_PROFILE, case.asserts)
+    print(json.dumps(out, indent=1))
+    return 0 if out["status"] == "ok" else 1
+
+
+def cmd_replay(args) -> int:
+    from simsched.case import load_case
+    from simsched.geometry import PROFILES, get_profile
+    from simsched.outcome import describe
+    from simsched.replay import observe
+    from simsched.targets import ModelTarget, Releases
+    case = load_case(args.case)
+    if args.model:
+        names = [args.profile] if args.profile else list(PROFILES)
+        models = [ModelTarget(get_profile(n)) for n in names]
+        only: list[str] | None = []
+    elif args.release:
+        models, only = [], args.release
+    else:
+        models, only = [], None
+    with Releases.installed(only) as pool:
+        if only is None and not pool.versions:
+            return _fail("no vLLM release installed: run `simsched releases install`")
+        outcomes: dict = {}
+        obs = observe(case, models, pool.targets() if only != [] else [], outcomes)
+    print(f"case: {case.layout.describe()}  (asserts {'on' if case.asserts else 'off'})")
+    for name, outcome in outcomes.items():
+        sigs = sorted({str(o.signature) for o in obs if o.target == name})
+        print(f"  {name:>38}: {'FAIL ' + ', '.join(sigs) if sigs else 'pass'}  | {describe(outcome)}")
+    by_sig: dict[str, list[str]] = {}
+    for o in obs:
+        by_sig.setdefault(str(o.signature), []).append(o.target)
+    for sig, where in sorted(by_sig.items()):
+        present = sorted(set(where))
+        absent = [n for n in outcomes if n not in present]
+        print(f"{sig}: present in {', '.join(present)}; absent from {', '.join(absent) or '-'}")
+    return 1 if obs else 0
+
+
+def cmd_run(args) -> int:
+    from simsched.model import cli_run
+    return cli_run(args.case, args.profile)
+
+
+def cmd_fuzz(args) -> int:
+    from fuzz.campaign import Campaign, CampaignError, parse_target
+    from simsched.targets import Releases
+    try:
+        with Releases.installed(timeout=args.timeout) as pool:
+            model, rels = parse_target(args.target, list(pool.versions))
+            asserts = {"on": True, "off": False, "both": None}[args.asserts]
+            campaign = Campaign(Path(args.out), pool, model=model, run_releases=rels,
+                                budget=args.budget, seed_=args.seed, asserts=asserts)
+            data = campaign.run()
+    except CampaignError as e:
+        return _fail(str(e))
+    print(f"{len(data['findings'])} findings in {args.out}/report.md "
+          f"({data['examples']} examples, {data['examples_per_s']}/s)")
+    for f in data["findings"]:
+        print(f"  {f['id']}: {f['layout']} | present in {', '.join(f['releases_affected']) or '-'}"
+              f" | profiles {', '.join(f['profiles_affected']) or '-'}")
+    return 0
+
+
+def cmd_releases(args) -> int:
+    from simsched.vllm import releases
+    if args.action == "install":
+        return releases.cli_install(args.versions)
+    return releases.cli_list()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="simsched", description="Simulate and fuzz vLLM's native KV "
+                                "offloading scheduler, checked against real vLLM releases.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("fuzz", help="run a time-boxed fuzz campaign")
+    f.add_argument("--budget", type=float, default=120.0, help="seconds (default 120)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--target", default="all",
+                   help="model, a release such as 0.30.0, releases, or all (default)")
+    f.add_argument("--out", default="simsched-out", help="output folder (default simsched-out/)")
+    f.add_argument("--asserts", choices=("on", "off", "both"), default="both",
+                   help="run vLLM with asserts on, stripped (python -O), or both (default)")
+    f.add_argument("--timeout", type=float, default=60.0, help="per-call worker time limit (s)")
+    f.set_defaults(fn=cmd_fuzz)
+
+    r = sub.add_parser("replay", help="run one case; exit 1 when it shows a finding")
+    r.add_argument("case")
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--release", action="append", help="a release (repeatable)")
+    g.add_argument("--all-releases", action="store_true", help="every installed release (default)")
+    g.add_argument("--model", action="store_true", help="the model (every profile, or --profile)")
+    r.add_argument("--profile")
+    r.set_defaults(fn=cmd_replay)
+
+    rn = sub.add_parser("run", help="run a case on the model and print its step trace")
+    rn.add_argument("case")
+    rn.add_argument("--profile")
+    rn.set_defaults(fn=cmd_run)
+
+    ge = sub.add_parser("geometry", help="print the derived geometry of a case or layout file")
+    ge.add_argument("case")
+    ge.add_argument("--profile")
+    ge.set_defaults(fn=cmd_geometry)
+
+    sub.add_parser("profiles", help="list the behaviour profiles").set_defaults(fn=cmd_profiles)
+
+    rel = sub.add_parser("releases", help="install or list real vLLM releases")
+    rel_sub = rel.add_subparsers(dest="action", required=True)
+    ri = rel_sub.add_parser("install", help="install releases (default: 0.25.1 to 0.33.0)")
+    ri.add_argument("versions", nargs="*")
+    rel_sub.add_parser("list", help="list installed releases")
+    rel.set_defaults(fn=cmd_releases)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from simsched.layout import LayoutError
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except LayoutError as e:
+        return _fail(str(e))
+    except KeyError as e:   # unknown profile and the like
+        return _fail(str(e.args[0]) if e.args else str(e))
+    except Exception as e:
+        if type(e).__name__ in ("ReleaseError", "CampaignError"):
+            return _fail(str(e))
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Targets: what a case runs on. The model under a profile, or a real release in its worker.
+
+Both answer ``config(case)`` with an outcome in the same format (see :mod:`simsched.outcome`).
+A :class:`Releases` pool owns the release workers (one per release and assert mode, started on
+first use) and closes them; nothing else in the project talks to a worker directly.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from simsched.case import Case
+from simsched.geometry import Profile, config_outcome, get_profile, profile_for_release
+
+
+def config_item(case: Case) -> dict:
+    """The config-level request for a case: its layout and the length of the request to key."""
+    num_tokens = case.requests[0].prompt_len if case.requests else 0
+    return {"layout": case.layout.to_json(), "num_tokens": num_tokens}
+
+
+def model_crash(exc: BaseException) -> dict:
+    """An unexpected exception inside the model, as an error outcome naming the model's code."""
+    root = Path(__file__).resolve().parent.parent
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if Path(f.filename).resolve().is_relative_to(root)]
+    last = frames[-1] if frames else None
+    return {"status": "error", "stage": "model", "exception": type(exc).__name__,
+            "function": f"simsched.{last.name}" if last else "simsched",
+            "file": str(Path(last.filename).resolve().relative_to(root)) if last else None,
+            "line": last.lineno if last else None, "message": str(exc)[:300]}
+
+
+@dataclass
+class ModelTarget:
+    profile: Profile
+
+    @property
+    def name(self) -> str:
+        return f"model:{self.profile.name}"
+
+    def config(self, case: Case) -> dict:
+        item = config_item(case)
+        try:
+            return config_outcome(case.layout, item["num_tokens"], self.profile, case.asserts)
+        except Exception as e:   # a bug in the model is a finding of its own
+            return model_crash(e)
+
+    def config_many(self, cases: list[Case]) -> list[dict]:
+        return [self.config(c) for c in cases]
+
+    @classmethod
+    def named(cls, profile: str) -> "ModelTarget":
+        return cls(get_profile(profile))
+
+
+@dataclass
+class ReleaseTarget:
+    version: str
+    pool: "Releases"
+
+    @property
+    def name(self) -> str:
+        return self.version
+
+    @property
+    def profile(self) -> Profile:
+        return profile_for_release(self.version)
+
+    def config(self, case: Case) -> dict:
+        return self.config_many([case])[0]
+
+    def config_many(self, cases: list[Case]) -> list[dict]:
+        """Run cases in batches, one batch per assert mode, answers in the order given."""
+        out: list[dict | None] = [None] * len(cases)
+        for asserts in (True, False):
+            idx = [i for i, c in enumerate(cases) if c.asserts == asserts]
+            if not idx:
+                continue
+            worker = self.pool.worker(self.version, asserts)
+            results = worker.call("config_batch", items=[config_item(cases[i]) for i in idx])
+            for i, r in zip(idx, results):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+
+@dataclass
+class Releases:
+    """The installed releases and their workers. Use as a context manager."""
+
+    versions: tuple[str, ...]
+    timeout: float = 60.0
+    _workers: dict = field(default_factory=dict)
+
+    @classmethod
+    def installed(cls, only: list[str] | None = None, timeout: float = 60.0) -> "Releases":
+        from simsched.vllm import releases
+        have = [r.version for r in releases.installed()]
+        if only is not None:
+            missing = [v for v in only if v not in have]
+            if missing:
+                raise releases.ReleaseError(
+                    f"vLLM release(s) {', '.join(missing)} not installed "
+                    f"(installed: {', '.join(have) or 'none'}); run: simsched releases install "
+                    + " ".join(missing))
+            have = [v for v in have if v in only]
+        return cls(tuple(have), timeout)
+
+    def targets(self) -> list[ReleaseTarget]:
+        return [ReleaseTarget(v, self) for v in self.versions]
+
+    def worker(self, version: str, asserts: bool = True):
+        key = (version, asserts)
+        if key not in self._workers:
+            from simsched.vllm.worker import ReleaseWorker, spec_for
+            self._workers[key] = ReleaseWorker(spec_for(version, optimize=not asserts),
+                                               timeout=self.timeout)
+        return self._workers[key]
+
+    def close(self) -> None:
+        for w in self._workers.values():
+            w.close()
+        self._workers.clear()
+
+    def __enter__(self) -> "Releases":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
