@@ -199,3 +199,11 @@ def test_real_release_imports_in_worker(version, monkeypatch):
     got_version, got_file = proc.stdout.split()[-2:]
     assert got_version == version
     assert Path(got_file).is_relative_to(release.path)
+
+
+def test_changed_closure_makes_base_stale(tmp_path, closure):
+    home = fake_home(tmp_path, closure)
+    assert rel.base_ready(home, closure)
+    closure.write_text("# fake closure, one more pin\n")
+    assert not rel.base_ready(home, closure)
+    assert not rel.base_ready(tmp_path / "empty", closure)
