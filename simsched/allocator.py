@@ -1,0 +1,313 @@
+"""The hybrid block allocator: one shared GPU block pool serving every KV cache group.
+
+Mirrors ``vllm/v1/core/block_pool.py`` (free queue, prefix cache, refcounts), the per-kind
+managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in simplified form:
+
+* block 0 is the null block, never handed out; the free queue is ordered (allocation takes the
+  head, freed blocks go to the tail; a request's blocks are freed tail first, so that its last
+  blocks are evicted first). A free block that still carries a hash stays in the GPU prefix cache
+  (evictable, LRU) until it is handed out again;
+* full / mla / cross_attention (and drafter groups, which sit beside their target) hold a block
+  for every token; sliding_window / chunked_local / mamba free blocks out of reach
+  (``get_num_skipped_tokens``) and put the null block in their place; a mamba group keeps only its
+  latest state block (in ``align`` mode the states at block boundaries are prefix-cached); a ring
+  (``CircularBufferSpec``) claims one block for the request's lifetime and is never cached;
+* a GPU prefix hit needs every prefix-cacheable group to hit (hit lengths are aligned to the
+  scheduler block size, and a windowed group only needs the blocks still in its reach).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+NULL = 0
+# request states
+WAITING, RUNNING, WAITING_FOR_LOAD, FINISHED, ABORTED = range(5)
+_KIND_CODE = {"full": 0, "mla": 0, "cross_attention": 0, "sliding_window": 1,
+              "sliding_window_mla": 1, "chunked_local": 2, "mamba": 3, "ring": 4}
+FULLISH, SLIDING, CHUNKED, MAMBA, RING = range(5)
+
+
+class Request:
+    """A request as the scheduler, the KV cache manager and the connector see it.
+
+    ``ident[k]`` is a chained hash of the tokens ``[0, (k + 1) * unit)``: the token identity of a
+    prefix. vLLM's block hashes (one per ``tokens_per_hash`` tokens) are a subsequence of it.
+    """
+
+    __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
+                 "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
+                 "load_target", "finish_step")
+
+    def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
+                 num_groups: int):
+        self.rid, self.index, self.spec = rid, index, spec
+        self.tokens = list(prompt)
+        self.num_prompt = len(prompt)
+        self.max_tokens = max_tokens
+        self.num_computed = 0
+        self.unit = unit
+        self.ident: list[int] = []
+        self.status = WAITING
+        self.tables: list[list[int]] = [[] for _ in range(num_groups)]
+        self.arrival = spec.arrival if spec is not None else 0
+        self.off = None            # the connector's RequestOffloadState
+        self.num_cached = 0        # GPU prefix hit tokens at admission
+        self.load_target = 0       # tokens computed once the in-flight load completes
+        self.finish_step = None
+        self._extend_ident()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def _extend_ident(self) -> None:
+        unit, tokens, ident = self.unit, self.tokens, self.ident
+        k = len(ident)
+        prev = ident[-1] if ident else 0x5EED
+        while (k + 1) * unit <= len(tokens):
+            prev = hash((prev, tuple(tokens[k * unit:(k + 1) * unit])))
+            ident.append(prev)
+            k += 1
+
+    def append_tokens(self, new: list[int]) -> None:
+        self.tokens.extend(new)
+        self._extend_ident()
+
+    def ident_at(self, end: int) -> int | None:
+        """Identity of the prefix ``[0, end)`` (``end`` a multiple of the unit), None if unknown."""
+        k = end // self.unit - 1
+        if k < 0:
+            return 0x5EED
+        return self.ident[k] if k < len(self.ident) else None
+
+    @property
+    def finished(self) -> bool:
+        return self.status >= FINISHED
+
+
+class BlockPool:
+    """``BlockPool``: refcounts, ordered free queue and the GPU prefix cache."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.ref = [0] * num_blocks
+        self.key: list[tuple | None] = [None] * num_blocks
+        self.cached: dict[tuple, int] = {}
+        self.ref[NULL] = 1   # the null block is held by the pool itself
+
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        free, key, ref, cached = self.free, self.key, self.ref, self.cached
+        out = []
+        for _ in range(n):
+            b = free.popitem(last=False)[0]
+            k = key[b]
+            if k is not None:           # evict from the GPU prefix cache
+                if cached.get(k) == b:
+                    del cached[k]
+                key[b] = None
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def free_blocks(self, blocks) -> None:
+        ref, free = self.ref, self.free
+        for b in blocks:
+            if b == NULL:
+                continue
+            r = ref[b] - 1
+            ref[b] = r
+            if r == 0:
+                free[b] = None
+            elif r < 0:
+                raise RuntimeError(f"block {b} freed twice")
+
+    def touch(self, blocks) -> None:
+        ref, free = self.ref, self.free
+        for b in blocks:
+            if b == NULL:
+                continue
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+
+    def cache_block(self, b: int, k: tuple) -> None:
+        if self.key[b] is None and k not in self.cached:
+            self.cached[k] = b
+            self.key[b] = k
+
+
+class GroupRule:
+    __slots__ = ("gid", "kind", "code", "bs", "window", "chunk", "cacheable", "drafter")
+
+    def __init__(self, gid: int, group, block_size: int, enable_prefix_caching: bool):
+        self.gid, self.kind, self.bs = gid, group.kind, block_size
+        self.code = _KIND_CODE[group.kind]
+        self.window = group.sliding_window or 0
+        self.chunk = group.attention_chunk_size or 0
+        self.drafter = group.drafter
+        self.cacheable = enable_prefix_caching and group.prefix_cacheable and not (
+            group.kind == "mamba" and group.mamba_cache_mode != "align")
+
+    def skipped_tokens(self, computed: int) -> int:
+        """``get_num_skipped_tokens``: tokens out of this group's reach."""
+        code = self.code
+        if code == SLIDING:
+            return max(0, computed - self.window + 1)
+        if code == CHUNKED:
+            return computed // self.chunk * self.chunk
+        if code == MAMBA:
+            return max(0, computed - 1)
+        return 0
+
+
+class KVCacheManager:
+    """``KVCacheManager`` + coordinator over one :class:`BlockPool`."""
+
+    def __init__(self, groups, block_sizes: list[int], num_blocks: int, align: int,
+                 enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.rules = [GroupRule(i, g, bs, enable_prefix_caching)
+                      for i, (g, bs) in enumerate(zip(groups, block_sizes))]
+        self.align = align
+        self.enable_prefix_caching = enable_prefix_caching
+        # a mamba group without align mode disables GPU prefix hits altogether
+        self.hits_possible = enable_prefix_caching and not any(
+            r.code == MAMBA and not r.cacheable for r in self.rules)
+        self.cacheable_rules = [r for r in self.rules if r.cacheable]
+
+    # --- GPU prefix cache ------------------------------------------------------------------
+    def find_hit(self, req: Request) -> int:
+        """``get_computed_blocks``: tokens served by the GPU prefix cache (every group hits)."""
+        if not self.hits_possible or not self.cacheable_rules:
+            return 0
+        cached, align = self.pool.cached, self.align
+        L = (req.num_tokens - 1) // align * align
+        ident_at = req.ident_at
+        for r in self.cacheable_rules:        # full-attention prefix bound first
+            if r.code != FULLISH:
+                continue
+            n, bs, gid = 0, r.bs, r.gid
+            while (n + 1) * bs <= L and (gid, ident_at((n + 1) * bs)) in cached:
+                n += 1
+            L = min(L, n * bs) // align * align
+        while L > 0:
+            ok = True
+            for r in self.cacheable_rules:
+                bs, gid = r.bs, r.gid
+                for i in range(r.skipped_tokens(L) // bs, L // bs):
+                    if (gid, ident_at((i + 1) * bs)) not in cached:
+                        ok = False
+                        break
+                if not ok:
+                    break
+            if ok:
+                return L
+            L -= align
+        return 0
+
+    def apply_hit(self, req: Request, L: int) -> None:
+        """Take the hit blocks: real blocks in reach, the null block out of reach."""
+        cached, pool = self.pool.cached, self.pool
+        for r in self.rules:
+            table = req.tables[r.gid]
+            if not r.cacheable or L == 0:
+                continue
+            bs, gid = r.bs, r.gid
+            first = r.skipped_tokens(L) // bs
+            for i in range(L // bs):
+                if i < first:
+                    table.append(NULL)
+                else:
+                    b = cached[(gid, req.ident_at((i + 1) * bs))]
+                    pool.touch((b,))
+                    table.append(b)
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
+        pool = self.pool
+        for r in self.cacheable_rules:
+            bs, gid, table = r.bs, r.gid, req.tables[r.gid]
+            for i in range(min(num_tokens // bs, len(table))):
+                b = table[i]
+                if b != NULL and pool.key[b] is None:
+                    ident = req.ident_at((i + 1) * bs)
+                    if ident is None:
+                        break
+                    pool.cache_block(b, (gid, ident))
+
+    # --- allocation ------------------------------------------------------------------------
+    def remove_skipped_blocks(self, req: Request, computed: int) -> list[int]:
+        freed = []
+        for r in self.rules:
+            if r.code in (FULLISH, RING):
+                continue
+            table = req.tables[r.gid]
+            n = min(r.skipped_tokens(computed) // r.bs, len(table))
+            for i in range(n - 1, -1, -1):
+                b = table[i]
+                if b == NULL:
+                    break
+                freed.append(b)
+                table[i] = NULL
+        if freed:
+            self.pool.free_blocks(freed)
+        return freed
+
+    def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
+                 cache_upto: int | None = None) -> list[list[int]] | None:
+        """``allocate_slots``: blocks for ``[0, computed + num_new_tokens)``; None if the pool is dry.
+
+        Returns the new block IDs per group (null placeholders included, as vLLM reports them).
+        """
+        if computed is None:
+            computed = req.num_computed
+        self.remove_skipped_blocks(req, computed)
+        total = computed + num_new_tokens
+        plan = []
+        need = 0
+        for r in self.rules:
+            have = len(req.tables[r.gid])
+            if r.code == RING:
+                n = 0 if have else 1
+                plan.append((0, n))
+                need += n
+                continue
+            target = -(-total // r.bs)
+            if target <= have:
+                plan.append((0, 0))
+                continue
+            nulls = max(0, min(r.skipped_tokens(computed) // r.bs, target) - have)
+            n = target - have - nulls
+            plan.append((nulls, n))
+            need += n
+        if need > self.pool.num_free():
+            return None
+        get = self.pool.get_new_blocks
+        out = []
+        for r, (nulls, n) in zip(self.rules, plan):
+            new = [NULL] * nulls
+            if n:
+                new += get(n)
+            req.tables[r.gid].extend(new)
+            out.append(new)
+        if cache_upto is not None and self.cacheable_rules:
+            self.cache_blocks(req, cache_upto)
+        return out
+
+    def free(self, req: Request) -> list[int]:
+        """Free every block of ``req``, tail first; returns the freed block IDs."""
+        freed = []
+        for table in req.tables:
+            tail_first = table[::-1]
+            self.pool.free_blocks(tail_first)
+            freed.extend(tail_first)
+            table.clear()
+        return freed
+
+    def num_held(self) -> int:
+        return self.pool.num_blocks - 1 - self.pool.num_free()

@@ -1,0 +1,186 @@
+"""Invariants of the offloading scheduler, each with an ID (see docs/invariants.md).
+
+The model calls the ``check_*`` functions where each invariant can be decided (after every step,
+at store read, at load completion, at admission); a failed check raises nothing: it returns an
+:class:`InvariantViolation`, which the model records as a finding and stops on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simsched.allocator import NULL
+
+INVARIANTS = {
+    "INV-1": "blocks conserved: free + held = pool",
+    "INV-2": "no block held by two requests, except refcounted prefix-cache hits",
+    "INV-3": "every store job pairs keys and source blocks one to one per group",
+    "INV-4": "a stored chunk holds exactly the tokens its key names",
+    "INV-5": "a load brings back exactly the tokens the request has at those positions",
+    "INV-6": "no block reused while a transfer reads or writes it",
+    "INV-7": "a chunk is loaded only once its store completed",
+    "INV-8": "every request finishes or is aborted (liveness once the tier is quiet)",
+    "INV-9": "a fully stored, ready prefix is found by the next request sharing it",
+}
+
+
+@dataclass
+class InvariantViolation(Exception):
+    inv_id: str
+    step: int
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.inv_id} at step {self.step}: {self.detail}"
+
+    def to_json(self) -> dict:
+        return {"kind": "invariant", "inv_id": self.inv_id, "step": self.step,
+                "detail": self.detail, "what": INVARIANTS[self.inv_id]}
+
+
+def check_pool(step: int, pool, reqs) -> InvariantViolation | None:
+    """INV-1 and INV-2 over the whole pool (O(blocks held))."""
+    holders: dict[int, int] = {}
+    for req in reqs:
+        for table in req.tables:
+            for b in table:
+                if b != NULL:
+                    holders[b] = holders.get(b, 0) + 1
+    n_free = pool.num_free()
+    if n_free + len(holders) != pool.num_blocks - 1:
+        return InvariantViolation("INV-1", step, f"free {n_free} + held {len(holders)} != pool "
+                                  f"{pool.num_blocks - 1}")
+    ref, key, free = pool.ref, pool.key, pool.free
+    for b, n in holders.items():
+        if b in free or ref[b] != n:
+            return InvariantViolation("INV-1", step, f"block {b}: refcount {ref[b]} but held "
+                                      f"{n} times{' and free' if b in free else ''}")
+        if n > 1 and key[b] is None:
+            return InvariantViolation("INV-2", step, f"block {b} held by {n} requests but not a "
+                                      "prefix-cache block")
+    return None
+
+
+def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolation | None:
+    """INV-1 from counters only (the benchmark's cheap mode)."""
+    if pool.num_free() + num_held_entries != pool.num_blocks - 1:
+        return InvariantViolation("INV-1", step, "free + held != pool")
+    return None
+
+
+def check_store_job(step: int, job, geo) -> InvariantViolation | None:
+    """INV-3: one key per chunk, each paired with its chunk's source blocks."""
+    per_group: dict[int, tuple[int, int]] = {}
+    cfgs = {g.group_id: g for g in geo.groups}
+    for gid, c, hidx, key, blocks in job.items:
+        nk, nb = per_group.get(gid, (0, 0))
+        per_group[gid] = (nk + 1, nb + (1 if blocks else 0))
+        cfg = cfgs[gid]
+        if (hidx + 1) * geo.tokens_per_hash != (c + 1) * cfg.tokens_per_chunk:
+            return InvariantViolation("INV-3", step, f"job {job.jid} group {gid}: key of hash "
+                                      f"{hidx} paired with chunk {c}")
+    for gid, (nk, nb) in per_group.items():
+        if nk != nb:
+            return InvariantViolation("INV-3", step, f"job {job.jid} group {gid}: {nk} keys, "
+                                      f"{nb} source chunks")
+    return None
+
+
+def check_stored_chunk(step: int, job, item, content, req, geo) -> InvariantViolation | None:
+    """INV-4: the chunk read for ``item`` holds the tokens its key names."""
+    gid, c, hidx, key, blocks = item
+    end = (hidx + 1) * geo.tokens_per_hash
+    if not content or content[-1] is None or content[-1][1] != end or content[-1][2] != key[1] \
+            or content[-1][0] != gid:
+        return InvariantViolation("INV-4", step, f"job {job.jid} chunk g{gid}:{hidx} (tokens up "
+                                  f"to {end}) holds {content[-1] if content else None}")
+    tpb = next(g.tokens_per_block for g in geo.groups if g.group_id == gid)
+    for (i, _), got in zip(blocks, content):
+        want = (gid, (i + 1) * tpb, req.ident_at((i + 1) * tpb))
+        if got != want:
+            return InvariantViolation("INV-4", step, f"job {job.jid} chunk g{gid}:{hidx} block "
+                                      f"index {i} holds {got}, key names {want}")
+    return None
+
+
+def check_loaded(step: int, job, req, shadow, geo) -> InvariantViolation | None:
+    """INV-5: after a load, its destination blocks hold the request's own tokens."""
+    tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
+    for gid, c, hidx, key, blocks in job.items:
+        for i, b in blocks:
+            want = (gid, (i + 1) * tpbs[gid], req.ident_at((i + 1) * tpbs[gid]))
+            if shadow.gpu[b] != want:
+                return InvariantViolation("INV-5", step, f"load {job.jid} g{gid}:{hidx} block "
+                                          f"{b} (index {i}) holds {shadow.gpu[b]}, want {want}")
+    return None
+
+
+def check_writes(step: int, written, pending_reads: dict, what: str) -> InvariantViolation | None:
+    """INV-6: a block written now is not the source of a store that has not read it yet."""
+    if pending_reads:
+        for b in written:
+            if b in pending_reads:
+                return InvariantViolation("INV-6", step, f"block {b} written by {what} while "
+                                          f"store job {min(pending_reads[b])} still reads it")
+    return None
+
+
+def check_load_ready(step: int, tier, keys, kidx) -> InvariantViolation | None:
+    """INV-7: every chunk a load reads is ready (its store completed)."""
+    for k, label in zip(keys, kidx):
+        e = tier.entries.get(k)
+        if e is None or not e[0]:
+            return InvariantViolation("INV-7", step, f"load of chunk {label} whose store has not "
+                                      "completed")
+    return None
+
+
+def expected_offload_hit(off, st) -> tuple[int, str | None]:
+    """INV-9's oracle: tokens beyond the GPU hit that ready chunks cover for every group, and the
+    named rule that excuses a shorter hit (None if none applies)."""
+    req, tier = st.req, off.tier
+    local = st.num_local
+    cap = req.num_tokens - (1 if off.sw_groups else 0)
+    if off.supports_max_load and st.max_load_tokens is not None:
+        cap = min(cap, local + st.max_load_tokens)
+    if off.mamba_align is not None and off.sw_groups:
+        cap = cap // off.mamba_align * off.mamba_align
+    best, unit = 0, 1
+    for cfg, gs in zip(off.cfgs, st.groups):
+        tpc = cfg.tokens_per_chunk
+        cap = min(cap, len(gs.keys) * tpc)
+        unit = unit * tpc // math.gcd(unit, tpc)
+    T = cap // unit * unit
+    while T - local >= 1:
+        ok = True
+        for cfg, gs in zip(off.cfgs, st.groups):
+            tpc, w = cfg.tokens_per_chunk, cfg.sliding_window_in_chunks
+            if T % tpc:
+                ok = False
+                break
+            lo = local // tpc if w is None else max(local // tpc, T // tpc - w)
+            for c in range(lo, T // tpc):
+                e = tier.entries.get(gs.keys[c])
+                if e is None or not e[0]:
+                    ok = False
+                    break
+            if not ok:
+                break
+        if ok:
+            best = T - local
+            break
+        T -= unit
+    if best and off.being_loaded:
+        return best, "being-loaded"
+    return best, None
+
+
+def check_hit(step: int, off, st, got: int | None) -> InvariantViolation | None:
+    if got is None:
+        return None
+    want, rule = expected_offload_hit(off, st)
+    if got < want and rule is None:
+        return InvariantViolation("INV-9", step, f"{st.req.rid}: ready chunks cover {want} tokens "
+                                  f"beyond the GPU hit of {st.num_local}, lookup found {got}")
+    return None

@@ -1,0 +1,472 @@
+"""The discrete-event model of vLLM's scheduler with the OffloadingConnector: ``run_case``.
+
+One scheduler step (a ``STEP`` event at time t) does what ``Scheduler.schedule()`` plus the
+connector's ``build_connector_meta`` plus the model runner do:
+
+1. schedule running requests first (decode: 1 token, plus speculative tokens; prefill: chunked to
+   the token budget), preempting the last running request when the pool runs dry; then waiting
+   requests (FIFO, ``max_num_seqs``): GPU prefix hit (``find_hit``), then the connector's
+   ``get_num_new_matched_tokens``; a CPU hit allocates blocks and issues a load
+   (``update_state_after_alloc``) and the request waits for it (``WAITING_FOR_REMOTE_KVS``);
+2. ``build_connector_meta``: offload keys, block IDs, flushes, store jobs;
+3. execute: flushed stores read their blocks, then computed tokens are written (the shadow),
+   output tokens appended; finished requests free their blocks (``FINISH`` events);
+4. transfer completions arrive as ``STORE_DONE``/``LOAD_DONE`` events ``store_latency`` /
+   ``load_latency`` steps later, before that step's scheduling (``update_connector_output``).
+
+Invariants (``simsched.invariants``) are checked where they can be decided; the first finding
+(a crash or an invariant violation) stops the run.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field, replace
+
+from simsched import events as ev
+from simsched import invariants as inv
+from simsched.allocator import (ABORTED, FINISHED, NULL, RUNNING, WAITING, WAITING_FOR_LOAD,
+                                KVCacheManager, Request)
+from simsched.case import VOCAB, Case, load_case
+from simsched.geometry import (DEFAULT_PROFILE, PROFILES, ConfigError, Profile, derive,
+                               effective_block_size, prefix_cacheable_or_all,
+                               window_ring_is_one_block)
+from simsched.offload import ModelCrash, OffloadScheduler
+from simsched.shadow import Shadow
+from simsched.trace import fmt_alloc, fmt_job, header
+
+#: Profiles that are no release and no upstream proposal, but paths worth running: 0.29.0 with
+#: #55037 and all of #55038 backported except the keyed-chunk clamp of 0.30.0. It is the path on
+#: which 0.29.0's ``assert len(offload_keys) == len(offload_block_ids)`` fires (see docs).
+VARIANTS: dict[str, Profile] = {
+    "every-group-no-clamp+skip-zero-hash": replace(
+        PROFILES["every-group-no-clamp"], name="every-group-no-clamp+skip-zero-hash",
+        summary="0.29.0 with PR #55037 and #55038's window and zero-hash-skip fixes, no clamp",
+        releases=(), asserted_groups=prefix_cacheable_or_all,
+        window_in_chunks=window_ring_is_one_block, skip_zero_hash_groups=True),
+}
+
+MAX_STEPS = 100_000
+STALL_STEPS = 8
+
+
+def resolve_profile(profile: Profile | str | None) -> Profile:
+    if isinstance(profile, Profile):
+        return profile
+    name = profile or DEFAULT_PROFILE
+    if name in PROFILES:
+        return PROFILES[name]
+    if name in VARIANTS:
+        return VARIANTS[name]
+    raise KeyError(f"unknown profile {name!r}; known: {', '.join([*PROFILES, *VARIANTS])}")
+
+
+@dataclass
+class RunResult:
+    profile: str
+    trace: list[str] = field(default_factory=list)
+    findings: list[dict] = field(default_factory=list)
+    counters: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def trace_text(self) -> str:
+        return "\n".join(self.trace) + "\n"
+
+
+def _token(seed: int, index: int, pos: int) -> int:
+    return (seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB
+
+
+class Model:
+    def __init__(self, case: Case, profile: Profile, checks: str = "full", trace: bool = True):
+        self.case, self.profile, self.checks = case, profile, checks
+        layout, timing = case.layout, case.timing
+        self.geo = geo = derive(layout, profile, asserts=case.asserts)
+        dcp = layout.engine.dcp_size
+        sizes = [effective_block_size(g, dcp) for g in layout.groups]
+        self.unit = math.gcd(geo.tokens_per_hash, *sizes)
+        self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
+                                 geo.scheduler_block_size, layout.engine.enable_prefix_caching)
+        self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
+                                    layout.engine.enable_prefix_caching, layout)
+        self.shadow = Shadow(layout.engine.num_gpu_blocks)
+        spec = layout.engine.speculative
+        self.num_spec = spec.num_tokens if spec is not None else 0
+        self.timing = timing
+        self.q = ev.EventQueue()
+        self.q.handlers = {ev.STEP: self._step, ev.ARRIVAL: self._arrival,
+                           ev.STORE_DONE: self._store_done, ev.LOAD_DONE: self._load_done,
+                           ev.ABORT: self._abort, ev.FINISH: self._finish,
+                           ev.PREEMPT: lambda data: None}
+        self.tracing = trace
+        self.lines: list[str] = [header(profile.name, case.asserts)]
+        self.reqs: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished_ids: list[str] = []
+        self.pending_reads: dict[int, set[int]] = {}
+        self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
+                         "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
+        self.step_no = 0
+        self.unfinished = len(case.requests)
+        self.future_events = 0      # arrivals and aborts not yet processed
+        self.stall = 0
+        self.progress = False
+        self.step_scheduled = False
+        for i, spec_ in enumerate(case.requests):
+            self.q.schedule(spec_.arrival, ev.ARRIVAL, (i, spec_))
+            self.future_events += 1
+            if spec_.abort_at is not None:
+                self.q.schedule(spec_.abort_at, ev.ABORT, spec_.id)
+                self.future_events += 1
+        if case.requests:
+            self._schedule_step(min(r.arrival for r in case.requests))
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _emit(self, line: str) -> None:
+        if self.tracing:
+            self.lines.append(line)
+
+    def _violation(self, v: inv.InvariantViolation | None) -> None:
+        if v is not None:
+            raise v
+
+    def _schedule_step(self, t: int) -> None:
+        if not self.step_scheduled:
+            self.step_scheduled = True
+            self.q.schedule(t, ev.STEP)
+
+    # --- event handlers -----------------------------------------------------------------------
+    def _arrival(self, data) -> None:
+        i, spec = data
+        self.future_events -= 1
+        req = Request(spec.id, i, spec, spec.prompt_tokens(), spec.prompt_len + spec.decode,
+                      self.unit, len(self.case.layout.groups))
+        self.reqs[spec.id] = req
+        self.off.on_new_request(req)
+        self.waiting.append(req)
+        self._schedule_step(self.q.now)
+
+    def _abort(self, rid: str) -> None:
+        self.future_events -= 1
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            if req is None:        # aborted before arrival: it never runs
+                self.unfinished -= 1
+                self.counters["aborted"] += 1
+            return
+        req.status = ABORTED
+        self._free_request(req, "aborted")
+
+    def _finish(self, req: Request) -> None:
+        req.status = FINISHED
+        self._free_request(req, "finished")
+
+    def _free_request(self, req: Request, how: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.off.request_finished(req)
+        self.kv.free(req)
+        self.finished_ids.append(req.rid)
+        self.unfinished -= 1
+        self.counters["finished" if how == "finished" else "aborted"] += 1
+        self.progress = True
+        self._emit(f"finish {req.rid} {how}")
+
+    def _read_store(self, job) -> None:
+        """The worker reads a store's source blocks (at flush or completion)."""
+        if job.read:
+            return
+        job.read = True
+        req = self.reqs[job.rid]
+        pr = self.pending_reads
+        for item in job.items:
+            content = self.shadow.read(item[4])
+            job.contents[item[3]] = content
+            for _, b in item[4]:
+                s = pr.get(b)
+                if s is not None:
+                    s.discard(job.jid)
+                    if not s:
+                        del pr[b]
+            self._violation(inv.check_stored_chunk(self.step_no, job, item, content, req,
+                                                   self.geo))
+
+    def _store_done(self, jid: int) -> None:
+        job = self.off.jobs.get(jid)
+        if job is None:
+            return              # flushed and completed earlier
+        self._read_store(job)
+        self.off.complete_job(jid)
+        self._emit(f"done {jid} store")
+        self.progress = True
+
+    def _load_done(self, jid: int) -> None:
+        job = self.off.jobs[jid]
+        req = self.reqs[job.rid]
+        entries = self.off.tier.entries
+        written = []
+        for item in job.items:
+            self.shadow.write(item[4], entries[item[3]][2])
+            written.extend(b for _, b in item[4])
+        self._violation(inv.check_writes(self.step_no, written, self.pending_reads,
+                                         f"load {jid}"))
+        self.off.complete_job(jid)
+        self._emit(f"done {jid} load")
+        self.progress = True
+        if req.finished:
+            return
+        self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo))
+        req.num_computed = req.load_target
+        self.kv.cache_blocks(req, req.num_computed)
+        req.status = WAITING
+        self._schedule_step(self.q.now)
+
+    # --- the scheduler step -------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed = 0
+        req.status = WAITING
+        self.waiting.insert(0, req)
+        self.counters["preemptions"] += 1
+        self._emit(f"preempt {req.rid}")
+
+    def _step(self, _data) -> None:
+        self.step_scheduled = False
+        t = self.q.now
+        self.step_no = step = self.counters["steps"]
+        self.counters["steps"] += 1
+        if step >= MAX_STEPS:
+            raise inv.InvariantViolation("INV-8", step, f"{self.unfinished} requests unfinished "
+                                         f"after {MAX_STEPS} steps")
+        emit, tracing = self._emit, self.tracing
+        emit(f"step {step}")
+        kv, off = self.kv, self.off
+        budget = self.timing.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list] = {}
+        preempted: list[str] = []
+        running = self.running
+        k = self.num_spec
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if k and req.num_computed >= req.num_prompt:
+                remaining = req.max_tokens - req.num_tokens
+                drafts = min(k, remaining - 1)
+                if drafts > 0 and req.num_computed == req.num_tokens - 1:
+                    req.append_tokens([_token(self.case.seed, req.index, p) for p in
+                                       range(req.num_tokens, req.num_tokens + drafts)])
+            n = min(req.num_tokens - req.num_computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            upto = req.num_computed + n
+            while True:
+                nb = kv.allocate(req, n, cache_upto=upto)
+                if nb is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim.rid)
+                if victim is req:
+                    break
+            if nb is None:
+                break
+            scheduled[req.rid] = n
+            new_blocks[req.rid] = nb
+            budget -= n
+            i += 1
+        if not preempted:
+            self._schedule_waiting(scheduled, new_blocks, budget)
+        for rid, n in scheduled.items():
+            self.counters["scheduled_tokens"] += n
+            if tracing:
+                emit(f"sched {rid} {n}")
+                emit(fmt_alloc(rid, new_blocks[rid]))
+        # build_connector_meta
+        finished, self.finished_ids = self.finished_ids, []
+        stores, loads, flush = off.build_connector_meta(scheduled, new_blocks, preempted,
+                                                        finished, self.reqs)
+        store_t = t + self.timing.store_latency
+        for job in stores:
+            if tracing:
+                emit(fmt_job(job))
+            self._violation(inv.check_store_job(step, job, self.geo))
+            self.q.schedule(store_t, ev.STORE_DONE, job.jid)
+        self.counters["stores"] += len(stores)
+        self.counters["loads"] += len(loads)
+        if flush:
+            emit("flush " + ",".join(map(str, sorted(flush))))
+            for jid in sorted(flush):
+                job = off.jobs.get(jid)
+                if job is not None and job.is_store:
+                    self._read_store(job)
+                    self.q.schedule(t, ev.STORE_DONE, jid)
+        # execute the model
+        shadow, rules, pr = self.shadow, kv.rules, self.pending_reads
+        seed = self.case.seed
+        for rid, n in scheduled.items():
+            req = self.reqs[rid]
+            start = req.num_computed
+            written = shadow.write_computed(req, rules, start, start + n)
+            if pr:
+                self._violation(inv.check_writes(step, written, pr, f"request {rid}"))
+            req.num_computed = start + n
+            if req.num_computed >= req.num_tokens:
+                req.append_tokens([_token(seed, req.index, req.num_tokens)])
+                if req.num_tokens >= req.max_tokens:
+                    req.finish_step = step
+                    self.q.schedule(t, ev.FINISH, req)
+        # stores of this step read what the forward pass wrote: fence them from now on
+        for job in stores:
+            if not job.read:
+                for item in job.items:
+                    for _, b in item[4]:
+                        pr.setdefault(b, set()).add(job.jid)
+        self.progress = self.progress or bool(scheduled)
+        self._after_step(step)
+
+    def _schedule_waiting(self, scheduled, new_blocks, budget) -> None:
+        kv, off, t = self.kv, self.off, self.q.now
+        max_seqs = self.timing.max_num_seqs
+        waiting, running = self.waiting, self.running
+        i = 0
+        while i < len(waiting) and budget > 0 and len(running) < max_seqs:
+            req = waiting[i]
+            if req.status == WAITING_FOR_LOAD:
+                i += 1
+                continue
+            ext = 0
+            fresh = req.num_computed == 0
+            if fresh:
+                L = kv.find_hit(req)
+                ext = off.get_num_new_matched_tokens(req, L)
+                if self.checks == "full":
+                    self._violation(inv.check_hit(self.step_no, off, off.req_status[req.rid],
+                                                  ext))
+                if ext is None:
+                    i += 1
+                    continue
+                kv.apply_hit(req, L)
+                req.num_cached = L
+            else:
+                L = req.num_computed
+            if ext:
+                nb = kv.allocate(req, 0, computed=L + ext)
+                if nb is None:
+                    kv.free(req)
+                    break
+                job = off.update_state_after_alloc(req, req.tables, ext,
+                                                   lambda b: kv.pool.key[b] is not None)
+                self._violation(inv.check_load_ready(self.step_no, off.tier,
+                                                     [it[3] for it in job.items],
+                                                     [f"g{it[0]}:{it[2]}" for it in job.items]))
+                if self.tracing:
+                    self._emit(fmt_job(job))
+                req.status = WAITING_FOR_LOAD
+                req.load_target = L + ext
+                self.q.schedule(t + self.timing.load_latency, ev.LOAD_DONE, job.jid)
+                i += 1
+                continue
+            n = min(req.num_tokens - L, budget)
+            req.num_computed = L
+            nb = kv.allocate(req, n, cache_upto=L + n)
+            if nb is None:
+                if fresh:
+                    kv.free(req)
+                    req.num_computed = 0
+                break
+            del waiting[i]
+            running.append(req)
+            req.status = RUNNING
+            scheduled[req.rid] = n
+            new_blocks[req.rid] = [list(tb) for tb in req.tables]
+            budget -= n
+
+    def _after_step(self, step: int) -> None:
+        if self.checks == "full":
+            self._violation(inv.check_pool(step, self.kv.pool,
+                                           [r for r in self.reqs.values() if not r.finished]))
+        self._emit("check ok")
+        quiet = self.off.quiet()
+        if self.progress or not quiet or self.future_events:
+            self.stall = 0
+        else:
+            self.stall += 1
+        self.progress = False
+        if self.running or not quiet or any(r.status != WAITING_FOR_LOAD for r in self.waiting):
+            if self.stall > STALL_STEPS and self.unfinished > 0:
+                stuck = [r.rid for r in self.reqs.values() if not r.finished][:5]
+                raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} "
+                                             f"steps with the tier quiet; stuck: {stuck}")
+            self._schedule_step(self.q.now + 1)
+
+    # --- running ------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.q.run()
+        if self.unfinished > 0:
+            raise inv.InvariantViolation("INV-8", self.step_no, f"{self.unfinished} requests "
+                                         "never finished")
+
+
+def crash_finding(e: ConfigError, step: int | None) -> dict:
+    out = {"kind": "crash", "exception": e.exception, "function": e.function, "file": e.file,
+           "stage": e.stage, "message": e.message, "step": step}
+    return out
+
+
+def run_case(case: Case, profile: Profile | str | None = None, *, checks: str = "full",
+             trace: bool = True) -> RunResult:
+    """Run ``case`` under ``profile`` (a name from ``PROFILES``/``VARIANTS`` or a Profile).
+
+    ``checks="full"`` checks every invariant (INV-1/2 walk the pool every step); ``"fast"``
+    skips the O(pool) walk and the INV-9 oracle. ``trace=False`` keeps no trace lines.
+    """
+    prof = resolve_profile(profile)
+    result = RunResult(profile=prof.name)
+    try:
+        model = Model(case, prof, checks=checks, trace=trace)
+    except ConfigError as e:
+        result.trace = [header(prof.name, case.asserts),
+                        f"crash {e.exception} {e.function} {e.stage}"]
+        result.findings.append(crash_finding(e, None))
+        result.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0}
+        return result
+    try:
+        model.run()
+    except ConfigError as e:
+        model.lines.append(f"crash {e.exception} {e.function} {e.stage}")
+        result.findings.append(crash_finding(e, model.step_no))
+    except inv.InvariantViolation as v:
+        model.lines.append(f"violation {v.inv_id} {v.detail}")
+        result.findings.append(v.to_json())
+    model.counters["cpu_evictions"] = model.off.tier.evictions
+    result.trace = model.lines
+    result.counters = model.counters
+    return result
+
+
+def cli_run(case_path: str, profile: str | None = None, out=sys.stdout) -> int:
+    """``simsched run CASE.json``: print the trace; 0 when clean, 1 when a finding occurred."""
+    case = load_case(case_path)
+    result = run_case(case, profile)
+    out.write(result.trace_text())
+    if result.findings:
+        f = result.findings[0]
+        if f["kind"] == "crash":
+            out.write(f"FINDING crash: {f['exception']} in {f['function']} (stage {f['stage']}, "
+                      f"step {f['step']}): {f['message']}\n")
+        else:
+            out.write(f"FINDING {f['inv_id']} at step {f['step']}: {f['detail']}\n")
+        return 1
+    c = result.counters
+    out.write(f"CLEAN steps={c['steps']} stores={c['stores']} loads={c['loads']} "
+              f"preemptions={c['preemptions']}\n")
+    return 0

@@ -1,0 +1,529 @@
+"""The offloading scheduler (``OffloadingConnectorScheduler``) and the CPU tier, simplified.
+
+Mirrors ``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py`` (0.29.0-0.33.0):
+``RequestOffloadState`` (offload keys grown from block hashes, block IDs, next chunk to store),
+``storable_chunks``, ``_build_store_jobs`` with its ``assert len(offload_keys) ==
+len(offload_block_ids)``, ``get_num_new_matched_tokens`` / ``_lookup_complete_chunks``,
+``update_state_after_alloc`` (load jobs), ``_update_req_states``, ``build_connector_meta`` (flush
+of fenced blocks that get re-allocated), ``update_connector_output`` and ``request_finished``;
+and ``vllm/v1/kv_offload/cpu/manager.py`` with the LRU policy (chunks being written are not
+readable and not evictable; chunks being loaded are not evictable).
+
+An offload key is ``(group_id, block_hash)`` as in ``make_offload_key``; every key also has a
+request-relative hash index (kept beside it) for traces. Where vLLM raises, the model raises
+:class:`ModelCrash` (a :class:`~simsched.geometry.ConfigError`) naming the vLLM function.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from simsched.allocator import ABORTED, NULL, Request
+from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
+                               offload_key_indices, prefix_cacheable_groups)
+
+MISS, HIT, HIT_PENDING = 0, 1, 2
+
+
+class ModelCrash(ConfigError):
+    """An exception the real scheduler raises at run time (stage = the vLLM function's role)."""
+
+    def __init__(self, exception: str, function: str, stage: str, message: str,
+                 file: str = SCHEDULER_PY):
+        super().__init__(exception, function, file, stage, message)
+
+
+class CPUTier:
+    """``CPUOffloadingManager`` with the LRU policy; capacity in chunks."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used)
+        self.entries: OrderedDict[tuple, list] = OrderedDict()
+        self.evictions = 0
+
+    def lookup(self, key) -> int:
+        e = self.entries.get(key)
+        if e is None:
+            return MISS
+        return HIT if e[0] else HIT_PENDING
+
+    def touch(self, keys) -> None:
+        entries = self.entries
+        for k in keys:
+            if k in entries:
+                entries.move_to_end(k)
+
+    def prepare_store(self, keys) -> list | None:
+        entries = self.entries
+        to_store = [k for k in keys if k not in entries]
+        if not to_store:
+            return []
+        n_evict = len(to_store) - (self.capacity - len(entries))
+        if n_evict > 0:
+            protected = set(keys)
+            victims = []
+            for k, e in entries.items():
+                if e[0] and e[1] == 0 and k not in protected:
+                    victims.append(k)
+                    if len(victims) == n_evict:
+                        break
+            if len(victims) < n_evict:
+                return None
+            for k in victims:
+                del entries[k]
+            self.evictions += len(victims)
+        for k in to_store:
+            entries[k] = [False, 0, None]
+        return to_store
+
+    def complete_store(self, keys, contents: dict) -> None:
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None and not e[0]:
+                e[0] = True
+                e[2] = contents.get(k)
+
+    def prepare_load(self, keys) -> None:
+        for k in keys:
+            self.entries[k][1] += 1
+
+    def complete_load(self, keys) -> None:
+        for k in keys:
+            self.entries[k][1] -= 1
+
+
+class GroupState:
+    __slots__ = ("keys", "kidx", "block_ids", "next_stored", "num_hit_chunks")
+
+    def __init__(self) -> None:
+        self.keys: list[tuple] = []        # offload keys (group_id, block hash)
+        self.kidx: list[int] = []          # the hash index of each key, for traces
+        self.block_ids: list[int] = []
+        self.next_stored = 0
+        self.num_hit_chunks = 0
+
+
+class ReqOffload:
+    __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
+                 "finished_signaled")
+
+    def __init__(self, req: Request, n: int):
+        self.req = req
+        self.groups = [GroupState() for _ in range(n)]
+        self.jobs: set[int] = set()
+        spec = req.spec
+        self.max_offload_tokens = spec.max_offload_tokens if spec is not None else None
+        self.max_load_tokens = spec.max_load_tokens if spec is not None else None
+        self.num_local = 0
+        self.finished_signaled = False
+
+
+class Job:
+    """A transfer job. ``items``: per chunk ``(group_id, chunk_idx, hash_idx, key, blocks)`` with
+    ``blocks`` a list of ``(block_index_in_request, block_id)``."""
+
+    __slots__ = ("jid", "rid", "is_store", "keys", "items", "fenced", "deferred", "read",
+                 "contents", "done")
+
+    def __init__(self, jid, rid, is_store, keys, items, fenced=None, deferred=None):
+        self.jid, self.rid, self.is_store = jid, rid, is_store
+        self.keys, self.items = keys, items
+        self.fenced, self.deferred = fenced, deferred
+        self.read = False            # a store has read its source blocks
+        self.contents: dict = {}
+        self.done = False
+
+
+class OffloadScheduler:
+    def __init__(self, geometry: Geometry, profile: Profile, asserts: bool, cpu_chunks: int,
+                 enable_prefix_caching: bool = True, layout=None):
+        self.geo, self.profile, self.asserts = geometry, profile, asserts
+        self.cfgs = geometry.groups
+        self.n = len(self.cfgs)
+        self.bpc = geometry.blocks_per_chunk
+        self.tph = geometry.tokens_per_hash
+        self.tier = CPUTier(cpu_chunks)
+        self.req_status: dict[str, ReqOffload] = {}
+        self.jobs: dict[int, Job] = {}
+        self.job_counter = 0
+        self.block_to_jobs: dict[int, set[int]] = {}   # _block_id_to_pending_jobs
+        self.batch_loads: list[Job] = []
+        self.batch_flush: set[int] = set()
+        self.batch_allocated: set[int] = set()
+        self.being_loaded: set | None = set() if enable_prefix_caching else None
+        full = [i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is None]
+        sw = sorted((i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is not None),
+                    key=lambda i: self.cfgs[i].sliding_window_in_chunks, reverse=True)
+        self.sw_groups = tuple(sw)
+        self.lookup_groups = tuple(full) + self.sw_groups
+        self.mamba_align = None
+        if layout is not None:
+            for g in self.cfgs:
+                grp = layout.groups[g.group_id]
+                if grp.kind == "mamba" and grp.mamba_cache_mode == "align":
+                    self.mamba_align = g.tokens_per_chunk
+        self.supports_max_load = profile.extra.get(
+            "max_load_tokens", profile.offloaded_groups is prefix_cacheable_groups)
+        self.observer = None     # set by the model: gets (event, payload) callbacks
+
+    # --- RequestOffloadState ----------------------------------------------------------------
+    def update_offload_keys(self, st: ReqOffload) -> None:
+        req, tph, profile = st.req, self.tph, self.profile
+        num_hashes = req.num_tokens // tph
+        ident, per = req.ident, tph // req.unit
+        for cfg, gs in zip(self.cfgs, st.groups):
+            hpc = cfg.hashes_per_chunk
+            if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
+                continue                       # fast path: no new key
+            for j in offload_key_indices(cfg, num_hashes, len(gs.keys), profile):
+                gs.keys.append((cfg.group_id, ident[(j + 1) * per - 1]))
+                gs.kidx.append(j)
+
+    def storable_chunks(self, st: ReqOffload, cfg, gs: GroupState, num_tokens: int) -> int:
+        n = num_tokens // cfg.tokens_per_chunk
+        if cfg.drafter and num_tokens > st.req.num_prompt and not (
+                self.profile.keyed_chunk_clamp and st.req.finished):
+            n = max(0, n - 1)
+        n = min(n, len(gs.block_ids) // self.bpc)
+        if self.profile.keyed_chunk_clamp:
+            n = min(n, len(gs.keys))
+        return n
+
+    def advance_stored_idx(self, st: ReqOffload, num_tokens: int) -> None:
+        for cfg, gs in zip(self.cfgs, st.groups):
+            gs.next_stored = max(gs.next_stored, self.storable_chunks(st, cfg, gs, num_tokens))
+
+    # --- scheduler-facing API ---------------------------------------------------------------
+    def on_new_request(self, req: Request) -> None:
+        st = ReqOffload(req, self.n)
+        req.off = st
+        self.req_status[req.rid] = st
+
+    def get_num_new_matched_tokens(self, req: Request, num_computed: int) -> int | None:
+        st = self.req_status[req.rid]
+        for gs in st.groups:
+            gs.block_ids.clear()
+        if st.jobs:
+            return None
+        self.update_offload_keys(st)
+        st.num_local = num_computed
+        hit = self._lookup(st)
+        for cfg, gs in zip(self.cfgs, st.groups):
+            gs.num_hit_chunks = (num_computed + (hit or 0)) // cfg.tokens_per_chunk
+        self._touch(st)
+        return hit
+
+    def _touch(self, st: ReqOffload) -> None:
+        for cfg, gs in zip(self.cfgs, st.groups):
+            w = cfg.sliding_window_in_chunks
+            if w is None:
+                self.tier.touch(gs.keys)
+            else:
+                self.tier.touch(gs.keys[max(0, gs.num_hit_chunks - w):])
+
+    def _lookup(self, st: ReqOffload) -> int | None:
+        """``_lookup_complete_chunks`` without deferred backends and EAGLE pops."""
+        req, tier = st.req, self.tier
+        num_computed = st.num_local
+        max_hit = req.num_tokens
+        if self.supports_max_load and st.max_load_tokens is not None:
+            max_hit = min(max_hit, num_computed + st.max_load_tokens)
+        if self.sw_groups:
+            max_hit -= 1
+            if self.mamba_align is not None:
+                max_hit = max_hit // self.mamba_align * self.mamba_align
+        num_hit = 0
+        defer = False
+        lookup_groups = self.lookup_groups
+        while lookup_groups:
+            looked_up_sw = False
+            it = iter(lookup_groups)
+            lookup_groups = ()
+            for gi in it:
+                cfg, gs = self.cfgs[gi], st.groups[gi]
+                tpc, keys = cfg.tokens_per_chunk, gs.keys
+                if self.asserts and len(keys) < req.num_tokens // tpc:
+                    raise ModelCrash("AssertionError", "_lookup_complete_chunks", "lookup",
+                                     "assert len(offload_keys) >= "
+                                     "req_status.req.num_tokens // tokens_per_chunk")
+                max_hit = min(max_hit, len(keys) * tpc)
+                if self.supports_max_load and st.max_load_tokens is not None:
+                    max_hit = max_hit // tpc * tpc
+                if max_hit - num_computed < tpc:
+                    return 0
+                w = cfg.sliding_window_in_chunks
+                num_chunks = min(-(-max_hit // tpc), len(keys))
+                start = num_computed // tpc
+                sub = keys[start:num_chunks]
+                if w is None:
+                    hits = 0
+                    for k in sub:
+                        r = tier.lookup(k)
+                        if r == MISS:
+                            break
+                        if r == HIT_PENDING:
+                            defer = True
+                        hits += 1
+                    n_hit = None if defer else hits
+                else:
+                    n_hit, consecutive, found = None, 0, False
+                    for idx in range(len(sub) - 1, -1, -1):
+                        r = tier.lookup(sub[idx])
+                        if r == MISS:
+                            consecutive = 0
+                        else:
+                            if r == HIT_PENDING:
+                                defer = True
+                            consecutive += 1
+                        if consecutive == w:
+                            n_hit, found = idx + w, True
+                            break
+                    if not found:
+                        n_hit = consecutive
+                    if defer:
+                        n_hit = None
+                if n_hit == 0:
+                    return 0
+                if n_hit is not None:
+                    max_hit = min(max_hit, tpc * (start + n_hit))
+                new_hit = max_hit - num_computed
+                if new_hit < tpc:
+                    return 0
+                if new_hit < num_hit:
+                    if defer:
+                        defer = False
+                        lookup_groups = self.lookup_groups
+                    elif looked_up_sw and not lookup_groups:
+                        lookup_groups = self.sw_groups
+                looked_up_sw |= w is not None
+                num_hit = new_hit
+        if defer:
+            return None
+        if self.being_loaded:
+            for cfg, gs in zip(self.cfgs, st.groups):
+                tpc = cfg.tokens_per_chunk
+                sub = gs.keys[num_computed // tpc:-(-(num_computed + num_hit) // tpc)]
+                if cfg.sliding_window_in_chunks is not None:
+                    sub = sub[-cfg.sliding_window_in_chunks:]
+                if any(k in self.being_loaded for k in sub):
+                    return None
+        return num_hit
+
+    def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
+                                 is_cached) -> Job | None:
+        """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
+        block tables (every KV cache group), ``is_cached(block)`` tells whether a block carries a
+        block hash (a GPU prefix hit)."""
+        if num_external == 0:
+            return None
+        st = self.req_status[req.rid]
+        num_local = st.num_local
+        num_cached = num_local + num_external
+        keys, items = [], []
+        for cfg, gs in zip(self.cfgs, st.groups):
+            blocks = tables[cfg.group_id]
+            tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
+            self.batch_allocated.update(b for b in blocks if b != NULL)
+            n_gpu = -(-num_cached // tpb)
+            n_local = n_gpu
+            for i in range(n_gpu):
+                b = blocks[i]
+                if b != NULL and not is_cached(b):
+                    n_local = i
+                    break
+            if n_gpu - n_local:
+                start = n_local // self.bpc
+                end = -(-num_cached // tpc)
+                if self.asserts and len(gs.keys) < end:
+                    raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
+                                     "assert len(offload_keys) >= end_chunk_idx")
+                for c in range(start, min(end, len(gs.keys))):
+                    lo, hi = max(c * self.bpc, n_local), min((c + 1) * self.bpc, n_gpu)
+                    items.append((cfg.group_id, c, gs.kidx[c], gs.keys[c],
+                                  [(i, blocks[i]) for i in range(lo, hi)]))
+                    keys.append(gs.keys[c])
+            gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
+        self.tier.prepare_load(keys)
+        job = self._new_job(req.rid, False, set(keys), items)
+        if self.asserts and st.jobs:
+            raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
+                             "assert not req_status.transfer_jobs")
+        st.jobs.add(job.jid)
+        self.batch_loads.append(job)
+        if self.being_loaded is not None:
+            self.being_loaded.update(keys)
+        return job
+
+    def _new_job(self, rid, is_store, keys, items, fenced=None, deferred=None) -> Job:
+        job = Job(self.job_counter, rid, is_store, keys, items, fenced, deferred)
+        self.job_counter += 1
+        self.jobs[job.jid] = job
+        return job
+
+    def build_connector_meta(self, scheduled: dict[str, int], new_blocks: dict[str, list],
+                             preempted: list[str], finished: list[str], reqs: dict):
+        """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush)."""
+        # _update_req_states
+        sw_ends: dict[str, tuple] = {}
+        rs = self.req_status
+        for rid in scheduled:
+            st = rs[rid]
+            self.update_offload_keys(st)
+            nb = new_blocks.get(rid)
+            if nb:
+                if self.sw_groups:
+                    sw_ends[rid] = tuple(len(st.groups[g].block_ids) for g in self.sw_groups)
+                for cfg, gs in zip(self.cfgs, st.groups):
+                    new = nb[cfg.group_id]
+                    gs.block_ids.extend(new)
+                    for b in new:
+                        if b != NULL:
+                            self.batch_allocated.add(b)
+        if self.sw_groups and self.batch_allocated:
+            alloc, bpc = self.batch_allocated, self.bpc
+            for rid, st in rs.items():
+                ends = sw_ends.get(rid)
+                for i, gi in enumerate(self.sw_groups):
+                    gs = st.groups[gi]
+                    bids = gs.block_ids
+                    end = ends[i] if ends is not None else len(bids)
+                    for j in range(gs.next_stored * bpc, end):
+                        if bids[j] in alloc:
+                            bids[j] = NULL
+        for rid in preempted:
+            st = rs.get(rid)
+            if st is not None and st.jobs:
+                self.batch_flush.update(st.jobs)
+        if self.block_to_jobs and not self.block_to_jobs.keys().isdisjoint(self.batch_allocated):
+            for b in self.batch_allocated:
+                if b in self.block_to_jobs:
+                    self.batch_flush.update(self.block_to_jobs[b])
+        stores = self._build_store_jobs(scheduled, finished, reqs)
+        loads, flush = self.batch_loads, self.batch_flush
+        for rid in finished:
+            st = rs.get(rid)
+            if st is None:
+                continue
+            st.finished_signaled = True
+            if not st.jobs:
+                del rs[rid]
+        self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
+        return stores, loads, flush
+
+    def _offloadable(self, st: ReqOffload, n: int) -> int:
+        n = min(n, st.req.num_tokens)
+        if st.max_offload_tokens is not None:
+            n = min(n, st.max_offload_tokens)
+        return n
+
+    def _build_store_jobs(self, scheduled, finished, reqs) -> list[Job]:
+        bpc, asserts, tier = self.bpc, self.asserts, self.tier
+        out = []
+        order = list(scheduled) + [r for r in finished if r not in scheduled]
+        for rid in order:
+            st = self.req_status.get(rid)
+            if st is None:
+                continue
+            req = st.req
+            if req.status == ABORTED:
+                n_after = req.num_computed
+            elif req.finished:
+                n_after = req.num_tokens
+            else:
+                n_after = req.num_computed + scheduled[rid]
+            n_off = self._offloadable(st, n_after)
+            new_keys = []
+            for cfg, gs in zip(self.cfgs, st.groups):
+                n = self.storable_chunks(st, cfg, gs, n_off)
+                start = gs.next_stored
+                if n <= start:
+                    continue
+                keys = gs.keys[start:n]
+                bids = gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
+                if asserts and len(keys) != len(bids):
+                    raise ModelCrash(
+                        "AssertionError", "_build_store_jobs", "build_store_jobs",
+                        f"assert len(offload_keys) == len(offload_block_ids) "
+                        f"({len(keys)} != {len(bids)}, group {cfg.group_id})")
+                for k, b in zip(keys, bids):
+                    if b != NULL:
+                        new_keys.append(k)
+            if not new_keys:
+                self.advance_stored_idx(st, n_off)
+                continue
+            to_store = tier.prepare_store(new_keys)
+            if to_store is None:
+                continue
+            if not to_store:
+                self.advance_stored_idx(st, n_off)
+                continue
+            self._touch(st)
+            keyset = set(to_store)
+            items, fenced, deferred = [], [], []
+            for cfg, gs in zip(self.cfgs, st.groups):
+                is_sw = cfg.sliding_window_in_chunks is not None
+                n = self.storable_chunks(st, cfg, gs, n_off)
+                start = gs.next_stored
+                for idx, k in enumerate(gs.keys[start:n]):
+                    if k not in keyset:
+                        continue
+                    c = start + idx
+                    blocks = []
+                    for i in range(c * bpc, c * bpc + bpc):
+                        b = gs.block_ids[i]
+                        if b == NULL:
+                            continue
+                        blocks.append((i, b))
+                        (fenced if is_sw else deferred).append(b)
+                    items.append((cfg.group_id, c, gs.kidx[start + idx], k, blocks))
+                gs.next_stored = max(gs.next_stored, n)
+            job = self._new_job(rid, True, keyset, items, fenced or None, deferred)
+            st.jobs.add(job.jid)
+            for b in fenced:
+                self.block_to_jobs.setdefault(b, set()).add(job.jid)
+            if req.finished:
+                for b in deferred:
+                    self.block_to_jobs.setdefault(b, set()).add(job.jid)
+            out.append(job)
+        return out
+
+    def _remove_pending(self, jid: int, blocks) -> None:
+        for b in blocks or ():
+            s = self.block_to_jobs.get(b)
+            if s is not None:
+                s.discard(jid)
+                if not s:
+                    del self.block_to_jobs[b]
+
+    def complete_job(self, jid: int) -> Job:
+        """``update_connector_output`` for one completed job."""
+        job = self.jobs.pop(jid)
+        st = self.req_status[job.rid]
+        if job.is_store:
+            self.tier.complete_store(job.keys, job.contents)
+        else:
+            self.tier.complete_load(job.keys)
+            if self.being_loaded:
+                self.being_loaded.difference_update(job.keys)
+        if self.block_to_jobs:
+            self._remove_pending(jid, job.fenced)
+            if st.req.finished:
+                self._remove_pending(jid, job.deferred)
+        st.jobs.discard(jid)
+        if st.finished_signaled and not st.jobs:
+            del self.req_status[job.rid]
+        job.done = True
+        return job
+
+    def request_finished(self, req: Request) -> None:
+        st = self.req_status.get(req.rid)
+        if st is None:
+            return
+        self.update_offload_keys(st)
+        for jid in st.jobs:
+            for b in self.jobs[jid].deferred or ():
+                self.block_to_jobs.setdefault(b, set()).add(jid)
+
+    def quiet(self) -> bool:
+        return not self.jobs

@@ -1,0 +1,63 @@
+"""Shadow of KV content: what every GPU block slot and every CPU chunk holds.
+
+A slot's content is ``(group_id, end, ident)``: the group's KV for the request prefix
+``[0, end)`` whose token identity (``Request.ident_at(end)``, a chained hash of the token ids) is
+``ident``; for a block that is written up to ``end`` only (a partial block) or whose tokens are
+not all known yet ``ident`` is None. For a Mamba state block, ``end`` is the position the state
+summarises; for a ring, the latest position written. A CPU chunk holds the tuple of the contents of
+the blocks the store read.
+"""
+
+from __future__ import annotations
+
+from simsched.allocator import FULLISH, NULL, RING
+
+
+class Shadow:
+    def __init__(self, num_blocks: int):
+        self.gpu: list[tuple | None] = [None] * num_blocks
+
+    def write_computed(self, req, rules, start: int, end: int) -> list[int]:
+        """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
+        block IDs written."""
+        gpu, written = self.gpu, []
+        ident_at = req.ident_at
+        for r in rules:
+            table = req.tables[r.gid]
+            if not table:
+                continue
+            gid = r.gid
+            if r.code == RING:
+                b = table[0]
+                gpu[b] = (gid, end, None)
+                written.append(b)
+                continue
+            bs = r.bs
+            first, last = start // bs, (end - 1) // bs
+            for i in range(first, min(last + 1, len(table))):
+                b = table[i]
+                if b == NULL:
+                    continue
+                e = (i + 1) * bs
+                gpu[b] = (gid, e, ident_at(e)) if e <= end else (gid, end, None)
+                written.append(b)
+        return written
+
+    def read(self, blocks) -> tuple:
+        gpu = self.gpu
+        return tuple(gpu[b] for _, b in blocks)
+
+    def write(self, blocks, content: tuple) -> None:
+        gpu = self.gpu
+        # a chunk's content lines up with the tail of the destination blocks
+        content = content[len(content) - len(blocks):] if content else ()
+        for (_, b), c in zip(blocks, content):
+            gpu[b] = c
+
+    @staticmethod
+    def expected(req, gid: int, tokens_per_block: int, index: int) -> tuple:
+        e = (index + 1) * tokens_per_block
+        return (gid, e, req.ident_at(e))
+
+
+__all__ = ["Shadow", "FULLISH"]
