@@ -37,7 +37,7 @@ class Request:
 
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
-                 "load_target", "finish_step")
+                 "load_target", "finish_step", "num_cached_blocks")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
                  num_groups: int):
@@ -55,6 +55,7 @@ class Request:
         self.num_cached = 0        # GPU prefix hit tokens at admission
         self.load_target = 0       # tokens computed once the in-flight load completes
         self.finish_step = None
+        self.num_cached_blocks = [0] * num_groups   # blocks already offered to the prefix cache
         self._extend_ident()
 
     @property
@@ -230,15 +231,20 @@ class KVCacheManager:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
+        done = req.num_cached_blocks
         for r in self.cacheable_rules:
             bs, gid, table = r.bs, r.gid, req.tables[r.gid]
-            for i in range(min(num_tokens // bs, len(table))):
+            i = done[gid]
+            n = min(num_tokens // bs, len(table))
+            while i < n:
                 b = table[i]
                 if b != NULL and pool.key[b] is None:
                     ident = req.ident_at((i + 1) * bs)
                     if ident is None:
                         break
                     pool.cache_block(b, (gid, ident))
+                i += 1
+            done[gid] = i
 
     # --- allocation ------------------------------------------------------------------------
     def remove_skipped_blocks(self, req: Request, computed: int) -> list[int]:
@@ -302,6 +308,7 @@ class KVCacheManager:
     def free(self, req: Request) -> list[int]:
         """Free every block of ``req``, tail first; returns the freed block IDs."""
         freed = []
+        req.num_cached_blocks = [0] * len(req.tables)
         for table in req.tables:
             tail_first = table[::-1]
             self.pool.free_blocks(tail_first)

@@ -418,7 +418,8 @@ class Model:
 
 def crash_finding(e: ConfigError, step: int | None) -> dict:
     out = {"kind": "crash", "exception": e.exception, "function": e.function, "file": e.file,
-           "stage": e.stage, "message": e.message, "step": step}
+           "stage": e.stage, "message": e.message, "step": step,
+           "caller": getattr(e, "caller", "") or None}
     return out
 
 

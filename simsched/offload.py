@@ -165,10 +165,18 @@ class OffloadScheduler:
                     self.mamba_align = g.tokens_per_chunk
         self.supports_max_load = profile.extra.get(
             "max_load_tokens", profile.offloaded_groups is prefix_cacheable_groups)
+        self.finish_clamp = profile.extra.get("finish_store_clamp", profile.keyed_chunk_clamp)
         self.observer = None     # set by the model: gets (event, payload) callbacks
 
     # --- RequestOffloadState ----------------------------------------------------------------
-    def update_offload_keys(self, st: ReqOffload) -> None:
+    def update_offload_keys(self, st: ReqOffload, caller: str = "") -> None:
+        try:
+            self._update_offload_keys(st)
+        except ConfigError as e:
+            e.caller = caller
+            raise
+
+    def _update_offload_keys(self, st: ReqOffload) -> None:
         req, tph, profile = st.req, self.tph, self.profile
         num_hashes = req.num_tokens // tph
         ident, per = req.ident, tph // req.unit
@@ -206,7 +214,7 @@ class OffloadScheduler:
             gs.block_ids.clear()
         if st.jobs:
             return None
-        self.update_offload_keys(st)
+        self.update_offload_keys(st, "get_num_new_matched_tokens")
         st.num_local = num_computed
         hit = self._lookup(st)
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -369,7 +377,7 @@ class OffloadScheduler:
         rs = self.req_status
         for rid in scheduled:
             st = rs[rid]
-            self.update_offload_keys(st)
+            self.update_offload_keys(st, "build_connector_meta")
             nb = new_blocks.get(rid)
             if nb:
                 if self.sw_groups:
@@ -429,7 +437,10 @@ class OffloadScheduler:
             if req.status == ABORTED:
                 n_after = req.num_computed
             elif req.finished:
-                n_after = req.num_tokens
+                # 0.30.0+ clamp to the commit point: the final sampled token's slot is never
+                # written; 0.29.0 stores up to num_tokens (the block ending there is stale)
+                n_after = (max(req.num_prompt, req.num_tokens - 1) if self.finish_clamp
+                           else req.num_tokens)
             else:
                 n_after = req.num_computed + scheduled[rid]
             n_off = self._offloadable(st, n_after)
@@ -520,7 +531,7 @@ class OffloadScheduler:
         st = self.req_status.get(req.rid)
         if st is None:
             return
-        self.update_offload_keys(st)
+        self.update_offload_keys(st, "request_finished")
         for jid in st.jobs:
             for b in self.jobs[jid].deferred or ():
                 self.block_to_jobs.setdefault(b, set()).add(jid)
