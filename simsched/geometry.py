@@ -139,6 +139,9 @@ class Profile:
     keyed_chunk_clamp: bool = True
     # ``update_offload_keys`` skips groups with zero hashes per chunk (PR #55038).
     skip_zero_hash_groups: bool = False
+    # One group: a prefix_match_unit other than the block size is refused, and DCP scales the
+    # block only for attention (0.32.0+).
+    single_group_unit_check: bool = False
     # A chunk 'block_size' that is no multiple of the block size: ValueError (0.30.0+).
     chunk_size_error: str = "ValueError"
     extra: dict = field(default_factory=dict)
@@ -156,10 +159,17 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "only prefix-cacheable groups offloaded (a ring is left out); also upstream PR #54743",
             releases=("0.31.0", "0.32.0"), offloaded_groups=prefix_cacheable_groups,
             asserted_groups=prefix_cacheable_groups),
+    Profile("prefix-cacheable-strict-unit",
+            "as prefix-cacheable; with one group, a prefix_match_unit other than its block size "
+            "is refused",
+            releases=("0.32.0",), offloaded_groups=prefix_cacheable_groups,
+            asserted_groups=prefix_cacheable_groups, single_group_unit_check=True),
     Profile("prefix-cacheable-windows-in-config",
-            "as prefix-cacheable; sliding windows in chunks derived in offloading/config.py",
+            "as prefix-cacheable-strict-unit; sliding windows in chunks derived in "
+            "offloading/config.py",
             releases=("0.33.0",), offloaded_groups=prefix_cacheable_groups,
-            asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY),
+            asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY,
+            single_group_unit_check=True),
     Profile("fix-assert-only",
             "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
             "which are still offloaded",
@@ -200,12 +210,18 @@ def effective_block_size(group: Group, dcp: int) -> int:
     return group.block_size * dcp if group.dcp_sharded else group.block_size
 
 
-def resolve_block_sizes(layout: Layout) -> tuple[int, int]:
+def resolve_block_sizes(layout: Layout, profile: Profile) -> tuple[int, int]:
     """``resolve_kv_cache_block_sizes``: (scheduler block size, tokens per hash)."""
     engine, groups = layout.engine, layout.groups
     dcp = engine.dcp_size
     if len(groups) == 1:
-        bs = groups[0].block_size * dcp
+        strict = profile.single_group_unit_check
+        bs = effective_block_size(groups[0], dcp) if strict else groups[0].block_size * dcp
+        if strict and engine.prefix_match_unit not in (None, bs):
+            raise ConfigError("ValueError", "resolve_kv_cache_block_sizes", KV_CACHE_UTILS_PY,
+                              "resolve", f"Invalid prefix_match_unit={engine.prefix_match_unit}; "
+                              "with a single KV cache group, prefix-cache hits land on the block "
+                              f"size ({bs}).")
         return bs, bs
     sizes = [effective_block_size(g, dcp) for g in groups]
     scheduler = math.lcm(*sizes)
@@ -256,7 +272,7 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
     """The geometry a release with ``profile`` derives for ``layout``, or its ConfigError."""
     if isinstance(profile, str):
         profile = get_profile(profile)
-    scheduler_block_size, tokens_per_hash = resolve_block_sizes(layout)
+    scheduler_block_size, tokens_per_hash = resolve_block_sizes(layout, profile)
     dcp = layout.engine.dcp_size
 
     selected = profile.offloaded_groups(layout)

@@ -115,7 +115,7 @@ class Releases:
         key = (version, asserts)
         if key not in self._workers:
             from simsched.vllm.worker import ReleaseWorker, spec_for
-            self._workers[key] = ReleaseWorker(spec_for(version, optimize=not asserts),
+            self._workers[key] = ReleaseWorker(spec_for(version, asserts=asserts),
                                                timeout=self.timeout)
         return self._workers[key]
 

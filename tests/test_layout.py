@@ -1,0 +1,95 @@
+"""The layout language and case files: round trips and one-line errors that name the field."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+
+from fuzz.strategies import config_cases
+from simsched.case import Case, load_case
+from simsched.layout import Layout, LayoutError
+
+REF = {"groups": [{"kind": "mla", "block_size": 64}, {"kind": "ring", "block_size": 4}]}
+
+
+def test_round_trip_of_a_layout():
+    layout = Layout.from_json(REF)
+    assert layout.to_json() == REF
+    assert layout.describe() == "mla/64 + ring/4"
+    assert [g.prefix_cacheable for g in layout.groups] == [True, False]
+
+
+@settings(max_examples=200, deadline=None)
+@given(config_cases(asserts=None))
+def test_generated_cases_round_trip(case):
+    again = Case.from_json(json.loads(case.dumps()))
+    assert again == case
+    assert again.dumps() == case.dumps()
+
+
+@pytest.mark.parametrize("bad, field, reason", [
+    ({"groups": []}, "layout.groups", "non-empty"),
+    ({"groups": [{"kind": "sliding_window", "block_size": 16}]},
+     "layout.groups[0].sliding_window", "required"),
+    ({"groups": [{"kind": "full", "block_size": 16, "sliding_window": 8}]},
+     "layout.groups[0].sliding_window", "not used"),
+    ({"groups": [{"kind": "nope", "block_size": 16}]}, "layout.groups[0].kind", "one of"),
+    ({"groups": [{"kind": "full", "block_size": 0}]}, "layout.groups[0].block_size", "between"),
+    ({"groups": [{"kind": "full", "block_size": "16"}]}, "layout.groups[0].block_size", "integer"),
+    ({"groups": [{"kind": "full", "block_size": True}]}, "layout.groups[0].block_size", "integer"),
+    ({"groups": [{"kind": "mamba", "block_size": 16, "mamba_cache_mode": "all"}]},
+     "layout.groups[0].mamba_cache_mode", "one of"),
+    ({"groups": [{"kind": "full", "block_size": 16, "drafter": True}]},
+     "layout.groups[0].drafter", "speculative"),
+    ({"groups": [{"kind": "full", "block_size": 16}], "engine": {"dcp_size": 0}},
+     "layout.engine.dcp_size", "between"),
+    ({"groups": [{"kind": "full", "block_size": 16}], "engine": {"speculative": {"method": "x",
+      "num_tokens": 1}}}, "layout.engine.speculative.method", "one of"),
+    ({"groups": [{"kind": "full", "block_size": 16}], "engine": {"bogus": 1}},
+     "layout.engine.bogus", "unknown field"),
+    ([1, 2], "layout", "JSON object"),
+])
+def test_impossible_layout_names_field(bad, field, reason):
+    with pytest.raises(LayoutError) as e:
+        Layout.from_json(bad)
+    assert e.value.field == field
+    assert reason in e.value.reason
+    assert "\n" not in str(e.value)
+
+
+def test_vllm_level_conflicts_are_not_refused_by_the_layout():
+    # vLLM itself rejects both knobs at once; predicting that error is the model's job.
+    Layout.from_json({"groups": [{"kind": "full", "block_size": 16}],
+                      "engine": {"blocks_per_chunk": 2, "offload_block_size": 32}})
+
+
+@pytest.mark.parametrize("text, field", [
+    ("{", "not valid JSON"),
+    ('{"layout": {"groups": [{"kind": "full", "block_size": 16}]}, "requests": [{"id": "a"}]}',
+     "requests[0].prompt"),
+    ('{"layout": {"groups": [{"kind": "full", "block_size": 16}]}, "format": "other/9"}',
+     "format"),
+    ('{"layout": {"groups": [{"kind": "full", "block_size": 16}]}, '
+     '"requests": [{"id": "a", "prompt": [[0, 4]]}, {"id": "a", "prompt": [[0, 4]]}]}',
+     "duplicate request id"),
+    ('{"layout": {"groups": [{"kind": "full", "block_size": 16}]}, '
+     '"requests": [{"id": "a", "prompt": [[0, -4]]}]}', "requests[0].prompt[0]"),
+])
+def test_malformed_case_file(tmp_path, text, field):
+    path = tmp_path / "case.json"
+    path.write_text(text)
+    with pytest.raises(LayoutError) as e:
+        load_case(path)
+    assert field in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_missing_case_file(tmp_path):
+    with pytest.raises(LayoutError, match="cannot read"):
+        load_case(tmp_path / "absent.json")
+
+
+def test_bare_layout_file_is_a_case(tmp_path):
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(REF))
+    assert load_case(path).layout == Layout.from_json(REF)
