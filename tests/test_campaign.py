@@ -1,0 +1,87 @@
+"""Campaigns on the model: findings are found, shrunk, written out, and survive a resume."""
+
+import json
+
+import pytest
+
+from fuzz.campaign import Campaign, CampaignError, parse_target
+from simsched.case import load_case
+from simsched.targets import Releases
+
+
+def model_campaign(out, budget=6.0, seed=1):
+    with Releases(()) as pool:
+        return Campaign(out, pool, model=True, run_releases=[], budget=budget, seed_=seed,
+                        asserts=True, progress=lambda s: None).run()
+
+
+def test_model_campaign_finds_and_shrinks_the_boot_assert(tmp_path):
+    data = model_campaign(tmp_path)
+    by_sig = {f["signature"]: f for f in data["findings"]}
+    boot = by_sig["crash:AssertionError:build_offloading_config"]
+    assert boot["groups"] <= 2 and boot["requests"] == 1
+    assert "every-group" in boot["profiles_affected"]
+    assert "prefix-cacheable" not in boot["profiles_affected"]
+    case = load_case(tmp_path / boot["case"])
+    assert len(case.layout.groups) <= 2
+    for f in data["findings"]:
+        folder = tmp_path / "repros" / f["id"]
+        assert {p.name for p in folder.iterdir()} >= {"case.json", "test_repro.py", "README.md"}
+    assert (tmp_path / "report.md").read_text().startswith("# simsched campaign report")
+
+
+def test_findings_are_deduplicated_by_signature(tmp_path):
+    data = model_campaign(tmp_path, budget=4.0)
+    sigs = [f["signature"] for f in data["findings"]]
+    assert len(sigs) == len(set(sigs)) and sigs
+
+
+def test_same_seed_same_findings(tmp_path):
+    a = model_campaign(tmp_path / "a", budget=3.0, seed=7)
+    b = model_campaign(tmp_path / "b", budget=3.0, seed=7)
+    # the first finding of a round is a fixed function of the seed
+    assert a["findings"][0]["signature"] == b["findings"][0]["signature"]
+    assert (tmp_path / "a" / a["findings"][0]["case"]).read_text() == \
+        (tmp_path / "b" / b["findings"][0]["case"]).read_text()
+
+
+def test_resume_keeps_every_finding(tmp_path):
+    first = model_campaign(tmp_path, budget=3.0)
+    ids = {f["id"] for f in first["findings"]}
+    second = model_campaign(tmp_path, budget=2.0, seed=2)
+    assert ids <= {f["id"] for f in second["findings"]}
+
+
+def test_damaged_report_is_a_clear_error(tmp_path):
+    (tmp_path / "report.json").write_text("{not json")
+    with pytest.raises(CampaignError, match="damaged report"):
+        model_campaign(tmp_path, budget=1.0)
+
+
+@pytest.mark.parametrize("target, installed, expect", [
+    ("all", ["0.30.0"], (True, ["0.30.0"])),
+    ("model", ["0.30.0"], (True, [])),
+    ("releases", ["0.30.0", "0.33.0"], (False, ["0.30.0", "0.33.0"])),
+    ("0.33.0", ["0.30.0", "0.33.0"], (False, ["0.33.0"])),
+])
+def test_parse_target(target, installed, expect):
+    assert parse_target(target, installed) == expect
+
+
+@pytest.mark.parametrize("target, msg", [("0.99.0", "not installed"), ("bogus", "expected"),
+                                         ("releases", "no vLLM release")])
+def test_parse_target_errors(target, msg):
+    with pytest.raises(CampaignError, match=msg):
+        parse_target(target, [])
+
+
+def test_report_json_contract(tmp_path):
+    data = model_campaign(tmp_path, budget=2.0)
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["format"] == "simsched-report/1"
+    keys = {"id", "signature", "kind", "exception", "function", "file", "releases_affected",
+            "releases_clean", "profiles_affected", "case", "groups", "requests", "steps"}
+    for f in on_disk["findings"]:
+        assert keys <= set(f)
+        assert f["kind"] in ("crash", "invariant", "divergence")
+    assert on_disk["findings"] == data["findings"]

@@ -1,0 +1,57 @@
+"""The command line: errors are one line naming the problem, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def simsched(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "simsched.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{", "not valid JSON"),
+    ('{"layout": {"groups": [{"kind": "full"}]}}', "layout.groups[0].block_size: required"),
+    ('{"layout": {"groups": [{"kind": "full", "block_size": 16}]}, "requests": 3}', "requests"),
+])
+@pytest.mark.parametrize("command", ["geometry", "replay"])
+def test_malformed_case_is_one_line(tmp_path, content, needle, command):
+    path = tmp_path / "case.json"
+    path.write_text(content)
+    r = simsched(command, str(path), *(["--model"] if command == "replay" else []))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("simsched: error:"), r.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_profile(tmp_path):
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps({"groups": [{"kind": "full", "block_size": 16}]}))
+    r = simsched("geometry", str(path), "--profile", "nope")
+    assert r.returncode == 2 and "unknown profile 'nope'" in r.stderr
+
+
+def test_profiles_lists_releases():
+    r = simsched("profiles")
+    assert r.returncode == 0
+    assert "every-group" in r.stdout and "0.30.0" in r.stdout and "upstream proposal" in r.stdout
+
+
+def test_replay_model_exit_codes(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"groups": [{"kind": "full", "block_size": 16},
+                                          {"kind": "ring", "block_size": 4}]}))
+    r = simsched("replay", str(bad), "--model", "--profile", "every-group")
+    assert r.returncode == 1 and "crash:AssertionError:build_offloading_config" in r.stdout
+    r = simsched("replay", str(bad), "--model", "--profile", "prefix-cacheable")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_fuzz_unknown_target(tmp_path):
+    r = simsched("fuzz", "--target", "0.99.0", "--budget", "1", "--out", str(tmp_path))
+    assert r.returncode == 2 and "0.99.0" in r.stderr and "Traceback" not in r.stderr
