@@ -1,0 +1,66 @@
+from simsched.allocator import NULL, KVCacheManager, Request
+from simsched.layout import Group
+
+
+def mgr(groups, n=64, align=16):
+    return KVCacheManager(groups, [g.block_size for g in groups], n, align)
+
+
+def req(n_tokens, rid="r", groups=1, seed=1):
+    return Request(rid, 0, None, [(seed * 31 + i) % 1000 for i in range(n_tokens)], n_tokens + 4,
+                   16, groups)
+
+
+def test_full_holds_every_block_and_null_block_never_used():
+    kv = mgr([Group("full", 16)])
+    r = req(100)
+    nb = kv.allocate(r, 100)
+    assert len(nb[0]) == 7 and NULL not in nb[0]
+    assert kv.pool.num_free() == 63 - 7
+
+
+def test_sliding_window_frees_out_of_reach():
+    kv = mgr([Group("sliding_window", 16, sliding_window=32)])
+    r = req(160)
+    kv.allocate(r, 160)
+    r.num_computed = 160
+    kv.allocate(r, 1)
+    assert r.tables[0][:8] == [NULL] * 8 and NULL not in r.tables[0][8:]
+
+
+def test_chunked_local_and_mamba_keep_reach_only():
+    kv = mgr([Group("chunked_local", 16, attention_chunk_size=64),
+              Group("mamba", 16, mamba_cache_mode="align")])
+    r = req(100, groups=2)
+    kv.allocate(r, 100)
+    r.num_computed = 100
+    kv.allocate(r, 1)
+    assert r.tables[0][:4] == [NULL] * 4
+    assert r.tables[1][:6] == [NULL] * 6 and r.tables[1][6] != NULL
+
+
+def test_ring_holds_one_block_for_life():
+    kv = mgr([Group("full", 16), Group("ring", 4)])
+    r = req(100, groups=2)
+    kv.allocate(r, 100)
+    r.num_computed = 100
+    kv.allocate(r, 50)
+    assert len(r.tables[1]) == 1
+
+
+def test_gpu_hit_needs_every_group_and_eviction_lru():
+    groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=32)]
+    kv = mgr(groups, n=40)
+    a = req(100, "a", 2)
+    kv.allocate(a, 100, cache_upto=100)
+    kv.free(a)
+    b = req(100, "b", 2)
+    assert kv.find_hit(b) == 96
+    # evict the sliding window's tail blocks: no hit at that length any more
+    kv.pool.get_new_blocks(kv.pool.num_free() - 10)
+    assert kv.find_hit(b) < 96
+
+
+def test_pool_dry_returns_none():
+    kv = mgr([Group("full", 16)], n=4)
+    assert kv.allocate(req(100), 100) is None

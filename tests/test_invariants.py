@@ -1,0 +1,141 @@
+"""Each invariant shown to FIRE on a deliberately broken model, and to hold on the real one."""
+
+import pytest
+
+from simsched import allocator, offload
+from simsched.case import Case
+from simsched.model import run_case
+
+FULL16 = [{"kind": "full", "block_size": 16}]
+
+
+def mk(reqs, groups=FULL16, timing=None, **engine):
+    obj = {"layout": {"groups": groups, "engine": engine}, "requests": reqs}
+    if timing:
+        obj["timing"] = timing
+    return Case.from_json(obj)
+
+
+# Two requests share a 96-token prefix; a big one in between evicts the GPU prefix cache, so the
+# second request loads from the CPU tier.
+def load_case():
+    return mk([{"id": "a", "prompt": [[1, 96], [2, 20]], "decode": 2},
+               {"id": "x", "prompt": [[9, 740]], "arrival": 4, "decode": 2},
+               {"id": "b", "prompt": [[1, 96], [3, 20]], "arrival": 8, "decode": 2}],
+              num_gpu_blocks=48, timing={"store_latency": 2, "load_latency": 1})
+
+
+def inv_of(r):
+    return r.findings[0].get("inv_id") if r.findings else None
+
+
+def test_load_case_is_clean_and_loads():
+    r = run_case(load_case(), "prefix-cacheable")
+    assert r.ok, r.findings
+    assert r.counters["loads"] == 1
+
+
+def test_inv1_leaked_block(monkeypatch):
+    orig = allocator.BlockPool.free_blocks
+    monkeypatch.setattr(allocator.BlockPool, "free_blocks",
+                        lambda self, blocks: orig(self, list(blocks)[1:]))
+    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-1"
+
+
+def test_inv2_block_handed_to_two_requests(monkeypatch):
+    orig = allocator.BlockPool.get_new_blocks
+
+    def twice(self, n):
+        out = orig(self, n)
+        if n and self.ref[1] > 0 and 1 not in out:
+            out[0] = 1
+            self.ref[1] += 1
+        return out
+    monkeypatch.setattr(allocator.BlockPool, "get_new_blocks", twice)
+    assert inv_of(run_case(load_case(), "prefix-cacheable")) in ("INV-2", "INV-1")
+
+
+def test_inv3_key_count_mismatch(monkeypatch):
+    orig = offload.OffloadScheduler._build_store_jobs
+
+    def drop(self, *a):
+        jobs = orig(self, *a)
+        for j in jobs:
+            gid, c, h, k, blocks = j.items[0]
+            j.items[0] = (gid, c, h, k, [])
+        return jobs
+    monkeypatch.setattr(offload.OffloadScheduler, "_build_store_jobs", drop)
+    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-3"
+
+
+def test_inv4_store_shifted_by_one_chunk(monkeypatch):
+    orig = offload.OffloadScheduler._build_store_jobs
+
+    def shift(self, *a):
+        jobs = orig(self, *a)
+        for j in jobs:
+            st = self.req_status[j.rid]
+            j.items = [(gid, c, h, k, [(i + 1, st.groups[0].block_ids[i + 1])
+                                       for i, _ in blocks])
+                       for gid, c, h, k, blocks in j.items[:-1]]
+        return jobs
+    monkeypatch.setattr(offload.OffloadScheduler, "_build_store_jobs", shift)
+    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-4"
+
+
+def test_inv5_load_into_wrong_blocks(monkeypatch):
+    orig = offload.OffloadScheduler.update_state_after_alloc
+
+    def rot(self, *a):
+        job = orig(self, *a)
+        if job is not None and len(job.items) > 1:
+            first = job.items[0]
+            job.items = job.items[1:] + [first]
+            job.items = [(g, c, h, k, b2) for (g, c, h, k, _), b2 in
+                         zip(job.items, [it[4] for it in [first] + job.items[:-1]])]
+        return job
+    monkeypatch.setattr(offload.OffloadScheduler, "update_state_after_alloc", rot)
+    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-5"
+
+
+def test_inv6_fence_dropped(monkeypatch):
+    """Without flushes, a finished request's store is still reading a block that is reused."""
+    orig = offload.OffloadScheduler.build_connector_meta
+
+    def no_flush(self, *a):
+        stores, loads, flush = orig(self, *a)
+        return stores, loads, set()
+    monkeypatch.setattr(offload.OffloadScheduler, "build_connector_meta", no_flush)
+    c = mk([{"id": "a", "prompt": [[1, 64]], "decode": 1},
+            {"id": "x", "prompt": [[9, 700]], "arrival": 1, "decode": 2}],
+           num_gpu_blocks=48, timing={"store_latency": 5})
+    assert inv_of(run_case(c, "prefix-cacheable")) == "INV-6"
+
+
+def test_inv6_holds_with_fences():
+    c = mk([{"id": "a", "prompt": [[1, 64]], "decode": 1},
+            {"id": "x", "prompt": [[9, 700]], "arrival": 1, "decode": 2}],
+           num_gpu_blocks=48, timing={"store_latency": 5})
+    r = run_case(c, "prefix-cacheable")
+    assert r.ok, r.findings
+    assert any(line.startswith("flush") for line in r.trace)
+
+
+def test_inv7_load_of_pending_chunk(monkeypatch):
+    monkeypatch.setattr(offload.CPUTier, "lookup",
+                        lambda self, key: offload.HIT if key in self.entries else offload.MISS)
+    c = mk([{"id": "a", "prompt": [[1, 96]], "decode": 1},
+            {"id": "b", "prompt": [[1, 96], [3, 20]], "arrival": 2, "decode": 2}],
+           num_gpu_blocks=48, enable_prefix_caching=False,
+           timing={"store_latency": 20, "load_latency": 1})
+    assert inv_of(run_case(c, "prefix-cacheable")) == "INV-7"
+
+
+def test_inv8_request_never_fits():
+    c = mk([{"id": "a", "prompt": [[1, 2000]], "decode": 2}], num_gpu_blocks=16)
+    assert inv_of(run_case(c, "prefix-cacheable")) == "INV-8"
+
+
+def test_inv9_lookup_misses_ready_prefix(monkeypatch):
+    monkeypatch.setattr(offload.OffloadScheduler, "_lookup", lambda self, st: 0)
+    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-9"
