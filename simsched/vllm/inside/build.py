@@ -78,6 +78,9 @@ class ConfigBuilder:
                                       if n in self.cache_fields), None)
         self.retention_field = ("prefix_cache_retention_interval"
                                 if "prefix_cache_retention_interval" in self.cache_fields else None)
+        # Before 0.26.0 the scheduler knows no 'blocks_per_chunk' (only 'block_size').
+        import vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler as sched
+        self.knob_blocks_per_chunk = "blocks_per_chunk" in sched.SchedulerOffloadConfig._fields
         self.cpu_alignment = 1
         try:
             from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
@@ -112,6 +115,7 @@ class ConfigBuilder:
             "kv_cache_config_retention": "prefix_cache_retention_interval" in self.config_fields,
             "mamba_cache_mode": "mamba_cache_mode" in self.spec_fields.get("mamba", ()),
             "spec_dcp_sharded_field": "dcp_sharded" in self.spec_fields.get("full", ()),
+            "blocks_per_chunk_knob": self.knob_blocks_per_chunk,
         }
 
     # -- KV cache specs --------------------------------------------------------------------
@@ -202,6 +206,9 @@ class ConfigBuilder:
         bpc = 1
         extra: dict[str, Any] = {}
         if eng.blocks_per_chunk is not None:
+            if not self.knob_blocks_per_chunk:
+                raise Unsupported("blocks_per_chunk: this release reads only "
+                                  "kv_connector_extra_config['block_size']")
             extra["blocks_per_chunk"] = eng.blocks_per_chunk
             bpc = eng.blocks_per_chunk
         if eng.offload_block_size is not None:

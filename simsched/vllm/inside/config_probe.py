@@ -19,6 +19,7 @@ Each item is isolated: any exception becomes an ``{"status": "error", ...}`` out
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import traceback
@@ -55,6 +56,9 @@ class ConfigProbe:
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
         from vllm.v1.request import Request
 
+        import logging
+        for name in ("vllm", "torch"):     # vLLM (re)configures its logger at import
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.builder = builder or ConfigBuilder()
         self.vllm_dir = os.path.dirname(os.path.abspath(vllm.__file__))
         self.sched = sched
@@ -63,6 +67,10 @@ class ConfigProbe:
         self.SamplingParams = SamplingParams
         self.factory = OffloadingSpecFactory
         self.make_offload_key = offload_base.make_offload_key
+        # Keys are block_hash + 4-byte group index in 0.25.1-0.33.0; decode with the release's
+        # own helpers when it has them, else match make_offload_key(hash, group).
+        self.key_hash = getattr(offload_base, "get_offload_block_hash", None)
+        self.key_group = getattr(offload_base, "get_offload_group_idx", None)
         self.build_offloading_config = None
         try:
             from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
@@ -79,6 +87,10 @@ class ConfigProbe:
         kcu.init_none_hash(self.hash_fn)
         self._hashers: dict[tuple[int, int], Any] = {}
         self._sampling = SamplingParams(max_tokens=1)
+        self._tokens: list[int] = []
+        # Requests are immutable for this chain (only block_hashes are read): an LRU of them
+        # keyed by (tokens_per_hash, lookahead, N) saves re-hashing repeated prompt lengths.
+        self._requests: collections.OrderedDict = collections.OrderedDict()
 
     # ---------------------------------------------------------------------------------------
     def error(self, stage: str, exc: BaseException) -> dict:
@@ -156,9 +168,16 @@ class ConfigProbe:
             raise StageError(stage, e) from e
         hashes = list(request.block_hashes)
         keys = []
-        for gc, gs in zip(sc.kv_group_configs, state.group_states):
-            index = {self.make_offload_key(h, gc.group_idx): i for i, h in enumerate(hashes)}
-            keys.append([index.get(k, -1) for k in gs.offload_keys])
+        if self.key_hash is not None and self.key_group is not None:
+            by_hash = {h: i for i, h in enumerate(hashes)}
+            for gc, gs in zip(sc.kv_group_configs, state.group_states):
+                keys.append([by_hash.get(self.key_hash(k), -1)
+                             if self.key_group(k) == gc.group_idx else -1
+                             for k in gs.offload_keys])
+        else:
+            for gc, gs in zip(sc.kv_group_configs, state.group_states):
+                index = {self.make_offload_key(h, gc.group_idx): i for i, h in enumerate(hashes)}
+                keys.append([index.get(k, -1) for k in gs.offload_keys])
         return {"status": "ok", "geometry": geometry, "num_hashes": len(hashes),
                 "offload_keys": keys}
 
@@ -204,7 +223,21 @@ class ConfigProbe:
 
     def make_request(self, vc, tokens_per_hash: int, num_tokens: int):
         hasher = self.hasher(vc, tokens_per_hash)
-        return self.Request(request_id="probe", prompt_token_ids=segment_tokens(0, num_tokens),
+        key = (id(hasher), num_tokens)
+        req = self._requests.get(key)
+        if req is not None:
+            self._requests.move_to_end(key)
+            return req
+        req = self._new_request(hasher, num_tokens)
+        self._requests[key] = req
+        if len(self._requests) > 256:
+            self._requests.popitem(last=False)
+        return req
+
+    def _new_request(self, hasher, num_tokens: int):
+        if len(self._tokens) < num_tokens:   # segment_tokens(0, n) is a prefix of (0, m > n)
+            self._tokens = segment_tokens(0, max(num_tokens, 2 * len(self._tokens)))
+        return self.Request(request_id="probe", prompt_token_ids=self._tokens[:num_tokens],
                             sampling_params=self._sampling, pooling_params=None,
                             block_hasher=hasher)
 
