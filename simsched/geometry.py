@@ -23,6 +23,8 @@ from simsched.layout import Group, Layout
 CONFIG_PY = "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
 SCHEDULER_PY = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 KV_CACHE_UTILS_PY = "v1/core/kv_cache_utils.py"
+#: ``SpeculativeConfig.use_eagle()``: methods that draft from the target's hidden states.
+EAGLE_METHODS = ("eagle", "eagle3", "mtp")
 
 
 class ConfigError(Exception):
@@ -144,6 +146,14 @@ class Profile:
     single_group_unit_check: bool = False
     # A chunk 'block_size' that is no multiple of the block size: ValueError (0.30.0+).
     chunk_size_error: str = "ValueError"
+    # ``alignment_tokens``: the one full-attention chunk size, else the largest chunk size when
+    # no group is full attention (0.30.0+); "absent": not a field of the config (0.29.0).
+    alignment: str = "single-or-max"
+    # Speculative decoding with an EAGLE-style method and no annotated drafter group makes every
+    # group a drafter group (0.29.0); later releases treat every group as a target group.
+    eagle_marks_all_groups: bool = False
+    # ``from_spec`` checks prefix_cache_retention_interval against windowed chunk sizes (0.30.0+).
+    retention_check: bool = True
     extra: dict = field(default_factory=dict)
 
 
@@ -151,13 +161,14 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("every-group-no-clamp",
             "every group offloaded and asserted divisible by the hash unit; storable chunks not "
             "clamped to keyed chunks",
-            releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError"),
+            releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
+            alignment="absent", eagle_marks_all_groups=True, retention_check=False),
     Profile("every-group",
             "every group offloaded and asserted divisible by the hash unit",
             releases=("0.30.0",)),
     Profile("prefix-cacheable",
             "only prefix-cacheable groups offloaded (a ring is left out); also upstream PR #54743",
-            releases=("0.31.0", "0.32.0"), offloaded_groups=prefix_cacheable_groups,
+            releases=("0.31.0",), offloaded_groups=prefix_cacheable_groups,
             asserted_groups=prefix_cacheable_groups),
     Profile("prefix-cacheable-strict-unit",
             "as prefix-cacheable; with one group, a prefix_match_unit other than its block size "
@@ -290,6 +301,12 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
                                   f"tokens_per_block={size} not divisible by "
                                   f"tokens_per_hash={tokens_per_hash}.")
     blocks_per_chunk = _blocks_per_chunk(layout, list(tpb.values()), profile, asserts)
+    if blocks_per_chunk == 0:   # only reachable with asserts stripped: the CPU tier's sizing
+        raise ConfigError("ZeroDivisionError", "__init__", "v1/kv_offload/cpu/spec.py", "spec",
+                          "integer division or modulo by zero")
+    spec = layout.engine.speculative
+    all_drafters = (profile.eagle_marks_all_groups and spec is not None
+                    and spec.method in EAGLE_METHODS and not any(g.drafter for g in layout.groups))
 
     groups = []
     for i in selected:
@@ -307,14 +324,16 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
             group_id=i, kind=group.kind, tokens_per_block=tpb[i],
             tokens_per_chunk=tokens_per_chunk,
             hashes_per_chunk=tokens_per_chunk // tokens_per_hash,
-            sliding_window_in_chunks=window, drafter=group.drafter))
+            sliding_window_in_chunks=window, drafter=group.drafter or all_drafters))
 
     full = {g.tokens_per_chunk for g in groups if g.sliding_window_in_chunks is None}
     alignment = full.pop() if len(full) == 1 else (
         None if full else max(g.tokens_per_chunk for g in groups))
+    if profile.alignment == "absent":
+        alignment = None
 
     retention = layout.engine.retention_interval
-    if retention is not None:
+    if retention is not None and profile.retention_check:
         for g in groups:
             if g.sliding_window_in_chunks is not None and g.tokens_per_chunk == 0:
                 raise ConfigError("ZeroDivisionError", "from_spec", SCHEDULER_PY, "from_spec",
