@@ -240,17 +240,22 @@ class Model:
     def _step(self, _data) -> None:
         self.step_scheduled = False
         t = self.q.now
-        self.step_no = step = self.counters["steps"]
-        self.counters["steps"] += 1
+        counters = self.counters
+        self.step_no = step = counters["steps"]
+        counters["steps"] = step + 1
         if step >= MAX_STEPS:
             raise inv.InvariantViolation("INV-8", step, f"{self.unfinished} requests unfinished "
                                          f"after {MAX_STEPS} steps")
-        emit, tracing = self._emit, self.tracing
-        emit(f"step {step}")
+        tracing = self.tracing
+        lines = self.lines
+        if tracing:
+            lines.append(f"step {step}")
         kv, off = self.kv, self.off
+        allocate = kv.allocate
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list] = {}
+        sched_reqs: list[Request] = []
         preempted: list[str] = []
         running = self.running
         k = self.num_spec
@@ -263,13 +268,16 @@ class Model:
                 if drafts > 0 and req.num_computed == req.num_tokens - 1:
                     req.append_tokens([_token(self.case.seed, req.index, p) for p in
                                        range(req.num_tokens, req.num_tokens + drafts)])
-            n = min(req.num_tokens - req.num_computed, budget)
+            c = req.num_computed
+            n = len(req.tokens) - c
+            if n > budget:
+                n = budget
             if n <= 0:
                 i += 1
                 continue
-            upto = req.num_computed + n
+            upto = c + n
             while True:
-                nb = kv.allocate(req, n, cache_upto=upto)
+                nb = allocate(req, n, cache_upto=upto)
                 if nb is not None:
                     break
                 victim = running.pop()
@@ -281,47 +289,50 @@ class Model:
                 break
             scheduled[req.rid] = n
             new_blocks[req.rid] = nb
+            sched_reqs.append(req)
             budget -= n
             i += 1
         if not preempted:
-            self._schedule_waiting(scheduled, new_blocks, budget)
-        for rid, n in scheduled.items():
-            self.counters["scheduled_tokens"] += n
-            if tracing:
-                emit(f"sched {rid} {n}")
-                emit(fmt_alloc(rid, new_blocks[rid]))
+            self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
+        counters["scheduled_tokens"] += sum(scheduled.values())
+        if tracing:
+            for rid, n in scheduled.items():
+                lines.append(f"sched {rid} {n}")
+                lines.append(fmt_alloc(rid, new_blocks[rid]))
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
         stores, loads, flush = off.build_connector_meta(scheduled, new_blocks, preempted,
                                                         finished, self.reqs)
-        store_t = t + self.timing.store_latency
-        for job in stores:
-            if tracing:
-                emit(fmt_job(job))
-            self._violation(inv.check_store_job(step, job, self.geo))
-            self.q.schedule(store_t, ev.STORE_DONE, job.jid)
-        self.counters["stores"] += len(stores)
-        self.counters["loads"] += len(loads)
+        if stores:
+            store_t = t + self.timing.store_latency
+            geo, schedule = self.geo, self.q.schedule
+            for job in stores:
+                if tracing:
+                    lines.append(fmt_job(job))
+                self._violation(inv.check_store_job(step, job, geo))
+                schedule(store_t, ev.STORE_DONE, job.jid)
+            counters["stores"] += len(stores)
+        counters["loads"] += len(loads)
         if flush:
-            emit("flush " + ",".join(map(str, sorted(flush))))
+            self._emit("flush " + ",".join(map(str, sorted(flush))))
             for jid in sorted(flush):
                 job = off.jobs.get(jid)
                 if job is not None and job.is_store:
                     self._read_store(job)
                     self.q.schedule(t, ev.STORE_DONE, jid)
         # execute the model
-        shadow, rules, pr = self.shadow, kv.rules, self.pending_reads
+        write_computed, rules, pr = self.shadow.write_computed, kv.rules, self.pending_reads
         seed = self.case.seed
-        for rid, n in scheduled.items():
-            req = self.reqs[rid]
+        for req in sched_reqs:
             start = req.num_computed
-            written = shadow.write_computed(req, rules, start, start + n)
+            end = start + scheduled[req.rid]
+            written = write_computed(req, rules, start, end)
             if pr:
-                self._violation(inv.check_writes(step, written, pr, f"request {rid}"))
-            req.num_computed = start + n
-            if req.num_computed >= req.num_tokens:
-                req.append_tokens([_token(seed, req.index, req.num_tokens)])
-                if req.num_tokens >= req.max_tokens:
+                self._violation(inv.check_writes(step, written, pr, f"request {req.rid}"))
+            req.num_computed = end
+            if end >= len(req.tokens):
+                req.append_tokens([_token(seed, req.index, len(req.tokens))])
+                if len(req.tokens) >= req.max_tokens:
                     req.finish_step = step
                     self.q.schedule(t, ev.FINISH, req)
         # stores of this step read what the forward pass wrote: fence them from now on
@@ -333,7 +344,7 @@ class Model:
         self.progress = self.progress or bool(scheduled)
         self._after_step(step)
 
-    def _schedule_waiting(self, scheduled, new_blocks, budget) -> None:
+    def _schedule_waiting(self, scheduled, new_blocks, budget, sched_reqs) -> None:
         kv, off, t = self.kv, self.off, self.q.now
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
@@ -388,6 +399,7 @@ class Model:
             req.status = RUNNING
             scheduled[req.rid] = n
             new_blocks[req.rid] = [list(tb) for tb in req.tables]
+            sched_reqs.append(req)
             budget -= n
 
     def _after_step(self, step: int) -> None:
