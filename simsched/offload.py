@@ -106,7 +106,7 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled")
+                 "finished_signaled", "next_key_at")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -117,6 +117,7 @@ class ReqOffload:
         self.max_load_tokens = spec.max_load_tokens if spec is not None else None
         self.num_local = 0
         self.finished_signaled = False
+        self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
 
 
 class Job:
@@ -170,6 +171,8 @@ class OffloadScheduler:
 
     # --- RequestOffloadState ----------------------------------------------------------------
     def update_offload_keys(self, st: ReqOffload, caller: str = "") -> None:
+        if len(st.req.tokens) < st.next_key_at:
+            return                             # fast path: no group gets a new key
         try:
             self._update_offload_keys(st)
         except ConfigError as e:
@@ -187,6 +190,17 @@ class OffloadScheduler:
             for j in offload_key_indices(cfg, num_hashes, len(gs.keys), profile):
                 gs.keys.append((cfg.group_id, ident[(j + 1) * per - 1]))
                 gs.kidx.append(j)
+        # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
+        nxt = None
+        for cfg, gs in zip(self.cfgs, st.groups):
+            hpc = cfg.hashes_per_chunk
+            if hpc <= 0:
+                nxt = 0
+                break
+            at = (len(gs.keys) + 1) * hpc * tph
+            if nxt is None or at < nxt:
+                nxt = at
+        st.next_key_at = nxt or 0
 
     def storable_chunks(self, st: ReqOffload, cfg, gs: GroupState, num_tokens: int) -> int:
         n = num_tokens // cfg.tokens_per_chunk
@@ -198,9 +212,14 @@ class OffloadScheduler:
             n = min(n, len(gs.keys))
         return n
 
-    def advance_stored_idx(self, st: ReqOffload, num_tokens: int) -> None:
-        for cfg, gs in zip(self.cfgs, st.groups):
-            gs.next_stored = max(gs.next_stored, self.storable_chunks(st, cfg, gs, num_tokens))
+    def advance_stored_idx(self, st: ReqOffload, num_tokens: int, ns=None) -> None:
+        """``ns``: ``storable_chunks(..., num_tokens)`` per group when the caller has them."""
+        if ns is None:
+            ns = [self.storable_chunks(st, cfg, gs, num_tokens)
+                  for cfg, gs in zip(self.cfgs, st.groups)]
+        for gs, n in zip(st.groups, ns):
+            if n > gs.next_stored:
+                gs.next_stored = n
 
     # --- scheduler-facing API ---------------------------------------------------------------
     def on_new_request(self, req: Request) -> None:
@@ -427,6 +446,7 @@ class OffloadScheduler:
 
     def _build_store_jobs(self, scheduled, finished, reqs) -> list[Job]:
         bpc, asserts, tier = self.bpc, self.asserts, self.tier
+        cfgs, storable = self.cfgs, self.storable_chunks
         out = []
         order = list(scheduled) + [r for r in finished if r not in scheduled]
         for rid in order:
@@ -445,8 +465,9 @@ class OffloadScheduler:
                 n_after = req.num_computed + scheduled[rid]
             n_off = self._offloadable(st, n_after)
             new_keys = []
-            for cfg, gs in zip(self.cfgs, st.groups):
-                n = self.storable_chunks(st, cfg, gs, n_off)
+            groups = st.groups
+            ns = [storable(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
+            for cfg, gs, n in zip(cfgs, groups, ns):
                 start = gs.next_stored
                 if n <= start:
                     continue
@@ -461,20 +482,19 @@ class OffloadScheduler:
                     if b != NULL:
                         new_keys.append(k)
             if not new_keys:
-                self.advance_stored_idx(st, n_off)
+                self.advance_stored_idx(st, n_off, ns)
                 continue
             to_store = tier.prepare_store(new_keys)
             if to_store is None:
                 continue
             if not to_store:
-                self.advance_stored_idx(st, n_off)
+                self.advance_stored_idx(st, n_off, ns)
                 continue
             self._touch(st)
             keyset = set(to_store)
             items, fenced, deferred = [], [], []
-            for cfg, gs in zip(self.cfgs, st.groups):
+            for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
                 is_sw = cfg.sliding_window_in_chunks is not None
-                n = self.storable_chunks(st, cfg, gs, n_off)
                 start = gs.next_stored
                 for idx, k in enumerate(gs.keys[start:n]):
                     if k not in keyset:
