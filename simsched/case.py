@@ -18,9 +18,24 @@ CASE_FORMAT = "simsched-case/1"
 VOCAB = 32000
 
 
+_STEP = 104729
+_STEP_INV = pow(_STEP, -1, VOCAB)          # 104729 is prime: invertible modulo the vocabulary
+_TABLE: list[int] = [(j * _STEP + 17) % VOCAB for j in range(2 * VOCAB)]
+
+
 def segment_tokens(seed: int, length: int) -> list[int]:
-    """The token ids of one prompt segment: a fixed function of (seed, position)."""
-    return [(seed * 7919 + i * 104729 + 17) % VOCAB for i in range(length)]
+    """The token ids of one prompt segment: a fixed function of (seed, position),
+    ``(seed * 7919 + i * 104729 + 17) % VOCAB`` for position ``i``.
+
+    That is ``_TABLE[(i + d) % VOCAB]`` with ``d * 104729 == seed * 7919 (mod VOCAB)``: slices of
+    one precomputed period instead of a modulo per token."""
+    d = seed * 7919 * _STEP_INV % VOCAB
+    if d + length <= len(_TABLE):
+        return _TABLE[d:d + length]
+    out = _TABLE[d:VOCAB]
+    while len(out) < length:
+        out += _TABLE[:min(VOCAB, length - len(out))]
+    return out
 
 
 @dataclass(frozen=True)
