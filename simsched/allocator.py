@@ -37,7 +37,7 @@ class Request:
 
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
-                 "load_target", "finish_step", "num_cached_blocks")
+                 "load_target", "finish_step", "num_cached_blocks", "quiet_until")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
                  num_groups: int):
@@ -56,6 +56,7 @@ class Request:
         self.load_target = 0       # tokens computed once the in-flight load completes
         self.finish_step = None
         self.num_cached_blocks = [0] * num_groups   # blocks already offered to the prefix cache
+        self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self._extend_ident()
 
     @property
@@ -214,6 +215,7 @@ class KVCacheManager:
     def apply_hit(self, req: Request, L: int) -> None:
         """Take the hit blocks: real blocks in reach, the null block out of reach."""
         cached, pool = self.pool.cached, self.pool
+        req.quiet_until = -1
         for r in self.rules:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
@@ -272,6 +274,9 @@ class KVCacheManager:
         """
         if computed is None:
             computed = req.num_computed
+            if (num_new_tokens == 1 and computed <= req.quiet_until
+                    and cache_upto == computed + 1):
+                return [[] for _ in self.rules]     # a decode step that changes nothing
         self.remove_skipped_blocks(req, computed)
         total = computed + num_new_tokens
         plan = []
@@ -303,11 +308,52 @@ class KVCacheManager:
             out.append(new)
         if cache_upto is not None and self.cacheable_rules:
             self.cache_blocks(req, cache_upto)
+        req.quiet_until = self.quiet_bound(req)
         return out
+
+    def quiet_bound(self, req: Request) -> int:
+        """The largest ``num_computed`` up to which ``allocate(req, 1, cache_upto=num_computed +
+        1)`` is a no-op given the current tables (no skipped block to free, no block to add, no
+        block to offer to the prefix cache); -1 if none. Freeing blocks, a hit or caching only
+        make the real bound larger, so a stale bound is safe; ``free``/``apply_hit`` reset it."""
+        bound = 1 << 62
+        tables, done = req.tables, req.num_cached_blocks
+        for r in self.rules:
+            table = tables[r.gid]
+            have, bs, code = len(table), r.bs, r.code
+            if code == RING:
+                if not have:
+                    return -1
+                continue
+            b = have * bs - 1                          # ceil((c + 1) / bs) <= have
+            if b < bound:
+                bound = b
+            if code != FULLISH:                        # remove_skipped_blocks stays a no-op
+                lead = 0
+                while lead < have and table[lead] == NULL:
+                    lead += 1
+                if lead < have:
+                    m = (lead + 1) * bs                # skipped_tokens(c) < m
+                    if code == SLIDING:
+                        b = m + r.window - 2
+                    elif code == CHUNKED:
+                        b = (m - 1) // r.chunk * r.chunk + r.chunk - 1
+                    else:                              # MAMBA
+                        b = m
+                    if b < bound:
+                        bound = b
+            if r.cacheable:                            # cache_blocks stays a no-op
+                d = done[r.gid]
+                if d < have:
+                    b = (d + 1) * bs - 2
+                    if b < bound:
+                        bound = b
+        return bound
 
     def free(self, req: Request) -> list[int]:
         """Free every block of ``req``, tail first; returns the freed block IDs."""
         freed = []
+        req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
         for table in req.tables:
             tail_first = table[::-1]
