@@ -87,15 +87,18 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     return None
 
 
-def check_stored_chunk(step: int, job, item, content, req, geo) -> InvariantViolation | None:
-    """INV-4: the chunk read for ``item`` holds the tokens its key names."""
+def check_stored_chunk(step: int, job, item, content, req, geo,
+                       tpbs: dict | None = None) -> InvariantViolation | None:
+    """INV-4: the chunk read for ``item`` holds the tokens its key names. ``tpbs``: tokens per
+    block by group id, when the caller has them."""
     gid, c, hidx, key, blocks = item
     end = (hidx + 1) * geo.tokens_per_hash
     if not content or content[-1] is None or content[-1][1] != end or content[-1][2] != key[1] \
             or content[-1][0] != gid:
         return InvariantViolation("INV-4", step, f"job {job.jid} chunk g{gid}:{hidx} (tokens up "
                                   f"to {end}) holds {content[-1] if content else None}")
-    tpb = next(g.tokens_per_block for g in geo.groups if g.group_id == gid)
+    tpb = tpbs[gid] if tpbs is not None else next(g.tokens_per_block for g in geo.groups
+                                                  if g.group_id == gid)
     for (i, _), got in zip(blocks, content):
         want = (gid, (i + 1) * tpb, req.ident_at((i + 1) * tpb))
         if got != want:

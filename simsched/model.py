@@ -86,6 +86,7 @@ class Model:
         self.case, self.profile, self.checks = case, profile, checks
         layout, timing = case.layout, case.timing
         self.geo = geo = derive(layout, profile, asserts=case.asserts)
+        self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
         dcp = layout.engine.dcp_size
         sizes = [effective_block_size(g, dcp) for g in layout.groups]
         self.unit = math.gcd(geo.tokens_per_hash, *sizes)
@@ -185,18 +186,22 @@ class Model:
             return
         job.read = True
         req = self.reqs[job.rid]
-        pr = self.pending_reads
+        pr, gpu, contents, jid = self.pending_reads, self.shadow.gpu, job.contents, job.jid
+        geo, tpbs, step, check = self.geo, self.tpbs, self.step_no, inv.check_stored_chunk
         for item in job.items:
-            content = self.shadow.read(item[4])
-            job.contents[item[3]] = content
-            for _, b in item[4]:
-                s = pr.get(b)
-                if s is not None:
-                    s.discard(job.jid)
-                    if not s:
-                        del pr[b]
-            self._violation(inv.check_stored_chunk(self.step_no, job, item, content, req,
-                                                   self.geo))
+            blocks = item[4]
+            content = tuple([gpu[b] for _, b in blocks])      # Shadow.read, inlined
+            contents[item[3]] = content
+            if pr:
+                for _, b in blocks:
+                    s = pr.get(b)
+                    if s is not None:
+                        s.discard(jid)
+                        if not s:
+                            del pr[b]
+            v = check(step, job, item, content, req, geo, tpbs)
+            if v is not None:
+                raise v
 
     def _store_done(self, jid: int) -> None:
         job = self.off.jobs.get(jid)

@@ -21,25 +21,32 @@ class Shadow:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
         block IDs written."""
         gpu, written = self.gpu, []
-        ident_at = req.ident_at
+        ident, unit, tables = req.ident, req.unit, req.tables
+        nid = len(ident)
         for r in rules:
-            table = req.tables[r.gid]
+            gid = r.gid
+            table = tables[gid]
             if not table:
                 continue
-            gid = r.gid
             if r.code == RING:
                 b = table[0]
                 gpu[b] = (gid, end, None)
                 written.append(b)
                 continue
             bs = r.bs
-            first, last = start // bs, (end - 1) // bs
-            for i in range(first, min(last + 1, len(table))):
+            last = (end - 1) // bs + 1
+            if last > len(table):
+                last = len(table)
+            for i in range(start // bs, last):
                 b = table[i]
                 if b == NULL:
                     continue
                 e = (i + 1) * bs
-                gpu[b] = (gid, e, ident_at(e)) if e <= end else (gid, end, None)
+                if e <= end:
+                    k = e // unit - 1            # req.ident_at(e), inlined
+                    gpu[b] = (gid, e, ident[k] if 0 <= k < nid else req.ident_at(e))
+                else:
+                    gpu[b] = (gid, end, None)
                 written.append(b)
         return written
 
