@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import is_, itemgetter
 
 from simsched.allocator import NULL
@@ -44,10 +44,8 @@ class InvariantViolation(Exception):
 
 def check_pool(step: int, pool, reqs) -> InvariantViolation | None:
     """INV-1 and INV-2 over the whole pool (O(blocks held))."""
-    holders: Counter = Counter()          # first-seen order, as the walk below reports it
-    for req in reqs:
-        for table in req.tables:
-            holders.update(table)
+    # first-seen order, as the walk below reports it
+    holders = Counter(chain.from_iterable([t for req in reqs for t in req.tables]))
     holders.pop(NULL, None)
     n_free = pool.num_free()
     if n_free + len(holders) != pool.num_blocks - 1:
