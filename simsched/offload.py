@@ -203,6 +203,8 @@ class OffloadScheduler:
         st.next_key_at = nxt or 0
 
     def storable_chunks(self, st: ReqOffload, cfg, gs: GroupState, num_tokens: int) -> int:
+        """Never more than ``num_tokens // tokens_per_chunk`` (``_build_store_jobs``'s quick exit
+        relies on it)."""
         n = num_tokens // cfg.tokens_per_chunk
         if cfg.drafter and num_tokens > st.req.num_prompt and not (
                 self.profile.keyed_chunk_clamp and st.req.finished):
@@ -398,7 +400,7 @@ class OffloadScheduler:
             st = rs[rid]
             self.update_offload_keys(st, "build_connector_meta")
             nb = new_blocks.get(rid)
-            if nb:
+            if nb and any(nb):     # (all groups empty: nothing to extend, no window end moves)
                 if self.sw_groups:
                     sw_ends[rid] = tuple(len(st.groups[g].block_ids) for g in self.sw_groups)
                 for cfg, gs in zip(self.cfgs, st.groups):
@@ -415,7 +417,10 @@ class OffloadScheduler:
                     gs = st.groups[gi]
                     bids = gs.block_ids
                     end = ends[i] if ends is not None else len(bids)
-                    for j in range(gs.next_stored * bpc, end):
+                    lo = gs.next_stored * bpc
+                    if lo >= end or alloc.isdisjoint(bids[lo:end]):
+                        continue
+                    for j in range(lo, end):
                         if bids[j] in alloc:
                             bids[j] = NULL
         for rid in preempted:
@@ -464,8 +469,13 @@ class OffloadScheduler:
             else:
                 n_after = req.num_computed + scheduled[rid]
             n_off = self._offloadable(st, n_after)
-            new_keys = []
             groups = st.groups
+            for cfg, gs in zip(cfgs, groups):
+                if n_off // cfg.tokens_per_chunk > gs.next_stored:
+                    break
+            else:
+                continue        # no group can store a chunk: advance_stored_idx is a no-op too
+            new_keys = []
             ns = [storable(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
             for cfg, gs, n in zip(cfgs, groups, ns):
                 start = gs.next_stored
