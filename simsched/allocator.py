@@ -190,16 +190,25 @@ class KVCacheManager:
         cached, align = self.pool.cached, self.align
         L = (req.num_tokens - 1) // align * align
         ident_at = req.ident_at
+        ident, unit = req.ident, req.unit
+        nid = len(ident)
         for r in self.cacheable_rules:        # full-attention prefix bound first
             if r.code != FULLISH:
                 continue
             n, bs, gid = 0, r.bs, r.gid
-            while (n + 1) * bs <= L and (gid, ident_at((n + 1) * bs)) in cached:
+            while (n + 1) * bs <= L:
+                e = (n + 1) * bs
+                k = e // unit - 1             # ident_at(e), inlined
+                if (gid, ident[k] if 0 <= k < nid else ident_at(e)) not in cached:
+                    break
                 n += 1
             L = min(L, n * bs) // align * align
+        # the full-attention blocks of [0, L) were all found above (L only shrinks): the
+        # check below only needs the other groups
+        rest = [r for r in self.cacheable_rules if r.code != FULLISH]
         while L > 0:
             ok = True
-            for r in self.cacheable_rules:
+            for r in rest:
                 bs, gid = r.bs, r.gid
                 for i in range(r.skipped_tokens(L) // bs, L // bs):
                     if (gid, ident_at((i + 1) * bs)) not in cached:
