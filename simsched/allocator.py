@@ -117,7 +117,10 @@ class BlockPool:
         return out
 
     def free_blocks(self, blocks) -> None:
-        ref, free = self.ref, self.free
+        """``BlockPool.free_blocks``: blocks without a hash are prepended to the free queue in
+        the order given (LIFO reuse), blocks carrying a hash are appended (LRU eviction)."""
+        ref, free, key = self.ref, self.free, self.key
+        first = []
         for b in blocks:
             if b == NULL:
                 continue
@@ -125,8 +128,12 @@ class BlockPool:
             ref[b] = r
             if r == 0:
                 free[b] = None
+                if key[b] is None:
+                    first.append(b)
             elif r < 0:
                 raise RuntimeError(f"block {b} freed twice")
+        for b in reversed(first):
+            free.move_to_end(b, last=False)
 
     def touch(self, blocks) -> None:
         ref, free = self.ref, self.free
