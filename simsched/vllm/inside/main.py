@@ -7,7 +7,8 @@ Protocol (one JSON object per line): the worker first announces
 not an observation of vLLM: vLLM's own failures are outcomes inside ``result``).
 
 Ops: ``ping``, ``config_batch`` (``items``: list of ``{"layout", "num_tokens"}``),
-``scheduler_construct`` (``layout``), ``features``, ``exit``; and ``sleep`` (``seconds``), a
+``scheduler_construct`` (``layout``), ``run_case`` (``case``, ``mutant``: see
+:mod:`simsched.vllm.inside.engine`), ``features``, ``exit``; and ``sleep`` (``seconds``), a
 test-only op that exists only when the worker runs with ``SIMSCHED_WORKER_TEST_OPS=1``.
 """
 
@@ -68,6 +69,11 @@ def main() -> int:
                 result = probe().run_batch(req["items"])
             elif op == "scheduler_construct":
                 result = probe().scheduler_construct(req["layout"])
+            elif op == "run_case":
+                if "engine" not in state:
+                    from simsched.vllm.inside.engine import RealEngine
+                    state["engine"] = RealEngine(probe())
+                result = state["engine"].run_case(req["case"], req.get("mutant"))
             elif op == "features":
                 result = probe().builder.features
             elif op == "sleep" and test_ops:

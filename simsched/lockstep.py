@@ -1,0 +1,316 @@
+"""Lockstep replay: one case on the model and on a real vLLM release, traces diffed step by step.
+
+::
+
+    with Releases.installed(["0.33.0"]) as pool:
+        res = lockstep(case, "0.33.0", pool)        # -> LockstepResult
+        res.agree, res.divergence, res.observations
+
+The release side runs in the release's worker (op ``run_case``,
+:mod:`simsched.vllm.inside.engine`): the real ``Scheduler`` and ``OffloadingConnector`` driven
+through the case, emitting ``simsched-trace/1`` and checking the invariants on a content shadow
+of the real run. The model side is :func:`simsched.model.run_case` under
+``profile_for_release(version)``.
+
+Comparison (:func:`diff_traces`) is per step: the trace is cut into segments at ``step`` lines and
+each segment is put in a canonical order (lines of one kind keep their order; ``finish``/``done``
+lines, whose order inside a step is an artefact of event priorities, are sorted). ``crash`` lines
+compare on exception and function (not stage), ``violation`` lines on the invariant ID.
+
+Findings (:func:`lockstep_observations`, :class:`simsched.replay.Observation`):
+
+* ``crash:<Exception>:<function>`` on the release (innermost vLLM frame; file and release in the
+  outcome), also ``crash:WorkerDied:release_worker`` / ``crash:WorkerTimeout:release_worker``
+  when the worker died, ran out of memory or hung (the case is recorded, never lost);
+* ``invariant:INV-n`` broken by the real release (content shadow of the real run);
+* ``divergence:trace.<kind>`` where model and release first differ (``kind`` of the first
+  differing line: sched, alloc, preempt, store, load, flush, done, finish, crash, violation,
+  end);
+* a crash inside the model's own code: ``crash:<Exception>:simsched.<function>`` on target
+  ``model:<profile>``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from simsched.case import Case
+from simsched.geometry import profile_for_release
+from simsched.outcome import Signature
+from simsched.replay import Observation
+
+DEFAULT_CASE_TIMEOUT = 120.0
+CONTEXT_STEPS = 3
+
+#: canonical order of line kinds inside a step segment
+_RANK = {"step": 0, "preempt": 1, "load": 2, "sched": 3, "alloc": 3, "store": 4, "flush": 5,
+         "check": 6, "violation": 6, "crash": 6, "finish": 7, "done": 7}
+
+HINTS = {
+    "sched": "scheduling: token budget, running-before-waiting order, prefill chunking, "
+             "admission after a load (model._step / Scheduler.schedule)",
+    "alloc": "block allocation: free-queue order (LIFO for unhashed blocks), GPU prefix-hit "
+             "length, sliding-window null placeholders (allocator.py / block_pool.py, "
+             "single_type_kv_cache_manager.py)",
+    "preempt": "preemption order: which running request is preempted when the pool runs dry",
+    "store": "store job chunking: storable_chunks, reachable-block mask, keys chosen per chunk "
+             "(offload._build_store_jobs / scheduler._build_store_jobs)",
+    "load": "load hit length: _lookup_complete_chunks, window reach, max_load_tokens; "
+            "destination blocks in update_state_after_alloc",
+    "flush": "fences: _block_id_to_pending_jobs / jobs_to_flush on re-allocated blocks or "
+             "preemption",
+    "done": "transfer completion timing (store/load latency, flushed jobs)",
+    "finish": "request finish or abort timing (max_tokens, abort_at, delayed frees)",
+    "crash": "an exception: compare the raising function on both sides",
+    "violation": "an invariant: one side breaks it",
+    "end": "one side ran more steps than the other (liveness, stall detection, trailing step)",
+    "check": "invariant checks",
+}
+
+
+def _kind(line: str) -> str:
+    return line.split(" ", 1)[0]
+
+
+def _norm(line: str) -> str:
+    parts = line.split(" ")
+    k = parts[0]
+    if k == "crash":
+        return " ".join(parts[:3])
+    if k == "violation":
+        return " ".join(parts[:2])
+    return line
+
+
+def segments(trace: list[str]) -> list[list[str]]:
+    """The trace cut at ``step`` lines (segment 0: before the first step), header dropped."""
+    out: list[list[str]] = [[]]
+    for line in trace:
+        if line.startswith("#"):
+            continue
+        if line.startswith("step "):
+            out.append([line])
+        else:
+            out[-1].append(line)
+    return out
+
+
+def canonical(seg: list[str]) -> list[str]:
+    lines = [_norm(x) for x in seg]
+    keyed = [(_RANK.get(_kind(x), 8), (x if _RANK.get(_kind(x)) == 7 else ""), i, x)
+             for i, x in enumerate(lines)]
+    keyed.sort()
+    return [k[3] for k in keyed]
+
+
+@dataclass
+class Divergence:
+    step: int                    # segment index - 1 (the step number where the traces differ)
+    kind: str                    # kind of the first differing line
+    model_line: str | None
+    real_line: str | None
+    model_segment: list[str]
+    real_segment: list[str]
+    context: list[str]           # the few steps before (model side; they agree)
+    hint: str
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    def describe(self) -> str:
+        out = [f"first divergence at step {self.step}: {self.kind} ({self.hint})",
+               "  context (both sides agree):"]
+        out += [f"    {x}" for x in self.context]
+        out.append(f"  model: {self.model_line}")
+        out.append(f"  real:  {self.real_line}")
+        out.append("  model step:")
+        out += [f"    {x}" for x in self.model_segment]
+        out.append("  real step:")
+        out += [f"    {x}" for x in self.real_segment]
+        return "\n".join(out)
+
+
+def diff_traces(model: list[str], real: list[str], context_steps: int = CONTEXT_STEPS
+                ) -> Divergence | None:
+    """The first step where the two traces differ, or None when they agree."""
+    ms, rs = segments(model), segments(real)
+    for i in range(max(len(ms), len(rs))):
+        m = canonical(ms[i]) if i < len(ms) else None
+        r = canonical(rs[i]) if i < len(rs) else None
+        if m == r:
+            continue
+        if m is None or r is None:
+            kind = "end"
+            ml = m[0] if m else None
+            rl = r[0] if r else None
+            # one side stopped: its last lines say why (crash, violation)
+            last = (ms if m is None else rs)[-1]
+            tail = [x for x in last if _kind(x) in ("crash", "violation")]
+            if tail:
+                kind = _kind(tail[0])
+        else:
+            j = next((j for j in range(max(len(m), len(r)))
+                      if j >= len(m) or j >= len(r) or m[j] != r[j]))
+            ml = m[j] if j < len(m) else None
+            rl = r[j] if j < len(r) else None
+            kind = _kind(ml or rl or "end")
+            if ml is not None and rl is not None and _kind(ml) != _kind(rl):
+                # a line present on one side only: name the kind that is missing or extra
+                kind = min(_kind(ml), _kind(rl), key=lambda k: _RANK.get(k, 8))
+        ctx = [x for seg in ms[max(1, i - context_steps):i] for x in seg]
+        return Divergence(step=i - 1, kind=kind, model_line=ml, real_line=rl,
+                          model_segment=ms[i] if i < len(ms) else [],
+                          real_segment=rs[i] if i < len(rs) else [], context=ctx,
+                          hint=HINTS.get(kind, ""))
+    return None
+
+
+@dataclass
+class LockstepResult:
+    case: Case
+    version: str
+    profile: str
+    model: Any                   # simsched.model.RunResult (or None if the model crashed)
+    real: dict                   # the worker's result (status, trace, findings, counters, wall)
+    divergence: Divergence | None
+    observations: list[Observation] = field(default_factory=list)
+    model_seconds: float = 0.0
+    real_seconds: float = 0.0
+
+    @property
+    def agree(self) -> bool:
+        return self.divergence is None and self.real.get("status") == "ok"
+
+    def summary(self) -> str:
+        if self.real.get("status") not in ("ok",):
+            return f"{self.version}: {self.real.get('status')}: {self.real.get('reason', '')}"
+        if self.agree:
+            c = self.real.get("counters", {})
+            return (f"{self.version}: agree ({c.get('steps')} steps, {c.get('stores')} stores, "
+                    f"{c.get('loads')} loads)")
+        return f"{self.version}: {self.divergence.describe()}"
+
+
+def run_real(case: Case, version: str, pool, mutant: str | None = None,
+             timeout: float | None = DEFAULT_CASE_TIMEOUT) -> dict:
+    """The release side; a worker that died, hung or broke becomes a ``worker`` outcome."""
+    from simsched.vllm.worker import HarnessError, WorkerDied, WorkerError, WorkerTimeout
+
+    worker = pool.worker(version, case.asserts)
+    try:
+        return worker.call("run_case", timeout=timeout, case=case.to_json(), mutant=mutant)
+    except (WorkerDied, WorkerTimeout, HarnessError, WorkerError) as e:
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        return {"status": "worker", "exception": type(e).__name__, "function": "release_worker",
+                "message": first, "trace": [], "findings": [], "counters": {},
+                "signal": getattr(e, "signal", None)}
+
+
+def _model_crash(exc: BaseException) -> dict:
+    from simsched.targets import model_crash
+    return model_crash(exc)
+
+
+def lockstep(case: Case, version: str, pool, mutant: str | None = None,
+             timeout: float | None = DEFAULT_CASE_TIMEOUT) -> LockstepResult:
+    from simsched.model import run_case
+
+    profile = profile_for_release(version)
+    t0 = time.perf_counter()
+    model, model_err = None, None
+    try:
+        model = run_case(case, profile)
+    except Exception as e:   # a bug in the model is a finding of its own
+        model_err = _model_crash(e)
+    t1 = time.perf_counter()
+    real = run_real(case, version, pool, mutant=mutant, timeout=timeout)
+    t2 = time.perf_counter()
+    div = None
+    if real.get("status") == "ok" and model is not None:
+        div = diff_traces(model.trace, real["trace"])
+    res = LockstepResult(case, version, profile.name, model, real, div,
+                         model_seconds=t1 - t0, real_seconds=t2 - t1)
+    res.observations = _observations(res, model_err)
+    return res
+
+
+def _observations(res: LockstepResult, model_err: dict | None) -> list[Observation]:
+    obs: list[Observation] = []
+    real, version = res.real, res.version
+    if model_err is not None:
+        obs.append(Observation(Signature("crash", model_err["exception"], model_err["function"]),
+                               f"model:{res.profile}", model_err))
+    status = real.get("status")
+    if status == "worker":
+        obs.append(Observation(Signature("crash", real["exception"], "release_worker"), version,
+                               dict(real, release=version)))
+        return obs
+    if status != "ok":
+        return obs
+    for f in real.get("findings", []):
+        if f.get("kind") == "crash":
+            out = dict(f, release=version)
+            obs.append(Observation(Signature("crash", f["exception"], f.get("function") or "?"),
+                                   version, out))
+        elif f.get("kind") == "invariant":
+            obs.append(Observation(Signature("invariant", invariant=f["inv_id"]), version,
+                                   dict(f, release=version)))
+    if res.divergence is not None:
+        d = res.divergence
+        obs.append(Observation(Signature("divergence", function=f"trace.{d.kind}"), version,
+                               {"divergence": d.to_json(), "release": version,
+                                "profile": res.profile}))
+    return obs
+
+
+def lockstep_observations(case: Case, target, mutant: str | None = None) -> list[Observation]:
+    """For :mod:`simsched.replay` and campaigns: ``target`` a ``ReleaseTarget``."""
+    return lockstep(case, target.version, target.pool, mutant=mutant).observations
+
+
+# --- generated cases ---------------------------------------------------------------------------
+
+LAYOUTS: dict[str, list[dict]] = {
+    "full16": [{"kind": "full", "block_size": 16}],
+    "full16+sw16w128+full16": [{"kind": "full", "block_size": 16},
+                               {"kind": "sliding_window", "block_size": 16,
+                                "sliding_window": 128},
+                               {"kind": "full", "block_size": 16}],
+    "full16+ring4": [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}],
+    "full32": [{"kind": "full", "block_size": 32}],
+    "full16+sw16w64": [{"kind": "full", "block_size": 16},
+                       {"kind": "sliding_window", "block_size": 16, "sliding_window": 64}],
+}
+
+
+def generate_case(seed: int, layout: str = "full16", n_requests: int | None = None) -> Case:
+    """A small random workload: shared prefixes, a small GPU pool (so that the CPU tier serves
+    hits), short decodes, arrivals spread over a few steps, now and then an abort."""
+    import random
+
+    rng = random.Random(seed)
+    n = n_requests or rng.randint(2, 8)
+    groups = LAYOUTS[layout]
+    per_token_blocks = len([g for g in groups if g["kind"] != "ring"])
+    reqs = []
+    for i in range(n):
+        prefix = rng.randrange(3)
+        plen = rng.choice([16, 32, 48, 64, 100])
+        prompt = [[100 + prefix, plen]]
+        if rng.random() < 0.7:
+            prompt.append([1000 + seed * 31 + i, rng.randint(1, 90)])
+        r: dict = {"id": f"r{i}", "prompt": prompt, "arrival": rng.randint(0, 3 * n),
+                   "decode": rng.randint(1, 24)}
+        if rng.random() < 0.1:
+            r["abort_at"] = r["arrival"] + rng.randint(0, 6)
+        reqs.append(r)
+    blocks = rng.choice([24, 32, 48, 96]) * per_token_blocks
+    return Case.from_json({
+        "layout": {"groups": groups, "engine": {"num_gpu_blocks": blocks,
+                                                "cpu_chunks": rng.choice([16, 64, 256])}},
+        "requests": reqs, "seed": seed,
+        "timing": {"store_latency": rng.randint(0, 3), "load_latency": rng.randint(0, 3),
+                   "max_num_batched_tokens": rng.choice([64, 128, 2048]),
+                   "max_num_seqs": rng.choice([2, 4, 32])}})

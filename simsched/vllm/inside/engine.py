@@ -1,0 +1,622 @@
+"""Drive the real vLLM ``Scheduler`` (with the real ``OffloadingConnector``) through a case.
+
+Runs inside a release worker only (op ``run_case``). Nothing under test is mocked: the
+``VllmConfig`` holds a real ``ModelConfig`` (tiny local HF config, :mod:`build`), the
+``KVCacheConfig`` has one real group per layout group (the hybrid KV cache manager is switched
+back on: the scheduler sees every group, checked at boot), the connector builds its real CPU
+offloading manager. This module plays the GPU worker only:
+
+* one sampled token per request whose prefill is complete, ``simsched.model._token`` (the model
+  samples the same ids);
+* transfer completions through the connector's real output path: a store reports only through
+  ``OffloadingWorkerMetadata.completed_jobs``; a load through ``completed_jobs`` and
+  ``finished_recving`` (as the real offloading worker does). A job created at time ``t`` is
+  reported in the output of the step at ``t + latency - 1`` (so the scheduler sees it before the
+  step at ``t + latency``, as the model's ``STORE_DONE``/``LOAD_DONE`` events); jobs named in
+  ``jobs_to_flush`` complete in the step that flushes them.
+
+It emits ``simsched-trace/1`` lines (see :mod:`simsched.trace`) from what the real scheduler did,
+and keeps a content shadow of every GPU block and CPU chunk (:class:`simsched.shadow.Shadow`),
+checking INV-1/2 (real block pool), INV-3/4 (store jobs: real source blocks against the tokens
+their keys name), INV-5 (loads), INV-6 (writes into blocks a store has not read yet), INV-7
+(loads of chunks not stored yet) and INV-8 (liveness) on the real run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any
+
+from simsched import invariants as inv
+from simsched.allocator import NULL, GroupRule, Request as IdentRequest
+from simsched.case import Case
+from simsched.layout import LayoutError
+from simsched.model import STALL_STEPS, _token
+from simsched.shadow import Shadow
+from simsched.trace import fmt_blocks, header
+
+DEFAULT_STEP_CAP = 20_000
+
+
+class _Crash(Exception):
+    def __init__(self, stage: str, exc: BaseException):
+        super().__init__(f"{stage}: {exc!r}")
+        self.stage = stage
+        self.exc = exc
+
+
+class _Job:
+    """One real transfer job as the shadow sees it: ``items`` like the model's
+    ``(group_id, chunk_idx, hash_idx, key, [(block_index, block_id), ...])``."""
+
+    __slots__ = ("jid", "rid", "is_store", "items", "due", "read", "contents", "done")
+
+    def __init__(self, jid, rid, is_store, items, due):
+        self.jid, self.rid, self.is_store, self.items, self.due = jid, rid, is_store, items, due
+        self.read = False
+        self.contents: dict = {}
+        self.done = False
+
+
+class RealEngine:
+    """One per worker; :meth:`run_case` builds a fresh Scheduler per case."""
+
+    def __init__(self, probe):
+        from vllm.config import SchedulerConfig  # noqa: F401 - import check
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
+        import vllm.distributed.kv_transfer.kv_connector.v1.offloading.common as common
+
+        self.probe = probe
+        self.builder = probe.builder
+        self.Scheduler = Scheduler
+        try:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+            self.AsyncScheduler = AsyncScheduler
+        except ImportError:
+            self.AsyncScheduler = None
+        self.SamplingParams = SamplingParams
+        self.ModelRunnerOutput = ModelRunnerOutput
+        self.KVConnectorOutput = KVConnectorOutput
+        self.RequestStatus = RequestStatus
+        self.WorkerMeta = getattr(common, "OffloadingWorkerMetadata", None)
+        self.sched_params = set(inspect.signature(Scheduler.__init__).parameters)
+        self.mro_params = set(inspect.signature(ModelRunnerOutput).parameters)
+        try:
+            from vllm.v1.structured_output import StructuredOutputManager
+            self.StructuredOutputManager = StructuredOutputManager
+        except ImportError:
+            self.StructuredOutputManager = None
+        from simsched.vllm.inside import build
+        self.Unsupported = build.Unsupported
+
+    # -- boot ------------------------------------------------------------------------------
+    def boot(self, case: Case):
+        import copy
+        vc, kvc = self.builder.build(case.layout)
+        eng, timing = case.layout.engine, case.timing
+        sc = copy.copy(vc.scheduler_config)
+        sc.max_num_batched_tokens = timing.max_num_batched_tokens
+        sc.max_num_seqs = timing.max_num_seqs
+        for name, value in (("max_num_scheduled_tokens", None), ("enable_chunked_prefill", True),
+                            ("long_prefill_token_threshold", 0),
+                            ("disable_hybrid_kv_cache_manager", False),
+                            ("async_scheduling", bool(eng.async_scheduling))):
+            if hasattr(sc, name):
+                setattr(sc, name, value)
+        if hasattr(sc, "max_num_partial_prefills"):
+            sc.max_num_partial_prefills = 1
+        vc.scheduler_config = sc
+        cc = vc.cache_config
+        cc.num_gpu_blocks = eng.num_gpu_blocks
+        kcu = self.probe.kcu
+        sbs, tph = kcu.resolve_kv_cache_block_sizes(kvc, vc)
+        cls = self.Scheduler
+        if eng.async_scheduling and self.AsyncScheduler is not None:
+            cls = self.AsyncScheduler
+        kw: dict[str, Any] = {"vllm_config": vc, "kv_cache_config": kvc,
+                              "log_stats": False}
+        if "structured_output_manager" in self.sched_params:
+            kw["structured_output_manager"] = self.StructuredOutputManager(vc)
+        if "block_size" in self.sched_params:
+            kw["block_size"] = sbs
+        if "hash_block_size" in self.sched_params:
+            kw["hash_block_size"] = tph
+        sched = cls(**kw)
+        n_groups = len(sched.kv_cache_manager.coordinator.single_type_managers)
+        if n_groups != len(case.layout.groups):
+            raise RuntimeError(f"harness: the scheduler sees {n_groups} KV cache groups, the "
+                               f"layout has {len(case.layout.groups)}")
+        return vc, kvc, sched, sbs, tph
+
+    # -- the run ---------------------------------------------------------------------------
+    def run_case(self, case_json: dict, mutant: str | None = None,
+                 step_cap: int = DEFAULT_STEP_CAP, checks: str = "full") -> dict:
+        t0 = time.perf_counter()
+        try:
+            case = Case.from_json(case_json)
+        except LayoutError as e:
+            return {"status": "invalid", "reason": str(e)}
+        undo = None
+        if mutant:
+            from simsched.vllm.inside import mutants
+            undo = mutants.apply(mutant)
+        try:
+            run = _Run(self, case, step_cap, checks)
+            try:
+                run.go()
+            except self.Unsupported as e:
+                return {"status": "unsupported", "reason": str(e)}
+        finally:
+            if undo is not None:
+                undo()
+        out = run.result()
+        out["wall"] = time.perf_counter() - t0
+        out["mutant"] = mutant
+        return out
+
+    def crash_info(self, stage: str, exc: BaseException) -> dict:
+        return self.probe.error(stage, exc)
+
+
+class _Run:
+    def __init__(self, eng: RealEngine, case: Case, step_cap: int, checks: str):
+        self.eng, self.case, self.step_cap, self.checks = eng, case, step_cap, checks
+        self.lines = [header("vllm-" + _vllm_version(), case.asserts)]
+        self.findings: list[dict] = []
+        self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
+                         "aborted": 0, "scheduled_tokens": 0}
+        self.step_no = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+    def emit(self, line: str) -> None:
+        self.lines.append(line)
+
+    def result(self) -> dict:
+        return {"status": "ok", "trace": self.lines, "findings": self.findings,
+                "counters": self.counters}
+
+    def go(self) -> None:
+        try:
+            self._go()
+        except _Crash as c:
+            info = self.eng.crash_info(c.stage, c.exc)
+            self.lines.append(f"crash {info['exception']} {info['function'] or '?'} {c.stage}")
+            info.update(kind="crash", step=self.step_no)
+            self.findings.append(info)
+        except inv.InvariantViolation as v:
+            self.lines.append(f"violation {v.inv_id} {v.detail}")
+            self.findings.append(v.to_json())
+
+    def _call(self, stage: str, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except self.eng.Unsupported:
+            raise
+        except Exception as e:   # noqa: BLE001 - vLLM's failure is the observation
+            raise _Crash(stage, e) from e
+
+    # -- setup -----------------------------------------------------------------------------
+    def _boot(self) -> None:
+        eng, case = self.eng, self.case
+        vc, kvc, sched, sbs, tph = self._call("boot", eng.boot, case)
+        self.sched, self.tph = sched, tph
+        self.conn = sched.connector
+        cs = getattr(self.conn, "connector_scheduler", None)
+        if cs is None:
+            raise RuntimeError("harness: no OffloadingConnectorScheduler on the scheduler")
+        self.cs = cs
+        cfg = cs.config
+        self.bpc = int(getattr(cfg, "blocks_per_chunk", None)
+                       or getattr(cfg, "block_size_factor", 1))
+        gcfgs = []
+        for gc in cfg.kv_group_configs:
+            gid = int(gc.group_idx)
+            tpb = int(getattr(gc, "tokens_per_block", None) or getattr(gc, "gpu_block_size"))
+            gcfgs.append(SimpleNamespace(group_id=gid, tokens_per_block=tpb,
+                                         tokens_per_chunk=tpb * self.bpc))
+        self.gcfgs = gcfgs
+        self.gcfg_by_id = {g.group_id: g for g in gcfgs}
+        self.geo = SimpleNamespace(tokens_per_hash=tph, groups=gcfgs)
+        layout = case.layout
+        mgrs = sched.kv_cache_manager.coordinator.single_type_managers
+        self.block_sizes = [int(m.block_size) for m in mgrs]
+        self.unit = math.gcd(tph, *self.block_sizes)
+        self.rules = [GroupRule(i, g, bs, layout.engine.enable_prefix_caching)
+                      for i, (g, bs) in enumerate(zip(layout.groups, self.block_sizes))]
+        self.shadow = Shadow(layout.engine.num_gpu_blocks)
+        self.tier: dict[Any, tuple] = {}          # offload key -> content (ready chunks)
+        self.pending_reads: dict[int, set[int]] = {}
+        self.jobs: dict[int, _Job] = {}
+        self.reqs: dict[str, Any] = {}            # rid -> vllm Request
+        self.ident: dict[str, IdentRequest] = {}  # rid -> token identity tracker
+        self.index: dict[str, int] = {}
+        self.hash_index: dict[str, dict] = {}
+        self.finished: set[str] = set()
+        try:
+            from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_idx
+            self.key_hash, self.key_group = get_offload_block_hash, get_offload_group_idx
+        except ImportError:
+            self.key_hash = lambda k: bytes(k)[:-4]
+            self.key_group = lambda k: int.from_bytes(bytes(k)[-4:], "big")
+        self.hasher = self.eng.probe.hasher(vc, tph)
+
+    def _add_request(self, i: int, spec) -> None:
+        eng = self.eng
+        params: dict[str, Any] = {"max_tokens": spec.decode, "ignore_eos": True}
+        ktp = {}
+        if spec.max_load_tokens is not None:
+            ktp["max_load_tokens"] = spec.max_load_tokens
+        if spec.max_offload_tokens is not None:
+            ktp["max_offload_tokens"] = spec.max_offload_tokens
+        if ktp:
+            params["extra_args"] = {"kv_transfer_params": ktp}
+        sp = eng.SamplingParams(**params)
+        prompt = spec.prompt_tokens()
+        req = self._call("add_request", lambda: eng.probe.Request(
+            request_id=spec.id, prompt_token_ids=prompt, sampling_params=sp,
+            pooling_params=None, arrival_time=float(i), block_hasher=self.hasher))
+        self.reqs[spec.id] = req
+        self.index[spec.id] = i
+        self.ident[spec.id] = IdentRequest(spec.id, i, spec, prompt, spec.prompt_len + spec.decode,
+                                           self.unit, len(self.case.layout.groups))
+        self._call("add_request", self.sched.add_request, req)
+
+    def _hidx(self, rid: str, block_hash) -> int:
+        req = self.reqs[rid]
+        hashes = req.block_hashes
+        m = self.hash_index.setdefault(rid, {})
+        if len(m) < len(hashes):
+            for j in range(len(m), len(hashes)):
+                m.setdefault(bytes(hashes[j]), j)
+        return m.get(bytes(block_hash), -1)
+
+    # -- jobs from the connector metadata --------------------------------------------------
+    def _job_items(self, jid: int, tjob, status, is_store: bool) -> list:
+        """Per chunk: (group, chunk index, hash index, key, [(block index, block id)])."""
+        rid = tjob.req_id
+        gpu = tjob.src_spec if is_store else tjob.dst_spec
+        bids = [int(b) for b in gpu.block_ids]
+        sizes = list(getattr(gpu, "group_sizes", None) or [len(bids)])
+        starts = list(getattr(gpu, "block_indices", None) or [0] * len(sizes))
+        ident = self.ident[rid]
+        req_state = self.cs._req_status.get(rid)
+        by_group: dict[int, list] = {}
+        for k in status.keys:
+            gid = int(self.key_group(k))
+            hidx = self._hidx(rid, self.key_hash(k))
+            by_group.setdefault(gid, []).append((hidx, k))
+        items = []
+        pos = 0
+        for gi, gcfg in enumerate(self.gcfgs):
+            n = sizes[gi] if gi < len(sizes) else 0
+            blocks = bids[pos:pos + n]
+            pos += n
+            gid = gcfg.group_id
+            keys = sorted(by_group.get(gid, []), key=lambda x: x[0])
+            tpb, tpc = gcfg.tokens_per_block, gcfg.tokens_per_chunk
+            # chunk index of every key: where it sits in the request's offload keys
+            chunk_of = {}
+            if req_state is not None and gi < len(req_state.group_states):
+                for c, kk in enumerate(req_state.group_states[gi].offload_keys):
+                    chunk_of.setdefault(bytes(kk), c)
+            if is_store:
+                # the source blocks of each chunk: its non-null blocks, in order
+                table = (req_state.group_states[gi].block_ids
+                         if req_state is not None else [])
+                for hidx, k in keys:
+                    c = chunk_of.get(bytes(k))
+                    if c is None:
+                        c = (hidx + 1) * self.tph // tpc - 1
+                    idxs = [i for i in range(c * self.bpc, (c + 1) * self.bpc)
+                            if i < len(table) and table[i] != 0]
+                    take, blocks = blocks[:len(idxs)], blocks[len(idxs):]
+                    items.append((gid, c, hidx, (gid, ident.ident_at((hidx + 1) * self.tph)),
+                                  list(zip(idxs, take))))
+            else:
+                start = starts[gi] if gi < len(starts) else 0
+                per_chunk: dict[int, list] = {}
+                for off, b in enumerate(blocks):
+                    i = start + off
+                    per_chunk.setdefault(i // self.bpc, []).append((i, b))
+                for hidx, k in keys:
+                    c = chunk_of.get(bytes(k))
+                    if c is None:
+                        c = (hidx + 1) * self.tph // tpc - 1
+                    items.append((gid, c, hidx, (gid, ident.ident_at((hidx + 1) * self.tph)),
+                                  per_chunk.get(c, [])))
+        return items
+
+    def _fmt_job(self, job: _Job) -> str:
+        kind = "store" if job.is_store else "load"
+        parts = [f"g{gid}:{hidx}={fmt_blocks([b for _, b in blocks])}"
+                 for gid, _, hidx, _, blocks in job.items]
+        return f"{kind} {job.jid} {job.rid} " + (" ".join(parts) if parts else "-")
+
+    # -- the shadow ------------------------------------------------------------------------
+    def _tables(self, rid: str) -> list[list[int]]:
+        mgrs = self.sched.kv_cache_manager.coordinator.single_type_managers
+        out = []
+        for m in mgrs:
+            blocks = m.req_to_blocks.get(rid) or []
+            out.append([b.block_id for b in blocks])
+        return out
+
+    def _read_store(self, job: _Job) -> None:
+        if job.read:
+            return
+        job.read = True
+        pr = self.pending_reads
+        ident = self.ident[job.rid]
+        for item in job.items:
+            content = self.shadow.read(item[4])
+            job.contents[item[3]] = content
+            for _, b in item[4]:
+                s = pr.get(b)
+                if s is not None:
+                    s.discard(job.jid)
+                    if not s:
+                        del pr[b]
+            v = inv.check_stored_chunk(self.step_no, job, item, content, ident, self.geo)
+            if v is not None:
+                raise v
+
+    def _complete(self, job: _Job) -> None:
+        job.done = True
+        if job.is_store:
+            self._read_store(job)
+            for item in job.items:
+                self.tier[item[3]] = job.contents.get(item[3])
+            return
+        written = []
+        for item in job.items:
+            content = self.tier.get(item[3])
+            self.shadow.write(item[4], content or ())
+            written.extend(b for _, b in item[4])
+        v = inv.check_writes(self.step_no, written, self.pending_reads, f"load {job.jid}")
+        if v is not None:
+            raise v
+        req = self.reqs[job.rid]
+        if not req.is_finished():
+            ident = self.ident[job.rid]
+            v = inv.check_loaded(self.step_no, job, ident, self.shadow, self.geo)
+            if v is not None:
+                raise v
+
+    def _check_pool(self) -> None:
+        pool = self.sched.kv_cache_manager.block_pool
+        holders: dict[int, int] = {}
+        for rid in self.reqs:
+            if rid in self.finished:
+                continue
+            for table in self._tables(rid):
+                for b in table:
+                    if b != NULL:
+                        holders[b] = holders.get(b, 0) + 1
+        blocks = pool.blocks
+        for b, n in holders.items():
+            blk = blocks[b]
+            if blk.ref_cnt != n:
+                raise inv.InvariantViolation("INV-1", self.step_no, f"block {b}: refcount "
+                                             f"{blk.ref_cnt} but held {n} times")
+            if n > 1 and blk.block_hash is None:
+                raise inv.InvariantViolation("INV-2", self.step_no, f"block {b} held by {n} "
+                                             "requests but not a prefix-cache block")
+        n_free = pool.get_num_free_blocks()
+        if n_free + len(holders) != pool.num_gpu_blocks - 1:
+            raise inv.InvariantViolation("INV-1", self.step_no, f"free {n_free} + held "
+                                         f"{len(holders)} != pool {pool.num_gpu_blocks - 1}")
+
+    # -- the loop --------------------------------------------------------------------------
+    def _go(self) -> None:
+        self._boot()
+        case, sched = self.case, self.sched
+        arrivals = sorted(((r.arrival, i, r) for i, r in enumerate(case.requests)),
+                          key=lambda x: (x[0], x[1]))
+        aborts = sorted(((r.abort_at, i, r.id) for i, r in enumerate(case.requests)
+                         if r.abort_at is not None))
+        ai = bi = 0
+        timing = case.timing
+        unfinished = len(case.requests)
+        t = arrivals[0][0] if arrivals else 0
+        stall = 0
+        RS = self.eng.RequestStatus
+        while unfinished > 0 or sched.has_requests() or self._live_jobs():
+            # completions are delivered in update_from_output; arrivals and aborts at t
+            while ai < len(arrivals) and arrivals[ai][0] <= t:
+                self._add_request(arrivals[ai][1], arrivals[ai][2])
+                ai += 1
+            while bi < len(aborts) and aborts[bi][0] <= t:
+                rid = aborts[bi][2]
+                bi += 1
+                req = self.reqs.get(rid)
+                if req is None:
+                    unfinished -= 1
+                    self.counters["aborted"] += 1
+                    continue
+                if rid in self.finished:
+                    continue
+                self._call("finish_requests", sched.finish_requests, [rid],
+                           RS.FINISHED_ABORTED)
+                self.finished.add(rid)
+                unfinished -= 1
+                self.counters["aborted"] += 1
+                self.emit(f"finish {rid} aborted")
+            if unfinished <= 0 and not sched.has_requests() and not self._live_jobs():
+                break
+            if not sched.has_requests() and not self.cs._jobs and not self._live_jobs():
+                # idle: jump to the next arrival or abort
+                nxt = [x[0] for x in arrivals[ai:ai + 1]] + [x[0] for x in aborts[bi:bi + 1]]
+                if not nxt:
+                    raise inv.InvariantViolation("INV-8", self.step_no,
+                                                 f"{unfinished} requests never finished")
+                t = max(t + 1, min(nxt))
+                continue
+            progress, done = self._step(t)
+            tail = []
+            for rid, req in self.reqs.items():
+                if rid not in self.finished and req.is_finished():
+                    self.finished.add(rid)
+                    unfinished -= 1
+                    self.counters["finished"] += 1
+                    tail.append(f"finish {rid} finished")
+            if self.checks == "full":
+                self._check_pool()
+            self.emit("check ok")
+            # the model's order: FINISH events of step t, then completions due at t + 1
+            self.lines.extend(tail)
+            for job in done:
+                self.emit(f"done {job.jid} {'store' if job.is_store else 'load'}")
+            future = ai < len(arrivals) or bi < len(aborts)
+            if progress or self._live_jobs() or future:
+                stall = 0
+            else:
+                stall += 1
+                if stall > STALL_STEPS:
+                    stuck = [r for r in self.reqs if r not in self.finished][:5]
+                    raise inv.InvariantViolation("INV-8", self.step_no, f"no progress for "
+                                                 f"{stall} steps with the tier quiet; "
+                                                 f"stuck: {stuck}")
+            if self.counters["steps"] >= self.step_cap:
+                raise inv.InvariantViolation("INV-8", self.step_no, f"{unfinished} requests "
+                                             f"unfinished after {self.step_cap} steps")
+            t += 1
+
+    def _live_jobs(self) -> bool:
+        return any(not j.done for j in self.jobs.values())
+
+    def _step(self, t: int) -> bool:
+        sched, eng, case = self.sched, self.eng, self.case
+        self.step_no = step = self.counters["steps"]
+        self.counters["steps"] += 1
+        self.emit(f"step {step}")
+        # the requests' computed counts before the step, for the shadow
+        before = {rid: r.num_computed_tokens for rid, r in self.reqs.items()}
+        out = self._call("schedule", sched.schedule)
+        # --- what was scheduled
+        new_ids = {}
+        for nr in out.scheduled_new_reqs:
+            new_ids[nr.req_id] = [list(b) for b in nr.block_ids]
+            before[nr.req_id] = nr.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        c_ids = list(getattr(cached, "req_ids", []) or [])
+        for k, rid in enumerate(c_ids):
+            nb = cached.new_block_ids[k]
+            new_ids[rid] = ([list(b) for b in nb] if nb is not None
+                            else [[] for _ in self.rules])
+            before[rid] = cached.num_computed_tokens[k]
+        preempted = sorted(getattr(out, "preempted_req_ids", None) or ())
+        for rid in preempted:
+            self.emit(f"preempt {rid}")
+            self.counters["preemptions"] += 1
+        meta = getattr(out, "kv_connector_metadata", None)
+        load_jobs = dict(getattr(meta, "load_jobs", None) or {}) if meta is not None else {}
+        store_jobs = dict(getattr(meta, "store_jobs", None) or {}) if meta is not None else {}
+        flush = set(getattr(meta, "jobs_to_flush", None) or ()) if meta is not None else set()
+        for jid in sorted(load_jobs):
+            tj = load_jobs[jid]
+            status = self.cs._jobs.get(jid)
+            items = self._job_items(jid, tj, status, False) if status is not None else []
+            job = _Job(jid, tj.req_id, False, items, t + case.timing.load_latency)
+            self.jobs[jid] = job
+            self.emit(self._fmt_job(job))
+            for item in items:
+                if item[3] not in self.tier:
+                    raise inv.InvariantViolation(
+                        "INV-7", step, f"load of chunk g{item[0]}:{item[2]} whose store has "
+                        "not completed")
+        self.counters["loads"] += len(load_jobs)
+        scheduled = dict(out.num_scheduled_tokens)
+        for rid, n in scheduled.items():
+            self.counters["scheduled_tokens"] += n
+            self.emit(f"sched {rid} {n}")
+            per_group = new_ids.get(rid) or [[] for _ in self.rules]
+            self.emit(f"alloc {rid} " + " ".join(f"g{g}={fmt_blocks(b)}"
+                                                 for g, b in enumerate(per_group)))
+        new_stores = []
+        for jid in sorted(store_jobs):
+            tj = store_jobs[jid]
+            status = self.cs._jobs.get(jid)
+            items = self._job_items(jid, tj, status, True) if status is not None else []
+            job = _Job(jid, tj.req_id, True, items, t + case.timing.store_latency)
+            self.jobs[jid] = job
+            new_stores.append(job)
+            self.emit(self._fmt_job(job))
+            v = inv.check_store_job(step, job, self.geo)
+            if v is not None:
+                raise v
+        self.counters["stores"] += len(store_jobs)
+        if flush:
+            self.emit("flush " + ",".join(map(str, sorted(flush))))
+            for jid in sorted(flush):
+                job = self.jobs.get(jid)
+                if job is not None and job.is_store and not job.done:
+                    self._read_store(job)
+                    job.due = t          # the worker finishes it in this step
+        # --- execute: write what the forward pass computes; sample
+        sampled: dict[str, list[int]] = {}
+        seed = case.seed
+        pr = self.pending_reads
+        for rid, n in scheduled.items():
+            req = self.reqs[rid]
+            ident = self.ident[rid]
+            start = before.get(rid, 0)
+            ident.tables = self._tables(rid)
+            written = self.shadow.write_computed(ident, self.rules, start, start + n)
+            if pr:
+                v = inv.check_writes(step, written, pr, f"request {rid}")
+                if v is not None:
+                    raise v
+            if start + n >= req.num_tokens:
+                tok = _token(seed, self.index[rid], req.num_tokens)
+                sampled[rid] = [tok]
+            else:
+                sampled[rid] = []
+        for job in new_stores:
+            if not job.read:
+                for item in job.items:
+                    for _, b in item[4]:
+                        pr.setdefault(b, set()).add(job.jid)
+        # --- completions reported by this step's worker output
+        done = [j for j in self.jobs.values() if not j.done and j.due <= t + 1]
+        done.sort(key=lambda j: j.jid)
+        completed: dict[int, int] = {}
+        recving: set[str] = set()
+        for job in done:
+            self._complete(job)
+            completed[job.jid] = 1
+            if not job.is_store:
+                recving.add(job.rid)
+        kvo = None
+        if completed or recving:
+            wm = eng.WorkerMeta(completed_jobs=completed) if eng.WorkerMeta else None
+            kvo = eng.KVConnectorOutput(finished_recving=recving or None,
+                                        kv_connector_worker_meta=wm)
+        order = list(scheduled)
+        mro = eng.ModelRunnerOutput(
+            req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
+            sampled_token_ids=[sampled[r] for r in order], kv_connector_output=kvo,
+            **({"logprobs": None} if "logprobs" in eng.mro_params else {}))
+        self._call("update_from_output", sched.update_from_output, out, mro)
+        for rid, toks in sampled.items():
+            if toks:
+                self.ident[rid].append_tokens(toks)
+        return bool(scheduled) or bool(done), done
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+        return vllm.__version__
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+__all__ = ["RealEngine", "DEFAULT_STEP_CAP"]
