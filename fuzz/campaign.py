@@ -129,6 +129,7 @@ class Campaign:
         self.knobs: dict[str, int] = {}
         self.timeline: list[dict] = []
         self.started = 0.0
+        self.warmup_s = 0.0
 
     # --- evaluating one case ---------------------------------------------------------------
 
@@ -234,6 +235,12 @@ class Campaign:
     def run(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
         self.load_prior()
+        if self.release_targets or self.all_release_targets:
+            modes = (True, False) if self.asserts is None else (self.asserts,)
+            self.progress(f"starting {len(self.pool.versions) * len(modes)} release workers "
+                          f"({', '.join(self.pool.versions)}) ...")
+            self.warmup_s = self.pool.warm(modes)
+            self.progress(f"workers ready in {self.warmup_s:.1f} s; fuzzing for {self.budget:g} s")
         self.started = time.monotonic()
         deadline = self.started + self.budget
         db = DirectoryBasedExampleDatabase(str(self.out / "hypothesis-db"))
@@ -265,6 +272,7 @@ class Campaign:
         data = {
             "format": "simsched-report/1",
             "seed": self.seed, "budget_s": self.budget, "elapsed_s": round(el, 3),
+            "worker_startup_s": round(self.warmup_s, 3),
             "examples": self.examples,
             "examples_per_s": round(self.examples / el, 1) if el else 0.0,
             "targets": ([t.name for t in self.model_targets]

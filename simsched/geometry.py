@@ -115,6 +115,13 @@ def window_full_attention_only(group: Group, tokens_per_chunk: int) -> int | Non
     raise _WindowAssert(group.spec_name)
 
 
+def window_before_chunked_local(group: Group, tokens_per_chunk: int) -> int | None:
+    """0.25.1-0.27.1: no chunked-local branch, so chunked local must pass as full attention."""
+    if group.kind == "chunked_local":
+        raise _WindowAssert(group.spec_name)
+    return window_full_attention_only(group, tokens_per_chunk)
+
+
 def window_ring_is_one_block(group: Group, tokens_per_chunk: int) -> int | None:
     """PR #55038's first change: a ring reaches back one chunk, like a Mamba state."""
     if group.kind == "ring":
@@ -154,6 +161,17 @@ class Profile:
     eagle_marks_all_groups: bool = False
     # ``from_spec`` checks prefix_cache_retention_interval against windowed chunk sizes (0.30.0+).
     retention_check: bool = True
+    # Mamba groups send the hash unit back to the scheduler block size when their cache mode is
+    # not "align" (0.28.0+), or when their block size differs from the cache block size (before).
+    mamba_backoff: str = "mode"
+    # Offload block sizes: DCP scales every group (0.25.1, 0.26.0), or attention groups only.
+    offload_dcp_all_groups: bool = False
+    # 0.25.1: hybrid layouts refuse DCP, every group counts for the hash unit, and the boot checks
+    # live in OffloadingSpec.__init__; the window helper is get_sliding_window_size_in_blocks.
+    hybrid_dcp_error: bool = False
+    hash_unit_all_groups: bool = False
+    config_function: str = "build_offloading_config"
+    window_function: str = "get_sliding_window_size_in_chunks"
     extra: dict = field(default_factory=dict)
 
 
@@ -161,8 +179,30 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("every-group-no-clamp",
             "every group offloaded and asserted divisible by the hash unit; storable chunks not "
             "clamped to keyed chunks",
-            releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
+            releases=("0.28.0", "0.29.0"), keyed_chunk_clamp=False,
+            chunk_size_error="AssertionError",
             alignment="absent", eagle_marks_all_groups=True, retention_check=False),
+    Profile("legacy-spec-init",
+            "0.29.0's rules as 0.25.1 has them: boot checks in OffloadingSpec.__init__, no DCP "
+            "for hybrid layouts, Mamba back-off by block size, no chunked-local window",
+            releases=("0.25.1",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
+            alignment="absent", eagle_marks_all_groups=True, retention_check=False,
+            window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
+            offload_dcp_all_groups=True, hybrid_dcp_error=True, hash_unit_all_groups=True,
+            config_function="__init__", window_function="get_sliding_window_size_in_blocks"),
+    Profile("legacy-dcp-all",
+            "0.29.0's rules, with DCP scaling every group's offload block, Mamba back-off by "
+            "block size and no chunked-local window",
+            releases=("0.26.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
+            alignment="absent", eagle_marks_all_groups=True, retention_check=False,
+            window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
+            offload_dcp_all_groups=True),
+    Profile("legacy-mamba-block-size",
+            "0.29.0's rules, with Mamba back-off by block size and no chunked-local window",
+            releases=("0.27.0", "0.27.1"), keyed_chunk_clamp=False,
+            chunk_size_error="AssertionError", alignment="absent", eagle_marks_all_groups=True,
+            retention_check=False, window_in_chunks=window_before_chunked_local,
+            mamba_backoff="block_size"),
     Profile("every-group",
             "every group offloaded and asserted divisible by the hash unit",
             releases=("0.30.0",)),
@@ -221,6 +261,12 @@ def effective_block_size(group: Group, dcp: int) -> int:
     return group.block_size * dcp if group.dcp_sharded else group.block_size
 
 
+def cache_block_size(layout: Layout) -> int:
+    """``cache_config.block_size`` as the engine sets it: the first attention target group's."""
+    attention = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
+    return (attention[0] if attention else layout.groups[0]).block_size
+
+
 def resolve_block_sizes(layout: Layout, profile: Profile) -> tuple[int, int]:
     """``resolve_kv_cache_block_sizes``: (scheduler block size, tokens per hash)."""
     engine, groups = layout.engine, layout.groups
@@ -234,12 +280,22 @@ def resolve_block_sizes(layout: Layout, profile: Profile) -> tuple[int, int]:
                               "with a single KV cache group, prefix-cache hits land on the block "
                               f"size ({bs}).")
         return bs, bs
+    if profile.hybrid_dcp_error and dcp != 1:
+        raise ConfigError("ValueError", "resolve_kv_cache_block_sizes", KV_CACHE_UTILS_PY,
+                          "resolve", "Hybrid KV cache groups with multiple block sizes do not "
+                          "support context parallelism (dcp_world_size/pcp_world_size > 1).")
     sizes = [effective_block_size(g, dcp) for g in groups]
     scheduler = math.lcm(*sizes)
     # The offloading connector is always configured here, so block hashing is active.
-    if any(g.kind == "mamba" and g.mamba_cache_mode != "align" for g in groups):
+    if profile.mamba_backoff == "mode":
+        backoff = any(g.kind == "mamba" and g.mamba_cache_mode != "align" for g in groups)
+    else:
+        cache_block = cache_block_size(layout)
+        backoff = any(g.kind == "mamba" and g.block_size != cache_block for g in groups)
+    if backoff:
         return scheduler, scheduler
-    hashing = [s for g, s in zip(groups, sizes) if g.prefix_cacheable] or sizes
+    hashing = [s for g, s in zip(groups, sizes)
+               if g.prefix_cacheable or profile.hash_unit_all_groups] or sizes
     unit = engine.prefix_match_unit if engine.prefix_match_unit is not None else math.gcd(*hashing)
     if any(s % unit for s in hashing):
         raise ConfigError("ValueError", "resolve_kv_cache_block_sizes", KV_CACHE_UTILS_PY,
@@ -263,14 +319,14 @@ def _blocks_per_chunk(layout: Layout, tokens_per_block: list[int], profile: Prof
     unique = set(tokens_per_block)
     if len(unique) != 1:
         if asserts:
-            raise ConfigError("AssertionError", "build_offloading_config", CONFIG_PY,
+            raise ConfigError("AssertionError", profile.config_function, CONFIG_PY,
                               "build_offloading_config",
                               "If 'block_size' is specified in kv_connector_extra_config, "
                               "all groups must have the same block size.")
     tpb = unique.pop()   # with asserts stripped, vLLM takes whatever set.pop() gives: so do we
     if engine.offload_block_size % tpb:
         if profile.chunk_size_error == "ValueError" or asserts:
-            raise ConfigError(profile.chunk_size_error, "build_offloading_config", CONFIG_PY,
+            raise ConfigError(profile.chunk_size_error, profile.config_function, CONFIG_PY,
                               "build_offloading_config",
                               f"'block_size'={engine.offload_block_size} in "
                               "kv_connector_extra_config must be a multiple of the GPU KV cache "
@@ -291,12 +347,17 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
         raise ConfigError("ValueError", "build_offloading_config", CONFIG_PY,
                           "build_offloading_config",
                           "KV offloading found no eligible cache groups.")
-    tpb = {i: effective_block_size(layout.groups[i], dcp) for i in selected}
+    def offload_block(group: Group) -> int:
+        if profile.offload_dcp_all_groups:
+            return group.block_size * dcp
+        return effective_block_size(group, dcp)
+
+    tpb = {i: offload_block(layout.groups[i]) for i in selected}
     if asserts:
         for i in profile.asserted_groups(layout):
-            size = effective_block_size(layout.groups[i], dcp)
+            size = offload_block(layout.groups[i])
             if size % tokens_per_hash:
-                raise ConfigError("AssertionError", "build_offloading_config", CONFIG_PY,
+                raise ConfigError("AssertionError", profile.config_function, CONFIG_PY,
                                   "build_offloading_config",
                                   f"tokens_per_block={size} not divisible by "
                                   f"tokens_per_hash={tokens_per_hash}.")
@@ -316,7 +377,7 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
             window = profile.window_in_chunks(group, tokens_per_chunk)
         except _WindowAssert as e:
             if asserts:
-                raise ConfigError("AssertionError", "get_sliding_window_size_in_chunks",
+                raise ConfigError("AssertionError", profile.window_function,
                                   profile.window_file, "from_spec",
                                   f"{e.args[0]} is not a FullAttentionSpec") from None
             window = None

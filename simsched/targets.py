@@ -119,6 +119,32 @@ class Releases:
                                                timeout=self.timeout)
         return self._workers[key]
 
+    def warm(self, asserts_modes: tuple[bool, ...] = (True,), versions=None) -> float:
+        """Start the workers (in parallel) and build each one's base config; seconds taken."""
+        import threading
+        import time
+        t0 = time.monotonic()
+        probe = {"layout": {"groups": [{"kind": "full", "block_size": 16}]}, "num_tokens": 16}
+        errors: list[BaseException] = []
+
+        def start(version: str, asserts: bool) -> None:
+            try:
+                self.worker(version, asserts).call("config_batch", items=[probe])
+            except BaseException as e:   # reported below; the campaign records worker failures
+                errors.append(e)
+
+        keys = [(v, a) for v in (versions or self.versions) for a in asserts_modes]
+        for key in keys:   # create serially: the dict is not shared across threads
+            self.worker(*key)
+        threads = [threading.Thread(target=start, args=key) for key in keys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return time.monotonic() - t0
+
     def close(self) -> None:
         for w in self._workers.values():
             w.close()
