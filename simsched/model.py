@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from simsched import events as ev
 from simsched import invariants as inv
-from simsched.allocator import (ABORTED, FINISHED, NULL, RUNNING, WAITING, WAITING_FOR_LOAD,
-                                KVCacheManager, Request)
+from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
+                                WAITING_FOR_LOAD, KVCacheManager, Request)
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, PROFILES, ConfigError, Profile, derive,
                                effective_block_size, prefix_cacheable_or_all,
@@ -87,6 +87,7 @@ class Model:
         layout, timing = case.layout, case.timing
         self.geo = geo = derive(layout, profile, asserts=case.asserts)
         self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
+        self.no_blocks = [[] for _ in layout.groups]
         dcp = layout.engine.dcp_size
         sizes = [effective_block_size(g, dcp) for g in layout.groups]
         self.unit = math.gcd(geo.tokens_per_hash, *sizes)
@@ -260,13 +261,23 @@ class Model:
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list] = {}
-        sched_reqs: list[Request] = []
+        # (request, tokens, new blocks) in scheduling order; new blocks None for a quiet decode
+        sched_reqs: list[tuple] = []
         preempted: list[str] = []
         running = self.running
         k = self.num_spec
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            c = req.num_computed
+            if (not k and c <= req.fast_until and c <= req.quiet_until
+                    and len(req.tokens) == c + 1):
+                # a quiet decode step (see _fast_bound): allocate, build_connector_meta and the
+                # store jobs would all be no-ops for it
+                sched_reqs.append((req, 1, None))
+                budget -= 1
+                i += 1
+                continue
             if k and req.num_computed >= req.num_prompt:
                 remaining = req.max_tokens - req.num_tokens
                 drafts = min(k, remaining - 1)
@@ -294,16 +305,17 @@ class Model:
                 break
             scheduled[req.rid] = n
             new_blocks[req.rid] = nb
-            sched_reqs.append(req)
+            sched_reqs.append((req, n, nb))
             budget -= n
             i += 1
         if not preempted:
             self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
-        counters["scheduled_tokens"] += sum(scheduled.values())
+        counters["scheduled_tokens"] += sum([n for _, n, _ in sched_reqs])
         if tracing:
-            for rid, n in scheduled.items():
-                lines.append(f"sched {rid} {n}")
-                lines.append(fmt_alloc(rid, new_blocks[rid]))
+            empty = self.no_blocks
+            for req, n, nb in sched_reqs:
+                lines.append(f"sched {req.rid} {n}")
+                lines.append(fmt_alloc(req.rid, empty if nb is None else nb))
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
         stores, loads, flush = off.build_connector_meta(scheduled, new_blocks, preempted,
@@ -327,10 +339,24 @@ class Model:
                     self.q.schedule(t, ev.STORE_DONE, jid)
         # execute the model
         write_computed, rules, pr = self.shadow.write_computed, kv.rules, self.pending_reads
+        gpu, unit, fast_bound = self.shadow.gpu, self.unit, self._fast_bound
         seed = self.case.seed
-        for req in sched_reqs:
+        for req, n, nb in sched_reqs:
             start = req.num_computed
-            end = start + scheduled[req.rid]
+            end = start + n
+            if nb is None:
+                # quiet decode: write_computed of one token that completes no block, inlined
+                for gid, b in req.fast_blocks:
+                    gpu[b] = (gid, end, None)
+                if pr:
+                    self._violation(inv.check_writes(step, [b for _, b in req.fast_blocks], pr,
+                                                     f"request {req.rid}"))
+                req.num_computed = end
+                tokens = req.tokens
+                tokens.append(_token(seed, req.index, end))     # never the last one
+                if len(tokens) % unit == 0:
+                    req._extend_ident()
+                continue
             written = write_computed(req, rules, start, end)
             if pr:
                 self._violation(inv.check_writes(step, written, pr, f"request {req.rid}"))
@@ -340,14 +366,59 @@ class Model:
                 if len(req.tokens) >= req.max_tokens:
                     req.finish_step = step
                     self.q.schedule(t, ev.FINISH, req)
+            if not k:
+                fast_bound(req)
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
             if not job.read:
                 for item in job.items:
                     for _, b in item[4]:
                         pr.setdefault(b, set()).add(job.jid)
-        self.progress = self.progress or bool(scheduled)
+        self.progress = self.progress or bool(sched_reqs)
         self._after_step(step)
+
+    def _fast_bound(self, req: Request) -> None:
+        """After a full step of a running request: up to which ``num_computed`` its next decode
+        steps are quiet, and the (group, block) pairs such a step writes.
+
+        A decode step (one token, ``num_tokens == num_computed + 1``) with ``num_computed = c`` is
+        quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step) and:
+        ``build_connector_meta`` adds no offload key (``c + 1 < next_key_at``); no group can
+        store a chunk (``(c + 1) // tokens_per_chunk <= next_stored``, as ``storable_chunks``
+        never exceeds it); the request does not finish (``c + 2 < max_tokens``); and the token
+        completes no block (so each group's write is ``(gid, c + 1, None)`` into the same block).
+        Those quantities only grow outside a full step, so the bound stays safe until the next
+        full step recomputes it; a preemption resets ``quiet_until``."""
+        c = req.num_computed
+        st = req.off
+        bound = -1
+        if len(req.tokens) == c + 1 and st is not None and \
+                self.off.req_status.get(req.rid) is st:
+            bound = min(req.max_tokens - 3, st.next_key_at - 2)
+            for cfg, gs in zip(self.off.cfgs, st.groups):
+                tpc = cfg.tokens_per_chunk
+                if tpc <= 0:
+                    bound = -1
+                    break
+                b = (gs.next_stored + 1) * tpc - 2
+                if b < bound:
+                    bound = b
+            blocks = []
+            for r in self.kv.rules:
+                table = req.tables[r.gid]
+                if not table:
+                    continue
+                if r.code == RING:
+                    blocks.append((r.gid, table[0]))
+                    continue
+                i = c // r.bs
+                b = (i + 1) * r.bs - 2
+                if b < bound:
+                    bound = b
+                if i < len(table) and table[i] != NULL:
+                    blocks.append((r.gid, table[i]))
+            req.fast_blocks = blocks
+        req.fast_until = bound
 
     def _schedule_waiting(self, scheduled, new_blocks, budget, sched_reqs) -> None:
         kv, off, t = self.kv, self.off, self.q.now
@@ -403,8 +474,8 @@ class Model:
             running.append(req)
             req.status = RUNNING
             scheduled[req.rid] = n
-            new_blocks[req.rid] = [list(tb) for tb in req.tables]
-            sched_reqs.append(req)
+            new_blocks[req.rid] = nb = [list(tb) for tb in req.tables]
+            sched_reqs.append((req, n, nb))
             budget -= n
 
     def _after_step(self, step: int) -> None:
