@@ -16,7 +16,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from simsched.allocator import ABORTED, NULL, Request
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
@@ -49,10 +49,9 @@ class CPUTier:
         return HIT if e[0] else HIT_PENDING
 
     def touch(self, keys) -> None:
+        """Move each present key to the MRU end, in order (the loop runs in C)."""
         entries = self.entries
-        for k in keys:
-            if k in entries:
-                entries.move_to_end(k)
+        deque(map(entries.move_to_end, filter(entries.__contains__, keys)), 0)
 
     def prepare_store(self, keys) -> list | None:
         entries = self.entries
