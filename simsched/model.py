@@ -371,9 +371,14 @@ class Model:
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
             if not job.read:
+                jid = job.jid
                 for item in job.items:
                     for _, b in item[4]:
-                        pr.setdefault(b, set()).add(job.jid)
+                        s = pr.get(b)
+                        if s is None:
+                            pr[b] = {jid}
+                        else:
+                            s.add(jid)
         self.progress = self.progress or bool(sched_reqs)
         self._after_step(step)
 
