@@ -252,18 +252,22 @@ class KVCacheManager:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
+        key, cache_block = pool.key, pool.cache_block
         done = req.num_cached_blocks
+        idents, unit = req.ident, req.unit
+        nid = len(idents)
         for r in self.cacheable_rules:
             bs, gid, table = r.bs, r.gid, req.tables[r.gid]
             i = done[gid]
             n = min(num_tokens // bs, len(table))
             while i < n:
                 b = table[i]
-                if b != NULL and pool.key[b] is None:
-                    ident = req.ident_at((i + 1) * bs)
+                if b != NULL and key[b] is None:
+                    k = (i + 1) * bs // unit - 1          # req.ident_at, inlined
+                    ident = idents[k] if 0 <= k < nid else req.ident_at((i + 1) * bs)
                     if ident is None:
                         break
-                    pool.cache_block(b, (gid, ident))
+                    cache_block(b, (gid, ident))
                 i += 1
             done[gid] = i
 
