@@ -503,20 +503,28 @@ class OffloadScheduler:
             keyset = set(to_store)
             items, fenced, deferred = [], [], []
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
-                is_sw = cfg.sliding_window_in_chunks is not None
+                sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
                 start = gs.next_stored
-                for idx, k in enumerate(gs.keys[start:n]):
+                bids, kidx, gid = gs.block_ids, gs.kidx, cfg.group_id
+                for c, k in enumerate(gs.keys[start:n], start):
                     if k not in keyset:
                         continue
-                    c = start + idx
-                    blocks = []
-                    for i in range(c * bpc, c * bpc + bpc):
-                        b = gs.block_ids[i]
+                    if bpc == 1:
+                        b = bids[c]
                         if b == NULL:
-                            continue
-                        blocks.append((i, b))
-                        (fenced if is_sw else deferred).append(b)
-                    items.append((cfg.group_id, c, gs.kidx[start + idx], k, blocks))
+                            blocks = []
+                        else:
+                            blocks = [(c, b)]
+                            sink.append(b)
+                    else:
+                        blocks = []
+                        for i in range(c * bpc, c * bpc + bpc):
+                            b = bids[i]
+                            if b == NULL:
+                                continue
+                            blocks.append((i, b))
+                            sink.append(b)
+                    items.append((gid, c, kidx[c], k, blocks))
                 gs.next_stored = max(gs.next_stored, n)
             job = self._new_job(rid, True, keyset, items, fenced or None, deferred)
             st.jobs.add(job.jid)
