@@ -85,7 +85,12 @@ def _norm(line: str) -> str:
 
 
 def segments(trace: list[str]) -> list[list[str]]:
-    """The trace cut at ``step`` lines (segment 0: before the first step), header dropped."""
+    """The trace cut at ``step`` lines (segment 0: before the first step), header dropped.
+
+    Trailing empty steps (``step n`` + ``check ok`` only) are dropped: the model takes one more
+    step when a transfer is still pending at the end of a step, even though its completion is
+    reported before that step; the real engine then has nothing left to do and stops.
+    """
     out: list[list[str]] = [[]]
     for line in trace:
         if line.startswith("#"):
@@ -94,6 +99,8 @@ def segments(trace: list[str]) -> list[list[str]]:
             out.append([line])
         else:
             out[-1].append(line)
+    while len(out) > 1 and len(out[-1]) == 2 and out[-1][1] == "check ok":
+        out.pop()
     return out
 
 
@@ -156,7 +163,10 @@ def diff_traces(model: list[str], real: list[str], context_steps: int = CONTEXT_
             ml = m[j] if j < len(m) else None
             rl = r[j] if j < len(r) else None
             kind = _kind(ml or rl or "end")
-            if ml is not None and rl is not None and _kind(ml) != _kind(rl):
+            if {_kind(ml or ""), _kind(rl or "")} & {"crash", "violation"}:
+                kind = "crash" if "crash" in (_kind(ml or ""), _kind(rl or "")) \
+                    else "violation"
+            elif ml is not None and rl is not None and _kind(ml) != _kind(rl):
                 # a line present on one side only: name the kind that is missing or extra
                 kind = min(_kind(ml), _kind(rl), key=lambda k: _RANK.get(k, 8))
         ctx = [x for seg in ms[max(1, i - context_steps):i] for x in seg]
@@ -314,3 +324,20 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
         "timing": {"store_latency": rng.randint(0, 3), "load_latency": rng.randint(0, 3),
                    "max_num_batched_tokens": rng.choice([64, 128, 2048]),
                    "max_num_seqs": rng.choice([2, 4, 32])}})
+
+
+#: hand-made cases: ``load`` (a prefix stored, evicted from the GPU by a filler, loaded back
+#: from the CPU tier) and ``fence`` (a finished request's blocks re-allocated while its store is
+#: still pending: the store is flushed)
+HANDMADE: dict[str, dict] = {
+    "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                        "engine": {"num_gpu_blocks": 8}},
+             "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                          {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                          {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}]},
+    "fence": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                         "engine": {"num_gpu_blocks": 8}},
+              "timing": {"store_latency": 8},
+              "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 1},
+                           {"id": "f", "prompt": [[9, 96]], "arrival": 3, "decode": 1}]},
+}

@@ -76,6 +76,7 @@ class RealEngine:
 
         self.probe = probe
         self.builder = probe.builder
+        _cap_memory()
         self.Scheduler = Scheduler
         try:
             from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -385,8 +386,14 @@ class _Run:
             raise v
         req = self.reqs[job.rid]
         if not req.is_finished():
+            # check against where each destination block really sits in the request's table
+            tables = self._tables(job.rid)
+            pos = [{b: i for i, b in enumerate(t) if b != NULL} for t in tables]
+            true = SimpleNamespace(jid=job.jid, items=[
+                (gid, c, hidx, key, [(pos[gid].get(b, i), b) for i, b in blocks])
+                for gid, c, hidx, key, blocks in job.items])
             ident = self.ident[job.rid]
-            v = inv.check_loaded(self.step_no, job, ident, self.shadow, self.geo)
+            v = inv.check_loaded(self.step_no, true, ident, self.shadow, self.geo)
             if v is not None:
                 raise v
 
@@ -609,6 +616,26 @@ class _Run:
             if toks:
                 self.ident[rid].append_tokens(toks)
         return bool(scheduled) or bool(done), done
+
+
+def _cap_memory() -> None:
+    """RLIMIT_AS: the worker's address space may grow by SIMSCHED_WORKER_MEM_MB (default
+    8192) beyond what it holds once vLLM is imported; past that, allocations fail (MemoryError)
+    instead of taking the machine down, and a worker killed for memory is a recorded finding."""
+    try:
+        import resource
+        cap_mb = int(os.environ.get("SIMSCHED_WORKER_MEM_MB", "8192"))
+        if cap_mb <= 0:
+            return
+        with open("/proc/self/statm") as f:
+            vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        want = vm + cap_mb * (1 << 20)
+        if hard != resource.RLIM_INFINITY:
+            want = min(want, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (want, hard))
+    except (OSError, ValueError, ImportError):
+        pass
 
 
 def _vllm_version() -> str:
