@@ -1,0 +1,98 @@
+"""Benchmark: lockstep replay on real vLLM releases.
+
+* replayed real steps per second per worker on the workload of ``bench/bench_model.py``
+  (N requests, prompts 208-1191 tokens, 8 shared 256-token prefixes, full16 + sliding16(w128) +
+  full16, GPU pool 1,200 blocks), and the model-to-real speed ratio on the same workload in the
+  same run (the model with full checks and trace, as lockstep runs it);
+* agreement rate over N generated cases per release and layout (``simsched.lockstep``), with
+  the first divergences by kind.
+
+Run: ``python bench/bench_lockstep.py [--cases N] [--releases 0.30.0,0.33.0]``. Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_model import workload  # noqa: E402
+
+from simsched.geometry import profile_for_release  # noqa: E402
+from simsched.lockstep import LAYOUTS, generate_case, lockstep, run_real  # noqa: E402
+from simsched.model import run_case  # noqa: E402
+from simsched.targets import Releases  # noqa: E402
+
+
+def speed(pool, versions, sizes=(16, 64)) -> None:
+    print("| release | requests | steps | stores | loads | preemptions | real run (s) | "
+          "real steps/s | model steps/s | model / real |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for v in versions:
+        prof = profile_for_release(v)
+        for n in sizes:
+            case = workload(n)
+            run_real(case, v, pool, timeout=600)          # warm-up (imports, first build)
+            real = run_real(case, v, pool, timeout=600)
+            if real.get("status") != "ok":
+                print(f"| {v} | {n} | {real.get('status')}: {real.get('message', '')} |")
+                continue
+            c = real["counters"]
+            t0 = time.perf_counter()
+            m = run_case(case, prof)
+            tm = time.perf_counter() - t0
+            rs = c["steps"] / real["wall"]
+            ms = m.counters["steps"] / tm
+            print(f"| {v} | {n} | {c['steps']} | {c['stores']} | {c['loads']} | "
+                  f"{c['preemptions']} | {real['wall']:.2f} | {rs:,.0f} | {ms:,.0f} | "
+                  f"{ms / rs:.1f} |")
+
+
+def agreement(pool, versions, n_cases: int, layouts) -> None:
+    print()
+    print("| release | layout | cases | agree | divergences by kind (first differing line) |"
+          " real findings |")
+    print("|---|---|---|---|---|---|")
+    for v in versions:
+        for layout in layouts:
+            kinds: collections.Counter = collections.Counter()
+            finds: collections.Counter = collections.Counter()
+            agree = 0
+            for seed in range(n_cases):
+                r = lockstep(generate_case(seed, layout), v, pool)
+                if r.agree:
+                    agree += 1
+                elif r.divergence is not None:
+                    kinds[r.divergence.kind] += 1
+                else:
+                    kinds[r.real.get("status", "?")] += 1
+                for o in r.observations:
+                    if o.signature.kind != "divergence":
+                        finds[str(o.signature)] += 1
+            kd = ", ".join(f"{k} {n}" for k, n in kinds.most_common()) or "-"
+            fd = ", ".join(f"{k} {n}" for k, n in finds.most_common()) or "-"
+            print(f"| {v} | {layout} | {n_cases} | {agree} ({100 * agree / n_cases:.0f}%) | "
+                  f"{kd} | {fd} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", type=int, default=30)
+    ap.add_argument("--releases", default="0.30.0,0.33.0")
+    ap.add_argument("--layouts", default="full16,full16+sw16w128+full16,full16+ring4")
+    ap.add_argument("--sizes", default="16,64")
+    args = ap.parse_args()
+    versions = args.releases.split(",")
+    layouts = [x for x in args.layouts.split(",") if x in LAYOUTS]
+    with Releases.installed(versions, timeout=600) as pool:
+        speed(pool, versions, tuple(int(x) for x in args.sizes.split(",")))
+        agreement(pool, versions, args.cases, layouts)
+
+
+if __name__ == "__main__":
+    main()
