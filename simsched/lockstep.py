@@ -87,9 +87,11 @@ def _norm(line: str) -> str:
 def segments(trace: list[str]) -> list[list[str]]:
     """The trace cut at ``step`` lines (segment 0: before the first step), header dropped.
 
-    Trailing empty steps (``step n`` + ``check ok`` only) are dropped: the model takes one more
-    step when a transfer is still pending at the end of a step, even though its completion is
-    reported before that step; the real engine then has nothing left to do and stops.
+    Empty steps (``step n`` + ``check ok`` only) are dropped and step numbers are not compared:
+    the model takes one more step at ``t + 1`` when a transfer is still pending at the end of the
+    step at ``t``, even when its completion is reported before that step, while the real engine
+    (nothing scheduled, nothing pending once the output is processed) idles until the next
+    arrival. Such a step changes nothing but the numbering of the following steps.
     """
     out: list[list[str]] = [[]]
     for line in trace:
@@ -99,13 +101,12 @@ def segments(trace: list[str]) -> list[list[str]]:
             out.append([line])
         else:
             out[-1].append(line)
-    while len(out) > 1 and len(out[-1]) == 2 and out[-1][1] == "check ok":
-        out.pop()
-    return out
+    return [seg for i, seg in enumerate(out)
+            if i == 0 or not (len(seg) == 2 and seg[1] == "check ok")]
 
 
 def canonical(seg: list[str]) -> list[str]:
-    lines = [_norm(x) for x in seg]
+    lines = ["step" if x.startswith("step ") else _norm(x) for x in seg]
     keyed = [(_RANK.get(_kind(x), 8), (x if _RANK.get(_kind(x)) == 7 else ""), i, x)
              for i, x in enumerate(lines)]
     keyed.sort()
@@ -114,7 +115,7 @@ def canonical(seg: list[str]) -> list[str]:
 
 @dataclass
 class Divergence:
-    step: int                    # segment index - 1 (the step number where the traces differ)
+    step: int                    # the model's step number where the traces differ
     kind: str                    # kind of the first differing line
     model_line: str | None
     real_line: str | None
@@ -170,7 +171,9 @@ def diff_traces(model: list[str], real: list[str], context_steps: int = CONTEXT_
                 # a line present on one side only: name the kind that is missing or extra
                 kind = min(_kind(ml), _kind(rl), key=lambda k: _RANK.get(k, 8))
         ctx = [x for seg in ms[max(1, i - context_steps):i] for x in seg]
-        return Divergence(step=i - 1, kind=kind, model_line=ml, real_line=rl,
+        ref = ms[i] if i < len(ms) else (rs[i] if i < len(rs) else [])
+        step = int(ref[0].split()[1]) if ref and ref[0].startswith("step ") else -1
+        return Divergence(step=step, kind=kind, model_line=ml, real_line=rl,
                           model_segment=ms[i] if i < len(ms) else [],
                           real_segment=rs[i] if i < len(rs) else [], context=ctx,
                           hint=HINTS.get(kind, ""))

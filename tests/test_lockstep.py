@@ -54,6 +54,11 @@ def test_diff_names_first_differing_kind_and_drops_trailing_empty_steps():
     r = ["# h", "step 0", "sched a 4", "alloc a g0=1", "check ok"]
     assert diff_traces(m, r) is None
     assert len(segments(m)) == 2
+    gap_m = ["# h", "step 0", "sched a 4", "alloc a g0=1", "check ok", "step 1", "check ok",
+             "step 2", "sched a 1", "alloc a g0=-", "check ok"]
+    gap_r = ["# h", "step 0", "sched a 4", "alloc a g0=1", "check ok", "step 1", "sched a 1",
+             "alloc a g0=-", "check ok"]
+    assert diff_traces(gap_m, gap_r) is None
     r2 = ["# h", "step 0", "sched a 4", "alloc a g0=2", "check ok"]
     d = diff_traces(m, r2)
     assert d.step == 0 and d.kind == "alloc" and "free-queue" in d.hint
