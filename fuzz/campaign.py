@@ -14,6 +14,7 @@ hypothesis example database kept beside them).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -45,6 +46,7 @@ class Finding:
     id: str
     signature: Signature
     case: Case
+    present_on: tuple[str, ...]    # the campaign's targets showing it when found: part of its key
     first_target: str
     outcome: dict
     found_after_s: float
@@ -69,6 +71,7 @@ class Finding:
             "releases_affected": self.releases_affected, "releases_clean": self.releases_clean,
             "profiles_affected": self.profiles_affected,
             "releases_not_run": self.releases_not_run,
+            "present_on": list(self.present_on),
             "first_target": self.first_target,
             "layout": self.case.layout.describe(),
             "case": f"repros/{self.id}/case.json",
@@ -79,9 +82,17 @@ class Finding:
         }
 
 
-def finding_id(sig: Signature) -> str:
+def present_on(targets: list[str]) -> tuple[str, ...]:
+    """Where a finding shows, as part of its key: the releases if any, else the model profiles."""
+    releases = sorted({t for t in targets if not t.startswith("model:")})
+    return tuple(releases) if releases else tuple(sorted(set(targets)))
+
+
+def finding_id(sig: Signature, present_on: tuple[str, ...]) -> str:
+    """A stable, readable id: the signature, then a digest of the targets it was found on."""
     text = str(sig).replace(":", "-").replace(".", "_")
-    return "".join(ch for ch in text if ch.isalnum() or ch in "-_")[:80]
+    slug = "".join(ch for ch in text if ch.isalnum() or ch in "-_")[:72]
+    return f"{slug}-{hashlib.sha1(' '.join(present_on).encode()).hexdigest()[:6]}"
 
 
 def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str]]:
@@ -122,7 +133,7 @@ class Campaign:
         self.asserts = asserts
         self.progress = progress or (lambda s: print(s, file=sys.stderr, flush=True))
         self.round_examples = round_examples
-        self.findings: dict[Signature, Finding] = {}
+        self.findings: dict[tuple, Finding] = {}
         self.prior: list[dict] = []
         self.examples = 0
         self.families: dict[str, int] = {}
@@ -152,7 +163,8 @@ class Campaign:
 
     def _round(self, round_no: int, deadline: float, db) -> Finding | None:
         state = {"hunting": None, "case": None, "obs": None, "t": 0.0, "n": 0}
-        known = set(self.findings) | {Signature.parse(f["signature"]) for f in self.prior}
+        known = set(self.findings) | {(Signature.parse(f["signature"]), tuple(f["present_on"]))
+                                      for f in self.prior}
 
         class Found(Exception):
             pass
@@ -170,26 +182,30 @@ class Campaign:
                 self._count(case)
                 self._maybe_progress()
             obs = self.observe(case)
-            sigs = [o.signature for o in obs]
+            where: dict[Signature, list[str]] = {}
+            for o in obs:
+                where.setdefault(o.signature, []).append(o.target)
+            keys = {(sig, present_on(ts)) for sig, ts in where.items()}
             if state["hunting"] is None:
-                new = [o for o in obs if o.signature not in known]
+                new = sorted(keys - known)
                 if not new:
                     return
-                state["hunting"] = new[0].signature
+                state["hunting"] = new[0]
                 state["t"] = time.monotonic() - self.started
                 state["n"] = self.examples
-            if state["hunting"] in sigs:
+            if state["hunting"] in keys:   # same signature on the same targets: same finding
                 state["case"] = case
-                state["obs"] = next(o for o in obs if o.signature == state["hunting"])
-                raise Found(str(state["hunting"]))
+                state["obs"] = next(o for o in obs if o.signature == state["hunting"][0])
+                raise Found(str(state["hunting"][0]))
 
         try:
             body()
         except Found:
             o = state["obs"]
-            return Finding(id=finding_id(o.signature), signature=o.signature, case=state["case"],
-                           first_target=o.target, outcome=o.outcome, found_after_s=state["t"],
-                           examples_before=state["n"])
+            sig, shown_on = state["hunting"]
+            return Finding(id=finding_id(sig, shown_on), signature=sig, case=state["case"],
+                           present_on=shown_on, first_target=o.target, outcome=o.outcome,
+                           found_after_s=state["t"], examples_before=state["n"])
         return None
 
     def _maybe_progress(self) -> None:
@@ -254,7 +270,7 @@ class Campaign:
             if finding is None:
                 continue
             self.replay_everywhere(finding)
-            self.findings[finding.signature] = finding
+            self.findings[(finding.signature, finding.present_on)] = finding
             repro_mod.write_repro(self.out, finding)
             self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,
                                   "examples": finding.examples_before})

@@ -87,7 +87,8 @@ def cmd_fuzz(args) -> int:
     from fuzz.campaign import Campaign, CampaignError, parse_target
     from simsched.targets import Releases
     try:
-        with Releases.installed(timeout=args.timeout) as pool:
+        only = args.releases.split(",") if args.releases else None
+        with Releases.installed(only, timeout=args.timeout) as pool:
             model, rels = parse_target(args.target, list(pool.versions))
             asserts = {"on": True, "off": False, "both": None}[args.asserts]
             campaign = Campaign(Path(args.out), pool, model=model, run_releases=rels,
@@ -123,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", default="simsched-out", help="output folder (default simsched-out/)")
     f.add_argument("--asserts", choices=("on", "off", "both"), default="both",
                    help="run vLLM with asserts on, stripped (python -O), or both (default)")
+    f.add_argument("--releases", help="comma-separated installed releases to use "
+                   "(default: every installed release)")
     f.add_argument("--timeout", type=float, default=60.0, help="per-call worker time limit (s)")
     f.set_defaults(fn=cmd_fuzz)
 

@@ -17,8 +17,9 @@ def model_campaign(out, budget=6.0, seed=1):
 
 def test_model_campaign_finds_and_shrinks_the_boot_assert(tmp_path):
     data = model_campaign(tmp_path)
-    by_sig = {f["signature"]: f for f in data["findings"]}
-    boot = by_sig["crash:AssertionError:build_offloading_config"]
+    boot = next(f for f in data["findings"]
+                if f["signature"] == "crash:AssertionError:build_offloading_config"
+                and "model:every-group" in f["present_on"])
     assert boot["groups"] <= 2 and boot["requests"] == 1
     assert "every-group" in boot["profiles_affected"]
     assert "prefix-cacheable" not in boot["profiles_affected"]
@@ -30,10 +31,11 @@ def test_model_campaign_finds_and_shrinks_the_boot_assert(tmp_path):
     assert (tmp_path / "report.md").read_text().startswith("# simsched campaign report")
 
 
-def test_findings_are_deduplicated_by_signature(tmp_path):
+def test_findings_are_deduplicated_by_signature_and_where(tmp_path):
     data = model_campaign(tmp_path, budget=4.0)
-    sigs = [f["signature"] for f in data["findings"]]
-    assert len(sigs) == len(set(sigs)) and sigs
+    keys = [(f["signature"], tuple(f["present_on"])) for f in data["findings"]]
+    assert len(keys) == len(set(keys)) and keys
+    assert len({f["id"] for f in data["findings"]}) == len(keys)
 
 
 def test_same_seed_same_findings(tmp_path):
