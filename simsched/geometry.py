@@ -15,7 +15,7 @@ under ``python -O``: its ``assert`` statements vanish, and the code walks on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from simsched.layout import Group, Layout
@@ -233,6 +233,15 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             asserted_groups=prefix_cacheable_or_all, window_in_chunks=window_ring_is_one_block,
             skip_zero_hash_groups=True),
 )}
+
+#: No release and no upstream proposal, but a path worth running: 0.29.0 with #55037 and all of
+#: #55038 backported, without 0.30.0's keyed-chunk clamp. It is the path on which 0.29.0's
+#: ``assert len(offload_keys) == len(offload_block_ids)`` in ``_build_store_jobs`` fires.
+PROFILES["every-group-no-clamp+skip-zero-hash"] = replace(
+    PROFILES["every-group-no-clamp"], name="every-group-no-clamp+skip-zero-hash",
+    summary="0.29.0 with PR #55037 and #55038's window and zero-hash-skip fixes, no clamp",
+    releases=(), asserted_groups=prefix_cacheable_or_all,
+    window_in_chunks=window_ring_is_one_block, skip_zero_hash_groups=True)
 
 DEFAULT_PROFILE = "prefix-cacheable-windows-in-config"
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from simsched import events as ev
 from simsched import invariants as inv
@@ -30,22 +30,10 @@ from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
                                 WAITING_FOR_LOAD, KVCacheManager, Request)
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, PROFILES, ConfigError, Profile, derive,
-                               effective_block_size, prefix_cacheable_or_all,
-                               window_ring_is_one_block)
+                               effective_block_size)
 from simsched.offload import ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
-
-#: Profiles that are no release and no upstream proposal, but paths worth running: 0.29.0 with
-#: #55037 and all of #55038 backported except the keyed-chunk clamp of 0.30.0. It is the path on
-#: which 0.29.0's ``assert len(offload_keys) == len(offload_block_ids)`` fires (see docs).
-VARIANTS: dict[str, Profile] = {
-    "every-group-no-clamp+skip-zero-hash": replace(
-        PROFILES["every-group-no-clamp"], name="every-group-no-clamp+skip-zero-hash",
-        summary="0.29.0 with PR #55037 and #55038's window and zero-hash-skip fixes, no clamp",
-        releases=(), asserted_groups=prefix_cacheable_or_all,
-        window_in_chunks=window_ring_is_one_block, skip_zero_hash_groups=True),
-}
 
 MAX_STEPS = 100_000
 STALL_STEPS = 8
@@ -57,9 +45,7 @@ def resolve_profile(profile: Profile | str | None) -> Profile:
     name = profile or DEFAULT_PROFILE
     if name in PROFILES:
         return PROFILES[name]
-    if name in VARIANTS:
-        return VARIANTS[name]
-    raise KeyError(f"unknown profile {name!r}; known: {', '.join([*PROFILES, *VARIANTS])}")
+    raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
 
 
 @dataclass
@@ -518,7 +504,7 @@ def crash_finding(e: ConfigError, step: int | None) -> dict:
 
 def run_case(case: Case, profile: Profile | str | None = None, *, checks: str = "full",
              trace: bool = True) -> RunResult:
-    """Run ``case`` under ``profile`` (a name from ``PROFILES``/``VARIANTS`` or a Profile).
+    """Run ``case`` under ``profile`` (a name from ``PROFILES`` or a Profile).
 
     ``checks="full"`` checks every invariant (INV-1/2 walk the pool every step); ``"fast"``
     skips the O(pool) walk and the INV-9 oracle. ``trace=False`` keeps no trace lines.

@@ -26,10 +26,9 @@ from fuzz.strategies import (BLOCK_SIZES, BLOCKS_PER_CHUNK, CHUNK_SIZES,  # noqa
                              FAMILIES, WINDOWS)
 from simsched.case import Case  # noqa: E402
 from simsched.geometry import PROFILES  # noqa: E402
-from simsched.model import VARIANTS  # noqa: E402
 
 GOLDEN_DIR = ROOT / "tests" / "data" / "model_golden"
-ALL_PROFILES = [*PROFILES, *VARIANTS]
+ALL_PROFILES = list(PROFILES)
 FULL16 = [{"kind": "full", "block_size": 16}]
 RING_LAYOUTS = [[{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}],
                 [{"kind": "mla", "block_size": 64}, {"kind": "ring", "block_size": 4}]]
