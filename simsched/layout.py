@@ -180,6 +180,7 @@ class Engine:
     retention_interval: int | None = None   # cache_config.prefix_cache_retention_interval
     num_gpu_blocks: int = 1024
     cpu_chunks: int = 256                   # capacity of the CPU tier, in offload chunks
+    offload_prompt_only: bool = True        # kv_connector_extra_config["offload_prompt_only"]
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "engine") -> "Engine":
@@ -205,6 +206,7 @@ class Engine:
                                     lo=0),
             num_gpu_blocks=_int(obj, "num_gpu_blocks", path, default=1024, lo=2, hi=1 << 20),
             cpu_chunks=_int(obj, "cpu_chunks", path, default=256, lo=1, hi=1 << 20),
+            offload_prompt_only=_bool(obj, "offload_prompt_only", path, True),
         )
 
     def to_json(self) -> dict:

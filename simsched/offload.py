@@ -167,6 +167,7 @@ class OffloadScheduler:
             "max_load_tokens", profile.offloaded_groups is prefix_cacheable_groups)
         self.finish_clamp = profile.extra.get("finish_store_clamp", profile.keyed_chunk_clamp)
         self.observer = None     # set by the model: gets (event, payload) callbacks
+        self.prompt_only = layout.engine.offload_prompt_only if layout is not None else True
 
     # --- RequestOffloadState ----------------------------------------------------------------
     def update_offload_keys(self, st: ReqOffload, caller: str = "") -> None:
@@ -443,9 +444,15 @@ class OffloadScheduler:
         return stores, loads, flush
 
     def _offloadable(self, st: ReqOffload, n: int) -> int:
-        n = min(n, st.req.num_tokens)
+        """``_calc_num_offloadable_tokens``; ``offload_prompt_only`` defaults to True in every
+        release (``OffloadingSpec``'s ``extra_config.get("offload_prompt_only", True)``): then
+        only prompt tokens are stored."""
+        req = st.req
+        n = min(n, req.num_tokens)
         if st.max_offload_tokens is not None:
             n = min(n, st.max_offload_tokens)
+        if self.prompt_only:
+            n = min(n, req.num_prompt)
         return n
 
     def _build_store_jobs(self, scheduled, finished, reqs) -> list[Job]:

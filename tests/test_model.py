@@ -82,17 +82,26 @@ def test_profiles_clean_with_loads(profile):
 @pytest.mark.parametrize("profile", [p for p, v in PROFILES.items() if not v.keyed_chunk_clamp])
 def test_profiles_before_0_30_store_the_uncommitted_last_token_inv4(profile):
     # 0.29.0 and older store up to num_tokens at finish: the last sampled token's KV was never
-    # computed, so a chunk ending there holds a stale slot under a key that names it.
-    r = run_case(hybrid_case(), profile)
+    # computed, so a chunk ending there holds a stale slot under a key that names it. Decode
+    # tokens are only stored with offload_prompt_only off (it defaults to on).
+    case = hybrid_case()
+    assert run_case(case, profile).ok
+    case = Case.from_json(dict(case.to_json(), layout=case.layout.with_engine(
+        offload_prompt_only=False).to_json()))
+    r = run_case(case, profile)
     assert [f.get("inv_id") for f in r.findings] == ["INV-4"]
 
 
 def test_finish_store_of_uncommitted_token_0290():
-    """0.29.0 stores the block ending at num_tokens on finish: its last slot was never written."""
-    c = mk(FULL16, [{"id": "a", "prompt": [[1, 40]], "decode": 8}], num_gpu_blocks=64)
+    """0.29.0 stores the block ending at num_tokens on finish: its last slot was never written
+    (with offload_prompt_only off; by default only the prompt is stored)."""
+    c = mk(FULL16, [{"id": "a", "prompt": [[1, 40]], "decode": 8}], num_gpu_blocks=64,
+           offload_prompt_only=False)
     assert run_case(c, "every-group").ok
     r = run_case(c, "every-group-no-clamp")
     assert r.findings and r.findings[0]["inv_id"] == "INV-4"
+    c = mk(FULL16, [{"id": "a", "prompt": [[1, 40]], "decode": 8}], num_gpu_blocks=64)
+    assert run_case(c, "every-group-no-clamp").ok
 
 
 def test_determinism():

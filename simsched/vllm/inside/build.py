@@ -218,6 +218,8 @@ class ConfigBuilder:
         chunk_bytes = (bytes_per_block * bpc + self.cpu_alignment - 1) \
             // self.cpu_alignment * self.cpu_alignment
         extra["cpu_bytes_to_use"] = chunk_bytes * eng.cpu_chunks
+        if not eng.offload_prompt_only:
+            extra["offload_prompt_only"] = False
         kt = copy.copy(base.kv_transfer_config)
         kt.kv_connector_extra_config = extra
         vc.kv_transfer_config = kt
