@@ -243,7 +243,7 @@ class Model:
         if tracing:
             lines.append(f"step {step}")
         kv, off = self.kv, self.off
-        allocate = kv.allocate
+        allocate, offloadable = kv.allocate, off._offloadable
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list] = {}
@@ -259,11 +259,17 @@ class Model:
             if (not k and c <= req.fast_until and c <= req.quiet_until
                     and len(req.tokens) == c + 1):
                 # a quiet decode step (see _fast_bound): allocate, build_connector_meta and the
-                # store jobs would all be no-ops for it
-                sched_reqs.append((req, 1, None))
-                budget -= 1
-                i += 1
-                continue
+                # store jobs would all be no-ops for it; the last is _build_store_jobs's own
+                # quick exit, evaluated here as it will be there
+                n_off = offloadable(req.off, c + 1)
+                for tpc, gs in req.fast_store:
+                    if n_off // tpc > gs.next_stored:
+                        break
+                else:
+                    sched_reqs.append((req, 1, None))
+                    budget -= 1
+                    i += 1
+                    continue
             if k and req.num_computed >= req.num_prompt:
                 remaining = req.max_tokens - req.num_tokens
                 drafts = min(k, remaining - 1)
@@ -373,27 +379,23 @@ class Model:
         steps are quiet, and the (group, block) pairs such a step writes.
 
         A decode step (one token, ``num_tokens == num_computed + 1``) with ``num_computed = c`` is
-        quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step) and:
-        ``build_connector_meta`` adds no offload key (``c + 1 < next_key_at``); no group can
-        store a chunk (``(c + 1) // tokens_per_chunk <= next_stored``, as ``storable_chunks``
-        never exceeds it); the request does not finish (``c + 2 < max_tokens``); and the token
-        completes no block (so each group's write is ``(gid, c + 1, None)`` into the same block).
-        Those quantities only grow outside a full step, so the bound stays safe until the next
-        full step recomputes it; a preemption resets ``quiet_until``."""
+        quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step), no
+        group can store a chunk (``_build_store_jobs``'s quick exit, checked at the step with
+        ``req.fast_store``) and: ``build_connector_meta`` adds no offload key
+        (``c + 1 < next_key_at``); the request does not finish (``c + 2 < max_tokens``); and the
+        token completes no block (so each group's write is ``(gid, c + 1, None)`` into the same
+        block). Those quantities only grow outside a full step, so the bound stays safe until the
+        next full step recomputes it; a preemption resets ``quiet_until``."""
         c = req.num_computed
         st = req.off
         bound = -1
         if len(req.tokens) == c + 1 and st is not None and \
                 self.off.req_status.get(req.rid) is st:
             bound = min(req.max_tokens - 3, st.next_key_at - 2)
-            for cfg, gs in zip(self.off.cfgs, st.groups):
-                tpc = cfg.tokens_per_chunk
-                if tpc <= 0:
-                    bound = -1
-                    break
-                b = (gs.next_stored + 1) * tpc - 2
-                if b < bound:
-                    bound = b
+            req.fast_store = [(cfg.tokens_per_chunk, gs) for cfg, gs in zip(self.off.cfgs,
+                                                                             st.groups)]
+            if any(tpc <= 0 for tpc, _ in req.fast_store):
+                bound = -1
             blocks = []
             for r in self.kv.rules:
                 table = req.tables[r.gid]
