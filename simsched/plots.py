@@ -597,7 +597,10 @@ def campaign_figure(data: dict):
     ax.barh([k for k, _ in items], [v for _, v in items], color="#00897b")
     ax.set_title("coverage: layout families", fontsize=10)
     draw_release_matrix(data, fig.add_subplot(gs[1, :]))
-    fig.suptitle(f"campaign {data.get('folder', '')}: seed {data['seed']}, "
+    folder = Path(data.get("folder", ""))
+    if folder.is_absolute() and folder.is_relative_to(REPO_ROOT):
+        folder = folder.relative_to(REPO_ROOT)
+    fig.suptitle(f"campaign {folder}: seed {data['seed']}, "
                  f"{data['examples']} examples in {data['elapsed_s']} s", fontsize=11)
     fig.tight_layout()
     return fig
@@ -611,7 +614,8 @@ _ALLOC = re.compile(r"g(\d+)=(\S+)")
 
 @dataclass
 class Occupancy:
-    """Per scheduler step (from a ``simsched-trace/1`` trace): GPU blocks held per group, offload
+    """Per scheduler step (from a ``simsched-trace/1`` trace): GPU blocks held per group (the most
+    held at once during the step, before the step's finishes free them), offload
     chunks in flight (stored, not yet done) and completed per group, chunks loaded per group."""
 
     steps: list[int] = field(default_factory=list)
@@ -633,19 +637,31 @@ def occupancy(trace: list[str]) -> Occupancy:
     snaps: list[tuple[int, dict, dict, dict, dict]] = []
     step = None
 
-    def snapshot():
-        if step is None:
-            return
+    peak: dict[int, int] = {}
+
+    def held_now() -> dict[int, int]:
         blocks: dict[int, set] = {}
         for per in held.values():
             for g, bs in per.items():
                 blocks.setdefault(g, set()).update(bs)
+        return {g: len(b) for g, b in blocks.items()}
+
+    def note_peak() -> None:
+        for g, n in held_now().items():
+            peak[g] = max(peak.get(g, 0), n)
+
+    def snapshot():
+        if step is None:
+            return
+        note_peak()
+        blocks = dict(peak)
+        peak.clear()
         inflight: dict[int, int] = {}
         for kind, per in jobs.values():
             if kind == "store":
                 for g, n in per.items():
                     inflight[g] = inflight.get(g, 0) + n
-        snaps.append((step, {g: len(b) for g, b in blocks.items()}, inflight,
+        snaps.append((step, blocks, inflight,
                       dict(cum_store), dict(cum_load)))
 
     for line in trace:
@@ -681,6 +697,7 @@ def occupancy(trace: list[str]) -> Occupancy:
             for g, n in per.items():
                 target[g] = target.get(g, 0) + n
         elif kind in ("finish", "preempt"):
+            note_peak()
             held.pop(parts[1], None)
         elif kind in ("crash", "violation"):
             occ.end = line
@@ -720,7 +737,7 @@ def draw_occupancy(trace: list[str], axes=None, title: str = ""):
         if any(occ.loaded[g]):
             ax_c.step(occ.steps, occ.loaded[g], where="post", color=cmap(i), linestyle="--",
                       label=f"g{g} loaded (cumulative)")
-    ax_b.set_title(f"GPU blocks held {title}", fontsize=10)
+    ax_b.set_title(f"GPU blocks held (peak in step) {title}", fontsize=10)
     ax_c.set_title(f"offload chunks {title}", fontsize=10)
     for ax in axes:
         ax.set_xlabel("scheduler step (end of step)")
