@@ -740,7 +740,7 @@ def draw_occupancy(trace: list[str], axes=None, title: str = ""):
     ax_b.set_title(f"GPU blocks held (peak in step) {title}", fontsize=10)
     ax_c.set_title(f"offload chunks {title}", fontsize=10)
     for ax in axes:
-        ax.set_xlabel("scheduler step (end of step)")
+        ax.set_xlabel("scheduler step")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
