@@ -217,6 +217,10 @@ class Model:
         self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo))
         req.num_computed = req.load_target
         self.kv.cache_blocks(req, req.num_computed)
+        if req.num_computed == req.num_tokens:
+            # _update_waiting_for_remote_kv: on a full prompt hit the last token is recomputed
+            # (to sample the next one)
+            req.num_computed -= 1
         req.status = WAITING
         self._schedule_step(self.q.now)
 
