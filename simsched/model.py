@@ -71,6 +71,11 @@ class Model:
     def __init__(self, case: Case, profile: Profile, checks: str = "full", trace: bool = True):
         self.case, self.profile, self.checks = case, profile, checks
         layout, timing = case.layout, case.timing
+        # A healthy run schedules at least one token a step once requests have arrived, so a
+        # run four times longer than every token plus the last arrival is stuck (INV-8).
+        work = sum(r.prompt_len + r.decode for r in case.requests)
+        last = max((r.arrival for r in case.requests), default=0)
+        self.max_steps = min(MAX_STEPS, 4 * (work + last) + 64)
         self.geo = geo = derive(layout, profile, asserts=case.asserts)
         self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
         self.no_blocks = [[] for _ in layout.groups]
@@ -239,9 +244,9 @@ class Model:
         counters = self.counters
         self.step_no = step = counters["steps"]
         counters["steps"] = step + 1
-        if step >= MAX_STEPS:
+        if step >= self.max_steps:
             raise inv.InvariantViolation("INV-8", step, f"{self.unfinished} requests unfinished "
-                                         f"after {MAX_STEPS} steps")
+                                         f"after {self.max_steps} steps")
         tracing = self.tracing
         lines = self.lines
         if tracing:
