@@ -21,13 +21,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
-from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings, target
 from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.internal.conjecture import engine as hypothesis_engine
 
 from fuzz import report as report_mod
 from fuzz import repro as repro_mod
-from fuzz.strategies import config_cases, family_of
+from fuzz.strategies import cases, edge_scores, family_of
 from simsched.case import Case
 from simsched.geometry import PROFILES
 from simsched.outcome import Signature, describe
@@ -76,7 +78,7 @@ class Finding:
             "layout": self.case.layout.describe(),
             "case": f"repros/{self.id}/case.json",
             "groups": len(self.case.layout.groups), "requests": len(self.case.requests),
-            "steps": 1,
+            "steps": o.get("steps", 1),
             "found_after_s": round(self.found_after_s, 3),
             "examples_before": self.examples_before,
         }
@@ -122,7 +124,7 @@ class Campaign:
     def __init__(self, out: Path, releases: Releases, *, model: bool = True,
                  run_releases: list[str] | None = None, budget: float = 120.0, seed_: int = 0,
                  asserts: bool | None = True, progress: Callable[[str], None] | None = None,
-                 round_examples: int = 300):
+                 round_examples: int = 300, lockstep: bool = False, steer: bool = True):
         self.out = Path(out)
         self.pool = releases
         self.model_targets = [ModelTarget(p) for p in PROFILES.values()] if model else []
@@ -133,6 +135,8 @@ class Campaign:
         self.asserts = asserts
         self.progress = progress or (lambda s: print(s, file=sys.stderr, flush=True))
         self.round_examples = round_examples
+        self.lockstep = lockstep
+        self.steer = steer
         self.findings: dict[tuple, Finding] = {}
         self.prior: list[dict] = []
         self.examples = 0
@@ -147,7 +151,8 @@ class Campaign:
     def observe(self, case: Case, releases: list[ReleaseTarget] | None = None,
                 outcomes: dict | None = None) -> list[Observation]:
         return observe(case, self.model_targets,
-                       self.release_targets if releases is None else releases, outcomes)
+                       self.release_targets if releases is None else releases, outcomes,
+                       lockstep=self.lockstep)
 
     # --- the rounds -----------------------------------------------------------------------
 
@@ -171,38 +176,51 @@ class Campaign:
 
         @seed(self.seed * 1_000_003 + round_no)
         @settings(database=db, max_examples=self.round_examples, deadline=None,
-                  report_multiple_bugs=False, print_blob=False,
+                  report_multiple_bugs=False, print_blob=False, verbosity=Verbosity.quiet,
                   suppress_health_check=list(HealthCheck),
-                  phases=(Phase.reuse, Phase.generate, Phase.shrink))
-        @given(config_cases(asserts=self.asserts))
+                  phases=(Phase.reuse, Phase.generate, Phase.target, Phase.shrink))
+        @given(cases(asserts=self.asserts))
         def body(case: Case) -> None:
             if state["hunting"] is None:
                 if time.monotonic() > deadline:
                     return
                 self._count(case)
                 self._maybe_progress()
-            obs = self.observe(case)
+                if self.steer:
+                    for label, score in edge_scores(case).items():
+                        target(score, label=label)
+            hunt = state["hunting"]
+            if hunt is None:
+                obs = self.observe(case)
+            else:   # while shrinking, run only the targets the hunted finding showed on
+                obs = observe(case, [t for t in self.model_targets if t.name in hunt[2]],
+                              [t for t in self.release_targets if t.name in hunt[2]],
+                              lockstep=self.lockstep)
             where: dict[Signature, list[str]] = {}
             for o in obs:
                 where.setdefault(o.signature, []).append(o.target)
-            keys = {(sig, present_on(ts)) for sig, ts in where.items()}
-            if state["hunting"] is None:
-                new = sorted(keys - known)
+            if hunt is None:
+                keys = {(sig, present_on(ts)): ts for sig, ts in where.items()}
+                new = sorted(set(keys) - known)
                 if not new:
                     return
-                state["hunting"] = new[0]
+                hunt = state["hunting"] = (*new[0], frozenset(keys[new[0]]))
                 state["t"] = time.monotonic() - self.started
                 state["n"] = self.examples
-            if state["hunting"] in keys:   # same signature on the same targets: same finding
+            if hunt[2] <= set(where.get(hunt[0], ())):   # still shows on every hunted target
                 state["case"] = case
-                state["obs"] = next(o for o in obs if o.signature == state["hunting"][0])
-                raise Found(str(state["hunting"][0]))
+                state["obs"] = next(o for o in obs if o.signature == hunt[0])
+                raise Found(str(hunt[0]))
 
+        # Shrinking is bounded by hypothesis's own MAX_SHRINKING_SECONDS (300 s); a campaign keeps
+        # its budget, so a round shrinks for at most what is left of it (and at least 5 s).
+        shrink_s = max(5.0, deadline - time.monotonic())
         try:
-            body()
+            with mock.patch.object(hypothesis_engine, "MAX_SHRINKING_SECONDS", shrink_s):
+                body()
         except Found:
             o = state["obs"]
-            sig, shown_on = state["hunting"]
+            sig, shown_on, _ = state["hunting"]
             return Finding(id=finding_id(sig, shown_on), signature=sig, case=state["case"],
                            present_on=shown_on, first_target=o.target, outcome=o.outcome,
                            found_after_s=state["t"], examples_before=state["n"])

@@ -9,9 +9,11 @@ The free-form family comes first: shrinking any failure tends toward it.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from hypothesis import strategies as st
 
-from simsched.case import Case, RequestSpec
+from simsched.case import Case, RequestSpec, Timing
 from simsched.layout import KINDS, Engine, Group, Layout, Speculative
 
 # Roundest first: hypothesis shrinks a sampled_from toward its first element.
@@ -24,101 +26,173 @@ PROMPT_LENGTHS = (64, 16, 1, 128, 256, 1000, 1152, 2304, 4096)
 FAMILIES = ("free", "dense", "gpt_oss", "mamba_hybrid", "deepseek_v4", "mla_ring", "drafter")
 
 
+@lru_cache(maxsize=None)
+def _pick(values: tuple):
+    """``sampled_from`` built once per value list: building strategies is the slow part."""
+    return st.sampled_from(values)
+
+
+@lru_cache(maxsize=None)
+def _ints(lo: int, hi: int):
+    return st.integers(lo, hi)
+
+
 def _group(kind: str, block_size: int, draw) -> Group:
     extra: dict = {}
     if kind in ("sliding_window", "sliding_window_mla"):
-        extra["sliding_window"] = draw(st.sampled_from(WINDOWS))
+        extra["sliding_window"] = draw(_pick(WINDOWS))
     elif kind == "chunked_local":
-        extra["attention_chunk_size"] = draw(st.sampled_from(CHUNK_SIZES))
+        extra["attention_chunk_size"] = draw(_pick(CHUNK_SIZES))
     elif kind == "mamba":
-        extra["mamba_cache_mode"] = draw(st.sampled_from(("align", "none")))
+        extra["mamba_cache_mode"] = draw(_pick(("align", "none")))
     return Group(kind=kind, block_size=block_size, **extra)
 
 
-@st.composite
-def groups_free(draw) -> tuple[Group, ...]:
-    n = draw(st.integers(1, 4))
-    return tuple(_group(draw(st.sampled_from(tuple(KINDS))), draw(st.sampled_from(BLOCK_SIZES)),
+def _groups_free(draw) -> tuple[Group, ...]:
+    n = draw(_ints(1, 4))
+    return tuple(_group(draw(_pick(tuple(KINDS))), draw(_pick(BLOCK_SIZES)),
                         draw) for _ in range(n))
 
 
-@st.composite
-def groups_family(draw, family: str) -> tuple[Group, ...]:
-    bs = st.sampled_from(BLOCK_SIZES)
+def _groups_family(draw, family: str) -> tuple[Group, ...]:
+    bs = _pick(BLOCK_SIZES)
     if family == "free":
-        return draw(groups_free())
+        return _groups_free(draw)
     if family == "dense":
-        return (Group(draw(st.sampled_from(("full", "mla"))), draw(bs)),)
+        return (Group(draw(_pick(("full", "mla"))), draw(bs)),)
     if family == "gpt_oss":
         b = draw(bs)
-        window = draw(st.sampled_from(WINDOWS))
-        n_full = draw(st.integers(1, 2))
+        window = draw(_pick(WINDOWS))
+        n_full = draw(_ints(1, 2))
         return tuple([Group("full", b)] * n_full + [Group("sliding_window", b, sliding_window=window)])
     if family == "mamba_hybrid":
         attn = draw(bs)
-        mamba = draw(st.sampled_from((attn, attn * 2, attn * 4, 528, 1056)))
-        mode = draw(st.sampled_from(("align", "none")))
+        mamba = draw(_pick((attn, attn * 2, attn * 4, 528, 1056)))
+        mode = draw(_pick(("align", "none")))
         return (Group("full", attn), Group("mamba", mamba, mamba_cache_mode=mode))
     if family == "deepseek_v4":
-        mla = draw(st.sampled_from((64, 128, 256)))
-        groups = [Group("mla", mla), Group("mla", draw(st.sampled_from((64, 128, 256))))]
-        groups.append(Group("sliding_window_mla", draw(st.sampled_from((64, 128))),
+        mla = draw(_pick((64, 128, 256)))
+        groups = [Group("mla", mla), Group("mla", draw(_pick((64, 128, 256))))]
+        groups.append(Group("sliding_window_mla", draw(_pick((64, 128))),
                             sliding_window=128))
-        if draw(st.booleans()):
-            groups.append(Group("ring", draw(st.sampled_from((4, 8, 16, 132)))))
+        if draw(_pick((False, True))):
+            groups.append(Group("ring", draw(_pick((4, 8, 16, 132)))))
         return tuple(groups)
     if family == "mla_ring":
-        return (Group(draw(st.sampled_from(("mla", "full"))), draw(st.sampled_from((64, 16, 1152)))),
-                Group("ring", draw(st.sampled_from((4, 8, 132)))))
+        return (Group(draw(_pick(("mla", "full"))), draw(_pick((64, 16, 1152)))),
+                Group("ring", draw(_pick((4, 8, 132)))))
     if family == "drafter":
         b = draw(bs)
-        target = draw(st.sampled_from(("full", "mla")))
-        return (Group(target, b), Group("full", draw(st.sampled_from((b, 16))), drafter=True))
+        target = draw(_pick(("full", "mla")))
+        return (Group(target, b), Group("full", draw(_pick((b, 16))), drafter=True))
     raise ValueError(f"unknown layout family {family!r}")
 
 
 def _maybe(draw, values, p_none: float = 0.75):
-    return None if draw(st.integers(0, 99)) < p_none * 100 else draw(st.sampled_from(values))
+    return None if draw(_ints(0, 99)) < p_none * 100 else draw(_pick(values))
 
 
-@st.composite
-def engines(draw, groups: tuple[Group, ...]) -> Engine:
+def _engine(draw, groups: tuple[Group, ...]) -> Engine:
     spec = None
-    if any(g.drafter for g in groups) or draw(st.integers(0, 9)) == 9:
-        spec = Speculative(method=draw(st.sampled_from(("eagle", "mtp", "ngram"))),
-                           num_tokens=draw(st.sampled_from((1, 2, 3, 4))))
+    if any(g.drafter for g in groups) or draw(_ints(0, 9)) == 9:
+        spec = Speculative(method=draw(_pick(("eagle", "mtp", "ngram"))),
+                           num_tokens=draw(_pick((1, 2, 3, 4))))
         if any(g.drafter for g in groups) and spec.method == "ngram":
             spec = Speculative("eagle", spec.num_tokens)
-    chunking = draw(st.integers(0, 9))
+    chunking = draw(_ints(0, 9))
     return Engine(
-        blocks_per_chunk=draw(st.sampled_from(BLOCKS_PER_CHUNK)) if 5 <= chunking < 8 else None,
-        offload_block_size=(draw(st.sampled_from((256, 64, 128, 100, 1152)))
+        blocks_per_chunk=draw(_pick(BLOCKS_PER_CHUNK)) if 5 <= chunking < 8 else None,
+        offload_block_size=(draw(_pick((256, 64, 128, 100, 1152)))
                             if chunking in (8, 9) else None),
         prefix_match_unit=_maybe(draw, (16, 4, 8, 32, 64), 0.85),
-        dcp_size=1 if draw(st.integers(0, 9)) < 8 else draw(st.sampled_from((2, 4))),
+        dcp_size=1 if draw(_ints(0, 9)) < 8 else draw(_pick((2, 4))),
         speculative=spec,
-        async_scheduling=draw(st.integers(0, 9)) == 9,
+        async_scheduling=draw(_ints(0, 9)) == 9,
         retention_interval=_maybe(draw, (0, 256, 1024, 100), 0.85),
-        num_gpu_blocks=draw(st.sampled_from((1024, 64, 256, 4096))),
-        cpu_chunks=draw(st.sampled_from((256, 16, 1024))),
+        num_gpu_blocks=draw(_pick((1024, 64, 256, 4096))),
+        cpu_chunks=draw(_pick((256, 16, 1024))),
     )
 
 
 @st.composite
 def layouts(draw, families: tuple[str, ...] = FAMILIES) -> Layout:
-    family = draw(st.sampled_from(families))
-    groups = draw(groups_family(family))
-    return Layout(groups=groups, engine=draw(engines(groups)))
+    return _layout(draw, families)
+
+
+def _layout(draw, families: tuple[str, ...]) -> Layout:
+    family = draw(_pick(families))
+    groups = _groups_family(draw, family)
+    return Layout(groups=groups, engine=_engine(draw, groups))
 
 
 @st.composite
 def config_cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = True) -> Case:
     """A case for the config-level chain: a layout and one request to key."""
-    layout = draw(layouts(families))
-    length = draw(st.sampled_from(PROMPT_LENGTHS))
-    flag = draw(st.sampled_from((True, False))) if asserts is None else asserts
+    layout = _layout(draw, families)
+    length = draw(_pick(PROMPT_LENGTHS))
+    flag = draw(_pick((True, False))) if asserts is None else asserts
     return Case(layout=layout, requests=(RequestSpec(id="r0", prompt=((0, length),)),),
                 asserts=flag)
+
+
+DECODES = (1, 4, 16, 2, 64)
+LATENCIES = (1, 0, 2, 5)
+
+
+def _workload(draw, max_requests: int = 4) -> tuple[RequestSpec, ...]:
+    """Requests that share prefixes (segment seed 0 or 1), arrive over a few steps, decode a
+    little, and now and then get aborted (also while still waiting) or carry transfer caps."""
+    n = draw(_ints(1, max_requests))
+    out = []
+    for i in range(n):
+        prompt = [(draw(_pick((0, 1))), draw(_pick(PROMPT_LENGTHS)))]
+        if draw(_ints(0, 3)) == 3:
+            prompt.append((100 + i, draw(_pick((16, 1, 100)))))
+        out.append(RequestSpec(
+            id=f"r{i}", prompt=tuple(prompt),
+            arrival=draw(_pick((0, 1, 3, 8))) if i else 0,
+            decode=draw(_pick(DECODES)),
+            abort_at=draw(_pick((2, 0, 5))) if draw(_ints(0, 9)) == 9 else None,
+            max_load_tokens=(draw(_pick((0, 16, 64)))
+                             if draw(_ints(0, 9)) == 9 else None),
+            max_offload_tokens=(draw(_pick((0, 16, 64)))
+                                if draw(_ints(0, 9)) == 9 else None)))
+    return tuple(out)
+
+
+def _timing(draw) -> Timing:
+    return Timing(store_latency=draw(_pick(LATENCIES)),
+                  load_latency=draw(_pick(LATENCIES)),
+                  max_num_batched_tokens=draw(_pick((2048, 256, 64))),
+                  max_num_seqs=draw(_pick((32, 2, 1))))
+
+
+@st.composite
+def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = True) -> Case:
+    """A whole case: a layout, a workload and its transfer timings."""
+    layout = _layout(draw, families)
+    flag = draw(_pick((True, False))) if asserts is None else asserts
+    return Case(layout=layout, requests=_workload(draw), timing=_timing(draw), asserts=flag)
+
+
+def edge_scores(case: Case) -> dict[str, float]:
+    """How close a case is to the edges where this bug class lives, for ``hypothesis.target``:
+    a chunk smaller than the hash unit, a block size that divides nothing else, a GPU pool
+    barely larger than the workload needs, a store still in flight when its request ends."""
+    groups, engine = case.layout.groups, case.layout.engine
+    sizes = [g.block_size for g in groups]
+    unit = engine.prefix_match_unit or min(sizes)
+    bpc = engine.blocks_per_chunk or 1
+    lonely = sum(1 for a in sizes if all(a % b and b % a for b in sizes if b != a))
+    tokens = sum(r.prompt_len + r.decode for r in case.requests)
+    need = sum(-(-tokens // b) for b in sizes)
+    return {
+        "hash-unit-over-chunk": max(unit / (b * bpc) for b in sizes),
+        "block-size-divides-nothing": float(lonely),
+        "pool-pressure": min(need / engine.num_gpu_blocks, 4.0),
+        "store-outlives-request": float(case.timing.store_latency
+                                        - min((r.decode for r in case.requests), default=1)),
+    }
 
 
 def family_of(layout: Layout) -> str:

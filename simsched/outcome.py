@@ -46,6 +46,13 @@ def crash_signature(outcome: dict) -> Signature | None:
     return Signature("crash", outcome["exception"], outcome["function"])
 
 
+def finding_signature(finding: dict) -> Signature:
+    """The signature of a step-level finding (``simsched.model.run_case``, lockstep)."""
+    if finding.get("kind") == "invariant":
+        return Signature("invariant", invariant=finding["inv_id"])
+    return Signature("crash", finding["exception"], finding.get("function") or "?")
+
+
 def diff_config(model: dict, real: dict) -> list[str]:
     """Fields where the model's prediction and a release's outcome disagree (empty: agree).
 

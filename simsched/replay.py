@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simsched.case import Case
-from simsched.outcome import Signature, crash_signature, describe, diff_config
+from simsched.outcome import (Signature, crash_signature, describe, diff_config,
+                              finding_signature)
 from simsched.targets import ModelTarget, ReleaseTarget
 
 
@@ -34,16 +35,34 @@ def run_release(target: ReleaseTarget, case: Case) -> dict:
 
 
 def observe(case: Case, models: list[ModelTarget], releases: list[ReleaseTarget],
-            outcomes: dict | None = None) -> list[Observation]:
-    """Run ``case`` on every target; ``outcomes`` (target name -> outcome) is filled if given."""
+            outcomes: dict | None = None, lockstep: bool = False) -> list[Observation]:
+    """Run ``case`` on every target; ``outcomes`` (target name -> outcome) is filled if given.
+
+    The model runs the whole case (every step, every invariant) under each profile. A release
+    runs the config-level chain, compared with the model's prediction under the release's
+    profile, or, with ``lockstep``, the whole case on the real Scheduler, step by step.
+    """
     obs: list[Observation] = []
     predicted: dict[str, dict] = {}
     for t in models:
         outcome = predicted[t.profile.name] = t.config(case)
+        if outcome["status"] == "error":   # fails while configuring: no step would run
+            findings, steps = [dict(outcome, kind="crash")], 1
+        else:
+            findings, steps = t.run(case)
         if outcomes is not None:
-            outcomes[t.name] = outcome
-        if sig := crash_signature(outcome):
-            obs.append(Observation(sig, t.name, outcome))
+            outcomes[t.name] = dict(outcome, findings=findings, steps=steps)
+        for f in findings:
+            obs.append(Observation(finding_signature(f), t.name, dict(f, steps=steps)))
+    if lockstep:
+        from simsched.lockstep import lockstep_observations
+        for t in releases:
+            found = lockstep_observations(case, t)
+            if outcomes is not None:
+                outcomes[t.name] = {"status": "error" if found else "ok",
+                                    "lockstep": [str(o.signature) for o in found]}
+            obs.extend(found)
+        return obs
     for t in releases:
         outcome = run_release(t, case)
         if outcomes is not None:

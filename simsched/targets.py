@@ -51,6 +51,15 @@ class ModelTarget:
     def config_many(self, cases: list[Case]) -> list[dict]:
         return [self.config(c) for c in cases]
 
+    def run(self, case: Case) -> tuple[list[dict], int]:
+        """Run the whole case on the model: its findings (crash, invariant) and steps taken."""
+        from simsched.model import run_case
+        try:
+            result = run_case(case, self.profile, trace=False)
+        except Exception as e:   # a bug in the model is a finding of its own
+            return [dict(model_crash(e), kind="crash")], 0
+        return result.findings, result.counters.get("steps", 0)
+
     @classmethod
     def named(cls, profile: str) -> "ModelTarget":
         return cls(get_profile(profile))

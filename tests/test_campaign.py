@@ -16,10 +16,11 @@ def model_campaign(out, budget=6.0, seed=1):
 
 
 def test_model_campaign_finds_and_shrinks_the_boot_assert(tmp_path):
-    data = model_campaign(tmp_path)
+    data = model_campaign(tmp_path, budget=30.0)
     boot = next(f for f in data["findings"]
                 if f["signature"] == "crash:AssertionError:build_offloading_config"
-                and "model:every-group" in f["present_on"])
+                and "model:every-group" in f["present_on"]
+                and "model:prefix-cacheable" not in f["present_on"])
     assert boot["groups"] <= 2 and boot["requests"] == 1
     assert "every-group" in boot["profiles_affected"]
     assert "prefix-cacheable" not in boot["profiles_affected"]
