@@ -145,12 +145,13 @@ def layout_from(obj: Any) -> Layout:
 
 
 def example_layout(family: str, seed: int = 0) -> Layout:
-    """One realistic layout of a family of ``fuzz.strategies`` (drawn reproducibly)."""
+    """One realistic layout of a family of ``fuzz.strategies`` (drawn reproducibly, with the
+    engine knobs the strategy draws for it)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
 
-    from fuzz.strategies import FAMILIES, groups_family
+    from fuzz.strategies import FAMILIES, layouts
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
     got: list[Layout] = []
@@ -158,10 +159,10 @@ def example_layout(family: str, seed: int = 0) -> Layout:
     @hseed(seed)
     @settings(max_examples=1, database=None, suppress_health_check=list(HealthCheck),
               deadline=None)
-    @given(groups_family(family), st.just(None))
-    def draw(groups, _):
+    @given(layouts(families=(family,)), st.just(None))
+    def draw(layout, _):
         if not got:
-            got.append(Layout(groups=groups))
+            got.append(layout)
 
     draw()
     return got[0]
