@@ -148,8 +148,9 @@ class Profile:
     keyed_chunk_clamp: bool = True
     # ``update_offload_keys`` skips groups with zero hashes per chunk (PR #55038).
     skip_zero_hash_groups: bool = False
-    # One group: a prefix_match_unit other than the block size is refused, and DCP scales the
-    # block only for attention (0.32.0+).
+    # One group: DCP scales the block only for attention (0.31.0+).
+    single_group_dcp_by_spec: bool = False
+    # One group: a prefix_match_unit other than the block size is refused (0.32.0+).
     single_group_unit_check: bool = False
     # A chunk 'block_size' that is no multiple of the block size: ValueError (0.30.0+).
     chunk_size_error: str = "ValueError"
@@ -209,18 +210,19 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("prefix-cacheable",
             "only prefix-cacheable groups offloaded (a ring is left out); also upstream PR #54743",
             releases=("0.31.0",), offloaded_groups=prefix_cacheable_groups,
-            asserted_groups=prefix_cacheable_groups),
+            asserted_groups=prefix_cacheable_groups, single_group_dcp_by_spec=True),
     Profile("prefix-cacheable-strict-unit",
             "as prefix-cacheable; with one group, a prefix_match_unit other than its block size "
             "is refused",
             releases=("0.32.0",), offloaded_groups=prefix_cacheable_groups,
-            asserted_groups=prefix_cacheable_groups, single_group_unit_check=True),
+            asserted_groups=prefix_cacheable_groups, single_group_dcp_by_spec=True,
+            single_group_unit_check=True),
     Profile("prefix-cacheable-windows-in-config",
             "as prefix-cacheable-strict-unit; sliding windows in chunks derived in "
             "offloading/config.py",
             releases=("0.33.0",), offloaded_groups=prefix_cacheable_groups,
             asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY,
-            single_group_unit_check=True),
+            single_group_dcp_by_spec=True, single_group_unit_check=True),
     Profile("fix-assert-only",
             "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
             "which are still offloaded",
@@ -281,9 +283,9 @@ def resolve_block_sizes(layout: Layout, profile: Profile) -> tuple[int, int]:
     engine, groups = layout.engine, layout.groups
     dcp = engine.dcp_size
     if len(groups) == 1:
-        strict = profile.single_group_unit_check
-        bs = effective_block_size(groups[0], dcp) if strict else groups[0].block_size * dcp
-        if strict and engine.prefix_match_unit not in (None, bs):
+        by_spec = profile.single_group_dcp_by_spec
+        bs = effective_block_size(groups[0], dcp) if by_spec else groups[0].block_size * dcp
+        if profile.single_group_unit_check and engine.prefix_match_unit not in (None, bs):
             raise ConfigError("ValueError", "resolve_kv_cache_block_sizes", KV_CACHE_UTILS_PY,
                               "resolve", f"Invalid prefix_match_unit={engine.prefix_match_unit}; "
                               "with a single KV cache group, prefix-cache hits land on the block "
