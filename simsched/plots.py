@@ -24,7 +24,6 @@ import math
 import os
 import re
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -116,14 +115,7 @@ class Table:
 
 
 def close_pool(pool) -> None:
-    """Close a :class:`~simsched.targets.Releases` pool, its workers in parallel (each takes a
-    couple of seconds to exit; one after the other that adds up over ten releases)."""
-    workers = list(pool._workers.values())
-    threads = [threading.Thread(target=w.close) for w in workers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    """Close a :class:`~simsched.targets.Releases` pool (its workers exit in parallel)."""
     pool.close()
 
 
