@@ -101,6 +101,10 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.key: list[tuple | None] = [None] * num_blocks
         self.cached: dict[tuple, int] = {}
+        # BlockHashToBlockMap keeps every block cached under a hash (a block computed twice,
+        # e.g. by two requests admitted before either cached it): ``cached`` holds the one a hit
+        # takes (get_one_block: the oldest), ``more`` the others in insertion order
+        self.more: dict[tuple, list[int]] = {}
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
@@ -113,8 +117,7 @@ class BlockPool:
             b = free.popitem(last=False)[0]
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
-                if cached.get(k) == b:
-                    del cached[k]
+                self._uncache(b, k)
                 key[b] = None
             ref[b] = 1
             out.append(b)
@@ -148,10 +151,31 @@ class BlockPool:
                 del free[b]
             ref[b] += 1
 
+    def _uncache(self, b: int, k: tuple) -> None:
+        """``BlockHashToBlockMap.pop(k, b)``."""
+        cached, more = self.cached, self.more
+        m = more.get(k)
+        if cached.get(k) == b:
+            if m:
+                cached[k] = m.pop(0)
+                if not m:
+                    del more[k]
+            else:
+                del cached[k]
+        elif m and b in m:
+            m.remove(b)
+            if not m:
+                del more[k]
+
     def cache_block(self, b: int, k: tuple) -> None:
-        if self.key[b] is None and k not in self.cached:
-            self.cached[k] = b
+        """``_insert_block_hash``: the block gets the hash even when another block holds it."""
+        if self.key[b] is None:
             self.key[b] = k
+            cached = self.cached
+            if k in cached:
+                self.more.setdefault(k, []).append(b)
+            else:
+                cached[k] = b
 
 
 class GroupRule:
