@@ -92,6 +92,48 @@ class CPUTier:
             self.entries[k][1] -= 1
 
 
+class _SlidingWindowStoreMask:
+    """``_reachable_store_block_mask`` for a sliding-window group (0.30.0-0.33.0), per chunk.
+
+    ``CacheConfig.prefix_cache_retention_interval`` defaults to 0 in these releases, so the
+    scheduler config's retention interval is never None: there is no store horizon, the
+    reachable boundaries are ``(num_prompt - 1,)`` (plus a shared-prefix junction the model does
+    not track), and ``SlidingWindowManager.reachable_block_mask`` keeps the ``need`` blocks
+    ending at each aligned boundary (retention 0) or a tail once per retention segment. A chunk is
+    reachable when any of its blocks is.
+    """
+
+    def __init__(self, cfg, window: int, geometry, retention: int):
+        self.bpc = geometry.blocks_per_chunk
+        self.align = geometry.alignment_tokens
+        self.bs = bs = cfg.tokens_per_block
+        eagle = cfg.drafter
+        self.need = -(-(window - 1) // bs) + (1 if eagle else 0)
+        self.shift = 1 if eagle else 0
+        self.retention = retention
+        # None: every block reachable (no alignment, a sub-block alignment, or a dense segment)
+        self.dense = self.align is None or self.align % bs != 0 or (
+            retention > 0 and self.need >= retention // bs)
+
+    def __call__(self, start_chunk: int, end_chunk: int, num_prompt: int) -> list[bool]:
+        bpc, need, shift, bs = self.bpc, self.need, self.shift, self.bs
+        n = end_chunk - start_chunk
+        if self.dense:
+            return [True] * n
+        start, end_b = start_chunk * bpc, end_chunk * bpc
+        mask = [False] * (end_b - start)
+        if self.retention > 0:
+            per = self.retention // bs
+            for i in range(start, end_b):
+                if i >= shift and (i - shift) % per >= per - need:
+                    mask[i - start] = True
+        aligned = (num_prompt - 1) // self.align * self.align
+        e = aligned // bs + shift
+        for j in range(max(start, e - need), min(end_b, e)):
+            mask[j - start] = True
+        return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
+
+
 class GroupState:
     __slots__ = ("keys", "kidx", "block_ids", "next_stored", "num_hit_chunks")
 
@@ -168,6 +210,17 @@ class OffloadScheduler:
         self.finish_clamp = profile.extra.get("finish_store_clamp", profile.keyed_chunk_clamp)
         self.observer = None     # set by the model: gets (event, payload) callbacks
         self.prompt_only = layout.engine.offload_prompt_only if layout is not None else True
+        # 0.30.0+ (the releases with retention plumbing, ``profile.retention_check``): a sliding
+        # window group stores only the chunks that SlidingWindowManager.reachable_block_mask
+        # says a later lookup can reach
+        self.sw_store_mask: dict = {}
+        if layout is not None and profile.retention_check:
+            retention = layout.engine.retention_interval
+            for g in self.cfgs:
+                grp = layout.groups[g.group_id]
+                if grp.kind in ("sliding_window", "sliding_window_mla"):
+                    self.sw_store_mask[g.group_id] = _SlidingWindowStoreMask(
+                        g, grp.sliding_window, geometry, 0 if retention is None else retention)
 
     # --- RequestOffloadState ----------------------------------------------------------------
     def update_offload_keys(self, st: ReqOffload, caller: str = "") -> None:
@@ -494,6 +547,13 @@ class OffloadScheduler:
                         "AssertionError", "_build_store_jobs", "build_store_jobs",
                         f"assert len(offload_keys) == len(offload_block_ids) "
                         f"({len(keys)} != {len(bids)}, group {cfg.group_id})")
+                mask = self.sw_store_mask.get(cfg.group_id) if self.sw_store_mask else None
+                if mask is not None:
+                    reach = mask(start, n, req.num_prompt)
+                    for k, b, ok in zip(keys, bids, reach):
+                        if b != NULL and ok:
+                            new_keys.append(k)
+                    continue
                 for k, b in zip(keys, bids):
                     if b != NULL:
                         new_keys.append(k)
