@@ -24,11 +24,11 @@ from typing import Callable
 from unittest import mock
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings, target
-from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.internal.conjecture import engine as hypothesis_engine
 
 from fuzz import report as report_mod
 from fuzz import repro as repro_mod
+from fuzz.database import open_database
 from fuzz.strategies import cases, edge_scores, family_of
 from simsched.case import Case
 from simsched.geometry import PROFILES
@@ -36,7 +36,7 @@ from simsched.outcome import Signature, describe
 from simsched.replay import Observation, observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
 
-TARGET_CHOICES = "model, a release such as 0.30.0, releases, or all"
+TARGET_CHOICES = "model, a release such as 0.30.0, releases, lockstep, or all"
 
 
 class CampaignError(Exception):
@@ -84,6 +84,21 @@ class Finding:
         }
 
 
+def load_findings(out: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
+    """Every finding on disk (``repros/<id>/finding.json``, the durable record, written before
+    the report), and the files that could not be read (named, left in place, never deleted)."""
+    found, damaged = [], []
+    for path in sorted((Path(out) / "repros").glob("*/finding.json")):
+        try:
+            data = json.loads(path.read_text())
+            Signature.parse(data["signature"]), tuple(data["present_on"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            damaged.append((path, str(e)))
+            continue
+        found.append(data)
+    return found, damaged
+
+
 def present_on(targets: list[str]) -> tuple[str, ...]:
     """Where a finding shows, as part of its key: the releases if any, else the model profiles."""
     releases = sorted({t for t in targets if not t.startswith("model:")})
@@ -109,8 +124,10 @@ def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str]]:
                                 "(run: simsched releases install)")
         return False, installed
     if target == "lockstep":
-        raise CampaignError("--target lockstep needs the lockstep replay harness, "
-                            "which this version does not have yet")
+        if not installed:
+            raise CampaignError("--target lockstep: no vLLM release is installed "
+                                "(run: simsched releases install)")
+        return True, installed
     if target.count(".") == 2 and all(p.isdigit() for p in target.split(".")):
         if target not in installed:
             raise CampaignError(f"--target {target}: release not installed "
@@ -124,12 +141,15 @@ class Campaign:
     def __init__(self, out: Path, releases: Releases, *, model: bool = True,
                  run_releases: list[str] | None = None, budget: float = 120.0, seed_: int = 0,
                  asserts: bool | None = True, progress: Callable[[str], None] | None = None,
-                 round_examples: int = 300, lockstep: bool = False, steer: bool = True):
+                 round_examples: int = 300, lockstep: bool = False, steer: bool = True,
+                 database=None, stats_name: str = "report"):
         self.out = Path(out)
         self.pool = releases
         self.model_targets = [ModelTarget(p) for p in PROFILES.values()] if model else []
         self.release_targets = [ReleaseTarget(v, releases) for v in (run_releases or [])]
-        self.all_release_targets = [ReleaseTarget(v, releases) for v in releases.versions]
+        # Each shrunk finding is replayed on every installed release, unless only the model runs.
+        self.all_release_targets = ([ReleaseTarget(v, releases) for v in releases.versions]
+                                    if run_releases else [])
         self.budget = budget
         self.seed = seed_
         self.asserts = asserts
@@ -137,8 +157,13 @@ class Campaign:
         self.round_examples = round_examples
         self.lockstep = lockstep
         self.steer = steer
+        self.database = database
+        self.stats_name = stats_name     # a worker process writes workers/<name>.json instead
+        self.interrupted = False
+        self.steps = 0
         self.findings: dict[tuple, Finding] = {}
         self.prior: list[dict] = []
+        self.damaged: set[Path] = set()
         self.examples = 0
         self.families: dict[str, int] = {}
         self.knobs: dict[str, int] = {}
@@ -168,8 +193,7 @@ class Campaign:
 
     def _round(self, round_no: int, deadline: float, db) -> Finding | None:
         state = {"hunting": None, "case": None, "obs": None, "t": 0.0, "n": 0}
-        known = set(self.findings) | {(Signature.parse(f["signature"]), tuple(f["present_on"]))
-                                      for f in self.prior}
+        known = self.known_keys()
 
         class Found(Exception):
             pass
@@ -191,7 +215,9 @@ class Campaign:
                         target(score, label=label)
             hunt = state["hunting"]
             if hunt is None:
-                obs = self.observe(case)
+                outcomes: dict = {}
+                obs = self.observe(case, outcomes=outcomes)
+                self.steps += sum(o.get("steps", 0) for o in outcomes.values())
             else:   # while shrinking, run only the targets the hunted finding showed on
                 obs = observe(case, [t for t in self.model_targets if t.name in hunt[2]],
                               [t for t in self.release_targets if t.name in hunt[2]],
@@ -232,9 +258,12 @@ class Campaign:
             return
         self._last_progress = now
         el = now - self.started
-        self.progress(f"[{el:6.1f}s] {self.examples} examples ({self.examples / max(el, 1e-9):.0f}/s), "
-                      f"{len(self.findings) + len(self.prior)} findings, "
-                      f"families {len(self.families)}/7")
+        kinds = sum(1 for k in self.knobs if k.startswith("kind:"))
+        knobs = sum(1 for k in self.knobs if not k.startswith("kind:"))
+        self.progress(f"[{el:6.1f}s] {self.examples} examples ({self.examples / max(el, 1e-9):.0f}/s)"
+                      f", {self.steps / max(el, 1e-9):,.0f} model steps/s, "
+                      f"{len(self.findings) + len(self.prior)} findings, families "
+                      f"{len(self.families)}/7, kinds {kinds}/8, knobs {knobs}")
 
     def replay_everywhere(self, finding: Finding) -> None:
         """Fill in where a shrunk finding's signature is present and where it is absent."""
@@ -255,16 +284,19 @@ class Campaign:
                 finding.releases_clean.append(t.name)
 
     def load_prior(self) -> None:
-        path = self.out / "report.json"
-        if not path.exists():
-            return
-        try:
-            data = json.loads(path.read_text())
-            self.prior = list(data["findings"])
-            self.examples = int(data.get("examples", 0))
-        except (ValueError, KeyError, TypeError) as e:
-            raise CampaignError(f"{path}: cannot resume from a damaged report ({e}); "
-                                "move it away or pick another --out") from None
+        """Findings already on disk, from this or another process (see :func:`load_findings`)."""
+        seen = {f.id for f in self.findings.values()}
+        found, damaged = load_findings(self.out)
+        for path, why in damaged:
+            if path not in self.damaged:
+                self.damaged.add(path)
+                self.progress(f"warning: {path}: not a readable finding ({why}); left as is")
+        self.prior = [f for f in found if f["id"] not in seen]
+
+    def known_keys(self) -> set:
+        self.load_prior()   # other worker processes may have written findings since
+        return set(self.findings) | {(Signature.parse(f["signature"]), tuple(f["present_on"]))
+                                     for f in self.prior}
 
     def run(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -273,42 +305,56 @@ class Campaign:
             modes = (True, False) if self.asserts is None else (self.asserts,)
             self.progress(f"starting {len(self.pool.versions) * len(modes)} release workers "
                           f"({', '.join(self.pool.versions)}) ...")
-            self.warmup_s = self.pool.warm(modes)
+            self.warmup_s, errors = self.pool.warm(modes)
+            for e in errors:   # the worker restarts on first use; what it does then is recorded
+                self.progress(f"warning: {e}")
             self.progress(f"workers ready in {self.warmup_s:.1f} s; fuzzing for {self.budget:g} s")
         self.started = time.monotonic()
         deadline = self.started + self.budget
-        db = DirectoryBasedExampleDatabase(str(self.out / "hypothesis-db"))
+        db = self.database if self.database is not None else open_database(None, self.out)
         if self.prior:
             self.progress(f"resuming: {len(self.prior)} findings already in {self.out}")
         round_no = 0
         self.write_report()
-        while time.monotonic() < deadline:
-            finding = self._round(round_no, deadline, db)
-            round_no += 1
-            if finding is None:
-                continue
-            self.replay_everywhere(finding)
-            self.findings[(finding.signature, finding.present_on)] = finding
-            repro_mod.write_repro(self.out, finding)
-            self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,
-                                  "examples": finding.examples_before})
-            self.write_report()
-            self.progress(f"[{time.monotonic() - self.started:6.1f}s] finding {finding.id}: "
-                          f"{finding.case.layout.describe()} | affected "
-                          f"{', '.join(finding.releases_affected) or '-'} | profiles "
-                          f"{', '.join(finding.profiles_affected) or '-'}")
+        try:
+            while time.monotonic() < deadline:
+                finding = self._round(round_no, deadline, db)
+                round_no += 1
+                if finding is not None:
+                    self._record(finding)
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self.progress("interrupted: every finding so far is on disk; run the same command "
+                          "again to resume")
         return self.write_report()
 
+    def _record(self, finding: Finding) -> None:
+        self.replay_everywhere(finding)
+        self.findings[(finding.signature, finding.present_on)] = finding
+        repro_mod.write_repro(self.out, finding)     # the durable record, first
+        self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,
+                              "examples": finding.examples_before})
+        self.write_report()
+        self.progress(f"[{time.monotonic() - self.started:6.1f}s] finding {finding.id}: "
+                      f"{finding.case.layout.describe()} | affected "
+                      f"{', '.join(finding.releases_affected) or '-'} | profiles "
+                      f"{', '.join(finding.profiles_affected) or '-'}")
+
     def write_report(self) -> dict:
+        """report.json and report.md; a worker process writes its figures to workers/<n>.json
+        instead, and the parent merges them (:func:`fuzz.report.merge`)."""
         el = time.monotonic() - self.started if self.started else 0.0
         new = [f.to_json(self.out) for f in self.findings.values()]
         new_ids = {f["id"] for f in new}
         data = {
             "format": "simsched-report/1",
             "seed": self.seed, "budget_s": self.budget, "elapsed_s": round(el, 3),
+            "interrupted": self.interrupted,
             "worker_startup_s": round(self.warmup_s, 3),
             "examples": self.examples,
             "examples_per_s": round(self.examples / el, 1) if el else 0.0,
+            "model_steps": self.steps,
+            "model_steps_per_s": round(self.steps / el, 1) if el else 0.0,
             "targets": ([t.name for t in self.model_targets]
                         + [t.name for t in self.release_targets]),
             "releases_installed": list(self.pool.versions),
@@ -317,5 +363,8 @@ class Campaign:
             "timeline": self.timeline,
             "findings": [f for f in self.prior if f["id"] not in new_ids] + new,
         }
-        report_mod.write(self.out, data)
+        if self.stats_name == "report":
+            report_mod.write(self.out, data)
+        else:
+            report_mod.write_worker_stats(self.out, self.stats_name, data)
         return data

@@ -47,6 +47,45 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def write_worker_stats(out: Path, name: str, data: dict) -> None:
+    """A worker process's figures (its findings are on disk already)."""
+    folder = Path(out) / "workers"
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic(folder / f"{name}.json", json.dumps(
+        {k: v for k, v in data.items() if k != "findings"}, indent=1) + "\n")
+
+
+def merge(out: Path, findings: list[dict], base: dict) -> dict:
+    """One report from the worker processes' figures and every finding on disk."""
+    parts = []
+    for path in sorted((Path(out) / "workers").glob("*.json")):
+        try:
+            parts.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    data = dict(base)
+    data["workers"] = len(parts)
+    data["examples"] = sum(p.get("examples", 0) for p in parts)
+    data["model_steps"] = sum(p.get("model_steps", 0) for p in parts)
+    el = max((p.get("elapsed_s", 0.0) for p in parts), default=0.0)
+    data["elapsed_s"] = el
+    data["examples_per_s"] = round(data["examples"] / el, 1) if el else 0.0
+    data["model_steps_per_s"] = round(data["model_steps"] / el, 1) if el else 0.0
+    data["interrupted"] = any(p.get("interrupted") for p in parts)
+    data["worker_startup_s"] = max((p.get("worker_startup_s", 0.0) for p in parts), default=0.0)
+    for key in ("families", "knobs"):
+        total: dict = {}
+        for p in parts:
+            for k, v in p.get(key, {}).items():
+                total[k] = total.get(k, 0) + v
+        data[key] = dict(sorted(total.items()))
+    data["timeline"] = sorted((t for p in parts for t in p.get("timeline", [])),
+                              key=lambda t: t["t"])
+    data["findings"] = findings
+    write(out, data)
+    return data
+
+
 def write(out: Path, data: dict) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -84,24 +84,23 @@ def cmd_run(args) -> int:
 
 
 def cmd_fuzz(args) -> int:
-    from fuzz.campaign import Campaign, CampaignError, parse_target
-    from simsched.targets import Releases
+    from fuzz.campaign import CampaignError
+    from fuzz.database import DatabaseError
+    from fuzz.runner import FuzzOptions, fuzz
+    opts = FuzzOptions(out=args.out, budget=args.budget, seed=args.seed, target=args.target,
+                       asserts=args.asserts, releases=args.releases, timeout=args.timeout,
+                       workers=args.workers, db=args.db, steer=not args.no_steer)
     try:
-        only = args.releases.split(",") if args.releases else None
-        with Releases.installed(only, timeout=args.timeout) as pool:
-            model, rels = parse_target(args.target, list(pool.versions))
-            asserts = {"on": True, "off": False, "both": None}[args.asserts]
-            campaign = Campaign(Path(args.out), pool, model=model, run_releases=rels,
-                                budget=args.budget, seed_=args.seed, asserts=asserts)
-            data = campaign.run()
-    except CampaignError as e:
+        data = fuzz(opts)
+    except (CampaignError, DatabaseError) as e:
         return _fail(str(e))
     print(f"{len(data['findings'])} findings in {args.out}/report.md "
-          f"({data['examples']} examples, {data['examples_per_s']}/s)")
+          f"({data['examples']} examples, {data['examples_per_s']}/s)"
+          + ("; interrupted: run the same command to resume" if data.get("interrupted") else ""))
     for f in data["findings"]:
         print(f"  {f['id']}: {f['layout']} | present in {', '.join(f['releases_affected']) or '-'}"
               f" | profiles {', '.join(f['profiles_affected']) or '-'}")
-    return 0
+    return 130 if data.get("interrupted") else 0
 
 
 def cmd_releases(args) -> int:
@@ -120,13 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--budget", type=float, default=120.0, help="seconds (default 120)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--target", default="all",
-                   help="model, a release such as 0.30.0, releases, or all (default)")
+                   help="model, a release such as 0.30.0, releases, lockstep (every release, "
+                   "whole cases on the real Scheduler), or all (default)")
     f.add_argument("--out", default="simsched-out", help="output folder (default simsched-out/)")
     f.add_argument("--asserts", choices=("on", "off", "both"), default="both",
                    help="run vLLM with asserts on, stripped (python -O), or both (default)")
     f.add_argument("--releases", help="comma-separated installed releases to use "
                    "(default: every installed release)")
     f.add_argument("--timeout", type=float, default=60.0, help="per-call worker time limit (s)")
+    f.add_argument("--workers", type=int, default=1, help="fuzzing processes sharing one corpus")
+    f.add_argument("--db", help="example database: a directory (default OUT/hypothesis-db) or "
+                   "a redis://host:port/db URL shared by campaigns on several machines")
+    f.add_argument("--no-steer", action="store_true",
+                   help="do not steer generation toward the edges with hypothesis.target")
     f.set_defaults(fn=cmd_fuzz)
 
     r = sub.add_parser("replay", help="run one case; exit 1 when it shows a finding")
