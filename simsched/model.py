@@ -78,7 +78,7 @@ class Model:
         self.max_steps = min(MAX_STEPS, 4 * (work + last) + 64)
         self.geo = geo = derive(layout, profile, asserts=case.asserts)
         self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
-        self.no_blocks = [[] for _ in layout.groups]
+        self.no_blocks_text = fmt_alloc("", [[] for _ in layout.groups])[len("alloc  "):]
         dcp = layout.engine.dcp_size
         sizes = [effective_block_size(g, dcp) for g in layout.groups]
         self.unit = math.gcd(geo.tokens_per_hash, *sizes)
@@ -313,10 +313,11 @@ class Model:
             self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
         counters["scheduled_tokens"] += sum([n for _, n, _ in sched_reqs])
         if tracing:
-            empty = self.no_blocks
+            empty = self.no_blocks_text       # fmt_alloc of no new block in any group
             for req, n, nb in sched_reqs:
-                lines.append(f"sched {req.rid} {n}")
-                lines.append(fmt_alloc(req.rid, empty if nb is None else nb))
+                rid = req.rid
+                lines.append(f"sched {rid} {n}")
+                lines.append(f"alloc {rid} {empty}" if nb is None else fmt_alloc(rid, nb))
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
         stores, loads, flush = off.build_connector_meta(scheduled, new_blocks, preempted,
