@@ -36,8 +36,12 @@ class ModelCrash(ConfigError):
 class CPUTier:
     """``CPUOffloadingManager`` with the LRU policy; capacity in chunks."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, evictable_list: bool = False):
         self.capacity = capacity
+        # 0.25.1-0.30.0's LRUCachePolicy keeps an evictable list: a chunk joins its MRU end when
+        # it becomes evictable (store or last load completes) and touches move only evictable
+        # chunks; 0.31.0+ rank chunks by request access instead (not modelled beyond touches)
+        self.evictable_list = evictable_list
         # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used)
         self.entries: OrderedDict[tuple, list] = OrderedDict()
         self.evictions = 0
@@ -49,9 +53,12 @@ class CPUTier:
         return HIT if e[0] else HIT_PENDING
 
     def touch(self, keys) -> None:
-        """Move each present key to the MRU end, in order (the loop runs in C)."""
+        """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
+        reversed(list(keys))``), so the first key ends most recent (the loop runs in C)."""
         entries = self.entries
-        deque(map(entries.move_to_end, filter(entries.__contains__, keys)), 0)
+        if self.evictable_list:
+            keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
+        deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
 
     def prepare_store(self, keys) -> list | None:
         entries = self.entries
@@ -82,6 +89,8 @@ class CPUTier:
             if e is not None and not e[0]:
                 e[0] = True
                 e[2] = contents.get(k)
+                if self.evictable_list:
+                    self.entries.move_to_end(k)
 
     def prepare_load(self, keys) -> None:
         for k in keys:
@@ -89,7 +98,10 @@ class CPUTier:
 
     def complete_load(self, keys) -> None:
         for k in keys:
-            self.entries[k][1] -= 1
+            e = self.entries[k]
+            e[1] -= 1
+            if not e[1] and self.evictable_list:
+                self.entries.move_to_end(k)
 
 
 class _SlidingWindowStoreMask:
@@ -185,7 +197,8 @@ class OffloadScheduler:
         self.n = len(self.cfgs)
         self.bpc = geometry.blocks_per_chunk
         self.tph = geometry.tokens_per_hash
-        self.tier = CPUTier(cpu_chunks)
+        self.tier = CPUTier(cpu_chunks, profile.extra.get(
+            "cpu_evictable_list", profile.offloaded_groups is not prefix_cacheable_groups))
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
         self.job_counter = 0
