@@ -198,11 +198,12 @@ class Campaign:
         class Found(Exception):
             pass
 
-        @seed(self.seed * 1_000_003 + round_no)
+        # @settings above @seed: @seed alone turns the example database off.
         @settings(database=db, max_examples=self.round_examples, deadline=None,
                   report_multiple_bugs=False, print_blob=False, verbosity=Verbosity.quiet,
                   suppress_health_check=list(HealthCheck),
                   phases=(Phase.reuse, Phase.generate, Phase.target, Phase.shrink))
+        @seed(self.seed * 1_000_003 + round_no)
         @given(cases(asserts=self.asserts))
         def body(case: Case) -> None:
             if state["hunting"] is None:

@@ -55,10 +55,18 @@ def test_resume_keeps_every_finding(tmp_path):
     assert ids <= {f["id"] for f in second["findings"]}
 
 
-def test_damaged_report_is_a_clear_error(tmp_path):
-    (tmp_path / "report.json").write_text("{not json")
-    with pytest.raises(CampaignError, match="damaged report"):
-        model_campaign(tmp_path, budget=1.0)
+def test_damaged_finding_is_named_and_kept(tmp_path):
+    bad = tmp_path / "repros" / "x" / "finding.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    (tmp_path / "report.json").write_text("{also not json")   # derived: simply rewritten
+    said = []
+    with Releases(()) as pool:
+        data = Campaign(tmp_path, pool, model=True, run_releases=[], budget=1.0, seed_=1,
+                        progress=said.append).run()
+    assert any(str(bad) in line and "not a readable finding" in line for line in said)
+    assert bad.read_text() == "{not json"
+    assert json.loads((tmp_path / "report.json").read_text())["findings"] == data["findings"]
 
 
 @pytest.mark.parametrize("target, installed, expect", [
