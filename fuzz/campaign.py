@@ -18,7 +18,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 from unittest import mock
@@ -30,7 +30,8 @@ from fuzz import report as report_mod
 from fuzz import repro as repro_mod
 from fuzz.database import open_database
 from fuzz.strategies import cases, edge_scores, family_of
-from simsched.case import Case
+from simsched.case import Case, Timing
+from simsched.layout import Engine, Layout, LayoutError
 from simsched.geometry import PROFILES
 from simsched.outcome import Signature, describe
 from simsched.replay import Observation, observe
@@ -82,6 +83,43 @@ class Finding:
             "found_after_s": round(self.found_after_s, 3),
             "examples_before": self.examples_before,
         }
+
+
+SHRINK_SECONDS = 10.0
+
+
+def simplify(case: Case, still_shows, obs):
+    """What hypothesis's shrinker cannot do across layout families: drop whole groups, requests
+    and engine knobs, one at a time, keeping each change under which the finding still shows."""
+    def candidates(c: Case):
+        groups = c.layout.groups
+        for i in range(len(groups)):
+            if len(groups) > 1:
+                rest = groups[:i] + groups[i + 1:]
+                if not any(g.drafter for g in rest) or c.layout.engine.speculative is not None:
+                    yield replace(c, layout=replace(c.layout, groups=rest))
+        for i in range(1, len(c.requests)):
+            yield replace(c, requests=c.requests[:i] + c.requests[i + 1:])
+        default = Engine()
+        for f in fields(Engine):
+            if getattr(c.layout.engine, f.name) != getattr(default, f.name):
+                yield replace(c, layout=c.layout.with_engine(**{f.name: getattr(default, f.name)}))
+        if c.timing != Timing():
+            yield replace(c, timing=Timing())
+
+    improved = True
+    while improved:
+        improved = False
+        for cand in candidates(case):
+            try:
+                Layout.from_json(cand.layout.to_json())   # still a valid layout
+            except LayoutError:
+                continue
+            found = still_shows(cand)
+            if found is not None:
+                case, obs, improved = cand, found, True
+                break
+    return case, obs
 
 
 def load_findings(out: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
@@ -142,7 +180,8 @@ class Campaign:
                  run_releases: list[str] | None = None, budget: float = 120.0, seed_: int = 0,
                  asserts: bool | None = True, progress: Callable[[str], None] | None = None,
                  round_examples: int = 300, lockstep: bool = False, steer: bool = True,
-                 database=None, stats_name: str = "report"):
+                 database=None, stats_name: str = "report",
+                 stop_when: Callable[[Finding], bool] | None = None):
         self.out = Path(out)
         self.pool = releases
         self.model_targets = [ModelTarget(p) for p in PROFILES.values()] if model else []
@@ -159,6 +198,7 @@ class Campaign:
         self.steer = steer
         self.database = database
         self.stats_name = stats_name     # a worker process writes workers/<name>.json instead
+        self.stop_when = stop_when       # ends the campaign early (benchmarks)
         self.interrupted = False
         self.steps = 0
         self.findings: dict[tuple, Finding] = {}
@@ -228,7 +268,8 @@ class Campaign:
                 where.setdefault(o.signature, []).append(o.target)
             if hunt is None:
                 keys = {(sig, present_on(ts)): ts for sig, ts in where.items()}
-                new = sorted(set(keys) - known)
+                # the most specific first: a finding on fewer targets tells releases apart
+                new = sorted(set(keys) - known, key=lambda k: (len(k[1]), k))
                 if not new:
                     return
                 hunt = state["hunting"] = (*new[0], frozenset(keys[new[0]]))
@@ -240,15 +281,25 @@ class Campaign:
                 raise Found(str(hunt[0]))
 
         # Shrinking is bounded by hypothesis's own MAX_SHRINKING_SECONDS (300 s); a campaign keeps
-        # its budget, so a round shrinks for at most what is left of it (and at least 5 s).
-        shrink_s = max(5.0, deadline - time.monotonic())
+        # its budget and looks for more than one finding, so a round shrinks for at most
+        # SHRINK_SECONDS (and never past the budget by more than 5 s); simplify() finishes the job.
+        shrink_s = max(5.0, min(SHRINK_SECONDS, deadline - time.monotonic()))
         try:
             with mock.patch.object(hypothesis_engine, "MAX_SHRINKING_SECONDS", shrink_s):
                 body()
         except Found:
-            o = state["obs"]
-            sig, shown_on, _ = state["hunting"]
-            return Finding(id=finding_id(sig, shown_on), signature=sig, case=state["case"],
+            sig, shown_on, targets = state["hunting"]
+
+            def still_shows(case: Case) -> Observation | None:
+                obs = observe(case, [t for t in self.model_targets if t.name in targets],
+                              [t for t in self.release_targets if t.name in targets],
+                              lockstep=self.lockstep)
+                where = {o.target for o in obs if o.signature == sig}
+                return next((o for o in obs if o.signature == sig), None) \
+                    if targets <= where else None
+
+            case, o = simplify(state["case"], still_shows, state["obs"])
+            return Finding(id=finding_id(sig, shown_on), signature=sig, case=case,
                            present_on=shown_on, first_target=o.target, outcome=o.outcome,
                            found_after_s=state["t"], examples_before=state["n"])
         return None
@@ -323,6 +374,8 @@ class Campaign:
                 round_no += 1
                 if finding is not None:
                     self._record(finding)
+                    if self.stop_when is not None and self.stop_when(finding):
+                        break
         except KeyboardInterrupt:
             self.interrupted = True
             self.progress("interrupted: every finding so far is on disk; run the same command "
