@@ -62,8 +62,9 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def issue_text(data: dict, case_text: str, outcomes: dict) -> str:
-    """The README of a repro: the text of an upstream bug report."""
+def issue_text(data: dict, case_text: str, outcomes: dict, trace: list[str] | None = None) -> str:
+    """The README of a repro: the text of an upstream bug report (``trace``: the model's step
+    trace up to the failure, under a profile that shows it)."""
     lines = [f"# {data['exception'] or data['kind']} in `{data['function'] or data['field']}`"
              f" ({data['kind']})", "",
              f"**Layout:** `{data['layout']}`", ""]
@@ -87,10 +88,30 @@ def issue_text(data: dict, case_text: str, outcomes: dict) -> str:
               f"**Python asserts:** {'on' if data['asserts'] else 'stripped (python -O)'}", "",
               "## What each target does with this case", ""]
     lines += [f"- `{name}`: {describe(o)}" for name, o in outcomes.items()]
+    if trace:
+        lines += ["", "## Trace up to the failure (simsched model, "
+                  f"{trace[0].split('profile=')[-1].split()[0] if trace else ''})", "", "```"]
+        lines += trace[-40:] if len(trace) > 40 else trace
+        lines += ["```"]
     lines += ["", "## Case", "", "```json", case_text.rstrip(), "```", "",
               "Reproduce: `simsched replay case.json --all-releases`, or "
               "`python -m pytest test_repro.py`.", ""]
     return "\n".join(lines)
+
+
+def model_trace(case, data: dict) -> list[str] | None:
+    """The model's trace of the case under the first profile that shows the finding, or under
+    the profile of the first affected release."""
+    from simsched.geometry import profile_for_release
+    from simsched.model import run_case
+    names = data["profiles_affected"] or [profile_for_release(v).name
+                                           for v in data["releases_affected"][:1]]
+    if not names:
+        return None
+    try:
+        return run_case(case, names[0]).trace
+    except Exception:   # the model crashing is itself the finding; the README says so above
+        return None
 
 
 def write_repro(out: Path, finding) -> Path:
@@ -104,6 +125,7 @@ def write_repro(out: Path, finding) -> Path:
         affected=", ".join(data["releases_affected"]) or "none installed",
         clean=", ".join(data["releases_clean"]) or "none installed",
         path=f"repros/{finding.id}/test_repro.py"))
-    _write(folder / "README.md", issue_text(data, case_text, finding.outcomes))
+    _write(folder / "README.md", issue_text(data, case_text, finding.outcomes,
+                                            model_trace(finding.case, data)))
     _write(folder / "finding.json", json.dumps(data, indent=1) + "\n")
     return folder
