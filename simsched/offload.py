@@ -611,8 +611,12 @@ class OffloadScheduler:
             for b in fenced:
                 self.block_to_jobs.setdefault(b, set()).add(job.jid)
             if req.finished:
+                # register the deferred fences; a block re-allocated in this very batch flushes
+                # the new job at once (as _build_store_jobs does for finished requests)
                 for b in deferred:
                     self.block_to_jobs.setdefault(b, set()).add(job.jid)
+                    if b in self.batch_allocated:
+                        self.batch_flush.add(job.jid)
             out.append(job)
         return out
 
