@@ -122,7 +122,10 @@ def test_observations_api_matches_replay(pool):
 # --- robust workers -------------------------------------------------------------------------
 
 def _long_case() -> Case:
-    reqs = [{"id": f"r{i}", "prompt": [[i % 5, 200 + i]], "arrival": i // 4, "decode": 400}
+    """The kill (after 1 s) must land in the release's run, after the model's (lockstep runs
+    the model first): about 0.5 s of model, then about 2 s of release. With prompt-only stores
+    a 400-token decode ran both in under 1 s; 1,600 tokens kept the model past 1 s."""
+    reqs = [{"id": f"r{i}", "prompt": [[i % 5, 200 + i]], "arrival": i // 4, "decode": 800}
             for i in range(64)]
     return Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}],
                                       "engine": {"num_gpu_blocks": 4000}},
