@@ -6,6 +6,7 @@ Real-vLLM tests FAIL (never skip) when a release is missing: ``Releases.installe
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import signal
 import threading
 import time
@@ -132,16 +133,31 @@ def _long_case() -> Case:
                            "requests": reqs})
 
 
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])      # utime + stime
+
+
+def _kill_when_busy(pid: int) -> None:
+    idle = _cpu_ticks(pid)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _cpu_ticks(pid) < idle + 3:
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+
+
 def test_killed_worker_is_a_recorded_finding_and_restarts(pool):
     worker = pool.worker("0.33.0", True)
     worker.start()
     pid = worker.pid
-    timer = threading.Timer(1.0, lambda: os.kill(pid, signal.SIGKILL))
+    # Killed while it works on the case: the killer waits until the idle worker starts using
+    # CPU time (it has received the case), so no timer races a case that may end first.
+    timer = threading.Thread(target=_kill_when_busy, args=(pid,))
     timer.start()
     try:
         res = lockstep(_long_case(), "0.33.0", pool, timeout=60)
     finally:
-        timer.cancel()
+        timer.join()
     assert sigs(res) == ["crash:WorkerDied:release_worker"], res.real
     assert res.real["signal"] == signal.SIGKILL
     again = lockstep(Case.from_json(LOAD_CASE), "0.33.0", pool)   # restarted transparently
