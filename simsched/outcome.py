@@ -94,6 +94,9 @@ def describe(outcome: dict) -> str:
                 f"{outcome.get('message', '')}")
     if status == "unsupported":
         return f"unsupported: {outcome.get('reason', '')}"
+    if status == "lockstep":
+        return ("lockstep: " + ", ".join(outcome["signatures"]) if outcome["signatures"]
+                else "lockstep: agrees with the model, no finding")
     g = outcome["geometry"]
     groups = ", ".join(f"g{x['group_id']}: {x['tokens_per_chunk']} tok/chunk, "
                        f"{x['hashes_per_chunk']} hash/chunk" for x in g["groups"])

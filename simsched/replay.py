@@ -59,8 +59,8 @@ def observe(case: Case, models: list[ModelTarget], releases: list[ReleaseTarget]
         for t in releases:
             found = lockstep_observations(case, t)
             if outcomes is not None:
-                outcomes[t.name] = {"status": "error" if found else "ok",
-                                    "lockstep": [str(o.signature) for o in found]}
+                outcomes[t.name] = {"status": "lockstep",
+                                    "signatures": [str(o.signature) for o in found]}
             obs.extend(found)
         return obs
     for t in releases:
