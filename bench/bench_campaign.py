@@ -4,8 +4,8 @@
     python bench/bench_campaign.py --scaling [--budget 60]
 
 For each seed, a fresh output folder and database; the campaign stops at the first finding of the
-class (the boot AssertionError in build_offloading_config on a ring layout, the islice ValueError
-in update_offload_keys, or the offload_keys/offload_block_ids AssertionError in _build_store_jobs)
+class (the boot AssertionError in build_offloading_config, the islice ValueError in
+update_offload_keys, or the offload_keys/offload_block_ids AssertionError in _build_store_jobs)
 and reports the time to it and whether its shrunk case is the known minimum (2 groups,
 1 request, 1 step). ``--scaling`` measures examples/s with --workers 1 and 2 in one run.
 """
@@ -31,8 +31,9 @@ CLASS = {"crash:AssertionError:build_offloading_config", "crash:ValueError:updat
 
 
 def of_the_class(finding) -> bool:
-    return (str(finding.signature) in CLASS
-            and any(g.kind == "ring" for g in finding.case.layout.groups))
+    """One of the three crashes, whatever layout shows it (a Mamba group outside align mode
+    trips the same boot assert as a ring does)."""
+    return str(finding.signature) in CLASS
 
 
 def blind_run(seed: int, budget: float, target: str) -> dict:
