@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,13 +57,21 @@ def blind_run(seed: int, budget: float, target: str) -> dict:
 
 
 def scaling(budget: float) -> list[tuple[int, float]]:
+    """Steady-state generation: a first campaign finds the easy findings, then one and two
+    workers each resume from a copy of its output, so that shrinking new findings (which stops
+    generation) weighs the same on both sides."""
+    def fuzz(out: str, workers: int, seconds: float) -> dict:
+        subprocess.run([sys.executable, "-m", "simsched.cli", "fuzz", "--target", "model",
+                        "--asserts", "on", "--budget", str(seconds), "--workers", str(workers),
+                        "--out", out], capture_output=True, check=True)
+        return json.loads((Path(out) / "report.json").read_text())
+
     rates = []
-    for workers in (1, 2):
-        with tempfile.TemporaryDirectory() as out:
-            subprocess.run([sys.executable, "-m", "simsched.cli", "fuzz", "--target", "model",
-                            "--asserts", "on", "--budget", str(budget), "--workers",
-                            str(workers), "--out", out], capture_output=True, check=True)
-            data = json.loads((Path(out) / "report.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        fuzz(f"{tmp}/warm", 1, 3 * budget)
+        for workers in (1, 2):
+            shutil.copytree(f"{tmp}/warm", f"{tmp}/w{workers}")
+            data = fuzz(f"{tmp}/w{workers}", workers, budget)
             rates.append((workers, data["examples"] / budget))
     return rates
 
