@@ -1,9 +1,7 @@
 """The release worker protocol, against a REAL vLLM release.
 
-Releases are located by :func:`release_spec`: through ``simsched.vllm.releases`` when it is
-importable and has the release installed; otherwise (developer-only fallback) through the
-exploration tree ``/tmp/explore-rel/X.Y.Z`` with ``/tmp/explore-base/bin/python``. When neither
-has the release the tests FAIL: they are never skipped.
+Releases are located by :func:`release_spec` through ``simsched.vllm.releases``; a release that
+is not installed makes the tests FAIL: they are never skipped.
 """
 
 from __future__ import annotations
@@ -11,37 +9,22 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from simsched.vllm.worker import (PROJECT_ROOT, HarnessError, ReleaseWorker, WorkerDied,
-                                  WorkerSpec, WorkerTimeout, default_env, spec_for)
-
-EXPLORE_REL = Path("/tmp/explore-rel")
-EXPLORE_PY = Path("/tmp/explore-base/bin/python")
+from simsched.vllm.worker import (HarnessError, ReleaseWorker, WorkerDied, WorkerSpec,
+                                  WorkerTimeout, spec_for)
 
 FULL16_RING4 = {"groups": [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}]}
 
 
 def release_spec(version: str, *, asserts: bool = True, extra_env: dict | None = None
                  ) -> WorkerSpec:
-    spec = None
     try:
         spec = spec_for(version, asserts=asserts)
-    except (ImportError, LookupError):
-        pass
-    if spec is None:
-        # Developer-only fallback: the exploration tree of the project's first session.
-        rel = EXPLORE_REL / version
-        if not (rel / "vllm").is_dir() or not EXPLORE_PY.exists():
-            pytest.fail(f"vLLM release {version} is not installed (simsched.vllm.releases) "
-                        f"and not in the developer fallback {rel}: install it first",
-                        pytrace=False)
-        spec = WorkerSpec(version, str(EXPLORE_PY),
-                          default_env(f"{rel}{os.pathsep}{PROJECT_ROOT}",
-                                      f"/tmp/vcache/{version}"),
-                          optimize=not asserts)
+    except LookupError:
+        pytest.fail(f"vLLM release {version} is not installed: run `simsched releases install`",
+                    pytrace=False)
     if extra_env:
         spec = WorkerSpec(spec.version, spec.python, {**spec.env, **extra_env}, spec.optimize)
     return spec
