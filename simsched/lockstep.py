@@ -40,6 +40,7 @@ from simsched.case import Case
 from simsched.geometry import profile_for_release
 from simsched.outcome import Signature
 from simsched.replay import Observation
+from simsched.targets import model_crash
 
 DEFAULT_CASE_TIMEOUT = 120.0
 CONTEXT_STEPS = 3
@@ -221,11 +222,6 @@ def run_real(case: Case, version: str, pool, mutant: str | None = None,
                 "signal": getattr(e, "signal", None)}
 
 
-def _model_crash(exc: BaseException) -> dict:
-    from simsched.targets import model_crash
-    return model_crash(exc)
-
-
 def lockstep(case: Case, version: str, pool, mutant: str | None = None,
              timeout: float | None = DEFAULT_CASE_TIMEOUT) -> LockstepResult:
     from simsched.model import run_case
@@ -236,7 +232,7 @@ def lockstep(case: Case, version: str, pool, mutant: str | None = None,
     try:
         model = run_case(case, profile)
     except Exception as e:   # a bug in the model is a finding of its own
-        model_err = _model_crash(e)
+        model_err = model_crash(e)
     t1 = time.perf_counter()
     real = run_real(case, version, pool, mutant=mutant, timeout=timeout)
     t2 = time.perf_counter()

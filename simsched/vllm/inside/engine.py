@@ -38,7 +38,7 @@ from simsched.case import Case
 from simsched.layout import LayoutError
 from simsched.model import STALL_STEPS, _token
 from simsched.shadow import Shadow
-from simsched.trace import fmt_blocks, header
+from simsched.trace import fmt_alloc, fmt_job, header
 
 DEFAULT_STEP_CAP = 20_000
 
@@ -335,12 +335,6 @@ class _Run:
                                   per_chunk.get(c, [])))
         return items
 
-    def _fmt_job(self, job: _Job) -> str:
-        kind = "store" if job.is_store else "load"
-        parts = [f"g{gid}:{hidx}={fmt_blocks([b for _, b in blocks])}"
-                 for gid, _, hidx, _, blocks in job.items]
-        return f"{kind} {job.jid} {job.rid} " + (" ".join(parts) if parts else "-")
-
     # -- the shadow ------------------------------------------------------------------------
     def _tables(self, rid: str) -> list[list[int]]:
         mgrs = self.sched.kv_cache_manager.coordinator.single_type_managers
@@ -533,7 +527,7 @@ class _Run:
             items = self._job_items(jid, tj, status, False) if status is not None else []
             job = _Job(jid, tj.req_id, False, items, t + case.timing.load_latency)
             self.jobs[jid] = job
-            self.emit(self._fmt_job(job))
+            self.emit(fmt_job(job))
             for item in items:
                 if item[3] not in self.tier:
                     raise inv.InvariantViolation(
@@ -545,8 +539,7 @@ class _Run:
             self.counters["scheduled_tokens"] += n
             self.emit(f"sched {rid} {n}")
             per_group = new_ids.get(rid) or [[] for _ in self.rules]
-            self.emit(f"alloc {rid} " + " ".join(f"g{g}={fmt_blocks(b)}"
-                                                 for g, b in enumerate(per_group)))
+            self.emit(fmt_alloc(rid, per_group))
         new_stores = []
         for jid in sorted(store_jobs):
             tj = store_jobs[jid]
@@ -555,7 +548,7 @@ class _Run:
             job = _Job(jid, tj.req_id, True, items, t + case.timing.store_latency)
             self.jobs[jid] = job
             new_stores.append(job)
-            self.emit(self._fmt_job(job))
+            self.emit(fmt_job(job))
             v = inv.check_store_job(step, job, self.geo)
             if v is not None:
                 raise v
