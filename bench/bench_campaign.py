@@ -52,7 +52,7 @@ def blind_run(seed: int, budget: float, target: str) -> dict:
         return {"seed": seed, "found": True, "signature": str(hit.signature),
                 "time_s": hit.found_after_s, "layout": hit.case.layout.describe(),
                 "groups": len(hit.case.layout.groups), "requests": len(hit.case.requests),
-                "steps": hit.to_json(Path(out))["steps"],
+                "steps": hit.to_json()["steps"],
                 "startup_s": campaign.warmup_s}
 
 

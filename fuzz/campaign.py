@@ -60,7 +60,7 @@ class Finding:
     releases_not_run: dict = field(default_factory=dict)  # release -> why (unsupported, worker)
     outcomes: dict = field(default_factory=dict)     # target -> outcome of the shrunk case
 
-    def to_json(self, out: Path) -> dict:
+    def to_json(self) -> dict:
         o = self.outcome
         return {
             "id": self.id, "signature": str(self.signature), "kind": self.signature.kind,
@@ -398,7 +398,7 @@ class Campaign:
         """report.json and report.md; a worker process writes its figures to workers/<n>.json
         instead, and the parent merges them (:func:`fuzz.report.merge`)."""
         el = time.monotonic() - self.started if self.started else 0.0
-        new = [f.to_json(self.out) for f in self.findings.values()]
+        new = [f.to_json() for f in self.findings.values()]
         new_ids = {f["id"] for f in new}
         data = {
             "format": "simsched-report/1",

@@ -117,7 +117,7 @@ def model_trace(case, data: dict) -> list[str] | None:
 def write_repro(out: Path, finding) -> Path:
     folder = Path(out) / "repros" / finding.id
     folder.mkdir(parents=True, exist_ok=True)
-    data = finding.to_json(out)
+    data = finding.to_json()
     case_text = finding.case.dumps()
     _write(folder / "case.json", case_text)
     _write(folder / "test_repro.py", TEST_TEMPLATE.format(
