@@ -45,6 +45,11 @@ class CPUTier:
         # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used)
         self.entries: OrderedDict[tuple, list] = OrderedDict()
         self.evictions = 0
+        # change counters, for memos of callers: ``version`` moves on every change (order
+        # included), ``content_version`` on every change but a touch (what lookups can see:
+        # which chunks exist, ready or not, and their load refcounts)
+        self.version = 0
+        self.content_version = 0
 
     def lookup(self, key) -> int:
         e = self.entries.get(key)
@@ -56,6 +61,7 @@ class CPUTier:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
         reversed(list(keys))``), so the first key ends most recent (the loop runs in C)."""
         entries = self.entries
+        self.version += 1
         if self.evictable_list:
             keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
         deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
@@ -65,6 +71,8 @@ class CPUTier:
         to_store = [k for k in keys if k not in entries]
         if not to_store:
             return []
+        self.version += 1
+        self.content_version += 1
         n_evict = len(to_store) - (self.capacity - len(entries))
         if n_evict > 0:
             protected = set(keys)
@@ -84,6 +92,8 @@ class CPUTier:
         return to_store
 
     def complete_store(self, keys, contents: dict) -> None:
+        self.version += 1
+        self.content_version += 1
         for k in keys:
             e = self.entries.get(k)
             if e is not None and not e[0]:
@@ -93,10 +103,14 @@ class CPUTier:
                     self.entries.move_to_end(k)
 
     def prepare_load(self, keys) -> None:
+        self.version += 1
+        self.content_version += 1
         for k in keys:
             self.entries[k][1] += 1
 
     def complete_load(self, keys) -> None:
+        self.version += 1
+        self.content_version += 1
         for k in keys:
             e = self.entries[k]
             e[1] -= 1
@@ -159,7 +173,7 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled", "next_key_at")
+                 "finished_signaled", "next_key_at", "lookup_memo")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -171,6 +185,9 @@ class ReqOffload:
         self.num_local = 0
         self.finished_signaled = False
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
+        # (tier.content_version, num_local, num_tokens, hit) of the last _lookup: the same
+        # inputs give the same hit (see OffloadScheduler._lookup_memo)
+        self.lookup_memo: tuple | None = None
 
 
 class Job:
@@ -201,6 +218,7 @@ class OffloadScheduler:
             "cpu_evictable_list", profile.offloaded_groups is not prefix_cacheable_groups))
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
+        self._touched: tuple | None = None       # see _touch
         self.job_counter = 0
         self.block_to_jobs: dict[int, set[int]] = {}   # _block_id_to_pending_jobs
         self.batch_loads: list[Job] = []
@@ -303,19 +321,43 @@ class OffloadScheduler:
             return None
         self.update_offload_keys(st, "get_num_new_matched_tokens")
         st.num_local = num_computed
-        hit = self._lookup(st)
+        hit = self._lookup_memo(st)
         for cfg, gs in zip(self.cfgs, st.groups):
             gs.num_hit_chunks = (num_computed + (hit or 0)) // cfg.tokens_per_chunk
         self._touch(st)
         return hit
 
+    def _lookup_memo(self, st: ReqOffload) -> int | None:
+        """``_lookup(st)``, or its last result when none of its inputs changed since: the tier's
+        content (``content_version``; ``being_loaded`` changes only with it), ``num_local`` and
+        the request's length (which fixes its offload keys). A waiting request that cannot be
+        admitted repeats the same lookup step after step."""
+        memo = st.lookup_memo
+        tier, num_local, num_tokens = self.tier, st.num_local, len(st.req.tokens)
+        if memo is not None and memo[0] == tier.content_version and memo[1] == num_local \
+                and memo[2] == num_tokens:
+            return memo[3]
+        hit = self._lookup(st)
+        st.lookup_memo = (tier.content_version, num_local, num_tokens, hit)
+        return hit
+
     def _touch(self, st: ReqOffload) -> None:
+        """Touch the request's keys in the CPU tier's LRU. Repeating a touch changes nothing when
+        the tier did not change since (the touched keys already sit at the MRU end in the order
+        the touch leaves them): then it is skipped (``_touched``: the tier's version after the
+        last touch, and what that touch covered)."""
+        tier = self.tier
+        sig = (st, len(st.req.tokens), [gs.num_hit_chunks for gs in st.groups])
+        last = self._touched
+        if last is not None and last[0] == tier.version and last[1] == sig:
+            return
         for cfg, gs in zip(self.cfgs, st.groups):
             w = cfg.sliding_window_in_chunks
             if w is None:
-                self.tier.touch(gs.keys)
+                tier.touch(gs.keys)
             else:
-                self.tier.touch(gs.keys[max(0, gs.num_hit_chunks - w):])
+                tier.touch(gs.keys[max(0, gs.num_hit_chunks - w):])
+        self._touched = (tier.version, sig)
 
     def _lookup(self, st: ReqOffload) -> int | None:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops."""
