@@ -19,6 +19,7 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import takewhile
 
 NULL = 0
 # request states
@@ -38,7 +39,7 @@ class Request:
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
-                 "fast_blocks", "fast_store")
+                 "fast_blocks", "fast_store", "block_keys")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
                  num_groups: int):
@@ -61,6 +62,9 @@ class Request:
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list = []
         self.fast_store: list = []
+        # per group: the GPU prefix-cache key ``(gid, ident_at((i + 1) * block_size))`` of each
+        # block i whose tokens are known, built once (KVCacheManager.block_keys)
+        self.block_keys: list[list[tuple]] = [[] for _ in range(num_groups)]
         self._extend_ident()
 
     @property
@@ -223,38 +227,39 @@ class KVCacheManager:
         if not self.hits_possible or not self.cacheable_rules:
             return 0
         cached, align = self.pool.cached, self.align
+        contains = cached.__contains__
         L = (req.num_tokens - 1) // align * align
-        ident_at = req.ident_at
-        ident, unit = req.ident, req.unit
-        nid = len(ident)
+        block_keys = self.block_keys
         for r in self.cacheable_rules:        # full-attention prefix bound first
             if r.code != FULLISH:
                 continue
-            n, bs, gid = 0, r.bs, r.gid
-            while (n + 1) * bs <= L:
-                e = (n + 1) * bs
-                k = e // unit - 1             # ident_at(e), inlined
-                if (gid, ident[k] if 0 <= k < nid else ident_at(e)) not in cached:
-                    break
-                n += 1
-            L = min(L, n * bs) // align * align
+            # the longest run of cached blocks from the start (a block whose tokens are not all
+            # known has no key: the run stops there)
+            n = len(list(takewhile(contains, block_keys(req, r)[:L // r.bs])))
+            L = min(L, n * r.bs) // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
         # check below only needs the other groups
-        rest = [r for r in self.cacheable_rules if r.code != FULLISH]
+        rest = [(r, block_keys(req, r)) for r in self.cacheable_rules if r.code != FULLISH]
         while L > 0:
-            ok = True
-            for r in rest:
-                bs, gid = r.bs, r.gid
-                for i in range(r.skipped_tokens(L) // bs, L // bs):
-                    if (gid, ident_at((i + 1) * bs)) not in cached:
-                        ok = False
-                        break
-                if not ok:
+            for r, keys in rest:
+                hi = L // r.bs
+                if hi > len(keys) or not all(map(contains, keys[r.skipped_tokens(L) // r.bs:hi])):
                     break
-            if ok:
+            else:
                 return L
             L -= align
         return 0
+
+    @staticmethod
+    def block_keys(req: Request, r: GroupRule) -> list[tuple]:
+        """``req.block_keys[r.gid]`` brought up to date with the request's known tokens: the
+        prefix-cache key of each block whose tokens are all known."""
+        keys, ident, bs, unit = req.block_keys[r.gid], req.ident, r.bs, req.unit
+        have, n = len(keys), len(ident) * unit // bs
+        if have < n:
+            gid, per = r.gid, bs // unit
+            keys.extend([(gid, ident[(i + 1) * per - 1]) for i in range(have, n)])
+        return keys
 
     def apply_hit(self, req: Request, L: int) -> None:
         """Take the hit blocks: real blocks in reach, the null block out of reach."""
@@ -264,35 +269,38 @@ class KVCacheManager:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
                 continue
-            bs, gid = r.bs, r.gid
-            first = r.skipped_tokens(L) // bs
-            for i in range(L // bs):
-                if i < first:
-                    table.append(NULL)
-                else:
-                    b = cached[(gid, req.ident_at((i + 1) * bs))]
-                    pool.touch((b,))
-                    table.append(b)
+            n = L // r.bs
+            first = min(r.skipped_tokens(L) // r.bs, n)
+            table.extend([NULL] * first)
+            blocks = list(map(cached.__getitem__, self.block_keys(req, r)[first:n]))
+            pool.touch(blocks)
+            table.extend(blocks)
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
-        key, cache_block = pool.key, pool.cache_block
+        key, cached, more = pool.key, pool.cached, pool.more
         done = req.num_cached_blocks
-        idents, unit = req.ident, req.unit
-        nid = len(idents)
         for r in self.cacheable_rules:
-            bs, gid, table = r.bs, r.gid, req.tables[r.gid]
+            gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
-            n = min(num_tokens // bs, len(table))
-            while i < n:
+            n = min(num_tokens // r.bs, len(table))
+            if i >= n:
+                continue
+            keys = self.block_keys(req, r)
+            m = min(n, len(keys))
+            for b, k in zip(table[i:m], keys[i:m]):
+                if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
+                    key[b] = k
+                    if k in cached:
+                        more.setdefault(k, []).append(b)
+                    else:
+                        cached[k] = b
+            i = max(i, m)
+            while i < n:                              # past the known tokens: no key
                 b = table[i]
                 if b != NULL and key[b] is None:
-                    k = (i + 1) * bs // unit - 1          # req.ident_at, inlined
-                    ident = idents[k] if 0 <= k < nid else req.ident_at((i + 1) * bs)
-                    if ident is None:
-                        break
-                    cache_block(b, (gid, ident))
+                    break
                 i += 1
             done[gid] = i
 
