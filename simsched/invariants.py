@@ -136,6 +136,21 @@ def check_writes(step: int, written, pending_reads: dict, what: str) -> Invarian
     return None
 
 
+def check_writes_by_job(step: int, written, pending: dict, what: str
+                        ) -> InvariantViolation | None:
+    """INV-6 as :func:`check_writes`, the pending reads kept per store job (job ID -> the blocks
+    it has yet to read): the same finding, decided with one set operation per pending job."""
+    if pending:
+        if all(s.isdisjoint(written) for s in pending.values()):
+            return None
+        for b in written:
+            jids = [j for j, s in pending.items() if b in s]
+            if jids:
+                return InvariantViolation("INV-6", step, f"block {b} written by {what} while "
+                                          f"store job {min(jids)} still reads it")
+    return None
+
+
 def check_load_ready(step: int, tier, keys, kidx) -> InvariantViolation | None:
     """INV-7: every chunk a load reads is ready (its store completed)."""
     for k, label in zip(keys, kidx):

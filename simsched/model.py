@@ -101,6 +101,7 @@ class Model:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
+        # INV-6 fences: store job ID -> the GPU blocks it has yet to read (jobs with blocks only)
         self.pending_reads: dict[int, set[int]] = {}
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
@@ -180,17 +181,10 @@ class Model:
         req = self.reqs[job.rid]
         pr, gpu, contents, jid = self.pending_reads, self.shadow.gpu, job.contents, job.jid
         geo, tpbs, step, check = self.geo, self.tpbs, self.step_no, inv.check_stored_chunk
+        pr.pop(jid, None)
         for item in job.items:
-            blocks = item[4]
-            content = tuple([gpu[b] for _, b in blocks])      # Shadow.read, inlined
+            content = tuple([gpu[b] for _, b in item[4]])     # Shadow.read, inlined
             contents[item[3]] = content
-            if pr:
-                for _, b in blocks:
-                    s = pr.get(b)
-                    if s is not None:
-                        s.discard(jid)
-                        if not s:
-                            del pr[b]
             v = check(step, job, item, content, req, geo, tpbs)
             if v is not None:
                 raise v
@@ -212,7 +206,7 @@ class Model:
         for item in job.items:
             self.shadow.write(item[4], entries[item[3]][2])
             written.extend(b for _, b in item[4])
-        self._violation(inv.check_writes(self.step_no, written, self.pending_reads,
+        self._violation(inv.check_writes_by_job(self.step_no, written, self.pending_reads,
                                          f"load {jid}"))
         self.off.complete_job(jid)
         self._emit(f"done {jid} load")
@@ -351,7 +345,8 @@ class Model:
                 for gid, b in req.fast_blocks:
                     gpu[b] = (gid, end, None)
                 if pr:
-                    self._violation(inv.check_writes(step, [b for _, b in req.fast_blocks], pr,
+                    self._violation(inv.check_writes_by_job(step, [b for _, b in req.fast_blocks],
+                                                            pr,
                                                      f"request {req.rid}"))
                 req.num_computed = end
                 tokens = req.tokens
@@ -361,7 +356,7 @@ class Model:
                 continue
             written = write_computed(req, rules, start, end)
             if pr:
-                self._violation(inv.check_writes(step, written, pr, f"request {req.rid}"))
+                self._violation(inv.check_writes_by_job(step, written, pr, f"request {req.rid}"))
             req.num_computed = end
             if end >= len(req.tokens):
                 req.append_tokens([_token(seed, req.index, len(req.tokens))])
@@ -372,15 +367,9 @@ class Model:
                 fast_bound(req)
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
-            if not job.read:
-                jid = job.jid
-                for item in job.items:
-                    for _, b in item[4]:
-                        s = pr.get(b)
-                        if s is None:
-                            pr[b] = {jid}
-                        else:
-                            s.add(jid)
+            if not job.read and (job.deferred or job.fenced):
+                # the job's source blocks: the blocks of its items, all in one of the two lists
+                pr[job.jid] = set(job.deferred).union(job.fenced or ())
         self.progress = self.progress or bool(sched_reqs)
         self._after_step(step)
 
