@@ -271,9 +271,10 @@ class OffloadScheduler:
             hpc = cfg.hashes_per_chunk
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
-            for j in offload_key_indices(cfg, num_hashes, len(gs.keys), profile):
-                gs.keys.append((cfg.group_id, ident[(j + 1) * per - 1]))
-                gs.kidx.append(j)
+            idx = offload_key_indices(cfg, num_hashes, len(gs.keys), profile)
+            gid = cfg.group_id
+            gs.keys.extend([(gid, ident[(j + 1) * per - 1]) for j in idx])
+            gs.kidx.extend(idx)
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
