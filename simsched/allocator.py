@@ -115,16 +115,18 @@ class BlockPool:
         return len(self.free)
 
     def get_new_blocks(self, n: int) -> list[int]:
-        free, key, ref, cached = self.free, self.key, self.ref, self.cached
-        out = []
-        for _ in range(n):
-            b = free.popitem(last=False)[0]
+        free, key, ref, cached, more = self.free, self.key, self.ref, self.cached, self.more
+        pop = free.popitem
+        out = [pop(last=False)[0] for _ in range(n)]
+        for b in out:
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
-                self._uncache(b, k)
+                if k in more or cached.get(k) != b:
+                    self._uncache(b, k)
+                else:                   # the only block under its hash: _uncache, inlined
+                    del cached[k]
                 key[b] = None
             ref[b] = 1
-            out.append(b)
         return out
 
     def free_blocks(self, blocks) -> None:

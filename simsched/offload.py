@@ -17,6 +17,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import compress
 
 from simsched.allocator import ABORTED, NULL, Request
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
@@ -515,9 +516,8 @@ class OffloadScheduler:
                 for cfg, gs in zip(self.cfgs, st.groups):
                     new = nb[cfg.group_id]
                     gs.block_ids.extend(new)
-                    for b in new:
-                        if b != NULL:
-                            self.batch_allocated.add(b)
+                    self.batch_allocated.update(new)
+        self.batch_allocated.discard(NULL)      # null placeholders are not allocations
         if self.sw_groups and self.batch_allocated:
             alloc, bpc = self.batch_allocated, self.bpc
             for rid, st in rs.items():
@@ -610,9 +610,7 @@ class OffloadScheduler:
                         if b != NULL and ok:
                             new_keys.append(k)
                     continue
-                for k, b in zip(keys, bids):
-                    if b != NULL:
-                        new_keys.append(k)
+                new_keys.extend(compress(keys, bids))     # the keys whose block is not NULL (0)
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
