@@ -240,16 +240,24 @@ class KVCacheManager:
             n = len(list(takewhile(contains, block_keys(req, r)[:L // r.bs])))
             L = min(L, n * r.bs) // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
-        # check below only needs the other groups
+        # check below only needs the other groups. Where a group misses block j of its reach
+        # at L, it misses it at every smaller L whose reach still covers j (the reach's start,
+        # skipped_tokens, only grows with L): the search resumes at the largest L that ends at
+        # or before block j (the same first L that succeeds as trying every multiple of align)
         rest = [(r, block_keys(req, r)) for r in self.cacheable_rules if r.code != FULLISH]
         while L > 0:
             for r, keys in rest:
-                hi = L // r.bs
-                if hi > len(keys) or not all(map(contains, keys[r.skipped_tokens(L) // r.bs:hi])):
+                bs = r.bs
+                hi, lo = L // bs, r.skipped_tokens(L) // bs
+                j = hi - 1                    # the last missing block in [lo, hi), if any
+                n = len(keys)
+                while j >= lo and j < n and keys[j] in cached:
+                    j -= 1
+                if j >= lo:
+                    L = ((j + 1) * bs - 1) // align * align
                     break
             else:
                 return L
-            L -= align
         return 0
 
     @staticmethod
