@@ -326,8 +326,10 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 
 
 #: hand-made cases: ``load`` (a prefix stored, evicted from the GPU by a filler, loaded back
-#: from the CPU tier) and ``fence`` (a finished request's blocks re-allocated while its store is
-#: still pending: the store is flushed)
+#: from the CPU tier), ``fence`` (a finished request's blocks re-allocated while its store is
+#: still pending: the store is flushed) and one per scheduler rule the model mirrors:
+#: ``abort_load`` (b aborted while its load is in flight keeps its blocks until the load
+#: completes: Scheduler.finish_requests, delay_free_blocks)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -339,4 +341,12 @@ HANDMADE: dict[str, dict] = {
               "timing": {"store_latency": 8},
               "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 1},
                            {"id": "f", "prompt": [[9, 96]], "arrival": 3, "decode": 1}]},
+    "abort_load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                              "engine": {"num_gpu_blocks": 8}},
+                   "timing": {"load_latency": 4},
+                   "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                 "decode": 2, "abort_at": 9},
+                                {"id": "c", "prompt": [[11, 40]], "arrival": 10, "decode": 1}]},
 }

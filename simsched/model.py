@@ -101,6 +101,7 @@ class Model:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
+        self.delayed_free: dict[str, Request] = {}   # finished, blocks held until a load ends
         self.pending_reads: dict[int, set[int]] = {}
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
@@ -152,20 +153,27 @@ class Model:
                 self.unfinished -= 1
                 self.counters["aborted"] += 1
             return
+        loading = req.status == WAITING_FOR_LOAD
         req.status = ABORTED
-        self._free_request(req, "aborted")
+        self._free_request(req, "aborted", delay_free=loading)
 
     def _finish(self, req: Request) -> None:
         req.status = FINISHED
         self._free_request(req, "finished")
 
-    def _free_request(self, req: Request, how: str) -> None:
+    def _free_request(self, req: Request, how: str, delay_free: bool = False) -> None:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         self.off.request_finished(req)
-        self.kv.free(req)
+        if delay_free:
+            # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
+            # blocks (delay_free_blocks) until its load reports finished_recving;
+            # _update_from_kv_xfer_finished frees them then (_load_done)
+            self.delayed_free[req.rid] = req
+        else:
+            self.kv.free(req)
         self.finished_ids.append(req.rid)
         self.unfinished -= 1
         self.counters["finished" if how == "finished" else "aborted"] += 1
@@ -218,6 +226,8 @@ class Model:
         self._emit(f"done {jid} load")
         self.progress = True
         if req.finished:
+            # aborted while loading: the blocks were held until now (_free_request)
+            self.kv.free(self.delayed_free.pop(req.rid))
             return
         self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo))
         req.num_computed = req.load_target
@@ -484,7 +494,8 @@ class Model:
     def _after_step(self, step: int) -> None:
         if self.checks == "full":
             self._violation(inv.check_pool(step, self.kv.pool,
-                                           [r for r in self.reqs.values() if not r.finished]))
+                                           [r for r in self.reqs.values() if not r.finished]
+                                           + list(self.delayed_free.values())))
         self._emit("check ok")
         quiet = self.off.quiet()
         if self.progress or not quiet or self.future_events:
