@@ -82,8 +82,12 @@ class Model:
         dcp = layout.engine.dcp_size
         sizes = [effective_block_size(g, dcp) for g in layout.groups]
         self.unit = math.gcd(geo.tokens_per_hash, *sizes)
+        # VllmConfig.max_in_flight_tokens: max_num_batched_tokens per concurrent batch (two with
+        # async scheduling)
+        in_flight = timing.max_num_batched_tokens * (2 if layout.engine.async_scheduling else 1)
         self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
-                                 geo.scheduler_block_size, layout.engine.enable_prefix_caching)
+                                 geo.scheduler_block_size, layout.engine.enable_prefix_caching,
+                                 max_in_flight_tokens=in_flight)
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks)
@@ -102,6 +106,9 @@ class Model:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
         self.delayed_free: dict[str, Request] = {}   # finished, blocks held until a load ends
+        # Scheduler._inflight_prefills: requests admitted with prefill left after their chunk, or
+        # with an async load; their remaining blocks are reserved when a load is admitted
+        self.inflight: dict[str, Request] = {}
         self.pending_reads: dict[int, set[int]] = {}
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
@@ -166,6 +173,7 @@ class Model:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        self.inflight.pop(req.rid, None)
         self.off.request_finished(req)
         if delay_free:
             # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
@@ -245,6 +253,7 @@ class Model:
         req.num_computed = 0
         req.status = WAITING
         self.waiting.insert(0, req)
+        self.inflight.pop(req.rid, None)
         self.counters["preemptions"] += 1
         self._emit(f"preempt {req.rid}")
 
@@ -353,6 +362,7 @@ class Model:
         write_computed, rules, pr = self.shadow.write_computed, kv.rules, self.pending_reads
         gpu, unit, fast_bound = self.shadow.gpu, self.unit, self._fast_bound
         seed = self.case.seed
+        inflight = self.inflight
         for req, n, nb in sched_reqs:
             start = req.num_computed
             end = start + n
@@ -364,6 +374,8 @@ class Model:
                     self._violation(inv.check_writes(step, [b for _, b in req.fast_blocks], pr,
                                                      f"request {req.rid}"))
                 req.num_computed = end
+                if inflight:       # _update_after_schedule: no longer a prefill chunk
+                    inflight.pop(req.rid, None)
                 tokens = req.tokens
                 tokens.append(_token(seed, req.index, end))     # never the last one
                 if len(tokens) % unit == 0:
@@ -374,6 +386,8 @@ class Model:
                 self._violation(inv.check_writes(step, written, pr, f"request {req.rid}"))
             req.num_computed = end
             if end >= len(req.tokens):
+                if inflight:       # _update_after_schedule: no longer a prefill chunk
+                    inflight.pop(req.rid, None)
                 req.append_tokens([_token(seed, req.index, len(req.tokens))])
                 if len(req.tokens) >= req.max_tokens:
                     req.finish_step = step
@@ -437,6 +451,7 @@ class Model:
         kv, off, t = self.kv, self.off, self.q.now
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
+        pool, inflight = kv.pool, self.inflight
         i = 0
         while i < len(waiting) and budget > 0 and len(running) < max_seqs:
             req = waiting[i]
@@ -454,10 +469,22 @@ class Model:
                 if ext is None:
                     i += 1
                     continue
+                # allocate_slots(full_sequence_must_fit=scheduler_reserve_full_isl, True in every
+                # release): blocks for the whole sequence must be free before the hit is taken;
+                # then the chunk's blocks, for a load beyond the blocks reserved for the in-flight
+                # prefills (Scheduler._inflight_prefill_reserved_blocks)
+                total, n = L + ext, (0 if ext else min(req.num_tokens - L, budget))
+                reserved = sum([kv.remaining_blocks(r) for r in inflight.values()]) if ext else 0
+                if (kv.admission_blocks(req, L, total, req.num_tokens, True) > pool.num_free()
+                        or kv.admission_blocks(req, L, total, total + n, False)
+                        > pool.num_free() - reserved):
+                    break
                 kv.apply_hit(req, L)
                 req.num_cached = L
             else:
                 L = req.num_computed
+                if kv.admission_blocks(req, 0, L, req.num_tokens, True) > pool.num_free():
+                    break
             if ext:
                 nb = kv.allocate(req, 0, computed=L + ext)
                 if nb is None:
@@ -472,6 +499,7 @@ class Model:
                     self._emit(fmt_job(job))
                 req.status = WAITING_FOR_LOAD
                 req.load_target = L + ext
+                inflight[req.rid] = req
                 self.q.schedule(t + self.timing.load_latency, ev.LOAD_DONE, job.jid)
                 i += 1
                 continue
@@ -486,6 +514,8 @@ class Model:
             del waiting[i]
             running.append(req)
             req.status = RUNNING
+            if L + n < req.num_tokens:
+                inflight[req.rid] = req
             scheduled[req.rid] = n
             new_blocks[req.rid] = nb = [list(tb) for tb in req.tables]
             sched_reqs.append((req, n, nb))

@@ -115,9 +115,10 @@ def test_agreement_on_generated_cases(pool, version):
 
 #: one hand-made case per scheduler rule the model mirrors (tests/test_model_rules.py derives
 #: each case's expectation from the rule), and the generated seeds whose divergence the rule
-#: explained: full16 seed 764 (a request aborted during its load keeps its blocks)
-RULE_CASES = ["abort_load"]
-RULE_SEEDS = [("full16", 764)]
+#: explained: full16 seed 764 (a request aborted during its load keeps its blocks), seed 128
+#: (admission needs blocks for the whole sequence)
+RULE_CASES = ["abort_load", "full_seq", "reserve"]
+RULE_SEEDS = [("full16", 764), ("full16", 128)]
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])

@@ -45,3 +45,29 @@ def test_abort_during_load_keeps_blocks_until_the_load_completes():
     done = t.index(f"done {jid} load")
     assert load < abort < admit_c < done          # the case exercises the window
     assert not blocks_of(t[load]) & blocks_of(t[admit_c]), (t[load], t[admit_c])
+
+
+def test_admission_needs_blocks_for_the_whole_sequence():
+    """KVCacheManager.allocate_slots(full_sequence_must_fit=True) from the waiting loop of
+    Scheduler.schedule (SchedulerConfig.scheduler_reserve_full_isl, True by default in every
+    release): a waiting request is admitted only when the blocks for its whole sequence are free,
+    not just those of its first chunk. a (48-token prompt, 10 output tokens) holds 4 of the 7
+    usable blocks from step 2 on; b needs cdiv(64, 16) = 4 blocks, 3 are free: b waits for a to
+    finish, although its first chunk (31 tokens, budget 32) would fit in 2."""
+    t = trace("full_seq")
+    assert t.index("sched a 1") < first(t, "sched b ")                 # b waited with a running
+    assert first(t, "sched b ") > t.index("finish a finished")
+
+
+def test_load_admission_leaves_the_in_flight_reservations_free():
+    """Scheduler.schedule, waiting loop: an async load is admitted with
+    reserved_blocks = _inflight_prefill_reserved_blocks(), the blocks the in-flight prefills and
+    loads still need for their whole sequence (_request_remaining_blocks); allocate_slots fails
+    when the load's blocks exceed free - reserved. l1 loads 6 chunks and needs cdiv(196, 16) = 13
+    blocks, so it reserves 7; with 15 - 6 = 9 free, l2's load (6 blocks; its whole sequence, 7
+    blocks, fits) does not: l2 loads only once l1 has left the in-flight set and finished."""
+    t = trace("reserve")
+    l1 = next(i for i, x in enumerate(t) if x.startswith("load ") and x.split()[2] == "l1")
+    l2 = next(i for i, x in enumerate(t) if x.startswith("load ") and x.split()[2] == "l2")
+    assert len(blocks_of(t[l1])) == 6 and len(blocks_of(t[l2])) == 6
+    assert l1 < t.index("sched l1 100") < t.index("finish l1 finished") < l2
