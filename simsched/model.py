@@ -30,7 +30,7 @@ from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
                                 WAITING_FOR_LOAD, KVCacheManager, Request)
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, PROFILES, ConfigError, Profile, derive,
-                               effective_block_size)
+                               effective_block_size, prefix_cacheable_groups)
 from simsched.offload import ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -102,7 +102,15 @@ class Model:
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
+        # Scheduler.schedule drains a first waiting queue before ``waiting``: up to 0.30.0
+        # ``skipped_waiting`` (every request skipped at an earlier step: a load in flight, no
+        # lookup result), from 0.31.0 ``kv_holding_waiting`` (requests holding blocks: loading or
+        # loaded; other skipped requests go back to the front of ``waiting``). ``self.waiting``
+        # is the two queues in the order they are drained: the first ``n_held`` are the first.
         self.waiting: list[Request] = []
+        self.n_held = 0
+        self.kv_holding_first = profile.extra.get(
+            "kv_holding_waiting", profile.offloaded_groups is prefix_cacheable_groups)
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
         self.delayed_free: dict[str, Request] = {}   # finished, blocks held until a load ends
@@ -172,6 +180,8 @@ class Model:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
+            if self.waiting.index(req) < self.n_held:
+                self.n_held -= 1
             self.waiting.remove(req)
         self.inflight.pop(req.rid, None)
         self.off.request_finished(req)
@@ -252,7 +262,7 @@ class Model:
         self.kv.free(req)
         req.num_computed = 0
         req.status = WAITING
-        self.waiting.insert(0, req)
+        self.waiting.insert(self.n_held, req)     # prepend_request: the front of ``waiting``
         self.inflight.pop(req.rid, None)
         self.counters["preemptions"] += 1
         self._emit(f"preempt {req.rid}")
@@ -512,6 +522,8 @@ class Model:
                     req.num_computed = 0
                 break
             del waiting[i]
+            if i < self.n_held:
+                self.n_held -= 1
             running.append(req)
             req.status = RUNNING
             if L + n < req.num_tokens:
@@ -520,6 +532,24 @@ class Model:
             new_blocks[req.rid] = nb = [list(tb) for tb in req.tables]
             sched_reqs.append((req, n, nb))
             budget -= n
+        if i:
+            self._requeue_skipped(i)
+
+    def _requeue_skipped(self, i: int) -> None:
+        """The requests skipped by this step's pass (``waiting[:i]``) go back to the front of
+        their queue in the order they were skipped (``step_skipped_*``, ``prepend_requests``):
+        up to 0.30.0 all of them to ``skipped_waiting``, from 0.31.0 those holding blocks to
+        ``kv_holding_waiting`` and the others to ``waiting``."""
+        waiting = self.waiting
+        skipped, rest = waiting[:i], waiting[i:]
+        held_rest = max(0, self.n_held - i)      # unreached requests of the first queue
+        if self.kv_holding_first:
+            kvh = [r for r in skipped if r.status == WAITING_FOR_LOAD or r.num_computed]
+            other = [r for r in skipped if not (r.status == WAITING_FOR_LOAD or r.num_computed)]
+            self.waiting = kvh + rest[:held_rest] + other + rest[held_rest:]
+            self.n_held = len(kvh) + held_rest
+        else:
+            self.n_held = i + held_rest
 
     def _after_step(self, step: int) -> None:
         if self.checks == "full":

@@ -71,3 +71,33 @@ def test_load_admission_leaves_the_in_flight_reservations_free():
     l2 = next(i for i, x in enumerate(t) if x.startswith("load ") and x.split()[2] == "l2")
     assert len(blocks_of(t[l1])) == 6 and len(blocks_of(t[l2])) == 6
     assert l1 < t.index("sched l1 100") < t.index("finish l1 finished") < l2
+
+
+def _queue_after_pass(profile: str) -> tuple[list[str], int]:
+    """One waiting pass that skipped x (no lookup result), then y (load admitted), and stopped
+    at z; w was never reached."""
+    from simsched.allocator import WAITING, WAITING_FOR_LOAD
+    from simsched.geometry import PROFILES
+    from simsched.model import Model
+    reqs = [{"id": r, "prompt": [[1, 32]]} for r in "xyzw"]
+    m = Model(Case.from_json({"layout": HANDMADE["load"]["layout"], "requests": reqs}),
+              PROFILES[profile])
+    m.q.run_until(0)                                   # the arrivals (and the first step)
+    m.waiting = [m.reqs[r] for r in "xyzw"]
+    m.n_held = 0
+    for r in "xyzw":
+        m.reqs[r].status, m.reqs[r].num_computed = WAITING, 0
+    m.reqs["y"].status = WAITING_FOR_LOAD
+    m._requeue_skipped(2)
+    return [r.rid for r in m.waiting], m.n_held
+
+
+def test_skipped_requests_requeue_per_release():
+    """Scheduler.schedule drains a first queue before ``waiting`` and puts the requests it skipped
+    back at the front of their queue, in the order skipped (step_skipped_* then
+    prepend_requests). Up to 0.30.0 every skipped request goes to ``skipped_waiting``
+    (_select_waiting_queue_for_scheduling: skipped_waiting first); from 0.31.0 only those holding
+    KV blocks (_holds_kv_blocks: loading or loaded) go to ``kv_holding_waiting``, drained first,
+    and the others to the front of ``waiting``."""
+    assert _queue_after_pass("every-group") == (["x", "y", "z", "w"], 2)          # 0.30.0
+    assert _queue_after_pass("prefix-cacheable-windows-in-config") == (["y", "x", "z", "w"], 1)
