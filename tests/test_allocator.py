@@ -64,3 +64,17 @@ def test_gpu_hit_needs_every_group_and_eviction_lru():
 def test_pool_dry_returns_none():
     kv = mgr([Group("full", 16)], n=4)
     assert kv.allocate(req(100), 100) is None
+
+
+def test_admission_cap_of_recycling_groups():
+    """SlidingWindowSpec.max_admission_blocks_per_request = cdiv(window - 1 + in_flight, bs) + 1
+    and ChunkedLocalAttentionSpec's cdiv(chunk + in_flight, bs) cap the full-sequence admission
+    gate (apply_admission_cap); a full group needs cdiv(num_tokens, bs); a ring its one block."""
+    groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=128),
+              Group("chunked_local", 16, attention_chunk_size=64), Group("ring", 4)]
+    kv = KVCacheManager(groups, [16, 16, 16, 4], 512, 16, max_in_flight_tokens=64)
+    r = req(1000, groups=4)
+    full, sw, cl = 63, -(-(127 + 64) // 16) + 1, -(-(64 + 64) // 16)
+    assert (sw, cl) == (13, 8)
+    assert kv.admission_blocks(r, 0, 0, 1000, True) == full + sw + cl + 1
+    assert kv.admission_blocks(r, 0, 0, 1000, False) == 3 * full + 1

@@ -1,0 +1,103 @@
+"""Scheduler rules of the real vLLM the model mirrors, one test per rule, on the hand-made cases
+of ``simsched.lockstep.HANDMADE``. Each expectation is derived from the rule as the vLLM source
+states it (function named in each test), not from the model's output; each case also runs under
+lockstep against real releases in tests/test_lockstep.py (test_agreement_on_rule_cases).
+"""
+
+from __future__ import annotations
+
+from simsched.case import Case
+from simsched.lockstep import HANDMADE
+from simsched.model import run_case
+
+
+def trace(name: str, profile: str = "prefix-cacheable-windows-in-config") -> list[str]:
+    r = run_case(Case.from_json(HANDMADE[name]), profile)
+    assert r.ok, r.findings
+    return r.trace
+
+
+def blocks_of(line: str) -> set[int]:
+    """Block IDs named by an ``alloc`` or ``load`` line."""
+    out = set()
+    for part in line.split()[2:]:
+        if "=" not in part:
+            continue
+        ids = part.split("=", 1)[1]
+        out |= {int(x) for x in ids.split(",") if x != "-"}
+    return out
+
+
+def first(lines: list[str], prefix: str) -> int:
+    return next(i for i, x in enumerate(lines) if x.startswith(prefix))
+
+
+def test_abort_during_load_keeps_blocks_until_the_load_completes():
+    """Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS whose load has not
+    reported finished_recving is freed with delay_free_blocks=True; its blocks go back to the
+    pool in _update_from_kv_xfer_finished, when the load completes. So c, admitted between b's
+    abort and the end of b's load, cannot be given b's load destination blocks."""
+    t = trace("abort_load")
+    load = first(t, "load ")
+    assert t[load].split()[2] == "b"
+    jid = t[load].split()[1]
+    abort, admit_c = t.index("finish b aborted"), first(t, "alloc c ")
+    done = t.index(f"done {jid} load")
+    assert load < abort < admit_c < done          # the case exercises the window
+    assert not blocks_of(t[load]) & blocks_of(t[admit_c]), (t[load], t[admit_c])
+
+
+def test_admission_needs_blocks_for_the_whole_sequence():
+    """KVCacheManager.allocate_slots(full_sequence_must_fit=True) from the waiting loop of
+    Scheduler.schedule (SchedulerConfig.scheduler_reserve_full_isl, True by default in every
+    release): a waiting request is admitted only when the blocks for its whole sequence are free,
+    not just those of its first chunk. a (48-token prompt, 10 output tokens) holds 4 of the 7
+    usable blocks from step 2 on; b needs cdiv(64, 16) = 4 blocks, 3 are free: b waits for a to
+    finish, although its first chunk (31 tokens, budget 32) would fit in 2."""
+    t = trace("full_seq")
+    assert t.index("sched a 1") < first(t, "sched b ")                 # b waited with a running
+    assert first(t, "sched b ") > t.index("finish a finished")
+
+
+def test_load_admission_leaves_the_in_flight_reservations_free():
+    """Scheduler.schedule, waiting loop: an async load is admitted with
+    reserved_blocks = _inflight_prefill_reserved_blocks(), the blocks the in-flight prefills and
+    loads still need for their whole sequence (_request_remaining_blocks); allocate_slots fails
+    when the load's blocks exceed free - reserved. l1 loads 6 chunks and needs cdiv(196, 16) = 13
+    blocks, so it reserves 7; with 15 - 6 = 9 free, l2's load (6 blocks; its whole sequence, 7
+    blocks, fits) does not: l2 loads only once l1 has left the in-flight set and finished."""
+    t = trace("reserve")
+    l1 = next(i for i, x in enumerate(t) if x.startswith("load ") and x.split()[2] == "l1")
+    l2 = next(i for i, x in enumerate(t) if x.startswith("load ") and x.split()[2] == "l2")
+    assert len(blocks_of(t[l1])) == 6 and len(blocks_of(t[l2])) == 6
+    assert l1 < t.index("sched l1 100") < t.index("finish l1 finished") < l2
+
+
+def _queue_after_pass(profile: str) -> tuple[list[str], int]:
+    """One waiting pass that skipped x (no lookup result), then y (load admitted), and stopped
+    at z; w was never reached."""
+    from simsched.allocator import WAITING, WAITING_FOR_LOAD
+    from simsched.geometry import PROFILES
+    from simsched.model import Model
+    reqs = [{"id": r, "prompt": [[1, 32]]} for r in "xyzw"]
+    m = Model(Case.from_json({"layout": HANDMADE["load"]["layout"], "requests": reqs}),
+              PROFILES[profile])
+    m.q.run_until(0)                                   # the arrivals (and the first step)
+    m.waiting = [m.reqs[r] for r in "xyzw"]
+    m.n_held = 0
+    for r in "xyzw":
+        m.reqs[r].status, m.reqs[r].num_computed = WAITING, 0
+    m.reqs["y"].status = WAITING_FOR_LOAD
+    m._requeue_skipped(2)
+    return [r.rid for r in m.waiting], m.n_held
+
+
+def test_skipped_requests_requeue_per_release():
+    """Scheduler.schedule drains a first queue before ``waiting`` and puts the requests it skipped
+    back at the front of their queue, in the order skipped (step_skipped_* then
+    prepend_requests). Up to 0.30.0 every skipped request goes to ``skipped_waiting``
+    (_select_waiting_queue_for_scheduling: skipped_waiting first); from 0.31.0 only those holding
+    KV blocks (_holds_kv_blocks: loading or loaded) go to ``kv_holding_waiting``, drained first,
+    and the others to the front of ``waiting``."""
+    assert _queue_after_pass("every-group") == (["x", "y", "z", "w"], 2)          # 0.30.0
+    assert _queue_after_pass("prefix-cacheable-windows-in-config") == (["y", "x", "z", "w"], 1)
