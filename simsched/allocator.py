@@ -352,10 +352,10 @@ class KVCacheManager:
             n_hit = hit // r.bs if (r.cacheable and hit) else 0
             skipped = r.skipped_tokens(total) // r.bs
             need += max(required - max(skipped, n_hit), 0)
-            for i in range(skipped, n_hit):
-                b = pool.cached[(r.gid, req.ident_at((i + 1) * r.bs))]
-                if pool.ref[b] == 0:
-                    need += 1
+            if skipped < n_hit:
+                # the evictable hit blocks (refcount 0): every hit block is cached under its key
+                blocks = map(pool.cached.__getitem__, self.block_keys(req, r)[skipped:n_hit])
+                need += list(map(pool.ref.__getitem__, blocks)).count(0)
         return need
 
     def remaining_blocks(self, req: Request) -> int:
