@@ -19,7 +19,7 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import takewhile
+from itertools import compress, count, takewhile
 
 NULL = 0
 # request states
@@ -39,7 +39,7 @@ class Request:
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
-                 "fast_blocks", "fast_store", "block_keys")
+                 "fast_blocks", "fast_store", "key_lists")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
                  num_groups: int):
@@ -62,9 +62,7 @@ class Request:
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list = []
         self.fast_store: list = []
-        # per group: the GPU prefix-cache key ``(gid, ident_at((i + 1) * block_size))`` of each
-        # block i whose tokens are known, built once (KVCacheManager.block_keys)
-        self.block_keys: list[list[tuple]] = [[] for _ in range(num_groups)]
+        self.key_lists: dict[tuple[int, int], list[tuple]] = {}    # see keys()
         self._extend_ident()
 
     @property
@@ -79,6 +77,21 @@ class Request:
             prev = hash((prev, tuple(tokens[k * unit:(k + 1) * unit])))
             ident.append(prev)
             k += 1
+
+    def keys(self, gid: int, stride: int) -> list[tuple]:
+        """``[(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
+        GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
+        keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
+        extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
+        keys = self.key_lists.get((gid, stride))
+        if keys is None:
+            keys = self.key_lists[(gid, stride)] = []
+        ident, unit = self.ident, self.unit
+        have, n = len(keys), len(ident) * unit // stride
+        if have < n:
+            per = stride // unit
+            keys.extend([(gid, ident[(i + 1) * per - 1]) for i in range(have, n)])
+        return keys
 
     def append_tokens(self, new: list[int]) -> None:
         self.tokens.extend(new)
@@ -243,20 +256,19 @@ class KVCacheManager:
         cached, align = self.pool.cached, self.align
         contains = cached.__contains__
         L = (req.num_tokens - 1) // align * align
-        block_keys = self.block_keys
         for r in self.cacheable_rules:        # full-attention prefix bound first
             if r.code != FULLISH:
                 continue
             # the longest run of cached blocks from the start (a block whose tokens are not all
             # known has no key: the run stops there)
-            n = len(list(takewhile(contains, block_keys(req, r)[:L // r.bs])))
+            n = len(list(takewhile(contains, req.keys(r.gid, r.bs)[:L // r.bs])))
             L = min(L, n * r.bs) // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
         # check below only needs the other groups. Where a group misses block j of its reach
         # at L, it misses it at every smaller L whose reach still covers j (the reach's start,
         # skipped_tokens, only grows with L): the search resumes at the largest L that ends at
         # or before block j (the same first L that succeeds as trying every multiple of align)
-        rest = [(r, block_keys(req, r)) for r in self.cacheable_rules if r.code != FULLISH]
+        rest = [(r, req.keys(r.gid, r.bs)) for r in self.cacheable_rules if r.code != FULLISH]
         while L > 0:
             for r, keys in rest:
                 bs = r.bs
@@ -272,17 +284,6 @@ class KVCacheManager:
                 return L
         return 0
 
-    @staticmethod
-    def block_keys(req: Request, r: GroupRule) -> list[tuple]:
-        """``req.block_keys[r.gid]`` brought up to date with the request's known tokens: the
-        prefix-cache key of each block whose tokens are all known."""
-        keys, ident, bs, unit = req.block_keys[r.gid], req.ident, r.bs, req.unit
-        have, n = len(keys), len(ident) * unit // bs
-        if have < n:
-            gid, per = r.gid, bs // unit
-            keys.extend([(gid, ident[(i + 1) * per - 1]) for i in range(have, n)])
-        return keys
-
     def apply_hit(self, req: Request, L: int) -> None:
         """Take the hit blocks: real blocks in reach, the null block out of reach."""
         cached, pool = self.pool.cached, self.pool
@@ -294,7 +295,7 @@ class KVCacheManager:
             n = L // r.bs
             first = min(r.skipped_tokens(L) // r.bs, n)
             table.extend([NULL] * first)
-            blocks = list(map(cached.__getitem__, self.block_keys(req, r)[first:n]))
+            blocks = list(map(cached.__getitem__, req.keys(r.gid, r.bs)[first:n]))
             pool.touch(blocks)
             table.extend(blocks)
 
@@ -309,7 +310,7 @@ class KVCacheManager:
             n = min(num_tokens // r.bs, len(table))
             if i >= n:
                 continue
-            keys = self.block_keys(req, r)
+            keys = req.keys(r.gid, r.bs)
             m = min(n, len(keys))
             for b, k in zip(table[i:m], keys[i:m]):
                 if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
@@ -354,7 +355,7 @@ class KVCacheManager:
             need += max(required - max(skipped, n_hit), 0)
             if skipped < n_hit:
                 # the evictable hit blocks (refcount 0): every hit block is cached under its key
-                blocks = map(pool.cached.__getitem__, self.block_keys(req, r)[skipped:n_hit])
+                blocks = map(pool.cached.__getitem__, req.keys(r.gid, r.bs)[skipped:n_hit])
                 need += list(map(pool.ref.__getitem__, blocks)).count(0)
         return need
 
@@ -445,9 +446,8 @@ class KVCacheManager:
             if b < bound:
                 bound = b
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                lead = 0
-                while lead < have and table[lead] == NULL:
-                    lead += 1
+                # the index of the first real block (block IDs are > 0, NULL is 0)
+                lead = next(compress(count(), table), have)
                 if lead < have:
                     m = (lead + 1) * bs                # skipped_tokens(c) < m
                     if code == SLIDING:

@@ -267,15 +267,17 @@ class OffloadScheduler:
     def _update_offload_keys(self, st: ReqOffload) -> None:
         req, tph, profile = st.req, self.tph, self.profile
         num_hashes = req.num_tokens // tph
-        ident, per = req.ident, tph // req.unit
         for cfg, gs in zip(self.cfgs, st.groups):
             hpc = cfg.hashes_per_chunk
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
             idx = offload_key_indices(cfg, num_hashes, len(gs.keys), profile)
-            gid = cfg.group_id
-            gs.keys.extend([(gid, ident[(j + 1) * per - 1]) for j in idx])
-            gs.kidx.extend(idx)
+            if idx:
+                # key m (hash index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
+                # (gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
+                m = len(gs.keys)
+                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + len(idx)])
+                gs.kidx.extend(idx)
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
