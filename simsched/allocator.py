@@ -39,7 +39,7 @@ class Request:
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
-                 "fast_blocks", "fast_store", "key_lists")
+                 "fast_blocks", "key_lists")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
                  num_groups: int):
@@ -61,7 +61,6 @@ class Request:
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list = []
-        self.fast_store: list = []
         self.key_lists: dict[tuple[int, int], list[tuple]] = {}    # see keys()
         self._extend_ident()
 

@@ -289,7 +289,7 @@ class Model:
         if tracing:
             lines.append(f"step {step}")
         kv, off = self.kv, self.off
-        allocate, offloadable = kv.allocate, off._offloadable
+        allocate = kv.allocate
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list] = {}
@@ -305,17 +305,11 @@ class Model:
             if (not k and c <= req.fast_until and c <= req.quiet_until
                     and len(req.tokens) == c + 1):
                 # a quiet decode step (see _fast_bound): allocate, build_connector_meta and the
-                # store jobs would all be no-ops for it; the last is _build_store_jobs's own
-                # quick exit, evaluated here as it will be there
-                n_off = offloadable(req.off, c + 1)
-                for tpc, gs in req.fast_store:
-                    if n_off // tpc > gs.next_stored:
-                        break
-                else:
-                    sched_reqs.append((req, 1, None))
-                    budget -= 1
-                    i += 1
-                    continue
+                # store jobs would all be no-ops for it
+                sched_reqs.append((req, 1, None))
+                budget -= 1
+                i += 1
+                continue
             if k and req.num_computed >= req.num_prompt:
                 remaining = req.max_tokens - req.num_tokens
                 drafts = min(k, remaining - 1)
@@ -426,23 +420,32 @@ class Model:
         steps are quiet, and the (group, block) pairs such a step writes.
 
         A decode step (one token, ``num_tokens == num_computed + 1``) with ``num_computed = c`` is
-        quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step), no
-        group can store a chunk (``_build_store_jobs``'s quick exit, checked at the step with
-        ``req.fast_store``) and: ``build_connector_meta`` adds no offload key
-        (``c + 1 < next_key_at``); the request does not finish (``c + 2 < max_tokens``); and the
-        token completes no block (so each group's write is ``(gid, c + 1, None)`` into the same
-        block). Those quantities only grow outside a full step, so the bound stays safe until the
-        next full step recomputes it; a preemption resets ``quiet_until``."""
+        quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step) and:
+        ``build_connector_meta`` adds no offload key (``c + 1 < next_key_at``); no group can store
+        a chunk (``_build_store_jobs``'s quick exit: the offloadable tokens ``min(c + 1, cap)``,
+        ``cap`` from ``max_offload_tokens`` and ``offload_prompt_only``, stay below ``store_at``,
+        the first chunk end past what some group stored); the request does not finish
+        (``c + 2 < max_tokens``); and the token completes no block (so each group's write is
+        ``(gid, c + 1, None)`` into the same block). Those quantities only grow outside a full
+        step (``next_stored`` too), so the bound stays safe until the next full step recomputes
+        it; a preemption resets ``quiet_until``."""
         c = req.num_computed
         st = req.off
         bound = -1
         if len(req.tokens) == c + 1 and st is not None and \
                 self.off.req_status.get(req.rid) is st:
             bound = min(req.max_tokens - 3, st.next_key_at - 2)
-            req.fast_store = [(cfg.tokens_per_chunk, gs) for cfg, gs in zip(self.off.cfgs,
-                                                                             st.groups)]
-            if any(tpc <= 0 for tpc, _ in req.fast_store):
+            cfgs = self.off.cfgs
+            if any(cfg.tokens_per_chunk <= 0 for cfg in cfgs):
                 bound = -1
+            elif cfgs:                                       # (no group offloaded: no store)
+                store_at = min([(gs.next_stored + 1) * cfg.tokens_per_chunk
+                                for cfg, gs in zip(cfgs, st.groups)])
+                cap = st.max_offload_tokens                 # as OffloadScheduler._offloadable
+                if self.off.prompt_only:
+                    cap = req.num_prompt if cap is None else min(cap, req.num_prompt)
+                if cap is None or cap >= store_at:
+                    bound = min(bound, store_at - 2)        # c + 1 < store_at
             blocks = []
             for r in self.kv.rules:
                 table = req.tables[r.gid]
