@@ -18,8 +18,8 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from itertools import compress, count, takewhile
+from collections import OrderedDict, deque
+from itertools import compress, count, islice, takewhile
 
 NULL = 0
 # request states
@@ -128,8 +128,10 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[int]:
         free, key, ref, cached, more = self.free, self.key, self.ref, self.cached, self.more
-        pop = free.popitem
-        out = [pop(last=False)[0] for _ in range(n)]
+        if n > len(free):
+            raise RuntimeError(f"{n} blocks asked of a free queue of {len(free)}")
+        out = list(islice(free, n))             # the head of the free queue, in order
+        deque(map(free.__delitem__, out), 0)    # (consumed in C: one deletion per block)
         for b in out:
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
