@@ -230,8 +230,6 @@ class OffloadScheduler:
         sw = sorted((i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is not None),
                     key=lambda i: self.cfgs[i].sliding_window_in_chunks, reverse=True)
         self.sw_groups = tuple(sw)
-        self.sw_pos = {gi: pos for pos, gi in enumerate(sw)}   # group index -> its place in sw
-        self.sw_index: dict[int, list[tuple]] = {}             # see _null_reallocated
         self.lookup_groups = tuple(full) + self.sw_groups
         self.mamba_align = None
         if layout is not None:
@@ -517,19 +515,25 @@ class OffloadScheduler:
             if nb and any(nb):     # (all groups empty: nothing to extend, no window end moves)
                 if self.sw_groups:
                     sw_ends[rid] = tuple(len(st.groups[g].block_ids) for g in self.sw_groups)
-                for gi, (cfg, gs) in enumerate(zip(self.cfgs, st.groups)):
+                for cfg, gs in zip(self.cfgs, st.groups):
                     new = nb[cfg.group_id]
-                    pos = self.sw_pos.get(gi)
-                    if pos is not None:
-                        index = self.sw_index
-                        for j, b in enumerate(new, len(gs.block_ids)):
-                            if b != NULL:
-                                index.setdefault(b, []).append((st, pos, j))
                     gs.block_ids.extend(new)
                     self.batch_allocated.update(new)
         self.batch_allocated.discard(NULL)      # null placeholders are not allocations
-        if self.sw_index and self.batch_allocated:
-            self._null_reallocated(sw_ends)
+        if self.sw_groups and self.batch_allocated:
+            alloc, bpc = self.batch_allocated, self.bpc
+            for rid, st in rs.items():
+                ends = sw_ends.get(rid)
+                for i, gi in enumerate(self.sw_groups):
+                    gs = st.groups[gi]
+                    bids = gs.block_ids
+                    end = ends[i] if ends is not None else len(bids)
+                    lo = gs.next_stored * bpc
+                    if lo >= end or alloc.isdisjoint(bids[lo:end]):
+                        continue
+                    for j in range(lo, end):
+                        if bids[j] in alloc:
+                            bids[j] = NULL
         for rid in preempted:
             st = rs.get(rid)
             if st is not None and st.jobs:
@@ -549,31 +553,6 @@ class OffloadScheduler:
                 del rs[rid]
         self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
         return stores, loads, flush
-
-    def _null_reallocated(self, sw_ends: dict[str, tuple]) -> None:
-        """In every request's sliding-window block IDs not stored yet (from ``next_stored``
-        chunks up to the end before this batch), a block re-allocated in this batch becomes
-        NULL. ``sw_index`` (block -> its places ``(state, window group position, index)`` in the
-        window groups' block IDs, registered as they are extended) finds them from the batch's
-        blocks instead of walking every request; places that no longer hold the block (the IDs
-        were cleared or nulled, or the request is gone) are dropped as they are met."""
-        index, rs, bpc, sw = self.sw_index, self.req_status, self.bpc, self.sw_groups
-        for b in index.keys() & self.batch_allocated:
-            keep = []
-            for place in index.pop(b):
-                st, pos, j = place
-                bids = st.groups[sw[pos]].block_ids
-                rid = st.req.rid
-                if j >= len(bids) or bids[j] != b or rs.get(rid) is not st:
-                    continue                  # stale place
-                ends = sw_ends.get(rid)
-                end = ends[pos] if ends is not None else len(bids)
-                if st.groups[sw[pos]].next_stored * bpc <= j < end:
-                    bids[j] = NULL
-                else:
-                    keep.append(place)
-            if keep:
-                index[b] = keep
 
     def _offloadable(self, st: ReqOffload, n: int) -> int:
         """``_calc_num_offloadable_tokens``; ``offload_prompt_only`` defaults to True in every
