@@ -186,25 +186,26 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
         cap = min(cap, len(gs.keys) * tpc)
         unit = unit * tpc // math.gcd(unit, tpc)
     T = cap // unit * unit
+    # the largest T (a multiple of unit) whose chunks are all ready. Where a group's chunk c in
+    # reach at T is not ready, it is in reach at every smaller T that still covers it (the
+    # reach's start only grows with T): the search resumes at the largest T ending before it
+    entries = tier.entries
     while T - local >= 1:
-        ok = True
         for cfg, gs in zip(off.cfgs, st.groups):
             tpc, w = cfg.tokens_per_chunk, cfg.sliding_window_in_chunks
             if T % tpc:
-                ok = False
+                T -= unit
                 break
             lo = local // tpc if w is None else max(local // tpc, T // tpc - w)
-            for c in range(lo, T // tpc):
-                e = tier.entries.get(gs.keys[c])
-                if e is None or not e[0]:
-                    ok = False
-                    break
-            if not ok:
+            c, keys = T // tpc - 1, gs.keys        # the last chunk in reach not ready, if any
+            while c >= lo and (e := entries.get(keys[c])) is not None and e[0]:
+                c -= 1
+            if c >= lo:
+                T = ((c + 1) * tpc - 1) // unit * unit
                 break
-        if ok:
+        else:
             best = T - local
             break
-        T -= unit
     if best and off.being_loaded:
         return best, "being-loaded"
     return best, None
