@@ -189,17 +189,23 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
     # the largest T (a multiple of unit) whose chunks are all ready. Where a group's chunk c in
     # reach at T is not ready, it is in reach at every smaller T that still covers it (the
     # reach's start only grows with T): the search resumes at the largest T ending before it
+    # (T only shrinks: per group, the chunks [v0, v1) known ready from an earlier T are not
+    # looked up again)
     entries = tier.entries
+    known = [(0, 0)] * len(st.groups)
     while T - local >= 1:
-        for cfg, gs in zip(off.cfgs, st.groups):
+        for g, (cfg, gs) in enumerate(zip(off.cfgs, st.groups)):
             tpc, w = cfg.tokens_per_chunk, cfg.sliding_window_in_chunks
             if T % tpc:
                 T -= unit
                 break
-            lo = local // tpc if w is None else max(local // tpc, T // tpc - w)
-            c, keys = T // tpc - 1, gs.keys        # the last chunk in reach not ready, if any
+            hi = T // tpc
+            lo = local // tpc if w is None else max(local // tpc, hi - w)
+            v0, v1 = known[g]
+            c, keys = (v0 if v0 < hi <= v1 else hi) - 1, gs.keys
             while c >= lo and (e := entries.get(keys[c])) is not None and e[0]:
-                c -= 1
+                c -= 1                             # c: the last chunk in reach not ready
+            known[g] = (c + 1, hi)
             if c >= lo:
                 T = ((c + 1) * tpc - 1) // unit * unit
                 break
