@@ -114,6 +114,7 @@ class Model:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
         self.delayed_free: dict[str, Request] = {}   # finished, blocks held until a load ends
+        self.loaded: set[str] = set()                # load done, not promoted yet
         # Scheduler._inflight_prefills: requests admitted with prefill left after their chunk, or
         # with an async load; their remaining blocks are reserved when a load is admitted
         self.inflight: dict[str, Request] = {}
@@ -168,7 +169,8 @@ class Model:
                 self.unfinished -= 1
                 self.counters["aborted"] += 1
             return
-        loading = req.status == WAITING_FOR_LOAD
+        loading = req.status == WAITING_FOR_LOAD and req.rid not in self.loaded
+        self.loaded.discard(rid)
         req.status = ABORTED
         self._free_request(req, "aborted", delay_free=loading)
 
@@ -248,14 +250,22 @@ class Model:
             self.kv.free(self.delayed_free.pop(req.rid))
             return
         self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo))
+        # finished_recving_kv_req_ids: the request stays WAITING_FOR_REMOTE_KVS until the waiting
+        # loop reaches it (_promote_loaded)
+        self.loaded.add(req.rid)
+        self._schedule_step(self.q.now)
+
+    def _promote_loaded(self, req: Request) -> None:
+        """``_update_waiting_for_remote_kv`` (from _try_promote_blocked_waiting_request /
+        _handle_blocked_waiting_request, when the waiting loop reaches the request): only now are
+        the loaded blocks cached; on a full prompt hit the last token is recomputed (to sample
+        the next one)."""
+        self.loaded.discard(req.rid)
         req.num_computed = req.load_target
         self.kv.cache_blocks(req, req.num_computed)
         if req.num_computed == req.num_tokens:
-            # _update_waiting_for_remote_kv: on a full prompt hit the last token is recomputed
-            # (to sample the next one)
             req.num_computed -= 1
         req.status = WAITING
-        self._schedule_step(self.q.now)
 
     # --- the scheduler step -------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
@@ -466,8 +476,10 @@ class Model:
         while i < len(waiting) and budget > 0 and len(running) < max_seqs:
             req = waiting[i]
             if req.status == WAITING_FOR_LOAD:
-                i += 1
-                continue
+                if req.rid not in self.loaded:
+                    i += 1
+                    continue
+                self._promote_loaded(req)
             ext = 0
             fresh = req.num_computed == 0
             if fresh:
@@ -563,7 +575,8 @@ class Model:
         else:
             self.stall += 1
         self.progress = False
-        if self.running or not quiet or any(r.status != WAITING_FOR_LOAD for r in self.waiting):
+        if self.running or not quiet or any(r.status != WAITING_FOR_LOAD or r.rid in self.loaded
+                                            for r in self.waiting):
             if self.stall > STALL_STEPS and self.unfinished > 0:
                 stuck = [r.rid for r in self.reqs.values() if not r.finished][:5]
                 raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} "

@@ -101,3 +101,21 @@ def test_skipped_requests_requeue_per_release():
     and the others to the front of ``waiting``."""
     assert _queue_after_pass("every-group") == (["x", "y", "z", "w"], 2)          # 0.30.0
     assert _queue_after_pass("prefix-cacheable-windows-in-config") == (["y", "x", "z", "w"], 1)
+
+
+def test_loaded_blocks_are_cached_only_when_the_waiting_loop_promotes_the_request():
+    """Scheduler._update_waiting_for_remote_kv caches a request's loaded blocks when the waiting
+    loop reaches it (_try_promote_blocked_waiting_request, 0.31.0+
+    _handle_blocked_waiting_request), not when the load reports finished_recving. b's load
+    completes, then b is aborted before the next step: finish_requests frees it at once (the
+    load is done), and its loaded blocks carry no hash, so BlockPool.free_blocks puts them at the
+    front of the free queue (KVCacheManager.free: tail first). c, admitted next, takes them,
+    last block first."""
+    t = trace("promote")
+    load = first(t, "load ")
+    assert t[load].split()[2] == "b"
+    assert t.index(f"done {t[load].split()[1]} load") < t.index("finish b aborted") < \
+        first(t, "alloc c ")
+    dests = [int(p.split("=")[1]) for p in t[load].split()[3:]]
+    c = [int(x) for x in t[first(t, "alloc c ")].split("=")[1].split(",")]
+    assert c == dests[::-1], (t[load], c)
