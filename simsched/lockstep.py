@@ -335,6 +335,8 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: Scheduler._inflight_prefill_reserved_blocks) and ``promote`` (b's load completes, b is
 #: aborted before the waiting loop reaches it: its loaded blocks were never cached, so they go
 #: back to the front of the free queue: _update_waiting_for_remote_kv caches them only then)
+#: and ``window_finish`` (a's sliding-window block that leaves the window with a's last token
+#: is freed before the rest of a's blocks: Scheduler._connector_finished)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -377,4 +379,11 @@ HANDMADE: dict[str, dict] = {
                              {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2,
                               "abort_at": 9},
                              {"id": "c", "prompt": [[11, 40]], "arrival": 9, "decode": 1}]},
+    "window_finish": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                            {"kind": "sliding_window", "block_size": 16,
+                                             "sliding_window": 32}],
+                                 "engine": {"num_gpu_blocks": 9}},
+                      "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 16},
+                                   {"id": "b", "prompt": [[9, 64]], "arrival": 20,
+                                    "decode": 1}]},
 }

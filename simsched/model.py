@@ -170,15 +170,18 @@ class Model:
                 self.counters["aborted"] += 1
             return
         loading = req.status == WAITING_FOR_LOAD and req.rid not in self.loaded
+        # num_computed_tokens of a request admitted for a load is its hit length
+        computed = req.load_target if req.status == WAITING_FOR_LOAD else None
         self.loaded.discard(rid)
         req.status = ABORTED
-        self._free_request(req, "aborted", delay_free=loading)
+        self._free_request(req, "aborted", delay_free=loading, computed=computed)
 
     def _finish(self, req: Request) -> None:
         req.status = FINISHED
         self._free_request(req, "finished")
 
-    def _free_request(self, req: Request, how: str, delay_free: bool = False) -> None:
+    def _free_request(self, req: Request, how: str, delay_free: bool = False,
+                      computed: int | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -186,6 +189,9 @@ class Model:
                 self.n_held -= 1
             self.waiting.remove(req)
         self.inflight.pop(req.rid, None)
+        # Scheduler._connector_finished: blocks out of a window are freed
+        # (remove_skipped_blocks on the processed tokens) before the connector sees the table
+        self.kv.remove_skipped_blocks(req, req.num_computed if computed is None else computed)
         self.off.request_finished(req)
         if delay_free:
             # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its

@@ -119,10 +119,11 @@ def test_agreement_on_generated_cases(pool, version):
 #: (admission needs blocks for the whole sequence), full16 seed 510 and full16+ring4 seeds 111
 #: and 729 (0.31.0+: requests holding KV blocks are drained first, other skipped requests go back
 #: to the front of ``waiting``),
-#: full16 seed 268 (loaded blocks are cached only when the request is promoted)
-RULE_CASES = ["abort_load", "full_seq", "reserve", "promote"]
+#: full16 seed 268 (loaded blocks are cached only when the request is promoted),
+#: full16+sw16w128+full16 seed 185 (a finished request's out-of-window blocks are freed first)
+RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish"]
 RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4", 111),
-              ("full16+ring4", 729), ("full16", 268)]
+              ("full16+ring4", 729), ("full16", 268), ("full16+sw16w128+full16", 185)]
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
