@@ -291,6 +291,15 @@ LAYOUTS: dict[str, list[dict]] = {
     "full32": [{"kind": "full", "block_size": 32}],
     "full16+sw16w64": [{"kind": "full", "block_size": 16},
                        {"kind": "sliding_window", "block_size": 16, "sliding_window": 64}],
+    "mla16": [{"kind": "mla", "block_size": 16}],
+    "mla64": [{"kind": "mla", "block_size": 64}],
+    "full16+chunked16c64": [{"kind": "full", "block_size": 16},
+                            {"kind": "chunked_local", "block_size": 16,
+                             "attention_chunk_size": 64}],
+    # Mamba in "align" mode: the mode the offloading connector supports (outside it the boot
+    # assert of build_offloading_config fires on every release)
+    "full16+mamba16align": [{"kind": "full", "block_size": 16},
+                            {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
 }
 
 

@@ -136,6 +136,23 @@ def test_agreement_on_rule_cases(pool, version):
         assert res.agree, f"{layout} seed {seed}: {res.summary()}"
 
 
+#: the mla and chunked-local layouts under lockstep: seeds that agree on 0.30.0 and 0.33.0 (0-29
+#: but the three whose first divergence is the CPU tier's eviction order: mla16 seed 0 on
+#: 0.33.0, chunked seeds 1, 9 and 26); mla16 loads from the CPU tier in 8 of these cases
+MORE_LAYOUTS = ([("mla16", s) for s in range(1, 13)] + [("mla64", s) for s in range(6)]
+                + [("full16+chunked16c64", s) for s in (2, 3, 4, 5, 6, 7, 8, 10, 11, 12)])
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_agreement_on_mla_and_chunked_local_layouts(pool, version):
+    loads = 0
+    for layout, seed in MORE_LAYOUTS:
+        res = lockstep(generate_case(seed, layout), version, pool)
+        assert res.agree, f"{layout} seed {seed}: {res.summary()}"
+        loads += res.real["counters"]["loads"]
+    assert loads > 0
+
+
 def test_observations_api_matches_replay(pool):
     from simsched.targets import ReleaseTarget
     obs = lockstep_observations(Case.from_json({"layout": RING, "requests": REQS}),
