@@ -136,6 +136,20 @@ def test_agreement_on_rule_cases(pool, version):
         assert res.agree, f"{layout} seed {seed}: {res.summary()}"
 
 
+#: seeds whose first divergence was the CPU tier's eviction order on 0.31.0+ (full16 seed 0 on
+#: 0.33.0 loaded a chunk the model had evicted): LRUCachePolicy ranks chunks by insertion and
+#: finished requests (0.31.0, 0.32.0), by request and token position (0.33.0)
+LRU_SEEDS = ([("full16", s) for s in (0, 30, 48, 68, 116)]
+             + [("full16+sw16w128+full16", s) for s in (0, 1, 9, 37)])
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.33.0"])
+def test_agreement_on_cpu_lru_ranks(pool, version):
+    for layout, seed in LRU_SEEDS:
+        res = lockstep(generate_case(seed, layout), version, pool)
+        assert res.agree, f"{layout} seed {seed}: {res.summary()}"
+
+
 #: the mla and chunked-local layouts under lockstep: seeds that agree on 0.30.0 and 0.33.0 (0-29
 #: but the three whose first divergence is the CPU tier's eviction order: mla16 seed 0 on
 #: 0.33.0, chunked seeds 1, 9 and 26); mla16 loads from the CPU tier in 8 of these cases

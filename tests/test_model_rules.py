@@ -138,3 +138,34 @@ def test_window_block_leaving_with_the_last_token_is_freed_before_the_request():
     b = t[first(t, "alloc b ")].split()
     assert b[2] == "g0=" + ",".join(map(str, [s[3], f[3], s[0], s[1]]))
     assert b[3] == "g1=" + ",".join(map(str, [f[2], f[1], f[0], s[2]]))
+
+
+def _tier_evicts(request_ranks: bool, finish_first: bool) -> list[int]:
+    """Request a stores 4 chunks (positions 16..64 tokens), then request b stores 2 new chunks
+    into a full 4-chunk tier: the indices of a's chunks evicted."""
+    from types import SimpleNamespace as NS
+    from simsched.offload import RankedCPUTier
+    cfgs = [NS(group_id=0, tokens_per_chunk=16)]
+    keys_a, keys_b = [(0, f"a{i}") for i in range(4)], [(0, f"b{i}") for i in range(2)]
+    a = NS(req=NS(rid="a"), groups=[NS(keys=keys_a)])
+    b = NS(req=NS(rid="b"), groups=[NS(keys=keys_b)])
+    tier = RankedCPUTier(4, request_ranks, cfgs)
+    assert tier.prepare_store(keys_a, a) == keys_a
+    tier.complete_store(keys_a, {})
+    if finish_first:
+        tier.on_request_finished(a)
+    assert tier.prepare_store(keys_b, b) == keys_b
+    return [i for i, k in enumerate(keys_a) if k not in tier.entries]
+
+
+def test_cpu_lru_ranks_from_0310():
+    """vllm/v1/kv_offload/cpu/policies/lru.py, LRUCachePolicy from 0.31.0: eviction takes the
+    evictable chunks of lowest rank. 0.31.0/0.32.0: insert() gives each new chunk the next rank,
+    so a's head (inserted first) goes first. 0.33.0: insert() ranks a chunk
+    (request rank, -position) ("tails precede heads"), so a's tail goes first. Either way
+    on_request_finished() re-ranks the request's chunks reversed(head to tail), the head last
+    (most recent): a's tail goes first."""
+    assert _tier_evicts(False, False) == [0, 1]
+    assert _tier_evicts(True, False) == [2, 3]
+    assert _tier_evicts(False, True) == [2, 3]
+    assert _tier_evicts(True, True) == [2, 3]
