@@ -5,9 +5,12 @@ connector's ``build_connector_meta`` plus the model runner do:
 
 1. schedule running requests first (decode: 1 token, plus speculative tokens; prefill: chunked to
    the token budget), preempting the last running request when the pool runs dry; then waiting
-   requests (FIFO, ``max_num_seqs``): GPU prefix hit (``find_hit``), then the connector's
-   ``get_num_new_matched_tokens``; a CPU hit allocates blocks and issues a load
-   (``update_state_after_alloc``) and the request waits for it (``WAITING_FOR_REMOTE_KVS``);
+   requests (``max_num_seqs``; requests skipped at earlier steps first, ``_requeue_skipped``):
+   GPU prefix hit (``find_hit``), then the connector's ``get_num_new_matched_tokens``; admission
+   needs free blocks for the whole sequence (``full_sequence_must_fit``) and, for a load, beyond
+   the in-flight prefills' reservations; a CPU hit allocates blocks and issues a load
+   (``update_state_after_alloc``) and the request waits for it (``WAITING_FOR_REMOTE_KVS``) until
+   the waiting loop reaches it after the load completes (``_promote_loaded``);
 2. ``build_connector_meta``: offload keys, block IDs, flushes, store jobs;
 3. execute: flushed stores read their blocks, then computed tokens are written (the shadow),
    output tokens appended; finished requests free their blocks (``FINISH`` events);

@@ -23,10 +23,9 @@ RING = {"groups": [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_s
 REQS = [{"id": "a", "prompt": [[7, 64]], "decode": 3},
         {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 6, "decode": 2}]
 LOAD_CASE, FENCE_CASE = HANDMADE["load"], HANDMADE["fence"]
-#: generated cases on which the model and 0.30.0/0.33.0 agree today: seeds 0-29 of both layouts
-#: but the three whose first divergence is the CPU tier's eviction order (full16 seed 0 on
-#: 0.33.0, whose LRU ranks by request access; sliding-window seeds 0 and 1, where the chunks of
-#: one store job join the LRU in the iteration order of a set of real hash bytes). Agreement over
+#: generated cases on which the model and 0.30.0/0.33.0 agree: seeds 0-29 of both layouts but
+#: sliding-window seeds 0 and 1 (on 0.30.0 the chunks of one store job join the LRU in the
+#: iteration order of a set of real hash bytes) and full16 seed 0 (in LRU_SEEDS). Agreement over
 #: 1,000 cases per release and layout: BENCHMARKS.md, "Lockstep agreement".
 AGREEING = ([("full16", s) for s in range(1, 30)]
             + [("full16+sw16w128+full16", s) for s in range(2, 30)])
