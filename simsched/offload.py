@@ -355,6 +355,12 @@ class OffloadScheduler:
         # window group stores only the chunks that SlidingWindowManager.reachable_block_mask
         # says a later lookup can reach
         self.sw_store_mask: dict = {}
+        # 0.30.0+ (same marker): sliding-window lookups use load_window_size_in_chunks and a miss
+        # clears a pending chunk (_sliding_window_lookup); window sizes of SlidingWindowSpec groups
+        self.window_v2 = profile.retention_check
+        self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
+                          if layout is not None and layout.groups[g.group_id].kind in
+                          ("sliding_window", "sliding_window_mla")}
         if layout is not None and profile.retention_check:
             retention = layout.engine.retention_interval
             for g in self.cfgs:
@@ -445,6 +451,16 @@ class OffloadScheduler:
             else:
                 self.tier.touch(gs.keys[max(0, gs.num_hit_chunks - w):])
 
+    def _load_window(self, cfg, num_tokens: int) -> int:
+        """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
+        chunks grows to cover a partial rightmost chunk (``-num_tokens % tokens_per_chunk``)."""
+        w = cfg.sliding_window_in_chunks
+        win = self.sw_tokens.get(cfg.group_id)
+        if win is None:
+            return w
+        tpc = cfg.tokens_per_chunk
+        return max(w, -(-(win - 1 + (-num_tokens % tpc)) // tpc))
+
     def _lookup(self, st: ReqOffload) -> int | None:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops."""
         req, tier = st.req, self.tier
@@ -490,22 +506,31 @@ class OffloadScheduler:
                         hits += 1
                     n_hit = None if defer else hits
                 else:
-                    n_hit, consecutive, found = None, 0, False
+                    # _sliding_window_lookup: from the end, the first run of ``need`` consecutive
+                    # hits (a pending chunk counts, but defers the lookup); 0.30.0+: a miss clears
+                    # a pending chunk to its right, and the first run needs the load window
+                    # (GroupOffloadConfig.load_window_size_in_chunks of the candidate end)
+                    v2 = self.window_v2
+                    need = self._load_window(cfg, min(max_hit, num_chunks * tpc)) if v2 else w
+                    consecutive, found, pending = 0, False, False
                     for idx in range(len(sub) - 1, -1, -1):
                         r = tier.lookup(sub[idx])
                         if r == MISS:
                             consecutive = 0
+                            if v2:
+                                pending, need = False, w
                         else:
                             if r == HIT_PENDING:
-                                defer = True
+                                pending = True
                             consecutive += 1
-                        if consecutive == w:
-                            n_hit, found = idx + w, True
+                        if consecutive == need:
+                            n_hit, found = idx + need, True
                             break
                     if not found:
                         n_hit = consecutive
-                    if defer:
+                    if pending:
                         n_hit = None
+                        defer = True
                 if n_hit == 0:
                     return 0
                 if n_hit is not None:
@@ -528,7 +553,8 @@ class OffloadScheduler:
                 tpc = cfg.tokens_per_chunk
                 sub = gs.keys[num_computed // tpc:-(-(num_computed + num_hit) // tpc)]
                 if cfg.sliding_window_in_chunks is not None:
-                    sub = sub[-cfg.sliding_window_in_chunks:]
+                    sub = sub[-(self._load_window(cfg, num_computed + num_hit)
+                                if self.window_v2 else cfg.sliding_window_in_chunks):]
                 if any(k in self.being_loaded for k in sub):
                     return None
         return num_hit

@@ -15,3 +15,25 @@ def test_cpu_tier_states_and_lru():
     t.complete_store(["c"], {})
     assert t.prepare_store(["d"]) == ["d"]         # a is being loaded: c goes
     assert t.lookup("c") == MISS
+
+
+def test_load_window_covers_a_partial_rightmost_chunk():
+    """GroupOffloadConfig.load_window_size_in_chunks (0.30.0+): a SlidingWindowSpec group's
+    window in chunks is max(window_in_chunks, cdiv(sliding_window - 1 + (-num_tokens % tpc),
+    tpc)); other windowed groups keep their window."""
+    from simsched.case import Case
+    from simsched.model import Model
+    from simsched.geometry import PROFILES
+    layout = {"groups": [{"kind": "full", "block_size": 16},
+                         {"kind": "sliding_window", "block_size": 16, "sliding_window": 128},
+                         {"kind": "chunked_local", "block_size": 16, "attention_chunk_size": 64}],
+              "engine": {"num_gpu_blocks": 64}}
+    m = Model(Case.from_json({"layout": layout, "requests": []}),
+              PROFILES["prefix-cacheable-windows-in-config"])
+    off = m.off
+    sw, cl = off.cfgs[1], off.cfgs[2]
+    assert sw.sliding_window_in_chunks == 8                      # cdiv(127, 16)
+    # right paddings 0, 15, 14, 1: cdiv(127, 16) = 8, cdiv(142, 16) = 9, cdiv(141, 16) = 9,
+    # cdiv(128, 16) = 8
+    assert [off._load_window(sw, n) for n in (96, 97, 98, 111)] == [8, 9, 9, 8]
+    assert off._load_window(cl, 98) == cl.sliding_window_in_chunks
