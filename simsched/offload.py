@@ -358,6 +358,8 @@ class OffloadScheduler:
         # 0.30.0+ (same marker): sliding-window lookups use load_window_size_in_chunks and a miss
         # clears a pending chunk (_sliding_window_lookup); window sizes of SlidingWindowSpec groups
         self.window_v2 = profile.retention_check
+        # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
+        self.restart_store_idx = profile.extra.get("restart_store_idx", False)
         self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
                           if layout is not None and layout.groups[g.group_id].kind in
                           ("sliding_window", "sliding_window_mla")}
@@ -431,8 +433,11 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(self, req: Request, num_computed: int) -> int | None:
         st = self.req_status[req.rid]
+        restart = self.restart_store_idx
         for gs in st.groups:
             gs.block_ids.clear()
+            if restart:     # 0.33.0: "Restarting at token 0: offer every chunk again."
+                gs.next_stored = 0
         if st.jobs:
             return None
         self.update_offload_keys(st, "get_num_new_matched_tokens")
