@@ -1,13 +1,23 @@
 """Blind campaign runs: how fast a fresh campaign finds upstream PR #55037's bug class.
 
     python bench/bench_campaign.py [--seeds 10] [--budget 600] [--target model|0.30.0]
+                                   [--steer target|coverage|both|none]
     python bench/bench_campaign.py --scaling [--budget 60]
+    python bench/bench_campaign.py --compare-steer [--seeds 5] [--budget 60]
+                                   [--target 0.30.0|lockstep:0.33.0]
 
 For each seed, a fresh output folder and database; the campaign stops at the first finding of the
 class (the boot AssertionError in build_offloading_config, the islice ValueError in
 update_offload_keys, or the offload_keys/offload_block_ids AssertionError in _build_store_jobs)
 and reports the time to it and whether its shrunk case is the known minimum (2 groups,
 1 request, 1 step). ``--scaling`` measures examples/s with --workers 1 and 2 in one run.
+
+``--compare-steer`` runs, per seed, one full-budget campaign per steering mode (seed-major, so
+that the machine's load drifts alike over the modes) on one release, every one with arc coverage
+collected in the release worker (the same tracing cost for every mode); ``lockstep:X.Y.Z`` runs
+whole cases on the real Scheduler of X.Y.Z beside the model: the time to the first
+finding of the class, the distinct signatures found, and the arcs of vLLM's offloading code
+covered at 10 s, 30 s and the end.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fuzz.campaign import Campaign  # noqa: E402
+from fuzz.campaign import DEFAULT_STEER, STEER_CHOICES, Campaign  # noqa: E402
 from simsched.targets import Releases  # noqa: E402
 
 CLASS = {"crash:AssertionError:build_offloading_config", "crash:ValueError:update_offload_keys",
@@ -37,13 +47,14 @@ def of_the_class(finding) -> bool:
     return str(finding.signature) in CLASS
 
 
-def blind_run(seed: int, budget: float, target: str) -> dict:
+def blind_run(seed: int, budget: float, target: str, steer: str = DEFAULT_STEER) -> dict:
     with tempfile.TemporaryDirectory() as out, Releases.installed(
-            None if target == "model" else [target]) as pool:
+            None if target == "model" else [target],
+            coverage=steer in ("coverage", "both")) as pool:
         campaign = Campaign(Path(out), pool, model=target == "model",
                             run_releases=[] if target == "model" else [target], budget=budget,
                             seed_=seed, asserts=True, progress=lambda s: None,
-                            stop_when=of_the_class)
+                            stop_when=of_the_class, steer=steer)
         t0 = time.monotonic()
         campaign.run()
         hit = next((f for f in campaign.findings.values() if of_the_class(f)), None)
@@ -54,6 +65,60 @@ def blind_run(seed: int, budget: float, target: str) -> dict:
                 "groups": len(hit.case.layout.groups), "requests": len(hit.case.requests),
                 "steps": hit.to_json()["steps"],
                 "startup_s": campaign.warmup_s}
+
+
+def arcs_at(timeline: list[dict], t: float) -> int:
+    return max((e["arcs"] for e in timeline if e["t"] <= t), default=0)
+
+
+def steer_run(pool: Releases, seed: int, budget: float, target: str, steer: str) -> dict:
+    """One full-budget campaign on one release, coverage collected whatever the steering."""
+    version = target.removeprefix("lockstep:")
+    with tempfile.TemporaryDirectory() as out:
+        campaign = Campaign(Path(out), pool, model=False, run_releases=[version], budget=budget,
+                            seed_=seed, asserts=True, progress=lambda s: None, steer=steer,
+                            lockstep=target.startswith("lockstep:"))
+        data = campaign.run()
+    first = min((f.found_after_s for f in campaign.findings.values() if of_the_class(f)),
+                default=None)
+    return {"seed": seed, "steer": steer, "first_class_s": first,
+            "signatures": len({str(f.signature) for f in campaign.findings.values()}),
+            "found": sorted(str(f.signature) for f in campaign.findings.values()),
+            "examples": data["examples"], "arcs": data.get("vllm_arcs", 0),
+            "arcs_10": arcs_at(data.get("arcs_timeline", []), 10.0),
+            "arcs_30": arcs_at(data.get("arcs_timeline", []), 30.0)}
+
+
+def compare_steer(seeds: int, budget: float, target: str, modes: list[str]) -> int:
+    rows = []
+    with Releases.installed([target.removeprefix("lockstep:")], coverage=True) as pool:
+        for seed in range(seeds):
+            for mode in modes:
+                r = steer_run(pool, seed, budget, target, mode)
+                rows.append(r)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+    print(f"Steering modes on target {target}, {seeds} seeds, budget {budget:g} s each, arc "
+          "coverage collected in every mode.\n")
+    print("| steer | seed | first of the class (s) | signatures | examples | arcs at 10 s | "
+          "arcs at 30 s | arcs at end |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (modes.index(r["steer"]), r["seed"])):
+        first = f"{r['first_class_s']:.2f}" if r["first_class_s"] is not None else "-"
+        print(f"| {r['steer']} | {r['seed']} | {first} | {r['signatures']} | {r['examples']} | "
+              f"{r['arcs_10']} | {r['arcs_30']} | {r['arcs']} |")
+    print("\n| steer | median first (s) | median signatures | union of signatures | "
+          "median examples | median arcs at 10 s | median arcs at 30 s | median arcs at end |")
+    print("|---|---|---|---|---|---|---|---|")
+    med = statistics.median
+    for mode in modes:
+        rs = [r for r in rows if r["steer"] == mode]
+        firsts = [r["first_class_s"] for r in rs if r["first_class_s"] is not None]
+        union = len({s for r in rs for s in r["found"]})
+        print(f"| {mode} | {med(firsts):.2f} ({len(firsts)}/{len(rs)} found) | "
+              f"{med(r['signatures'] for r in rs)} | {union} | {med(r['examples'] for r in rs)} | "
+              f"{med(r['arcs_10'] for r in rs)} | {med(r['arcs_30'] for r in rs)} | "
+              f"{med(r['arcs'] for r in rs)} |" if firsts else f"| {mode} | - | ... |")
+    return 0
 
 
 def scaling(budget: float) -> list[tuple[int, float]]:
@@ -82,7 +147,13 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=600.0)
     ap.add_argument("--target", default="model")
     ap.add_argument("--scaling", action="store_true")
+    ap.add_argument("--steer", default=DEFAULT_STEER, choices=STEER_CHOICES)
+    ap.add_argument("--compare-steer", action="store_true")
+    ap.add_argument("--modes", default=",".join(STEER_CHOICES),
+                    help="steering modes compared by --compare-steer")
     args = ap.parse_args()
+    if args.compare_steer:
+        return compare_steer(args.seeds, args.budget, args.target, args.modes.split(","))
     if args.scaling:
         rates = scaling(args.budget)
         print("| workers | examples/s |\n|---|---|")
@@ -90,11 +161,11 @@ def main() -> int:
             print(f"| {w} | {r:.1f} |")
         print(f"\nratio 2 workers / 1 worker: {rates[1][1] / rates[0][1]:.2f}")
         return 0
-    rows = [blind_run(s, args.budget, args.target) for s in range(args.seeds)]
+    rows = [blind_run(s, args.budget, args.target, args.steer) for s in range(args.seeds)]
     found = [r for r in rows if r["found"]]
     minimal = [r for r in found if (r["groups"], r["requests"], r["steps"]) == (2, 1, 1)]
     print(f"Blind runs on target {args.target}, {args.seeds} seeds, budget {args.budget:g} s "
-          f"each (time excludes release worker start-up).\n")
+          f"each, steering {args.steer} (time excludes release worker start-up).\n")
     print("| seed | finding | time to it (s) | shrunk layout | groups | requests | steps |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -39,6 +39,13 @@ from simsched.targets import ModelTarget, Releases, ReleaseTarget
 
 TARGET_CHOICES = "model, a release such as 0.30.0, releases, lockstep, or all"
 
+# How generation is steered toward the edges (``--steer``): ``target`` scores each case with
+# :func:`fuzz.strategies.edge_scores` through ``hypothesis.target``; ``coverage`` scores it with
+# the arc coverage it reaches in vLLM's offloading code inside the release workers (arcs new to
+# the campaign, and a rarity score: see :mod:`simsched.vllm.inside.coverage`); ``both``; ``none``.
+STEER_CHOICES = ("target", "coverage", "both", "none")
+DEFAULT_STEER = "target"
+
 
 class CampaignError(Exception):
     pass
@@ -179,7 +186,8 @@ class Campaign:
     def __init__(self, out: Path, releases: Releases, *, model: bool = True,
                  run_releases: list[str] | None = None, budget: float = 120.0, seed_: int = 0,
                  asserts: bool | None = True, progress: Callable[[str], None] | None = None,
-                 round_examples: int = 300, lockstep: bool = False, steer: bool = True,
+                 round_examples: int = 300, lockstep: bool = False,
+                 steer: str | bool = DEFAULT_STEER,
                  database=None, stats_name: str = "report",
                  stop_when: Callable[[Finding], bool] | None = None):
         self.out = Path(out)
@@ -195,7 +203,22 @@ class Campaign:
         self.progress = progress or (lambda s: print(s, file=sys.stderr, flush=True))
         self.round_examples = round_examples
         self.lockstep = lockstep
+        if steer is True or steer is False:
+            steer = DEFAULT_STEER if steer else "none"
+        if steer not in STEER_CHOICES:
+            raise CampaignError(f"--steer {steer!r}: expected one of {', '.join(STEER_CHOICES)}")
+        if steer in ("coverage", "both") and not self.release_targets:
+            raise CampaignError(f"--steer {steer}: coverage steering measures vLLM's code inside "
+                                "the release workers; this campaign runs no release (use "
+                                "--steer target with --target model)")
+        if steer in ("coverage", "both") and not releases.coverage:
+            raise CampaignError(f"--steer {steer}: the release pool does not collect coverage "
+                                "(Releases(..., coverage=True))")
         self.steer = steer
+        # arcs of vLLM's offloading code covered (only with a coverage-collecting pool)
+        self.collect_coverage = bool(releases.coverage and self.release_targets)
+        self.arcs = 0
+        self.arcs_timeline: list[dict] = []
         self.database = database
         self.stats_name = stats_name     # a worker process writes workers/<name>.json instead
         self.stop_when = stop_when       # ends the campaign early (benchmarks)
@@ -234,6 +257,8 @@ class Campaign:
     def _round(self, round_no: int, deadline: float, db) -> Finding | None:
         state = {"hunting": None, "case": None, "obs": None, "t": 0.0, "n": 0}
         known = self.known_keys()
+        if self.collect_coverage:
+            self._take_coverage()   # replaying the last finding is no generated case's novelty
 
         class Found(Exception):
             pass
@@ -251,7 +276,7 @@ class Campaign:
                     return
                 self._count(case)
                 self._maybe_progress()
-                if self.steer:
+                if self.steer in ("target", "both"):
                     for label, score in edge_scores(case).items():
                         target(score, label=label)
             hunt = state["hunting"]
@@ -259,10 +284,17 @@ class Campaign:
                 outcomes: dict = {}
                 obs = self.observe(case, outcomes=outcomes)
                 self.steps += sum(o.get("steps", 0) for o in outcomes.values())
+                if self.collect_coverage:
+                    cov = self._take_coverage()
+                    if self.steer in ("coverage", "both"):
+                        target(float(cov["new"]), label="coverage-new")
+                        target(float(cov["rare"]), label="coverage-rare")
             else:   # while shrinking, run only the targets the hunted finding showed on
                 obs = observe(case, [t for t in self.model_targets if t.name in hunt[2]],
                               [t for t in self.release_targets if t.name in hunt[2]],
                               lockstep=self.lockstep)
+                if self.collect_coverage:
+                    self._take_coverage()    # what shrinking covers is nobody's novelty
             where: dict[Signature, list[str]] = {}
             for o in obs:
                 where.setdefault(o.signature, []).append(o.target)
@@ -304,6 +336,14 @@ class Campaign:
                            found_after_s=state["t"], examples_before=state["n"])
         return None
 
+    def _take_coverage(self) -> dict:
+        cov = self.pool.take_coverage([t.version for t in self.release_targets])
+        self.arcs = cov["total"]
+        t = round(time.monotonic() - self.started, 3)
+        if not self.arcs_timeline or t - self.arcs_timeline[-1]["t"] >= 1.0:
+            self.arcs_timeline.append({"t": t, "examples": self.examples, "arcs": self.arcs})
+        return cov
+
     def _maybe_progress(self) -> None:
         now = time.monotonic()
         if now - getattr(self, "_last_progress", 0.0) < 5.0:
@@ -315,7 +355,8 @@ class Campaign:
         self.progress(f"[{el:6.1f}s] {self.examples} examples ({self.examples / max(el, 1e-9):.0f}/s)"
                       f", {self.steps / max(el, 1e-9):,.0f} model steps/s, "
                       f"{len(self.findings) + len(self.prior)} findings, families "
-                      f"{len(self.families)}/7, kinds {kinds}/8, knobs {knobs}")
+                      f"{len(self.families)}/7, kinds {kinds}/8, knobs {knobs}"
+                      + (f", {self.arcs} vLLM arcs" if self.collect_coverage else ""))
 
     def replay_everywhere(self, finding: Finding) -> None:
         """Fill in where a shrunk finding's signature is present and where it is absent."""
@@ -360,6 +401,8 @@ class Campaign:
             self.warmup_s, errors = self.pool.warm(modes)
             for e in errors:   # the worker restarts on first use; what it does then is recorded
                 self.progress(f"warning: {e}")
+            if self.collect_coverage:   # count what the campaign's cases cover, not start-up
+                self.pool.reset_coverage()
             self.progress(f"workers ready in {self.warmup_s:.1f} s; fuzzing for {self.budget:g} s")
         self.started = time.monotonic()
         deadline = self.started + self.budget
@@ -415,8 +458,12 @@ class Campaign:
             "families": dict(sorted(self.families.items())),
             "knobs": dict(sorted(self.knobs.items())),
             "timeline": self.timeline,
+            "steer": self.steer,
             "findings": [f for f in self.prior if f["id"] not in new_ids] + new,
         }
+        if self.collect_coverage:
+            data["vllm_arcs"] = self.arcs
+            data["arcs_timeline"] = self.arcs_timeline
         if self.stats_name == "report":
             report_mod.write(self.out, data)
         else:
