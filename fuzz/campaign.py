@@ -219,6 +219,8 @@ class Campaign:
         self.collect_coverage = bool(releases.coverage and self.release_targets)
         self.arcs = 0
         self.arcs_timeline: list[dict] = []
+        self.samples: list[dict] = []     # progress over time, for the report's plots
+        self._sample_every = 1.0
         self.database = database
         self.stats_name = stats_name     # a worker process writes workers/<name>.json instead
         self.stop_when = stop_when       # ends the campaign early (benchmarks)
@@ -246,6 +248,7 @@ class Campaign:
 
     def _count(self, case: Case) -> None:
         self.examples += 1
+        self._sample()
         fam = family_of(case.layout)
         self.families[fam] = self.families.get(fam, 0) + 1
         for k in case.layout.engine.to_json():
@@ -336,6 +339,18 @@ class Campaign:
                            found_after_s=state["t"], examples_before=state["n"])
         return None
 
+    def _sample(self) -> None:
+        """Record (seconds, examples, findings) about every second; past 400 samples, every
+        other one is dropped and the interval doubles, so an overnight run keeps a short list."""
+        t = time.monotonic() - self.started
+        if self.samples and t - self.samples[-1]["t"] < self._sample_every:
+            return
+        self.samples.append({"t": round(t, 3), "examples": self.examples,
+                             "findings": len(self.findings)})
+        if len(self.samples) > 400:
+            self.samples = self.samples[::2]
+            self._sample_every *= 2
+
     def _take_coverage(self) -> dict:
         cov = self.pool.take_coverage([t.version for t in self.release_targets])
         self.arcs = cov["total"]
@@ -423,7 +438,7 @@ class Campaign:
             self.interrupted = True
             self.progress("interrupted: every finding so far is on disk; run the same command "
                           "again to resume")
-        return self.write_report()
+        return self.write_report(final=True)
 
     def _record(self, finding: Finding) -> None:
         self.replay_everywhere(finding)
@@ -437,9 +452,10 @@ class Campaign:
                       f"{', '.join(finding.releases_affected) or '-'} | profiles "
                       f"{', '.join(finding.profiles_affected) or '-'}")
 
-    def write_report(self) -> dict:
-        """report.json and report.md; a worker process writes its figures to workers/<n>.json
-        instead, and the parent merges them (:func:`fuzz.report.merge`)."""
+    def write_report(self, final: bool = False) -> dict:
+        """report.json and report.md (and, when ``final``, the plots report.md links); a worker
+        process writes its figures to workers/<n>.json instead, and the parent merges them
+        (:func:`fuzz.report.merge`)."""
         el = time.monotonic() - self.started if self.started else 0.0
         new = [f.to_json() for f in self.findings.values()]
         new_ids = {f["id"] for f in new}
@@ -458,6 +474,8 @@ class Campaign:
             "families": dict(sorted(self.families.items())),
             "knobs": dict(sorted(self.knobs.items())),
             "timeline": self.timeline,
+            "samples": self.samples + [{"t": round(el, 3), "examples": self.examples,
+                                        "findings": len(self.findings)}],
             "steer": self.steer,
             "findings": [f for f in self.prior if f["id"] not in new_ids] + new,
         }
@@ -465,7 +483,7 @@ class Campaign:
             data["vllm_arcs"] = self.arcs
             data["arcs_timeline"] = self.arcs_timeline
         if self.stats_name == "report":
-            report_mod.write(self.out, data)
+            report_mod.write(self.out, data, plots=final)
         else:
             report_mod.write_worker_stats(self.out, self.stats_name, data)
         return data
