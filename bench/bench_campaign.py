@@ -121,10 +121,11 @@ def compare_steer(seeds: int, budget: float, target: str, modes: list[str]) -> i
     return 0
 
 
-def scaling(budget: float) -> list[tuple[int, float]]:
+def scaling(budget: float) -> list[tuple[int, float, float, float]]:
     """Steady-state generation: a first campaign finds the easy findings, then one and two
     workers each resume from a copy of its output, so that shrinking new findings (which stops
-    generation) weighs the same on both sides."""
+    generation) weighs the same on both sides. Per worker count: examples/s, worker-seconds spent
+    shrinking new findings, and examples per worker-second spent generating."""
     def fuzz(out: str, workers: int, seconds: float) -> dict:
         subprocess.run([sys.executable, "-m", "simsched.cli", "fuzz", "--target", "model",
                         "--asserts", "on", "--budget", str(seconds), "--workers", str(workers),
@@ -137,7 +138,9 @@ def scaling(budget: float) -> list[tuple[int, float]]:
         for workers in (1, 2):
             shutil.copytree(f"{tmp}/warm", f"{tmp}/w{workers}")
             data = fuzz(f"{tmp}/w{workers}", workers, budget)
-            rates.append((workers, data["examples"] / budget))
+            generating = workers * budget - data.get("shrinking_s", 0.0)
+            rates.append((workers, data["examples"] / budget, data.get("shrinking_s", 0.0),
+                          data["examples"] / generating))
     return rates
 
 
@@ -156,10 +159,12 @@ def main() -> int:
         return compare_steer(args.seeds, args.budget, args.target, args.modes.split(","))
     if args.scaling:
         rates = scaling(args.budget)
-        print("| workers | examples/s |\n|---|---|")
-        for w, r in rates:
-            print(f"| {w} | {r:.1f} |")
-        print(f"\nratio 2 workers / 1 worker: {rates[1][1] / rates[0][1]:.2f}")
+        print("| workers | examples/s | worker-seconds shrinking | examples per generating "
+              "worker-second |\n|---|---|---|---|")
+        for w, r, shrink, gen in rates:
+            print(f"| {w} | {r:.1f} | {shrink:.1f} | {gen:.1f} |")
+        print(f"\nratio 2 workers / 1 worker: {rates[1][1] / rates[0][1]:.2f} (examples/s), "
+              f"{2 * rates[1][3] / rates[0][3]:.2f} (generating throughput, 2 x per worker)")
         return 0
     rows = [blind_run(s, args.budget, args.target, args.steer) for s in range(args.seeds)]
     found = [r for r in rows if r["found"]]

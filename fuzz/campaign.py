@@ -220,6 +220,7 @@ class Campaign:
         self.arcs = 0
         self.arcs_timeline: list[dict] = []
         self.samples: list[dict] = []     # progress over time, for the report's plots
+        self.shrinking_s = 0.0            # seconds spent shrinking and recording findings
         self._sample_every = 1.0
         self.database = database
         self.stats_name = stats_name     # a worker process writes workers/<name>.json instead
@@ -432,6 +433,8 @@ class Campaign:
                 round_no += 1
                 if finding is not None:
                     self._record(finding)
+                    # from the case that showed it to its files on disk: no generation meanwhile
+                    self.shrinking_s += time.monotonic() - self.started - finding.found_after_s
                     if self.stop_when is not None and self.stop_when(finding):
                         break
         except KeyboardInterrupt:
@@ -466,6 +469,7 @@ class Campaign:
             "worker_startup_s": round(self.warmup_s, 3),
             "examples": self.examples,
             "examples_per_s": round(self.examples / el, 1) if el else 0.0,
+            "shrinking_s": round(self.shrinking_s, 3),
             "model_steps": self.steps,
             "model_steps_per_s": round(self.steps / el, 1) if el else 0.0,
             "targets": ([t.name for t in self.model_targets]

@@ -77,6 +77,7 @@ def merge(out: Path, findings: list[dict], base: dict) -> dict:
     data["workers"] = len(parts)
     data["examples"] = sum(p.get("examples", 0) for p in parts)
     data["model_steps"] = sum(p.get("model_steps", 0) for p in parts)
+    data["shrinking_s"] = round(sum(p.get("shrinking_s", 0.0) for p in parts), 3)
     el = max((p.get("elapsed_s", 0.0) for p in parts), default=0.0)
     data["elapsed_s"] = el
     data["examples_per_s"] = round(data["examples"] / el, 1) if el else 0.0

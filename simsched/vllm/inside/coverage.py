@@ -43,8 +43,8 @@ class ArcTracer:
     def __init__(self, vllm_dir: str, prefixes: tuple[str, ...] = PREFIXES):
         self.vllm_dir = os.path.abspath(vllm_dir) + os.sep
         self.prefixes = prefixes
-        self._codes: dict = {}        # code object -> file index, or -1: not traced
-        self._straight_done: set = set()   # branch-free code objects traced once already
+        self._codes: dict = {}        # id(code) -> (file index or -1: not traced, code)
+        self._straight_done: set = set()   # ids of branch-free code traced once already
         self.files: list[str] = []    # file index -> path relative to the vllm package
         self._file_index: dict[str, int] = {}
         self.current: set = set()     # arcs hit since the last take
@@ -66,16 +66,18 @@ class ArcTracer:
 
     def _global(self, frame, event, arg):
         code = frame.f_code
-        fid = self._codes.get(code)
-        if fid is None:
+        # keyed by id: code objects compare equal across files when their bodies are equal
+        got = self._codes.get(id(code))
+        if got is None:
             fid = self._file_of(code)
             if fid >= 0 and _branch_free(code):
                 fid = -2 - fid          # branch-free: trace its first call only
-            self._codes[code] = fid
+            self._codes[id(code)] = got = (fid, code)   # holding it keeps its id unique
+        fid = got[0]
         if fid < 0:
-            if fid == -1 or code in self._straight_done:
+            if fid == -1 or id(code) in self._straight_done:
                 return None
-            self._straight_done.add(code)
+            self._straight_done.add(id(code))
             fid = -2 - fid
         add = self.current.add
         entry = -code.co_firstlineno
