@@ -5,7 +5,11 @@ list; every finding has ``id``, ``signature``, ``kind`` (crash, invariant, diver
 ``exception``, ``function``, ``file`` (relative to the ``vllm`` package, or to the project for a
 model finding), ``releases_affected``, ``releases_clean``, ``profiles_affected``, ``case`` (path
 relative to the output folder) and the sizes ``groups``, ``requests``, ``steps``. Both files are
-written atomically: a campaign killed at any moment leaves the last complete report.
+written atomically: a campaign killed at any moment leaves the last complete report. At the end
+of a campaign, report.md links PNG plots written beside it (:data:`simsched.plots.REPORT_PLOTS`):
+findings over time, examples per second (from ``samples``), coverage of layout families and
+knobs, and, when the release workers collected it, the arcs of vLLM's offloading code covered
+(``vllm_arcs``, ``arcs_timeline``).
 """
 
 from __future__ import annotations
