@@ -3,6 +3,7 @@
     python bench/bench_campaign.py [--seeds 10] [--budget 600] [--target model|0.30.0]
                                    [--steer target|coverage|both|none]
     python bench/bench_campaign.py --scaling [--budget 60]
+    python bench/bench_campaign.py --tracing-cost [--target 0.30.0]
     python bench/bench_campaign.py --compare-steer [--seeds 5] [--budget 60]
                                    [--target 0.30.0|lockstep:0.33.0]
 
@@ -121,6 +122,36 @@ def compare_steer(seeds: int, budget: float, target: str, modes: list[str]) -> i
     return 0
 
 
+def tracing_cost(target: str, n: int = 300, repeats: int = 5) -> list[tuple[bool, float]]:
+    """Cases per second through a release's config chain in one batch call, with and without
+    the coverage tracer (the same generated cases; median of ``repeats`` batches)."""
+    from hypothesis import HealthCheck, given, seed, settings
+
+    from fuzz.strategies import cases
+    from simsched.targets import config_item
+    items: list[dict] = []
+
+    @settings(max_examples=n, database=None, suppress_health_check=list(HealthCheck))
+    @seed(1)
+    @given(cases())
+    def collect(case):
+        items.append(config_item(case))
+
+    collect()
+    out = []
+    for coverage in (False, True):
+        with Releases.installed([target], coverage=coverage) as pool:
+            worker = pool.worker(target)
+            worker.call("config_batch", items=items)      # warm: imports, request cache
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                worker.call("config_batch", items=items)
+                times.append(time.perf_counter() - t0)
+            out.append((coverage, len(items) / statistics.median(times)))
+    return out
+
+
 def scaling(budget: float) -> list[tuple[int, float, float, float]]:
     """Steady-state generation: a first campaign finds the easy findings, then one and two
     workers each resume from a copy of its output, so that shrinking new findings (which stops
@@ -152,9 +183,19 @@ def main() -> int:
     ap.add_argument("--scaling", action="store_true")
     ap.add_argument("--steer", default=DEFAULT_STEER, choices=STEER_CHOICES)
     ap.add_argument("--compare-steer", action="store_true")
+    ap.add_argument("--tracing-cost", action="store_true",
+                    help="config-chain cases/s of one release with and without coverage tracing")
     ap.add_argument("--modes", default=",".join(STEER_CHOICES),
                     help="steering modes compared by --compare-steer")
     args = ap.parse_args()
+    if args.tracing_cost:
+        target = "0.30.0" if args.target == "model" else args.target
+        rates = tracing_cost(target)
+        print(f"| release {target} config chain | cases/s |\n|---|---|")
+        for cov, rate in rates:
+            print(f"| {'coverage traced' if cov else 'untraced'} | {rate:,.0f} |")
+        print(f"\ntraced / untraced: {rates[1][1] / rates[0][1]:.2f}")
+        return 0
     if args.compare_steer:
         return compare_steer(args.seeds, args.budget, args.target, args.modes.split(","))
     if args.scaling:

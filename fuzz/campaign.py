@@ -485,7 +485,8 @@ class Campaign:
         }
         if self.collect_coverage:
             data["vllm_arcs"] = self.arcs
-            data["arcs_timeline"] = self.arcs_timeline
+            data["arcs_timeline"] = self.arcs_timeline + [
+                {"t": round(el, 3), "examples": self.examples, "arcs": self.arcs}]
         if self.stats_name == "report":
             report_mod.write(self.out, data, plots=final)
         else:
