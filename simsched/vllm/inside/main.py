@@ -62,7 +62,7 @@ def main() -> int:
         tracer.start()
 
     send({"ready": True, "version": vllm.__version__, "optimize": sys.flags.optimize,
-          "coverage": tracer is not None})
+          **({"coverage": True} if tracer is not None else {})})
     for line in inp:
         line = line.strip()
         if not line:
