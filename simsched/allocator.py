@@ -206,10 +206,22 @@ class KVCacheManager:
     """``KVCacheManager`` + coordinator over one :class:`BlockPool`."""
 
     def __init__(self, groups, block_sizes: list[int], num_blocks: int, align: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, max_in_flight_tokens: int | None = None):
         self.pool = BlockPool(num_blocks)
         self.rules = [GroupRule(i, g, bs, enable_prefix_caching)
                       for i, (g, bs) in enumerate(zip(groups, block_sizes))]
+        # ``max_admission_blocks_per_request`` of the recycling specs (SlidingWindowSpec:
+        # cdiv(window - 1 + in_flight, bs) + 1; ChunkedLocalAttentionSpec: cdiv(chunk +
+        # in_flight, bs)), in_flight = VllmConfig.max_in_flight_tokens (max_num_batched_tokens
+        # times the concurrent batches); None: no cap
+        self.admission_cap: list[int | None] = []
+        for r in self.rules:
+            cap = None
+            if max_in_flight_tokens is not None and r.code == SLIDING:
+                cap = -(-(r.window - 1 + max_in_flight_tokens) // r.bs) + 1
+            elif max_in_flight_tokens is not None and r.code == CHUNKED:
+                cap = -(-(r.chunk + max_in_flight_tokens) // r.bs)
+            self.admission_cap.append(cap)
         self.align = align
         self.enable_prefix_caching = enable_prefix_caching
         # a mamba group without align mode disables GPU prefix hits altogether
@@ -296,6 +308,43 @@ class KVCacheManager:
                 i += 1
             done[gid] = i
 
+    # --- admission gates (Scheduler.schedule, waiting loop) ---------------------------------
+    def admission_blocks(self, req: Request, hit: int, total: int, num_tokens: int,
+                         capped: bool) -> int:
+        """``coordinator.get_num_blocks_to_allocate`` for a request about to take a GPU prefix hit
+        of ``hit`` tokens (blocks not touched yet) with ``total`` tokens computed (hit plus
+        connector tokens), slots for ``num_tokens`` tokens; ``capped``: ``apply_admission_cap``
+        (the full-sequence gate). Per group (``SingleTypeKVCacheManager.get_num_blocks_to_allocate``):
+        a request that already holds blocks (after a load) needs ``required - held``; a fresh one
+        needs ``required - max(skipped blocks, hit blocks)`` plus its evictable hit blocks (ref 0,
+        taken out of the free queue when touched); a ring needs its one block."""
+        need = 0
+        pool = self.pool
+        for r, cap in zip(self.rules, self.admission_cap):
+            table = req.tables[r.gid]
+            if r.code == RING:
+                need += 0 if table else 1
+                continue
+            required = -(-num_tokens // r.bs)
+            if capped and cap is not None and cap < required:
+                required = cap
+            if table:
+                need += max(required - len(table), 0)
+                continue
+            n_hit = hit // r.bs if (r.cacheable and hit) else 0
+            skipped = r.skipped_tokens(total) // r.bs
+            need += max(required - max(skipped, n_hit), 0)
+            for i in range(skipped, n_hit):
+                b = pool.cached[(r.gid, req.ident_at((i + 1) * r.bs))]
+                if pool.ref[b] == 0:
+                    need += 1
+        return need
+
+    def remaining_blocks(self, req: Request) -> int:
+        """``Scheduler._request_remaining_blocks``: blocks an in-flight prefill (or load) still
+        needs to hold its full sequence (admission cap applied)."""
+        return self.admission_blocks(req, 0, req.num_computed, req.num_tokens, True)
+
     # --- allocation ------------------------------------------------------------------------
     def remove_skipped_blocks(self, req: Request, computed: int) -> list[int]:
         freed = []
@@ -304,18 +353,22 @@ class KVCacheManager:
                 continue
             table = req.tables[r.gid]
             n = min(r.skipped_tokens(computed) // r.bs, len(table))
+            group = []
             for i in range(n - 1, -1, -1):
                 b = table[i]
                 if b == NULL:
                     break
-                freed.append(b)
+                group.append(b)
                 table[i] = NULL
-        if freed:
-            self.pool.free_blocks(freed)
+            if group:
+                # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
+                # blocks of a later group go in front of an earlier group's
+                self.pool.free_blocks(group)
+                freed += group
         return freed
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
-                 cache_upto: int | None = None) -> list[list[int]] | None:
+                 cache_upto: int | None = None, reserved: int = 0) -> list[list[int]] | None:
         """``allocate_slots``: blocks for ``[0, computed + num_new_tokens)``; None if the pool is dry.
 
         Returns the new block IDs per group (null placeholders included, as vLLM reports them).
@@ -344,7 +397,8 @@ class KVCacheManager:
             n = target - have - nulls
             plan.append((nulls, n))
             need += n
-        if need > self.pool.num_free():
+        # allocate_slots: ``reserved_blocks`` stay free for the in-flight prefills
+        if need > self.pool.num_free() - reserved:
             return None
         get = self.pool.get_new_blocks
         out = []

@@ -5,9 +5,12 @@ connector's ``build_connector_meta`` plus the model runner do:
 
 1. schedule running requests first (decode: 1 token, plus speculative tokens; prefill: chunked to
    the token budget), preempting the last running request when the pool runs dry; then waiting
-   requests (FIFO, ``max_num_seqs``): GPU prefix hit (``find_hit``), then the connector's
-   ``get_num_new_matched_tokens``; a CPU hit allocates blocks and issues a load
-   (``update_state_after_alloc``) and the request waits for it (``WAITING_FOR_REMOTE_KVS``);
+   requests (``max_num_seqs``; requests skipped at earlier steps first, ``_requeue_skipped``):
+   GPU prefix hit (``find_hit``), then the connector's ``get_num_new_matched_tokens``; admission
+   needs free blocks for the whole sequence (``full_sequence_must_fit``) and, for a load, beyond
+   the in-flight prefills' reservations; a CPU hit allocates blocks and issues a load
+   (``update_state_after_alloc``) and the request waits for it (``WAITING_FOR_REMOTE_KVS``) until
+   the waiting loop reaches it after the load completes (``_promote_loaded``);
 2. ``build_connector_meta``: offload keys, block IDs, flushes, store jobs;
 3. execute: flushed stores read their blocks, then computed tokens are written (the shadow),
    output tokens appended; finished requests free their blocks (``FINISH`` events);
@@ -30,7 +33,7 @@ from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
                                 WAITING_FOR_LOAD, KVCacheManager, Request)
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, PROFILES, ConfigError, Profile, derive,
-                               effective_block_size)
+                               effective_block_size, prefix_cacheable_groups)
 from simsched.offload import ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -82,8 +85,12 @@ class Model:
         dcp = layout.engine.dcp_size
         sizes = [effective_block_size(g, dcp) for g in layout.groups]
         self.unit = math.gcd(geo.tokens_per_hash, *sizes)
+        # VllmConfig.max_in_flight_tokens: max_num_batched_tokens per concurrent batch (two with
+        # async scheduling)
+        in_flight = timing.max_num_batched_tokens * (2 if layout.engine.async_scheduling else 1)
         self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
-                                 geo.scheduler_block_size, layout.engine.enable_prefix_caching)
+                                 geo.scheduler_block_size, layout.engine.enable_prefix_caching,
+                                 max_in_flight_tokens=in_flight)
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks)
@@ -98,9 +105,22 @@ class Model:
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
+        # Scheduler.schedule drains a first waiting queue before ``waiting``: up to 0.30.0
+        # ``skipped_waiting`` (every request skipped at an earlier step: a load in flight, no
+        # lookup result), from 0.31.0 ``kv_holding_waiting`` (requests holding blocks: loading or
+        # loaded; other skipped requests go back to the front of ``waiting``). ``self.waiting``
+        # is the two queues in the order they are drained: the first ``n_held`` are the first.
         self.waiting: list[Request] = []
+        self.n_held = 0
+        self.kv_holding_first = profile.extra.get(
+            "kv_holding_waiting", profile.offloaded_groups is prefix_cacheable_groups)
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
+        self.delayed_free: dict[str, Request] = {}   # finished, blocks held until a load ends
+        self.loaded: set[str] = set()                # load done, not promoted yet
+        # Scheduler._inflight_prefills: requests admitted with prefill left after their chunk, or
+        # with an async load; their remaining blocks are reserved when a load is admitted
+        self.inflight: dict[str, Request] = {}
         self.pending_reads: dict[int, set[int]] = {}
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
@@ -152,20 +172,37 @@ class Model:
                 self.unfinished -= 1
                 self.counters["aborted"] += 1
             return
+        loading = req.status == WAITING_FOR_LOAD and req.rid not in self.loaded
+        # num_computed_tokens of a request admitted for a load is its hit length
+        computed = req.load_target if req.status == WAITING_FOR_LOAD else None
+        self.loaded.discard(rid)
         req.status = ABORTED
-        self._free_request(req, "aborted")
+        self._free_request(req, "aborted", delay_free=loading, computed=computed)
 
     def _finish(self, req: Request) -> None:
         req.status = FINISHED
         self._free_request(req, "finished")
 
-    def _free_request(self, req: Request, how: str) -> None:
+    def _free_request(self, req: Request, how: str, delay_free: bool = False,
+                      computed: int | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
+            if self.waiting.index(req) < self.n_held:
+                self.n_held -= 1
             self.waiting.remove(req)
+        self.inflight.pop(req.rid, None)
+        # Scheduler._connector_finished: blocks out of a window are freed
+        # (remove_skipped_blocks on the processed tokens) before the connector sees the table
+        self.kv.remove_skipped_blocks(req, req.num_computed if computed is None else computed)
         self.off.request_finished(req)
-        self.kv.free(req)
+        if delay_free:
+            # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
+            # blocks (delay_free_blocks) until its load reports finished_recving;
+            # _update_from_kv_xfer_finished frees them then (_load_done)
+            self.delayed_free[req.rid] = req
+        else:
+            self.kv.free(req)
         self.finished_ids.append(req.rid)
         self.unfinished -= 1
         self.counters["finished" if how == "finished" else "aborted"] += 1
@@ -218,23 +255,34 @@ class Model:
         self._emit(f"done {jid} load")
         self.progress = True
         if req.finished:
+            # aborted while loading: the blocks were held until now (_free_request)
+            self.kv.free(self.delayed_free.pop(req.rid))
             return
         self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo))
+        # finished_recving_kv_req_ids: the request stays WAITING_FOR_REMOTE_KVS until the waiting
+        # loop reaches it (_promote_loaded)
+        self.loaded.add(req.rid)
+        self._schedule_step(self.q.now)
+
+    def _promote_loaded(self, req: Request) -> None:
+        """``_update_waiting_for_remote_kv`` (from _try_promote_blocked_waiting_request /
+        _handle_blocked_waiting_request, when the waiting loop reaches the request): only now are
+        the loaded blocks cached; on a full prompt hit the last token is recomputed (to sample
+        the next one)."""
+        self.loaded.discard(req.rid)
         req.num_computed = req.load_target
         self.kv.cache_blocks(req, req.num_computed)
         if req.num_computed == req.num_tokens:
-            # _update_waiting_for_remote_kv: on a full prompt hit the last token is recomputed
-            # (to sample the next one)
             req.num_computed -= 1
         req.status = WAITING
-        self._schedule_step(self.q.now)
 
     # --- the scheduler step -------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed = 0
         req.status = WAITING
-        self.waiting.insert(0, req)
+        self.waiting.insert(self.n_held, req)     # prepend_request: the front of ``waiting``
+        self.inflight.pop(req.rid, None)
         self.counters["preemptions"] += 1
         self._emit(f"preempt {req.rid}")
 
@@ -343,6 +391,7 @@ class Model:
         write_computed, rules, pr = self.shadow.write_computed, kv.rules, self.pending_reads
         gpu, unit, fast_bound = self.shadow.gpu, self.unit, self._fast_bound
         seed = self.case.seed
+        inflight = self.inflight
         for req, n, nb in sched_reqs:
             start = req.num_computed
             end = start + n
@@ -354,6 +403,8 @@ class Model:
                     self._violation(inv.check_writes(step, [b for _, b in req.fast_blocks], pr,
                                                      f"request {req.rid}"))
                 req.num_computed = end
+                if inflight:       # _update_after_schedule: no longer a prefill chunk
+                    inflight.pop(req.rid, None)
                 tokens = req.tokens
                 tokens.append(_token(seed, req.index, end))     # never the last one
                 if len(tokens) % unit == 0:
@@ -364,6 +415,8 @@ class Model:
                 self._violation(inv.check_writes(step, written, pr, f"request {req.rid}"))
             req.num_computed = end
             if end >= len(req.tokens):
+                if inflight:       # _update_after_schedule: no longer a prefill chunk
+                    inflight.pop(req.rid, None)
                 req.append_tokens([_token(seed, req.index, len(req.tokens))])
                 if len(req.tokens) >= req.max_tokens:
                     req.finish_step = step
@@ -427,12 +480,15 @@ class Model:
         kv, off, t = self.kv, self.off, self.q.now
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
+        pool, inflight = kv.pool, self.inflight
         i = 0
         while i < len(waiting) and budget > 0 and len(running) < max_seqs:
             req = waiting[i]
             if req.status == WAITING_FOR_LOAD:
-                i += 1
-                continue
+                if req.rid not in self.loaded:
+                    i += 1
+                    continue
+                self._promote_loaded(req)
             ext = 0
             fresh = req.num_computed == 0
             if fresh:
@@ -444,10 +500,22 @@ class Model:
                 if ext is None:
                     i += 1
                     continue
+                # allocate_slots(full_sequence_must_fit=scheduler_reserve_full_isl, True in every
+                # release): blocks for the whole sequence must be free before the hit is taken;
+                # then the chunk's blocks, for a load beyond the blocks reserved for the in-flight
+                # prefills (Scheduler._inflight_prefill_reserved_blocks)
+                total, n = L + ext, (0 if ext else min(req.num_tokens - L, budget))
+                reserved = sum([kv.remaining_blocks(r) for r in inflight.values()]) if ext else 0
+                if (kv.admission_blocks(req, L, total, req.num_tokens, True) > pool.num_free()
+                        or kv.admission_blocks(req, L, total, total + n, False)
+                        > pool.num_free() - reserved):
+                    break
                 kv.apply_hit(req, L)
                 req.num_cached = L
             else:
                 L = req.num_computed
+                if kv.admission_blocks(req, 0, L, req.num_tokens, True) > pool.num_free():
+                    break
             if ext:
                 nb = kv.allocate(req, 0, computed=L + ext)
                 if nb is None:
@@ -462,6 +530,7 @@ class Model:
                     self._emit(fmt_job(job))
                 req.status = WAITING_FOR_LOAD
                 req.load_target = L + ext
+                inflight[req.rid] = req
                 self.q.schedule(t + self.timing.load_latency, ev.LOAD_DONE, job.jid)
                 i += 1
                 continue
@@ -474,17 +543,40 @@ class Model:
                     req.num_computed = 0
                 break
             del waiting[i]
+            if i < self.n_held:
+                self.n_held -= 1
             running.append(req)
             req.status = RUNNING
+            if L + n < req.num_tokens:
+                inflight[req.rid] = req
             scheduled[req.rid] = n
             new_blocks[req.rid] = nb = [list(tb) for tb in req.tables]
             sched_reqs.append((req, n, nb))
             budget -= n
+        if i:
+            self._requeue_skipped(i)
+
+    def _requeue_skipped(self, i: int) -> None:
+        """The requests skipped by this step's pass (``waiting[:i]``) go back to the front of
+        their queue in the order they were skipped (``step_skipped_*``, ``prepend_requests``):
+        up to 0.30.0 all of them to ``skipped_waiting``, from 0.31.0 those holding blocks to
+        ``kv_holding_waiting`` and the others to ``waiting``."""
+        waiting = self.waiting
+        skipped, rest = waiting[:i], waiting[i:]
+        held_rest = max(0, self.n_held - i)      # unreached requests of the first queue
+        if self.kv_holding_first:
+            kvh = [r for r in skipped if r.status == WAITING_FOR_LOAD or r.num_computed]
+            other = [r for r in skipped if not (r.status == WAITING_FOR_LOAD or r.num_computed)]
+            self.waiting = kvh + rest[:held_rest] + other + rest[held_rest:]
+            self.n_held = len(kvh) + held_rest
+        else:
+            self.n_held = i + held_rest
 
     def _after_step(self, step: int) -> None:
         if self.checks == "full":
             self._violation(inv.check_pool(step, self.kv.pool,
-                                           [r for r in self.reqs.values() if not r.finished]))
+                                           [r for r in self.reqs.values() if not r.finished]
+                                           + list(self.delayed_free.values())))
         self._emit("check ok")
         quiet = self.off.quiet()
         if self.progress or not quiet or self.future_events:
@@ -492,7 +584,8 @@ class Model:
         else:
             self.stall += 1
         self.progress = False
-        if self.running or not quiet or any(r.status != WAITING_FOR_LOAD for r in self.waiting):
+        if self.running or not quiet or any(r.status != WAITING_FOR_LOAD or r.rid in self.loaded
+                                            for r in self.waiting):
             if self.stall > STALL_STEPS and self.unfinished > 0:
                 stuck = [r.rid for r in self.reqs.values() if not r.finished][:5]
                 raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} "

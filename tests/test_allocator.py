@@ -64,3 +64,32 @@ def test_gpu_hit_needs_every_group_and_eviction_lru():
 def test_pool_dry_returns_none():
     kv = mgr([Group("full", 16)], n=4)
     assert kv.allocate(req(100), 100) is None
+
+
+def test_admission_cap_of_recycling_groups():
+    """SlidingWindowSpec.max_admission_blocks_per_request = cdiv(window - 1 + in_flight, bs) + 1
+    and ChunkedLocalAttentionSpec's cdiv(chunk + in_flight, bs) cap the full-sequence admission
+    gate (apply_admission_cap); a full group needs cdiv(num_tokens, bs); a ring its one block."""
+    groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=128),
+              Group("chunked_local", 16, attention_chunk_size=64), Group("ring", 4)]
+    kv = KVCacheManager(groups, [16, 16, 16, 4], 512, 16, max_in_flight_tokens=64)
+    r = req(1000, groups=4)
+    full, sw, cl = 63, -(-(127 + 64) // 16) + 1, -(-(64 + 64) // 16)
+    assert (sw, cl) == (13, 8)
+    assert kv.admission_blocks(r, 0, 0, 1000, True) == full + sw + cl + 1
+    assert kv.admission_blocks(r, 0, 0, 1000, False) == 3 * full + 1
+
+
+def test_out_of_window_blocks_are_freed_group_by_group():
+    """KVCacheCoordinator.remove_skipped_blocks calls each group's manager in turn, and each
+    (_remove_blocks_in_range) frees its blocks, last first, in its own BlockPool.free_blocks
+    call; unhashed blocks go to the front of the free queue, so the later group's end up first."""
+    groups = [Group("sliding_window", 16, sliding_window=32),
+              Group("sliding_window", 16, sliding_window=32)]
+    kv = KVCacheManager(groups, [16, 16], 64, 16, enable_prefix_caching=False)
+    r = req(64, groups=2)
+    kv.allocate(r, 64)
+    g0, g1 = list(r.tables[0]), list(r.tables[1])
+    kv.remove_skipped_blocks(r, 63)                    # 32 tokens out of the window: 2 blocks
+    assert r.tables[0][:2] == r.tables[1][:2] == [NULL, NULL]
+    assert kv.pool.get_new_blocks(4) == [g1[1], g1[0], g0[1], g0[0]]

@@ -395,8 +395,8 @@ class _Run:
         pool = self.sched.kv_cache_manager.block_pool
         holders: dict[int, int] = {}
         for rid in self.reqs:
-            if rid in self.finished:
-                continue
+            # a finished request may still hold its blocks (aborted during a load: freed when
+            # the load reports finished_recving); a freed one has no entry in req_to_blocks
             for table in self._tables(rid):
                 for b in table:
                     if b != NULL:

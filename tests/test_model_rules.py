@@ -1,0 +1,171 @@
+"""Scheduler rules of the real vLLM the model mirrors, one test per rule, on the hand-made cases
+of ``simsched.lockstep.HANDMADE``. Each expectation is derived from the rule as the vLLM source
+states it (function named in each test), not from the model's output; each case also runs under
+lockstep against real releases in tests/test_lockstep.py (test_agreement_on_rule_cases).
+"""
+
+from __future__ import annotations
+
+from simsched.case import Case
+from simsched.lockstep import HANDMADE
+from simsched.model import run_case
+
+
+def trace(name: str, profile: str = "prefix-cacheable-windows-in-config") -> list[str]:
+    r = run_case(Case.from_json(HANDMADE[name]), profile)
+    assert r.ok, r.findings
+    return r.trace
+
+
+def blocks_of(line: str) -> set[int]:
+    """Block IDs named by an ``alloc`` or ``load`` line."""
+    out = set()
+    for part in line.split()[2:]:
+        if "=" not in part:
+            continue
+        ids = part.split("=", 1)[1]
+        out |= {int(x) for x in ids.split(",") if x != "-"}
+    return out
+
+
+def first(lines: list[str], prefix: str) -> int:
+    return next(i for i, x in enumerate(lines) if x.startswith(prefix))
+
+
+def test_abort_during_load_keeps_blocks_until_the_load_completes():
+    """Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS whose load has not
+    reported finished_recving is freed with delay_free_blocks=True; its blocks go back to the
+    pool in _update_from_kv_xfer_finished, when the load completes. So c, admitted between b's
+    abort and the end of b's load, cannot be given b's load destination blocks."""
+    t = trace("abort_load")
+    load = first(t, "load ")
+    assert t[load].split()[2] == "b"
+    jid = t[load].split()[1]
+    abort, admit_c = t.index("finish b aborted"), first(t, "alloc c ")
+    done = t.index(f"done {jid} load")
+    assert load < abort < admit_c < done          # the case exercises the window
+    assert not blocks_of(t[load]) & blocks_of(t[admit_c]), (t[load], t[admit_c])
+
+
+def test_admission_needs_blocks_for_the_whole_sequence():
+    """KVCacheManager.allocate_slots(full_sequence_must_fit=True) from the waiting loop of
+    Scheduler.schedule (SchedulerConfig.scheduler_reserve_full_isl, True by default in every
+    release): a waiting request is admitted only when the blocks for its whole sequence are free,
+    not just those of its first chunk. a (48-token prompt, 10 output tokens) holds 4 of the 7
+    usable blocks from step 2 on; b needs cdiv(64, 16) = 4 blocks, 3 are free: b waits for a to
+    finish, although its first chunk (31 tokens, budget 32) would fit in 2."""
+    t = trace("full_seq")
+    assert t.index("sched a 1") < first(t, "sched b ")                 # b waited with a running
+    assert first(t, "sched b ") > t.index("finish a finished")
+
+
+def test_load_admission_leaves_the_in_flight_reservations_free():
+    """Scheduler.schedule, waiting loop: an async load is admitted with
+    reserved_blocks = _inflight_prefill_reserved_blocks(), the blocks the in-flight prefills and
+    loads still need for their whole sequence (_request_remaining_blocks); allocate_slots fails
+    when the load's blocks exceed free - reserved. l1 loads 6 chunks and needs cdiv(196, 16) = 13
+    blocks, so it reserves 7; with 15 - 6 = 9 free, l2's load (6 blocks; its whole sequence, 7
+    blocks, fits) does not: l2 loads only once l1 has left the in-flight set and finished."""
+    t = trace("reserve")
+    l1 = next(i for i, x in enumerate(t) if x.startswith("load ") and x.split()[2] == "l1")
+    l2 = next(i for i, x in enumerate(t) if x.startswith("load ") and x.split()[2] == "l2")
+    assert len(blocks_of(t[l1])) == 6 and len(blocks_of(t[l2])) == 6
+    assert l1 < t.index("sched l1 100") < t.index("finish l1 finished") < l2
+
+
+def _queue_after_pass(profile: str) -> tuple[list[str], int]:
+    """One waiting pass that skipped x (no lookup result), then y (load admitted), and stopped
+    at z; w was never reached."""
+    from simsched.allocator import WAITING, WAITING_FOR_LOAD
+    from simsched.geometry import PROFILES
+    from simsched.model import Model
+    reqs = [{"id": r, "prompt": [[1, 32]]} for r in "xyzw"]
+    m = Model(Case.from_json({"layout": HANDMADE["load"]["layout"], "requests": reqs}),
+              PROFILES[profile])
+    m.q.run_until(0)                                   # the arrivals (and the first step)
+    m.waiting = [m.reqs[r] for r in "xyzw"]
+    m.n_held = 0
+    for r in "xyzw":
+        m.reqs[r].status, m.reqs[r].num_computed = WAITING, 0
+    m.reqs["y"].status = WAITING_FOR_LOAD
+    m._requeue_skipped(2)
+    return [r.rid for r in m.waiting], m.n_held
+
+
+def test_skipped_requests_requeue_per_release():
+    """Scheduler.schedule drains a first queue before ``waiting`` and puts the requests it skipped
+    back at the front of their queue, in the order skipped (step_skipped_* then
+    prepend_requests). Up to 0.30.0 every skipped request goes to ``skipped_waiting``
+    (_select_waiting_queue_for_scheduling: skipped_waiting first); from 0.31.0 only those holding
+    KV blocks (_holds_kv_blocks: loading or loaded) go to ``kv_holding_waiting``, drained first,
+    and the others to the front of ``waiting``."""
+    assert _queue_after_pass("every-group") == (["x", "y", "z", "w"], 2)          # 0.30.0
+    assert _queue_after_pass("prefix-cacheable-windows-in-config") == (["y", "x", "z", "w"], 1)
+
+
+def test_loaded_blocks_are_cached_only_when_the_waiting_loop_promotes_the_request():
+    """Scheduler._update_waiting_for_remote_kv caches a request's loaded blocks when the waiting
+    loop reaches it (_try_promote_blocked_waiting_request, 0.31.0+
+    _handle_blocked_waiting_request), not when the load reports finished_recving. b's load
+    completes, then b is aborted before the next step: finish_requests frees it at once (the
+    load is done), and its loaded blocks carry no hash, so BlockPool.free_blocks puts them at the
+    front of the free queue (KVCacheManager.free: tail first). c, admitted next, takes them,
+    last block first."""
+    t = trace("promote")
+    load = first(t, "load ")
+    assert t[load].split()[2] == "b"
+    assert t.index(f"done {t[load].split()[1]} load") < t.index("finish b aborted") < \
+        first(t, "alloc c ")
+    dests = [int(p.split("=")[1]) for p in t[load].split()[3:]]
+    c = [int(x) for x in t[first(t, "alloc c ")].split("=")[1].split(",")]
+    assert c == dests[::-1], (t[load], c)
+
+
+def test_window_block_leaving_with_the_last_token_is_freed_before_the_request():
+    """Scheduler._connector_finished frees the blocks out of a window
+    (kv_cache_manager.remove_skipped_blocks on the processed tokens) before the request's blocks
+    are freed (KVCacheManager.free: group by group, each tail first; BlockPool.free_blocks puts
+    unhashed blocks at the front of the free queue, hashed ones at its tail). a (48-token prompt,
+    16 output tokens) finishes with 63 tokens computed: its window of 32 now skips 32 tokens, so
+    its second window block s1 is freed first. Free queue afterwards: s3 f3 (unhashed: a's last,
+    partial blocks) | s0 (freed during the decode) s1 f2 f1 f0 s2; b (64 tokens, 4 blocks per
+    group, full group first) takes it in that order."""
+    t = trace("window_finish")
+    a = [x for x in t if x.startswith("alloc a ") and "g0=-" not in x]
+    f = [int(b) for x in a for b in x.split()[2][3:].split(",")]
+    s = [int(b) for x in a for b in x.split()[3][3:].split(",")]
+    assert len(f) == len(s) == 4
+    b = t[first(t, "alloc b ")].split()
+    assert b[2] == "g0=" + ",".join(map(str, [s[3], f[3], s[0], s[1]]))
+    assert b[3] == "g1=" + ",".join(map(str, [f[2], f[1], f[0], s[2]]))
+
+
+def _tier_evicts(request_ranks: bool, finish_first: bool) -> list[int]:
+    """Request a stores 4 chunks (positions 16..64 tokens), then request b stores 2 new chunks
+    into a full 4-chunk tier: the indices of a's chunks evicted."""
+    from types import SimpleNamespace as NS
+    from simsched.offload import RankedCPUTier
+    cfgs = [NS(group_id=0, tokens_per_chunk=16)]
+    keys_a, keys_b = [(0, f"a{i}") for i in range(4)], [(0, f"b{i}") for i in range(2)]
+    a = NS(req=NS(rid="a"), groups=[NS(keys=keys_a)])
+    b = NS(req=NS(rid="b"), groups=[NS(keys=keys_b)])
+    tier = RankedCPUTier(4, request_ranks, cfgs)
+    assert tier.prepare_store(keys_a, a) == keys_a
+    tier.complete_store(keys_a, {})
+    if finish_first:
+        tier.on_request_finished(a)
+    assert tier.prepare_store(keys_b, b) == keys_b
+    return [i for i, k in enumerate(keys_a) if k not in tier.entries]
+
+
+def test_cpu_lru_ranks_from_0310():
+    """vllm/v1/kv_offload/cpu/policies/lru.py, LRUCachePolicy from 0.31.0: eviction takes the
+    evictable chunks of lowest rank. 0.31.0/0.32.0: insert() gives each new chunk the next rank,
+    so a's head (inserted first) goes first. 0.33.0: insert() ranks a chunk
+    (request rank, -position) ("tails precede heads"), so a's tail goes first. Either way
+    on_request_finished() re-ranks the request's chunks reversed(head to tail), the head last
+    (most recent): a's tail goes first."""
+    assert _tier_evicts(False, False) == [0, 1]
+    assert _tier_evicts(True, False) == [2, 3]
+    assert _tier_evicts(False, True) == [2, 3]
+    assert _tier_evicts(True, True) == [2, 3]
