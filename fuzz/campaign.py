@@ -39,6 +39,13 @@ from simsched.targets import ModelTarget, Releases, ReleaseTarget
 
 TARGET_CHOICES = "model, a release such as 0.30.0, releases, lockstep, or all"
 
+# How generation is steered toward the edges (``--steer``): ``target`` scores each case with
+# :func:`fuzz.strategies.edge_scores` through ``hypothesis.target``; ``coverage`` scores it with
+# the arc coverage it reaches in vLLM's offloading code inside the release workers (arcs new to
+# the campaign, and a rarity score: see :mod:`simsched.vllm.inside.coverage`); ``both``; ``none``.
+STEER_CHOICES = ("target", "coverage", "both", "none")
+DEFAULT_STEER = "target"
+
 
 class CampaignError(Exception):
     pass
@@ -179,7 +186,8 @@ class Campaign:
     def __init__(self, out: Path, releases: Releases, *, model: bool = True,
                  run_releases: list[str] | None = None, budget: float = 120.0, seed_: int = 0,
                  asserts: bool | None = True, progress: Callable[[str], None] | None = None,
-                 round_examples: int = 300, lockstep: bool = False, steer: bool = True,
+                 round_examples: int = 300, lockstep: bool = False,
+                 steer: str | bool = DEFAULT_STEER,
                  database=None, stats_name: str = "report",
                  stop_when: Callable[[Finding], bool] | None = None):
         self.out = Path(out)
@@ -195,7 +203,25 @@ class Campaign:
         self.progress = progress or (lambda s: print(s, file=sys.stderr, flush=True))
         self.round_examples = round_examples
         self.lockstep = lockstep
+        if steer is True or steer is False:
+            steer = DEFAULT_STEER if steer else "none"
+        if steer not in STEER_CHOICES:
+            raise CampaignError(f"--steer {steer!r}: expected one of {', '.join(STEER_CHOICES)}")
+        if steer in ("coverage", "both") and not self.release_targets:
+            raise CampaignError(f"--steer {steer}: coverage steering measures vLLM's code inside "
+                                "the release workers; this campaign runs no release (use "
+                                "--steer target with --target model)")
+        if steer in ("coverage", "both") and not releases.coverage:
+            raise CampaignError(f"--steer {steer}: the release pool does not collect coverage "
+                                "(Releases(..., coverage=True))")
         self.steer = steer
+        # arcs of vLLM's offloading code covered (only with a coverage-collecting pool)
+        self.collect_coverage = bool(releases.coverage and self.release_targets)
+        self.arcs = 0
+        self.arcs_timeline: list[dict] = []
+        self.samples: list[dict] = []     # progress over time, for the report's plots
+        self.shrinking_s = 0.0            # seconds spent shrinking and recording findings
+        self._sample_every = 1.0
         self.database = database
         self.stats_name = stats_name     # a worker process writes workers/<name>.json instead
         self.stop_when = stop_when       # ends the campaign early (benchmarks)
@@ -223,6 +249,7 @@ class Campaign:
 
     def _count(self, case: Case) -> None:
         self.examples += 1
+        self._sample()
         fam = family_of(case.layout)
         self.families[fam] = self.families.get(fam, 0) + 1
         for k in case.layout.engine.to_json():
@@ -234,6 +261,8 @@ class Campaign:
     def _round(self, round_no: int, deadline: float, db) -> Finding | None:
         state = {"hunting": None, "case": None, "obs": None, "t": 0.0, "n": 0}
         known = self.known_keys()
+        if self.collect_coverage:
+            self._take_coverage()   # replaying the last finding is no generated case's novelty
 
         class Found(Exception):
             pass
@@ -251,7 +280,7 @@ class Campaign:
                     return
                 self._count(case)
                 self._maybe_progress()
-                if self.steer:
+                if self.steer in ("target", "both"):
                     for label, score in edge_scores(case).items():
                         target(score, label=label)
             hunt = state["hunting"]
@@ -259,10 +288,17 @@ class Campaign:
                 outcomes: dict = {}
                 obs = self.observe(case, outcomes=outcomes)
                 self.steps += sum(o.get("steps", 0) for o in outcomes.values())
+                if self.collect_coverage:
+                    cov = self._take_coverage()
+                    if self.steer in ("coverage", "both"):
+                        target(float(cov["new"]), label="coverage-new")
+                        target(float(cov["rare"]), label="coverage-rare")
             else:   # while shrinking, run only the targets the hunted finding showed on
                 obs = observe(case, [t for t in self.model_targets if t.name in hunt[2]],
                               [t for t in self.release_targets if t.name in hunt[2]],
                               lockstep=self.lockstep)
+                if self.collect_coverage:
+                    self._take_coverage()    # what shrinking covers is nobody's novelty
             where: dict[Signature, list[str]] = {}
             for o in obs:
                 where.setdefault(o.signature, []).append(o.target)
@@ -304,6 +340,26 @@ class Campaign:
                            found_after_s=state["t"], examples_before=state["n"])
         return None
 
+    def _sample(self) -> None:
+        """Record (seconds, examples, findings) about every second; past 400 samples, every
+        other one is dropped and the interval doubles, so an overnight run keeps a short list."""
+        t = time.monotonic() - self.started
+        if self.samples and t - self.samples[-1]["t"] < self._sample_every:
+            return
+        self.samples.append({"t": round(t, 3), "examples": self.examples,
+                             "findings": len(self.findings)})
+        if len(self.samples) > 400:
+            self.samples = self.samples[::2]
+            self._sample_every *= 2
+
+    def _take_coverage(self) -> dict:
+        cov = self.pool.take_coverage([t.version for t in self.release_targets])
+        self.arcs = cov["total"]
+        t = round(time.monotonic() - self.started, 3)
+        if not self.arcs_timeline or t - self.arcs_timeline[-1]["t"] >= 1.0:
+            self.arcs_timeline.append({"t": t, "examples": self.examples, "arcs": self.arcs})
+        return cov
+
     def _maybe_progress(self) -> None:
         now = time.monotonic()
         if now - getattr(self, "_last_progress", 0.0) < 5.0:
@@ -315,7 +371,8 @@ class Campaign:
         self.progress(f"[{el:6.1f}s] {self.examples} examples ({self.examples / max(el, 1e-9):.0f}/s)"
                       f", {self.steps / max(el, 1e-9):,.0f} model steps/s, "
                       f"{len(self.findings) + len(self.prior)} findings, families "
-                      f"{len(self.families)}/7, kinds {kinds}/8, knobs {knobs}")
+                      f"{len(self.families)}/7, kinds {kinds}/8, knobs {knobs}"
+                      + (f", {self.arcs} vLLM arcs" if self.collect_coverage else ""))
 
     def replay_everywhere(self, finding: Finding) -> None:
         """Fill in where a shrunk finding's signature is present and where it is absent."""
@@ -360,6 +417,8 @@ class Campaign:
             self.warmup_s, errors = self.pool.warm(modes)
             for e in errors:   # the worker restarts on first use; what it does then is recorded
                 self.progress(f"warning: {e}")
+            if self.collect_coverage:   # count what the campaign's cases cover, not start-up
+                self.pool.reset_coverage()
             self.progress(f"workers ready in {self.warmup_s:.1f} s; fuzzing for {self.budget:g} s")
         self.started = time.monotonic()
         deadline = self.started + self.budget
@@ -374,13 +433,15 @@ class Campaign:
                 round_no += 1
                 if finding is not None:
                     self._record(finding)
+                    # from the case that showed it to its files on disk: no generation meanwhile
+                    self.shrinking_s += time.monotonic() - self.started - finding.found_after_s
                     if self.stop_when is not None and self.stop_when(finding):
                         break
         except KeyboardInterrupt:
             self.interrupted = True
             self.progress("interrupted: every finding so far is on disk; run the same command "
                           "again to resume")
-        return self.write_report()
+        return self.write_report(final=True)
 
     def _record(self, finding: Finding) -> None:
         self.replay_everywhere(finding)
@@ -394,9 +455,10 @@ class Campaign:
                       f"{', '.join(finding.releases_affected) or '-'} | profiles "
                       f"{', '.join(finding.profiles_affected) or '-'}")
 
-    def write_report(self) -> dict:
-        """report.json and report.md; a worker process writes its figures to workers/<n>.json
-        instead, and the parent merges them (:func:`fuzz.report.merge`)."""
+    def write_report(self, final: bool = False) -> dict:
+        """report.json and report.md (and, when ``final``, the plots report.md links); a worker
+        process writes its figures to workers/<n>.json instead, and the parent merges them
+        (:func:`fuzz.report.merge`)."""
         el = time.monotonic() - self.started if self.started else 0.0
         new = [f.to_json() for f in self.findings.values()]
         new_ids = {f["id"] for f in new}
@@ -407,6 +469,7 @@ class Campaign:
             "worker_startup_s": round(self.warmup_s, 3),
             "examples": self.examples,
             "examples_per_s": round(self.examples / el, 1) if el else 0.0,
+            "shrinking_s": round(self.shrinking_s, 3),
             "model_steps": self.steps,
             "model_steps_per_s": round(self.steps / el, 1) if el else 0.0,
             "targets": ([t.name for t in self.model_targets]
@@ -415,10 +478,17 @@ class Campaign:
             "families": dict(sorted(self.families.items())),
             "knobs": dict(sorted(self.knobs.items())),
             "timeline": self.timeline,
+            "samples": self.samples + [{"t": round(el, 3), "examples": self.examples,
+                                        "findings": len(self.findings)}],
+            "steer": self.steer,
             "findings": [f for f in self.prior if f["id"] not in new_ids] + new,
         }
+        if self.collect_coverage:
+            data["vllm_arcs"] = self.arcs
+            data["arcs_timeline"] = self.arcs_timeline + [
+                {"t": round(el, 3), "examples": self.examples, "arcs": self.arcs}]
         if self.stats_name == "report":
-            report_mod.write(self.out, data)
+            report_mod.write(self.out, data, plots=final)
         else:
             report_mod.write_worker_stats(self.out, self.stats_name, data)
         return data

@@ -32,7 +32,7 @@ class FuzzOptions:
     timeout: float = 60.0
     workers: int = 1
     db: str | None = None
-    steer: bool = True
+    steer: str = "target"     # see fuzz.campaign.STEER_CHOICES
 
 
 def _sigterm_as_interrupt(*_):
@@ -47,7 +47,8 @@ def run_campaign(opts: FuzzOptions, index: int | None = None) -> dict:
 
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     only = opts.releases.split(",") if opts.releases else None
-    with Releases.installed(only, timeout=opts.timeout) as pool:
+    with Releases.installed(only, timeout=opts.timeout,
+                            coverage=opts.steer in ("coverage", "both")) as pool:
         model, rels = parse_target(opts.target, list(pool.versions))
         prefix = "" if index is None else f"[w{index}] "
         campaign = Campaign(
@@ -70,7 +71,7 @@ def _child(opts: FuzzOptions, index: int) -> None:
 
 def fuzz(opts: FuzzOptions) -> dict:
     """Run ``simsched fuzz``; returns the report."""
-    from fuzz.campaign import CampaignError, load_findings, parse_target
+    from fuzz.campaign import STEER_CHOICES, CampaignError, load_findings, parse_target
     from fuzz.database import open_database
     from fuzz.report import merge
     from simsched.targets import Releases
@@ -78,9 +79,14 @@ def fuzz(opts: FuzzOptions) -> dict:
     if opts.workers < 1:
         raise CampaignError(f"--workers {opts.workers}: at least 1")
     only = opts.releases.split(",") if opts.releases else None
+    if opts.steer not in STEER_CHOICES:
+        raise CampaignError(f"--steer {opts.steer!r}: expected one of {', '.join(STEER_CHOICES)}")
     with Releases.installed(only) as pool:      # check targets and the database up front
-        parse_target(opts.target, list(pool.versions))
+        _, rels = parse_target(opts.target, list(pool.versions))
         versions = list(pool.versions)
+    if opts.steer in ("coverage", "both") and not rels:
+        raise CampaignError(f"--steer {opts.steer}: coverage steering measures vLLM's code inside "
+                            f"the release workers; --target {opts.target} runs no release")
     open_database(opts.db, Path(opts.out))
     if opts.workers == 1:
         return run_campaign(opts)

@@ -373,14 +373,18 @@ class KVCacheManager:
                 continue
             table = req.tables[r.gid]
             n = min(r.skipped_tokens(computed) // r.bs, len(table))
+            group = []
             for i in range(n - 1, -1, -1):
                 b = table[i]
                 if b == NULL:
                     break
-                freed.append(b)
+                group.append(b)
                 table[i] = NULL
-        if freed:
-            self.pool.free_blocks(freed)
+            if group:
+                # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
+                # blocks of a later group go in front of an earlier group's
+                self.pool.free_blocks(group)
+                freed += group
         return freed
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,

@@ -89,7 +89,8 @@ def cmd_fuzz(args) -> int:
     from fuzz.runner import FuzzOptions, fuzz
     opts = FuzzOptions(out=args.out, budget=args.budget, seed=args.seed, target=args.target,
                        asserts=args.asserts, releases=args.releases, timeout=args.timeout,
-                       workers=args.workers, db=args.db, steer=not args.no_steer)
+                       workers=args.workers, db=args.db,
+                       steer="none" if args.no_steer else args.steer)
     try:
         data = fuzz(opts)
     except (CampaignError, DatabaseError) as e:
@@ -130,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--workers", type=int, default=1, help="fuzzing processes sharing one corpus")
     f.add_argument("--db", help="example database: a directory (default OUT/hypothesis-db) or "
                    "a redis://host:port/db URL shared by campaigns on several machines")
-    f.add_argument("--no-steer", action="store_true",
-                   help="do not steer generation toward the edges with hypothesis.target")
+    f.add_argument("--steer", choices=("target", "coverage", "both", "none"), default="target",
+                   help="steer generation toward the edges: target (hypothesis.target on edge "
+                   "scores of the case, default), coverage (arcs of vLLM's offloading code "
+                   "covered inside the release workers), both, or none")
+    f.add_argument("--no-steer", action="store_true", help="same as --steer none")
     f.set_defaults(fn=cmd_fuzz)
 
     r = sub.add_parser("replay", help="run one case; exit 1 when it shows a finding")

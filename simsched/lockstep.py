@@ -291,6 +291,15 @@ LAYOUTS: dict[str, list[dict]] = {
     "full32": [{"kind": "full", "block_size": 32}],
     "full16+sw16w64": [{"kind": "full", "block_size": 16},
                        {"kind": "sliding_window", "block_size": 16, "sliding_window": 64}],
+    "mla16": [{"kind": "mla", "block_size": 16}],
+    "mla64": [{"kind": "mla", "block_size": 64}],
+    "full16+chunked16c64": [{"kind": "full", "block_size": 16},
+                            {"kind": "chunked_local", "block_size": 16,
+                             "attention_chunk_size": 64}],
+    # Mamba in "align" mode: the mode the offloading connector supports (outside it the boot
+    # assert of build_offloading_config fires on every release)
+    "full16+mamba16align": [{"kind": "full", "block_size": 16},
+                            {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
 }
 
 
@@ -332,7 +341,11 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: completes: Scheduler.finish_requests, delay_free_blocks), ``full_seq`` (b is admitted only
 #: once blocks for its whole prompt are free: allocate_slots(full_sequence_must_fit)) and
 #: ``reserve`` (l2's load is admitted only within the blocks left beyond l1's reservation:
-#: Scheduler._inflight_prefill_reserved_blocks)
+#: Scheduler._inflight_prefill_reserved_blocks) and ``promote`` (b's load completes, b is
+#: aborted before the waiting loop reaches it: its loaded blocks were never cached, so they go
+#: back to the front of the free queue: _update_waiting_for_remote_kv caches them only then)
+#: and ``window_finish`` (a's sliding-window block that leaves the window with a's last token
+#: is freed before the rest of a's blocks: Scheduler._connector_finished)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -367,4 +380,19 @@ HANDMADE: dict[str, dict] = {
                               "decode": 1},
                              {"id": "l2", "prompt": [[12, 96], [13, 5]], "arrival": 7,
                               "decode": 1}]},
+    "promote": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                           "engine": {"num_gpu_blocks": 8}},
+                "timing": {"load_latency": 1},
+                "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                             {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                             {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2,
+                              "abort_at": 9},
+                             {"id": "c", "prompt": [[11, 40]], "arrival": 9, "decode": 1}]},
+    "window_finish": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                            {"kind": "sliding_window", "block_size": 16,
+                                             "sliding_window": 32}],
+                                 "engine": {"num_gpu_blocks": 9}},
+                      "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 16},
+                                   {"id": "b", "prompt": [[9, 64]], "arrival": 20,
+                                    "decode": 1}]},
 }

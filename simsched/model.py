@@ -5,9 +5,12 @@ connector's ``build_connector_meta`` plus the model runner do:
 
 1. schedule running requests first (decode: 1 token, plus speculative tokens; prefill: chunked to
    the token budget), preempting the last running request when the pool runs dry; then waiting
-   requests (FIFO, ``max_num_seqs``): GPU prefix hit (``find_hit``), then the connector's
-   ``get_num_new_matched_tokens``; a CPU hit allocates blocks and issues a load
-   (``update_state_after_alloc``) and the request waits for it (``WAITING_FOR_REMOTE_KVS``);
+   requests (``max_num_seqs``; requests skipped at earlier steps first, ``_requeue_skipped``):
+   GPU prefix hit (``find_hit``), then the connector's ``get_num_new_matched_tokens``; admission
+   needs free blocks for the whole sequence (``full_sequence_must_fit``) and, for a load, beyond
+   the in-flight prefills' reservations; a CPU hit allocates blocks and issues a load
+   (``update_state_after_alloc``) and the request waits for it (``WAITING_FOR_REMOTE_KVS``) until
+   the waiting loop reaches it after the load completes (``_promote_loaded``);
 2. ``build_connector_meta``: offload keys, block IDs, flushes, store jobs;
 3. execute: flushed stores read their blocks, then computed tokens are written (the shadow),
    output tokens appended; finished requests free their blocks (``FINISH`` events);
@@ -114,6 +117,7 @@ class Model:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
         self.delayed_free: dict[str, Request] = {}   # finished, blocks held until a load ends
+        self.loaded: set[str] = set()                # load done, not promoted yet
         # Scheduler._inflight_prefills: requests admitted with prefill left after their chunk, or
         # with an async load; their remaining blocks are reserved when a load is admitted
         self.inflight: dict[str, Request] = {}
@@ -169,15 +173,19 @@ class Model:
                 self.unfinished -= 1
                 self.counters["aborted"] += 1
             return
-        loading = req.status == WAITING_FOR_LOAD
+        loading = req.status == WAITING_FOR_LOAD and req.rid not in self.loaded
+        # num_computed_tokens of a request admitted for a load is its hit length
+        computed = req.load_target if req.status == WAITING_FOR_LOAD else None
+        self.loaded.discard(rid)
         req.status = ABORTED
-        self._free_request(req, "aborted", delay_free=loading)
+        self._free_request(req, "aborted", delay_free=loading, computed=computed)
 
     def _finish(self, req: Request) -> None:
         req.status = FINISHED
         self._free_request(req, "finished")
 
-    def _free_request(self, req: Request, how: str, delay_free: bool = False) -> None:
+    def _free_request(self, req: Request, how: str, delay_free: bool = False,
+                      computed: int | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -185,6 +193,9 @@ class Model:
                 self.n_held -= 1
             self.waiting.remove(req)
         self.inflight.pop(req.rid, None)
+        # Scheduler._connector_finished: blocks out of a window are freed
+        # (remove_skipped_blocks on the processed tokens) before the connector sees the table
+        self.kv.remove_skipped_blocks(req, req.num_computed if computed is None else computed)
         self.off.request_finished(req)
         if delay_free:
             # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
@@ -256,14 +267,22 @@ class Model:
             self.kv.free(self.delayed_free.pop(req.rid))
             return
         self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo))
+        # finished_recving_kv_req_ids: the request stays WAITING_FOR_REMOTE_KVS until the waiting
+        # loop reaches it (_promote_loaded)
+        self.loaded.add(req.rid)
+        self._schedule_step(self.q.now)
+
+    def _promote_loaded(self, req: Request) -> None:
+        """``_update_waiting_for_remote_kv`` (from _try_promote_blocked_waiting_request /
+        _handle_blocked_waiting_request, when the waiting loop reaches the request): only now are
+        the loaded blocks cached; on a full prompt hit the last token is recomputed (to sample
+        the next one)."""
+        self.loaded.discard(req.rid)
         req.num_computed = req.load_target
         self.kv.cache_blocks(req, req.num_computed)
         if req.num_computed == req.num_tokens:
-            # _update_waiting_for_remote_kv: on a full prompt hit the last token is recomputed
-            # (to sample the next one)
             req.num_computed -= 1
         req.status = WAITING
-        self._schedule_step(self.q.now)
 
     # --- the scheduler step -------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
@@ -472,8 +491,10 @@ class Model:
         while i < len(waiting) and budget > 0 and len(running) < max_seqs:
             req = waiting[i]
             if req.status == WAITING_FOR_LOAD:
-                i += 1
-                continue
+                if req.rid not in self.loaded:
+                    i += 1
+                    continue
+                self._promote_loaded(req)
             ext = 0
             fresh = req.num_computed == 0
             if fresh:
@@ -569,7 +590,8 @@ class Model:
         else:
             self.stall += 1
         self.progress = False
-        if self.running or not quiet or any(r.status != WAITING_FOR_LOAD for r in self.waiting):
+        if self.running or not quiet or any(r.status != WAITING_FOR_LOAD or r.rid in self.loaded
+                                            for r in self.waiting):
             if self.stall > STALL_STEPS and self.unfinished > 0:
                 stuck = [r.rid for r in self.reqs.values() if not r.finished][:5]
                 raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} "

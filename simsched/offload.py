@@ -16,6 +16,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from itertools import compress
 
@@ -41,7 +42,7 @@ class CPUTier:
         self.capacity = capacity
         # 0.25.1-0.30.0's LRUCachePolicy keeps an evictable list: a chunk joins its MRU end when
         # it becomes evictable (store or last load completes) and touches move only evictable
-        # chunks; 0.31.0+ rank chunks by request access instead (not modelled beyond touches)
+        # chunks; 0.31.0+ rank chunks instead (RankedCPUTier)
         self.evictable_list = evictable_list
         # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used)
         self.entries: OrderedDict[tuple, list] = OrderedDict()
@@ -67,7 +68,7 @@ class CPUTier:
             keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
         deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
 
-    def prepare_store(self, keys) -> list | None:
+    def prepare_store(self, keys, st=None) -> list | None:
         entries = self.entries
         to_store = [k for k in keys if k not in entries]
         if not to_store:
@@ -103,11 +104,14 @@ class CPUTier:
                 if self.evictable_list:
                     self.entries.move_to_end(k)
 
-    def prepare_load(self, keys) -> None:
+    def prepare_load(self, keys, st=None) -> None:
         self.version += 1
         self.content_version += 1
         for k in keys:
             self.entries[k][1] += 1
+
+    def on_request_finished(self, st) -> None:
+        """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
 
     def complete_load(self, keys) -> None:
         self.version += 1
@@ -117,6 +121,126 @@ class CPUTier:
             e[1] -= 1
             if not e[1] and self.evictable_list:
                 self.entries.move_to_end(k)
+
+
+class RankedCPUTier(CPUTier):
+    """0.31.0+ ``LRUCachePolicy``: logical recency ranks independent of transfer pinning.
+
+    Eviction takes the evictable chunks (ready, no load in flight) of lowest rank; ties (same
+    request, same token position) go to the lower group index (``make_offload_key`` appends the
+    group index, big-endian, to the block hash). Ranks come from one counter: an inserted chunk
+    takes the next rank (0.31.0, 0.32.0) or, with ``request_ranks`` (0.33.0), its request's rank
+    and token position, ``(request rank, -position)``, so that a request's tails precede its
+    heads; a request's first access to a resident chunk (``prepare_load``, ``prepare_store`` of a
+    ready or new chunk: ``_record_request_cache_access``) raises it to that rank (0.33.0,
+    ``on_request_access``); when the request finishes (``on_request_finished``, after its last
+    store jobs) every chunk it accessed takes a fresh rank, tail first, so that its head is the
+    most recent. The connector never calls ``touch`` from 0.31.0 on.
+    """
+
+    def __init__(self, capacity: int, request_ranks: bool, cfgs):
+        super().__init__(capacity, False)
+        self.request_ranks = request_ranks
+        self.rank: dict[tuple, tuple] = {}
+        self.next_rank = 0
+        self.group = {cfg.group_id: (i, cfg.tokens_per_chunk) for i, cfg in enumerate(cfgs)}
+        # rid -> [request rank or None, keys seen, {group id: keys in first-access order}]
+        self.req_state: dict[str, list] = {}
+
+    def touch(self, keys) -> None:
+        return
+
+    def _state(self, st) -> list:
+        s = self.req_state.get(st.req.rid)
+        if s is None:
+            s = self.req_state[st.req.rid] = [None, set(), {}]
+        return s
+
+    def _request_rank(self, s: list) -> int:
+        if s[0] is None:
+            self.next_rank += 1
+            s[0] = self.next_rank
+        return s[0]
+
+    def _positions(self, st) -> dict:
+        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request."""
+        out = {}
+        for gid, (gi, tpc) in self.group.items():
+            for i, k in enumerate(st.groups[gi].keys):
+                out[k] = (i + 1) * tpc
+        return out
+
+    def _access(self, st, keys) -> None:
+        s = self._state(st)
+        seen, groups = s[1], s[2]
+        new = []
+        for k in keys:
+            if k not in seen:
+                seen.add(k)
+                groups.setdefault(k[0], []).append(k)
+                new.append(k)
+        if new and self.request_ranks:
+            rr = self._request_rank(s)
+            pos = self._positions(st)
+            for k in new:
+                p = pos.get(k)
+                if p is None or k not in self.entries:
+                    continue
+                if self.rank[k] < (rr, -p):
+                    self.rank[k] = (rr, -p)
+
+    def prepare_store(self, keys, st=None) -> list | None:
+        entries, rank = self.entries, self.rank
+        to_store = [k for k in keys if k not in entries]
+        if st is not None:
+            self._access(st, [k for k in keys if k not in entries or entries[k][0]])
+        if not to_store:
+            return []
+        self.version += 1
+        self.content_version += 1
+        n_evict = len(to_store) - (self.capacity - len(entries))
+        if n_evict > 0:
+            protected = set(keys)
+            cand = [k for k, e in entries.items() if e[0] and e[1] == 0 and k not in protected]
+            if len(cand) < n_evict:
+                return None
+            for k in heapq.nsmallest(n_evict, cand, key=lambda k: (rank[k], k[0])):
+                del entries[k]
+                del rank[k]
+            self.evictions += n_evict
+        pos = self._positions(st) if (self.request_ranks and st is not None) else {}
+        for k in to_store:
+            entries[k] = [False, 0, None]
+            p = pos.get(k)
+            if p is None:
+                self.next_rank += 1
+                rank[k] = (self.next_rank, 0)
+            else:
+                rank[k] = (self._request_rank(self._state(st)), -p)
+        return to_store
+
+    def prepare_load(self, keys, st=None) -> None:
+        super().prepare_load(keys)
+        if st is not None:
+            self._access(st, keys)
+
+    def on_request_finished(self, st) -> None:
+        s = self.req_state.pop(st.req.rid, None)
+        if s is None:
+            return
+        pos = self._positions(st)
+        flat = []
+        for gid in sorted(s[2]):
+            keys = s[2][gid]
+            if all(k in pos for k in keys):
+                keys = sorted(keys, key=pos.__getitem__)
+            flat += keys
+        if all(k in pos for k in flat):            # order_request_keys: head to tail
+            flat.sort(key=pos.__getitem__)
+        for k in reversed(flat):
+            if k in self.entries:
+                self.next_rank += 1
+                self.rank[k] = (self.next_rank, 0)
 
 
 class _SlidingWindowStoreMask:
@@ -215,8 +339,14 @@ class OffloadScheduler:
         self.n = len(self.cfgs)
         self.bpc = geometry.blocks_per_chunk
         self.tph = geometry.tokens_per_hash
-        self.tier = CPUTier(cpu_chunks, profile.extra.get(
-            "cpu_evictable_list", profile.offloaded_groups is not prefix_cacheable_groups))
+        # the CPU tier's LRUCachePolicy: up to 0.30.0 an evictable list; from 0.31.0 recency ranks,
+        # by request and token position from 0.33.0 (profile.extra["cpu_lru"])
+        lru = profile.extra.get("cpu_lru", "ranks" if profile.offloaded_groups is
+                                prefix_cacheable_groups else "list")
+        if lru in ("list", "plain"):        # "plain": insertion and touch order only
+            self.tier = CPUTier(cpu_chunks, lru == "list")
+        else:
+            self.tier = RankedCPUTier(cpu_chunks, lru == "request-ranks", self.cfgs)
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
         self._touched: tuple | None = None       # see _touch
@@ -246,6 +376,14 @@ class OffloadScheduler:
         # window group stores only the chunks that SlidingWindowManager.reachable_block_mask
         # says a later lookup can reach
         self.sw_store_mask: dict = {}
+        # 0.30.0+ (same marker): sliding-window lookups use load_window_size_in_chunks and a miss
+        # clears a pending chunk (_sliding_window_lookup); window sizes of SlidingWindowSpec groups
+        self.window_v2 = profile.retention_check
+        # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
+        self.restart_store_idx = profile.extra.get("restart_store_idx", False)
+        self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
+                          if layout is not None and layout.groups[g.group_id].kind in
+                          ("sliding_window", "sliding_window_mla")}
         if layout is not None and profile.retention_check:
             retention = layout.engine.retention_interval
             for g in self.cfgs:
@@ -319,8 +457,11 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(self, req: Request, num_computed: int) -> int | None:
         st = self.req_status[req.rid]
+        restart = self.restart_store_idx
         for gs in st.groups:
             gs.block_ids.clear()
+            if restart:     # 0.33.0: "Restarting at token 0: offer every chunk again."
+                gs.next_stored = 0
         if st.jobs:
             return None
         self.update_offload_keys(st, "get_num_new_matched_tokens")
@@ -362,6 +503,16 @@ class OffloadScheduler:
             else:
                 tier.touch(gs.keys[max(0, gs.num_hit_chunks - w):])
         self._touched = (tier.version, sig)
+
+    def _load_window(self, cfg, num_tokens: int) -> int:
+        """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
+        chunks grows to cover a partial rightmost chunk (``-num_tokens % tokens_per_chunk``)."""
+        w = cfg.sliding_window_in_chunks
+        win = self.sw_tokens.get(cfg.group_id)
+        if win is None:
+            return w
+        tpc = cfg.tokens_per_chunk
+        return max(w, -(-(win - 1 + (-num_tokens % tpc)) // tpc))
 
     def _lookup(self, st: ReqOffload) -> int | None:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops."""
@@ -408,22 +559,31 @@ class OffloadScheduler:
                         hits += 1
                     n_hit = None if defer else hits
                 else:
-                    n_hit, consecutive, found = None, 0, False
+                    # _sliding_window_lookup: from the end, the first run of ``need`` consecutive
+                    # hits (a pending chunk counts, but defers the lookup); 0.30.0+: a miss clears
+                    # a pending chunk to its right, and the first run needs the load window
+                    # (GroupOffloadConfig.load_window_size_in_chunks of the candidate end)
+                    v2 = self.window_v2
+                    need = self._load_window(cfg, min(max_hit, num_chunks * tpc)) if v2 else w
+                    consecutive, found, pending = 0, False, False
                     for idx in range(len(sub) - 1, -1, -1):
                         r = tier.lookup(sub[idx])
                         if r == MISS:
                             consecutive = 0
+                            if v2:
+                                pending, need = False, w
                         else:
                             if r == HIT_PENDING:
-                                defer = True
+                                pending = True
                             consecutive += 1
-                        if consecutive == w:
-                            n_hit, found = idx + w, True
+                        if consecutive == need:
+                            n_hit, found = idx + need, True
                             break
                     if not found:
                         n_hit = consecutive
-                    if defer:
+                    if pending:
                         n_hit = None
+                        defer = True
                 if n_hit == 0:
                     return 0
                 if n_hit is not None:
@@ -446,7 +606,8 @@ class OffloadScheduler:
                 tpc = cfg.tokens_per_chunk
                 sub = gs.keys[num_computed // tpc:-(-(num_computed + num_hit) // tpc)]
                 if cfg.sliding_window_in_chunks is not None:
-                    sub = sub[-cfg.sliding_window_in_chunks:]
+                    sub = sub[-(self._load_window(cfg, num_computed + num_hit)
+                                if self.window_v2 else cfg.sliding_window_in_chunks):]
                 if any(k in self.being_loaded for k in sub):
                     return None
         return num_hit
@@ -485,7 +646,7 @@ class OffloadScheduler:
                                   [(i, blocks[i]) for i in range(lo, hi)]))
                     keys.append(gs.keys[c])
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
-        self.tier.prepare_load(keys)
+        self.tier.prepare_load(keys, st)
         job = self._new_job(req.rid, False, set(keys), items)
         if self.asserts and st.jobs:
             raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
@@ -549,6 +710,7 @@ class OffloadScheduler:
             if st is None:
                 continue
             st.finished_signaled = True
+            self.tier.on_request_finished(st)
             if not st.jobs:
                 del rs[rid]
         self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
@@ -616,7 +778,7 @@ class OffloadScheduler:
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
-            to_store = tier.prepare_store(new_keys)
+            to_store = tier.prepare_store(new_keys, st)
             if to_store is None:
                 continue
             if not to_store:

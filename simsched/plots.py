@@ -7,7 +7,9 @@ Three themes, one per notebook:
   keys), :func:`sweep` and :func:`draw_sweep` (which settings of one knob boot, crash or
   misbehave, target by target);
 * campaigns: :func:`load_campaign`, :func:`draw_timeline`, :func:`draw_throughput`,
-  :func:`draw_coverage`, :func:`release_matrix` and :func:`draw_release_matrix`;
+  :func:`draw_example_rate`, :func:`draw_coverage`, :func:`draw_arcs`, :func:`release_matrix`
+  and :func:`draw_release_matrix`; :func:`write_report_plots` draws the PNGs that a campaign's
+  ``report.md`` links;
 * findings: :func:`occupancy` (block and chunk occupancy per step, parsed from
   ``simsched-trace/1`` lines), :func:`draw_occupancy` and :func:`draw_release_strip`.
 
@@ -506,6 +508,75 @@ def draw_coverage(data: dict, axes=None):
         ax.set_xlabel("examples")
         ax.tick_params(axis="y", labelsize=8)
     return axes[0].figure
+
+
+def draw_example_rate(data: dict, ax=None):
+    """Examples per second over the campaign (``samples``: examples counted about every second;
+    the rate drops to zero while a finding is being shrunk), with the overall average."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+    pts = sorted(data.get("samples", []), key=lambda e: e["t"])
+    ts, rates = [], []
+    for a, b in zip(pts, pts[1:]):
+        if b["t"] > a["t"]:
+            ts.append(a["t"])
+            rates.append((b["examples"] - a["examples"]) / (b["t"] - a["t"]))
+    if ts:
+        ts.append(pts[-1]["t"])
+        rates.append(rates[-1])
+        ax.step(ts, rates, where="post", color="#1565c0", linewidth=1)
+    ax.axhline(data["examples_per_s"], color="#90a4ae", linestyle="--", linewidth=1,
+               label=f"overall {data['examples_per_s']}/s")
+    ax.set_xlabel("seconds into the campaign")
+    ax.set_ylabel("examples per second")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title("examples per second", fontsize=10)
+    ax.grid(alpha=0.3)
+    return ax.figure
+
+
+def draw_arcs(data: dict, ax=None):
+    """Arcs of vLLM's offloading code covered inside the release workers (``arcs_timeline``)."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+    pts = sorted(data.get("arcs_timeline", []), key=lambda e: e["t"])
+    ax.step([p["t"] for p in pts], [p["arcs"] for p in pts], where="post", color="#6a1b9a")
+    ax.set_xlabel("seconds into the campaign")
+    ax.set_ylabel("arcs covered")
+    ax.set_title(f"vLLM offloading code covered: {data.get('vllm_arcs', 0)} arcs "
+                 f"(steering: {data.get('steer', '?')})", fontsize=10)
+    ax.grid(alpha=0.3)
+    return ax.figure
+
+
+#: the report's plots: file name (beside report.md), title, drawing function, needed key
+REPORT_PLOTS = (
+    ("plot-findings.png", "Findings over time", draw_timeline, "timeline"),
+    ("plot-examples-per-s.png", "Examples per second", draw_example_rate, "samples"),
+    ("plot-coverage.png", "Coverage of layout families and knobs", draw_coverage, "families"),
+    ("plot-vllm-arcs.png", "vLLM offloading code covered", draw_arcs, "arcs_timeline"),
+)
+
+
+def write_report_plots(data: dict, folder: str | Path) -> list[tuple[str, str]]:
+    """Draw the report's plots as PNGs in ``folder`` (always there, whatever
+    ``$SIMSCHED_FIG_DIR`` says), each written atomically; returns (title, file name) of each
+    plot drawn (a plot whose data the report lacks is skipped)."""
+    folder = Path(folder)
+    done = []
+    for name, title, draw, key in REPORT_PLOTS:
+        if key not in data:
+            continue
+        fig = draw(data)
+        tmp = folder / (name + ".tmp")
+        try:
+            fig.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
+        finally:
+            plt.close(fig)
+        os.replace(tmp, folder / name)
+        done.append((title, name))
+    return done
 
 
 AFFECTED, CLEAN, NOT_RUN, NOT_IN_CAMPAIGN = "affected", "clean", "not run", "not in campaign"

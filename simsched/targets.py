@@ -101,10 +101,12 @@ class Releases:
 
     versions: tuple[str, ...]
     timeout: float = 60.0
+    coverage: bool = False      # workers collect arc coverage of vLLM's offloading code
     _workers: dict = field(default_factory=dict)
 
     @classmethod
-    def installed(cls, only: list[str] | None = None, timeout: float = 60.0) -> "Releases":
+    def installed(cls, only: list[str] | None = None, timeout: float = 60.0,
+                  coverage: bool = False) -> "Releases":
         from simsched.vllm import releases
         have = [r.version for r in releases.installed()]
         if only is not None:
@@ -115,7 +117,7 @@ class Releases:
                     f"(installed: {', '.join(have) or 'none'}); run: simsched releases install "
                     + " ".join(missing))
             have = [v for v in have if v in only]
-        return cls(tuple(have), timeout)
+        return cls(tuple(have), timeout, coverage)
 
     def targets(self) -> list[ReleaseTarget]:
         return [ReleaseTarget(v, self) for v in self.versions]
@@ -124,9 +126,34 @@ class Releases:
         key = (version, asserts)
         if key not in self._workers:
             from simsched.vllm.worker import ReleaseWorker, spec_for
-            self._workers[key] = ReleaseWorker(spec_for(version, asserts=asserts),
-                                               timeout=self.timeout)
+            self._workers[key] = ReleaseWorker(
+                spec_for(version, asserts=asserts, coverage=self.coverage), timeout=self.timeout)
         return self._workers[key]
+
+    def take_coverage(self, versions=None) -> dict:
+        """Arc coverage since the last call, summed over the running workers of ``versions``
+        (default: all) (``hit``, ``new``, ``rare``, ``total``; see
+        :mod:`simsched.vllm.inside.coverage`). Zeros without coverage; a worker that fails to
+        answer counts as nothing covered (its next call restarts it)."""
+        out = {"hit": 0, "new": 0, "rare": 0.0, "total": 0}
+        if not self.coverage:
+            return out
+        for (version, _), w in self._workers.items():
+            if w.pid is None or (versions is not None and version not in versions):
+                continue
+            try:
+                got = w.call("coverage", action="take")
+            except Exception:   # noqa: BLE001 - coverage is a measurement, never a stop
+                continue
+            for k in out:
+                out[k] += got.get(k, 0)
+        return out
+
+    def reset_coverage(self) -> None:
+        """Forget the coverage collected so far in every running worker."""
+        for w in self._workers.values():
+            if self.coverage and w.pid is not None:
+                w.call("coverage", action="reset")
 
     def warm(self, asserts_modes: tuple[bool, ...] = (True,),
              versions=None) -> tuple[float, list[BaseException]]:

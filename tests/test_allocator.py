@@ -78,3 +78,18 @@ def test_admission_cap_of_recycling_groups():
     assert (sw, cl) == (13, 8)
     assert kv.admission_blocks(r, 0, 0, 1000, True) == full + sw + cl + 1
     assert kv.admission_blocks(r, 0, 0, 1000, False) == 3 * full + 1
+
+
+def test_out_of_window_blocks_are_freed_group_by_group():
+    """KVCacheCoordinator.remove_skipped_blocks calls each group's manager in turn, and each
+    (_remove_blocks_in_range) frees its blocks, last first, in its own BlockPool.free_blocks
+    call; unhashed blocks go to the front of the free queue, so the later group's end up first."""
+    groups = [Group("sliding_window", 16, sliding_window=32),
+              Group("sliding_window", 16, sliding_window=32)]
+    kv = KVCacheManager(groups, [16, 16], 64, 16, enable_prefix_caching=False)
+    r = req(64, groups=2)
+    kv.allocate(r, 64)
+    g0, g1 = list(r.tables[0]), list(r.tables[1])
+    kv.remove_skipped_blocks(r, 63)                    # 32 tokens out of the window: 2 blocks
+    assert r.tables[0][:2] == r.tables[1][:2] == [NULL, NULL]
+    assert kv.pool.get_new_blocks(4) == [g1[1], g1[0], g0[1], g0[0]]

@@ -1,6 +1,7 @@
 """Campaigns on the model: findings are found, shrunk, written out, and survive a resume."""
 
 import json
+import re
 
 import pytest
 
@@ -96,3 +97,27 @@ def test_report_json_contract(tmp_path):
         assert keys <= set(f)
         assert f["kind"] in ("crash", "invariant", "divergence")
     assert on_disk["findings"] == data["findings"]
+
+
+def linked_pngs(out) -> list[str]:
+    """The images report.md links, each checked to be a PNG file beside it."""
+    names = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (out / "report.md").read_text())
+    for name in names:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    return names
+
+
+def test_report_md_links_its_plots(tmp_path):
+    model_campaign(tmp_path, budget=2.0)
+    names = linked_pngs(tmp_path)
+    assert {"plot-findings.png", "plot-examples-per-s.png", "plot-coverage.png"} <= set(names)
+    assert "plot-vllm-arcs.png" not in names     # no release ran: no vLLM coverage to plot
+
+
+def test_steer_choices(tmp_path):
+    with Releases(()) as pool:
+        with pytest.raises(CampaignError, match="expected one of"):
+            Campaign(tmp_path, pool, steer="bogus")
+        with pytest.raises(CampaignError, match="runs no release"):
+            Campaign(tmp_path, pool, model=True, run_releases=[], steer="coverage")
+        assert Campaign(tmp_path, pool, steer=False).steer == "none"

@@ -59,6 +59,9 @@ def test_two_workers_share_one_output(tmp_path):
     keys = [(f["signature"], tuple(f["present_on"])) for f in report["findings"]]
     assert len(keys) == len(set(keys)) and keys
     assert {f["id"] for f in report["findings"]} == finding_ids(tmp_path)
+    from test_campaign import linked_pngs
+    assert "plot-examples-per-s.png" in linked_pngs(tmp_path)   # drawn from both workers
+    assert report["samples"][-1]["examples"] == report["examples"]
 
 
 def redis_server_binary() -> str:

@@ -23,10 +23,9 @@ RING = {"groups": [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_s
 REQS = [{"id": "a", "prompt": [[7, 64]], "decode": 3},
         {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 6, "decode": 2}]
 LOAD_CASE, FENCE_CASE = HANDMADE["load"], HANDMADE["fence"]
-#: generated cases on which the model and 0.30.0/0.33.0 agree today: seeds 0-29 of both layouts
-#: but the three whose first divergence is the CPU tier's eviction order (full16 seed 0 on
-#: 0.33.0, whose LRU ranks by request access; sliding-window seeds 0 and 1, where the chunks of
-#: one store job join the LRU in the iteration order of a set of real hash bytes). Agreement over
+#: generated cases on which the model and 0.30.0/0.33.0 agree: seeds 0-29 of both layouts but
+#: sliding-window seeds 0 and 1 (on 0.30.0 the chunks of one store job join the LRU in the
+#: iteration order of a set of real hash bytes) and full16 seed 0 (in LRU_SEEDS). Agreement over
 #: 1,000 cases per release and layout: BENCHMARKS.md, "Lockstep agreement".
 AGREEING = ([("full16", s) for s in range(1, 30)]
             + [("full16+sw16w128+full16", s) for s in range(2, 30)])
@@ -118,10 +117,16 @@ def test_agreement_on_generated_cases(pool, version):
 #: explained: full16 seed 764 (a request aborted during its load keeps its blocks), seed 128
 #: (admission needs blocks for the whole sequence), full16 seed 510 and full16+ring4 seeds 111
 #: and 729 (0.31.0+: requests holding KV blocks are drained first, other skipped requests go back
-#: to the front of ``waiting``)
-RULE_CASES = ["abort_load", "full_seq", "reserve"]
+#: to the front of ``waiting``),
+#: full16 seed 268 (loaded blocks are cached only when the request is promoted),
+#: full16+sw16w128+full16 seed 185 (a finished request's out-of-window blocks are freed first),
+#: full16+chunked16c64 seed 307 (0.30.0+ _sliding_window_lookup: a miss clears a pending chunk
+#: seen to its right, so the lookup is not deferred), full16+ring4 seed 755 (0.33.0: a resumed
+#: request offers its chunks for storing again from chunk 0)
+RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish"]
 RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4", 111),
-              ("full16+ring4", 729)]
+              ("full16+ring4", 729), ("full16", 268), ("full16+sw16w128+full16", 185),
+              ("full16+chunked16c64", 307), ("full16+ring4", 755)]
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
@@ -132,6 +137,37 @@ def test_agreement_on_rule_cases(pool, version):
     for layout, seed in RULE_SEEDS:
         res = lockstep(generate_case(seed, layout), version, pool)
         assert res.agree, f"{layout} seed {seed}: {res.summary()}"
+
+
+#: seeds whose first divergence was the CPU tier's eviction order on 0.31.0+ (full16 seed 0 on
+#: 0.33.0 loaded a chunk the model had evicted): LRUCachePolicy ranks chunks by insertion and
+#: finished requests (0.31.0, 0.32.0), by request and token position (0.33.0)
+LRU_SEEDS = ([("full16", s) for s in (0, 30, 48, 68, 116)]
+             + [("full16+sw16w128+full16", s) for s in (0, 1, 9, 37)])
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.33.0"])
+def test_agreement_on_cpu_lru_ranks(pool, version):
+    for layout, seed in LRU_SEEDS:
+        res = lockstep(generate_case(seed, layout), version, pool)
+        assert res.agree, f"{layout} seed {seed}: {res.summary()}"
+
+
+#: the mla and chunked-local layouts under lockstep: seeds that agree on 0.30.0 and 0.33.0 (0-29
+#: but the three whose first divergence is the CPU tier's eviction order: mla16 seed 0 on
+#: 0.33.0, chunked seeds 1, 9 and 26); mla16 loads from the CPU tier in 8 of these cases
+MORE_LAYOUTS = ([("mla16", s) for s in range(1, 13)] + [("mla64", s) for s in range(6)]
+                + [("full16+chunked16c64", s) for s in (2, 3, 4, 5, 6, 7, 8, 10, 11, 12)])
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_agreement_on_mla_and_chunked_local_layouts(pool, version):
+    loads = 0
+    for layout, seed in MORE_LAYOUTS:
+        res = lockstep(generate_case(seed, layout), version, pool)
+        assert res.agree, f"{layout} seed {seed}: {res.summary()}"
+        loads += res.real["counters"]["loads"]
+    assert loads > 0
 
 
 def test_observations_api_matches_replay(pool):

@@ -101,3 +101,71 @@ def test_skipped_requests_requeue_per_release():
     and the others to the front of ``waiting``."""
     assert _queue_after_pass("every-group") == (["x", "y", "z", "w"], 2)          # 0.30.0
     assert _queue_after_pass("prefix-cacheable-windows-in-config") == (["y", "x", "z", "w"], 1)
+
+
+def test_loaded_blocks_are_cached_only_when_the_waiting_loop_promotes_the_request():
+    """Scheduler._update_waiting_for_remote_kv caches a request's loaded blocks when the waiting
+    loop reaches it (_try_promote_blocked_waiting_request, 0.31.0+
+    _handle_blocked_waiting_request), not when the load reports finished_recving. b's load
+    completes, then b is aborted before the next step: finish_requests frees it at once (the
+    load is done), and its loaded blocks carry no hash, so BlockPool.free_blocks puts them at the
+    front of the free queue (KVCacheManager.free: tail first). c, admitted next, takes them,
+    last block first."""
+    t = trace("promote")
+    load = first(t, "load ")
+    assert t[load].split()[2] == "b"
+    assert t.index(f"done {t[load].split()[1]} load") < t.index("finish b aborted") < \
+        first(t, "alloc c ")
+    dests = [int(p.split("=")[1]) for p in t[load].split()[3:]]
+    c = [int(x) for x in t[first(t, "alloc c ")].split("=")[1].split(",")]
+    assert c == dests[::-1], (t[load], c)
+
+
+def test_window_block_leaving_with_the_last_token_is_freed_before_the_request():
+    """Scheduler._connector_finished frees the blocks out of a window
+    (kv_cache_manager.remove_skipped_blocks on the processed tokens) before the request's blocks
+    are freed (KVCacheManager.free: group by group, each tail first; BlockPool.free_blocks puts
+    unhashed blocks at the front of the free queue, hashed ones at its tail). a (48-token prompt,
+    16 output tokens) finishes with 63 tokens computed: its window of 32 now skips 32 tokens, so
+    its second window block s1 is freed first. Free queue afterwards: s3 f3 (unhashed: a's last,
+    partial blocks) | s0 (freed during the decode) s1 f2 f1 f0 s2; b (64 tokens, 4 blocks per
+    group, full group first) takes it in that order."""
+    t = trace("window_finish")
+    a = [x for x in t if x.startswith("alloc a ") and "g0=-" not in x]
+    f = [int(b) for x in a for b in x.split()[2][3:].split(",")]
+    s = [int(b) for x in a for b in x.split()[3][3:].split(",")]
+    assert len(f) == len(s) == 4
+    b = t[first(t, "alloc b ")].split()
+    assert b[2] == "g0=" + ",".join(map(str, [s[3], f[3], s[0], s[1]]))
+    assert b[3] == "g1=" + ",".join(map(str, [f[2], f[1], f[0], s[2]]))
+
+
+def _tier_evicts(request_ranks: bool, finish_first: bool) -> list[int]:
+    """Request a stores 4 chunks (positions 16..64 tokens), then request b stores 2 new chunks
+    into a full 4-chunk tier: the indices of a's chunks evicted."""
+    from types import SimpleNamespace as NS
+    from simsched.offload import RankedCPUTier
+    cfgs = [NS(group_id=0, tokens_per_chunk=16)]
+    keys_a, keys_b = [(0, f"a{i}") for i in range(4)], [(0, f"b{i}") for i in range(2)]
+    a = NS(req=NS(rid="a"), groups=[NS(keys=keys_a)])
+    b = NS(req=NS(rid="b"), groups=[NS(keys=keys_b)])
+    tier = RankedCPUTier(4, request_ranks, cfgs)
+    assert tier.prepare_store(keys_a, a) == keys_a
+    tier.complete_store(keys_a, {})
+    if finish_first:
+        tier.on_request_finished(a)
+    assert tier.prepare_store(keys_b, b) == keys_b
+    return [i for i, k in enumerate(keys_a) if k not in tier.entries]
+
+
+def test_cpu_lru_ranks_from_0310():
+    """vllm/v1/kv_offload/cpu/policies/lru.py, LRUCachePolicy from 0.31.0: eviction takes the
+    evictable chunks of lowest rank. 0.31.0/0.32.0: insert() gives each new chunk the next rank,
+    so a's head (inserted first) goes first. 0.33.0: insert() ranks a chunk
+    (request rank, -position) ("tails precede heads"), so a's tail goes first. Either way
+    on_request_finished() re-ranks the request's chunks reversed(head to tail), the head last
+    (most recent): a's tail goes first."""
+    assert _tier_evicts(False, False) == [0, 1]
+    assert _tier_evicts(True, False) == [2, 3]
+    assert _tier_evicts(False, True) == [2, 3]
+    assert _tier_evicts(True, True) == [2, 3]

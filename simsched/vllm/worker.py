@@ -50,15 +50,18 @@ class WorkerSpec:
         return WorkerSpec(self.version, self.python, dict(self.env), optimize)
 
 
-def spec_for(version: str, *, asserts: bool = True) -> WorkerSpec:
-    """The :class:`WorkerSpec` of an installed release, via :mod:`simsched.vllm.releases`."""
+def spec_for(version: str, *, asserts: bool = True, coverage: bool = False) -> WorkerSpec:
+    """The :class:`WorkerSpec` of an installed release, via :mod:`simsched.vllm.releases`;
+    ``coverage``: the worker collects arc coverage of the offloading code (op ``coverage``)."""
     from simsched.vllm import releases  # lazy: written and owned elsewhere
 
     for rel in releases.installed():
         if rel.version == version:
             cmd = list(releases.worker_command(rel))
-            return WorkerSpec(version=version, python=cmd[0], env=dict(releases.worker_env(rel)),
-                              optimize=not asserts)
+            env = dict(releases.worker_env(rel))
+            if coverage:
+                env["SIMSCHED_COVERAGE"] = "1"
+            return WorkerSpec(version=version, python=cmd[0], env=env, optimize=not asserts)
     raise LookupError(f"vLLM release {version} is not installed")
 
 

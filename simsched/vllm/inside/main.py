@@ -8,7 +8,9 @@ not an observation of vLLM: vLLM's own failures are outcomes inside ``result``).
 
 Ops: ``ping``, ``config_batch`` (``items``: list of ``{"layout", "num_tokens"}``),
 ``scheduler_construct`` (``layout``), ``run_case`` (``case``, ``mutant``: see
-:mod:`simsched.vllm.inside.engine`), ``features``, ``exit``; and ``sleep`` (``seconds``), a
+:mod:`simsched.vllm.inside.engine`), ``features``, ``coverage`` (``action``: ``take``, ``reset`` or
+``summary``; arc coverage of the offloading code, collected when the worker starts with
+``SIMSCHED_COVERAGE=1``, see :mod:`simsched.vllm.inside.coverage`), ``exit``; and ``sleep`` (``seconds``), a
 test-only op that exists only when the worker runs with ``SIMSCHED_WORKER_TEST_OPS=1``.
 """
 
@@ -53,7 +55,14 @@ def main() -> int:
         out.write(json.dumps(obj, separators=(",", ":")) + "\n")
         out.flush()
 
-    send({"ready": True, "version": vllm.__version__, "optimize": sys.flags.optimize})
+    tracer = None
+    if os.environ.get("SIMSCHED_COVERAGE") == "1":
+        from simsched.vllm.inside.coverage import ArcTracer
+        tracer = ArcTracer(os.path.dirname(os.path.abspath(vllm.__file__)))
+        tracer.start()
+
+    send({"ready": True, "version": vllm.__version__, "optimize": sys.flags.optimize,
+          **({"coverage": True} if tracer is not None else {})})
     for line in inp:
         line = line.strip()
         if not line:
@@ -77,6 +86,20 @@ def main() -> int:
                                                      bare=bool(req.get("bare", False)))
             elif op == "features":
                 result = probe().builder.features
+            elif op == "coverage":
+                action = req.get("action", "take")
+                if tracer is None:
+                    result = {"active": False}
+                elif action == "take":
+                    result = tracer.take()
+                elif action == "reset":
+                    tracer.take()
+                    tracer.reset()
+                    result = {"active": True}
+                elif action == "summary":
+                    result = tracer.summary()
+                else:
+                    raise ValueError(f"coverage: unknown action {action!r}")
             elif op == "sleep" and test_ops:
                 time.sleep(float(req.get("seconds", 0)))
                 result = None
