@@ -142,6 +142,7 @@ class RankedCPUTier(CPUTier):
         super().__init__(capacity, False)
         self.request_ranks = request_ranks
         self.rank: dict[tuple, tuple] = {}
+        self.heap: list[tuple] = []      # (rank, group id, key) pushed at every rank given
         self.next_rank = 0
         self.group = {cfg.group_id: (i, cfg.tokens_per_chunk) for i, cfg in enumerate(cfgs)}
         # rid -> [request rank or None, keys seen, {group id: keys in first-access order}]
@@ -187,7 +188,7 @@ class RankedCPUTier(CPUTier):
                 if p is None or k not in self.entries:
                     continue
                 if self.rank[k] < (rr, -p):
-                    self.rank[k] = (rr, -p)
+                    self._set_rank(k, (rr, -p))
 
     def prepare_store(self, keys, st=None) -> list | None:
         entries, rank = self.entries, self.rank
@@ -200,11 +201,10 @@ class RankedCPUTier(CPUTier):
         self.content_version += 1
         n_evict = len(to_store) - (self.capacity - len(entries))
         if n_evict > 0:
-            protected = set(keys)
-            cand = [k for k, e in entries.items() if e[0] and e[1] == 0 and k not in protected]
-            if len(cand) < n_evict:
+            victims = self._lowest_evictable(n_evict, set(keys))
+            if victims is None:
                 return None
-            for k in heapq.nsmallest(n_evict, cand, key=lambda k: (rank[k], k[0])):
+            for k in victims:
                 del entries[k]
                 del rank[k]
             self.evictions += n_evict
@@ -214,10 +214,37 @@ class RankedCPUTier(CPUTier):
             p = pos.get(k)
             if p is None:
                 self.next_rank += 1
-                rank[k] = (self.next_rank, 0)
+                self._set_rank(k, (self.next_rank, 0))
             else:
-                rank[k] = (self._request_rank(self._state(st)), -p)
+                self._set_rank(k, (self._request_rank(self._state(st)), -p))
         return to_store
+
+    def _set_rank(self, k, r: tuple) -> None:
+        self.rank[k] = r
+        heapq.heappush(self.heap, (r, k[0], k))
+
+    def _lowest_evictable(self, n: int, protected: set) -> list | None:
+        """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
+        ``(rank, group)``, lowest first, or None if there are fewer (nothing changes then).
+        ``heap`` holds every rank a chunk was given; an entry whose chunk is gone or has another
+        rank since is dropped as it surfaces, chunks passed over go back."""
+        heap, rank, entries = self.heap, self.rank, self.entries
+        victims, passed, seen = [], [], set()
+        while heap and len(victims) < n:
+            item = heapq.heappop(heap)
+            r, _, k = item
+            if rank.get(k) != r or k in seen:
+                continue                       # stale (evicted or ranked again since) or twice
+            seen.add(k)
+            e = entries[k]
+            (victims if e[0] and e[1] == 0 and k not in protected else passed).append(item)
+        for item in passed:
+            heapq.heappush(heap, item)
+        if len(victims) < n:
+            for item in victims:
+                heapq.heappush(heap, item)
+            return None
+        return [k for _, _, k in victims]
 
     def prepare_load(self, keys, st=None) -> None:
         super().prepare_load(keys)
@@ -240,7 +267,7 @@ class RankedCPUTier(CPUTier):
         for k in reversed(flat):
             if k in self.entries:
                 self.next_rank += 1
-                self.rank[k] = (self.next_rank, 0)
+                self._set_rank(k, (self.next_rank, 0))
 
 
 class _SlidingWindowStoreMask:
