@@ -142,7 +142,9 @@ class RankedCPUTier(CPUTier):
         super().__init__(capacity, False)
         self.request_ranks = request_ranks
         self.rank: dict[tuple, tuple] = {}
-        self.heap: list[tuple] = []      # (rank, group id, key) pushed at every rank given
+        # (rank, group id, key) for every rank given since the first eviction (see
+        # _lowest_evictable); None before it
+        self.heap: list[tuple] | None = None
         self.next_rank = 0
         self.group = {cfg.group_id: (i, cfg.tokens_per_chunk) for i, cfg in enumerate(cfgs)}
         # rid -> [request rank or None, keys seen, {group id: keys in first-access order}]
@@ -221,14 +223,20 @@ class RankedCPUTier(CPUTier):
 
     def _set_rank(self, k, r: tuple) -> None:
         self.rank[k] = r
-        heapq.heappush(self.heap, (r, k[0], k))
+        if self.heap is not None:
+            heapq.heappush(self.heap, (r, k[0], k))
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
         ``(rank, group)``, lowest first, or None if there are fewer (nothing changes then).
-        ``heap`` holds every rank a chunk was given; an entry whose chunk is gone or has another
-        rank since is dropped as it surfaces, chunks passed over go back."""
-        heap, rank, entries = self.heap, self.rank, self.entries
+        ``heap`` holds every rank a chunk was given (from the first eviction on); an entry whose
+        chunk is gone or has another rank since is dropped as it surfaces, chunks passed over go
+        back."""
+        rank, entries = self.rank, self.entries
+        if self.heap is None:                  # built at the first eviction, kept up after
+            self.heap = [(r, k[0], k) for k, r in rank.items()]
+            heapq.heapify(self.heap)
+        heap = self.heap
         victims, passed, seen = [], [], set()
         while heap and len(victims) < n:
             item = heapq.heappop(heap)
