@@ -147,6 +147,7 @@ class RankedCPUTier(CPUTier):
         self.heap: list[tuple] | None = None
         self.next_rank = 0
         self.group = {cfg.group_id: (i, cfg.tokens_per_chunk) for i, cfg in enumerate(cfgs)}
+        self.positions: dict[str, list] = {}      # rid -> see _positions
         # rid -> [request rank or None, keys seen, {group id: keys in first-access order}]
         self.req_state: dict[str, list] = {}
 
@@ -166,11 +167,19 @@ class RankedCPUTier(CPUTier):
         return s[0]
 
     def _positions(self, st) -> dict:
-        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request."""
-        out = {}
+        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request. Kept
+        per request and extended as its offload keys grow (they are only ever appended)."""
+        c = self.positions.get(st.req.rid)
+        if c is None or c[0] is not st:
+            c = self.positions[st.req.rid] = [st, {}, {}]     # state, keys seen per group, map
+        counts, out = c[1], c[2]
         for gid, (gi, tpc) in self.group.items():
-            for i, k in enumerate(st.groups[gi].keys):
-                out[k] = (i + 1) * tpc
+            keys = st.groups[gi].keys
+            n = counts.get(gid, 0)
+            if n < len(keys):
+                for i in range(n, len(keys)):
+                    out[keys[i]] = (i + 1) * tpc
+                counts[gid] = len(keys)
         return out
 
     def _access(self, st, keys) -> None:
