@@ -248,10 +248,16 @@ class KVCacheManager:
         self.hits_possible = enable_prefix_caching and not any(
             r.code == MAMBA and not r.cacheable for r in self.rules)
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
+        self.junction = 0          # the last find_hit's shared_prefix_boundary
 
     # --- GPU prefix cache ------------------------------------------------------------------
     def find_hit(self, req: Request) -> int:
-        """``get_computed_blocks``: tokens served by the GPU prefix cache (every group hits)."""
+        """``get_computed_blocks``: tokens served by the GPU prefix cache (every group hits).
+
+        Also sets ``self.junction``, the ``shared_prefix_boundary`` it returns: the full-attention
+        groups' longer hit when another group cut the hit short (``find_longest_cache_hit``'s
+        ``num_uncached_common_prefix_tokens``), else 0."""
+        self.junction = 0
         if not self.hits_possible or not self.cacheable_rules:
             return 0
         cached, align = self.pool.cached, self.align
@@ -270,6 +276,7 @@ class KVCacheManager:
         # skipped_tokens, only grows with L): the search resumes at the largest L that ends at
         # or before block j (the same first L that succeeds as trying every multiple of align)
         rest = [(r, req.keys(r.gid, r.bs)) for r in self.cacheable_rules if r.code != FULLISH]
+        full_hit = L
         while L > 0:
             for r, keys in rest:
                 bs = r.bs
@@ -282,8 +289,10 @@ class KVCacheManager:
                     L = ((j + 1) * bs - 1) // align * align
                     break
             else:
-                return L
-        return 0
+                break                         # every group hits at L
+        if rest and full_hit > L and len(rest) < len(self.cacheable_rules):
+            self.junction = full_hit
+        return L
 
     def apply_hit(self, req: Request, L: int) -> None:
         """Take the hit blocks: real blocks in reach, the null block out of reach."""

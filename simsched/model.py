@@ -499,6 +499,8 @@ class Model:
             fresh = req.num_computed == 0
             if fresh:
                 L = kv.find_hit(req)
+                # Request.shared_prefix_boundary: a reachable boundary of sliding-window stores
+                off.junction[req.rid] = kv.junction
                 ext = off.get_num_new_matched_tokens(req, L)
                 if self.checks == "full":
                     self._violation(inv.check_hit(self.step_no, off, off.req_status[req.rid],

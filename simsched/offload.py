@@ -310,7 +310,8 @@ class _SlidingWindowStoreMask:
         self.dense = self.align is None or self.align % bs != 0 or (
             retention > 0 and self.need >= retention // bs)
 
-    def __call__(self, start_chunk: int, end_chunk: int, num_prompt: int) -> list[bool]:
+    def __call__(self, start_chunk: int, end_chunk: int, num_prompt: int,
+                 junction: int = 0) -> list[bool]:
         bpc, need, shift, bs = self.bpc, self.need, self.shift, self.bs
         n = end_chunk - start_chunk
         if self.dense:
@@ -322,10 +323,12 @@ class _SlidingWindowStoreMask:
             for i in range(start, end_b):
                 if i >= shift and (i - shift) % per >= per - need:
                     mask[i - start] = True
-        aligned = (num_prompt - 1) // self.align * self.align
-        e = aligned // bs + shift
-        for j in range(max(start, e - need), min(end_b, e)):
-            mask[j - start] = True
+        # reachable boundaries: num_prompt - 1 and the request's shared_prefix_boundary
+        for boundary in ((num_prompt - 1, junction) if junction else (num_prompt - 1,)):
+            aligned = boundary // self.align * self.align
+            e = aligned // bs + shift
+            for j in range(max(start, e - need), min(end_b, e)):
+                mask[j - start] = True
         return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
 
 
@@ -423,6 +426,8 @@ class OffloadScheduler:
         # 0.30.0+ (same marker): sliding-window lookups use load_window_size_in_chunks and a miss
         # clears a pending chunk (_sliding_window_lookup); window sizes of SlidingWindowSpec groups
         self.window_v2 = profile.retention_check
+        # Request.shared_prefix_boundary (set at each GPU lookup), a reachable store boundary
+        self.junction: dict[str, int] = {}
         # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
         self.restart_store_idx = profile.extra.get("restart_store_idx", False)
         self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
@@ -813,7 +818,7 @@ class OffloadScheduler:
                         f"({len(keys)} != {len(bids)}, group {cfg.group_id})")
                 mask = self.sw_store_mask.get(cfg.group_id) if self.sw_store_mask else None
                 if mask is not None:
-                    reach = mask(start, n, req.num_prompt)
+                    reach = mask(start, n, req.num_prompt, self.junction.get(rid, 0))
                     for k, b, ok in zip(keys, bids, reach):
                         if b != NULL and ok:
                             new_keys.append(k)

@@ -93,3 +93,21 @@ def test_out_of_window_blocks_are_freed_group_by_group():
     kv.remove_skipped_blocks(r, 63)                    # 32 tokens out of the window: 2 blocks
     assert r.tables[0][:2] == r.tables[1][:2] == [NULL, NULL]
     assert kv.pool.get_new_blocks(4) == [g1[1], g1[0], g0[1], g0[0]]
+
+
+def test_shared_prefix_boundary_is_the_longer_full_attention_hit():
+    """HybridKVCacheCoordinator.find_longest_cache_hit returns num_uncached_common_prefix_tokens
+    = longest hit of one attention type - reconciled hit; get_computed_blocks makes it the
+    request's shared_prefix_boundary (hit + uncached, 0 if none): here the full group hits 64
+    tokens, the sliding-window group none of its window blocks, so the hit is 0 and the
+    junction 64."""
+    groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=32)]
+    kv = KVCacheManager(groups, [16, 16], 64, 16)
+    a = req(80, groups=2)
+    kv.allocate(a, 80, cache_upto=80)
+    for b in a.tables[1]:                  # forget the window group's blocks
+        kv.pool._uncache(b, kv.pool.key[b])
+        kv.pool.key[b] = None
+    b = req(80, rid="b", groups=2)
+    assert kv.find_hit(b) == 0 and kv.junction == 64
+    assert kv.find_hit(req(80, rid="c", groups=2, seed=2)) == 0 and kv.junction == 0

@@ -122,11 +122,13 @@ def test_agreement_on_generated_cases(pool, version):
 #: full16+sw16w128+full16 seed 185 (a finished request's out-of-window blocks are freed first),
 #: full16+chunked16c64 seed 307 (0.30.0+ _sliding_window_lookup: a miss clears a pending chunk
 #: seen to its right, so the lookup is not deferred), full16+ring4 seed 755 (0.33.0: a resumed
-#: request offers its chunks for storing again from chunk 0)
+#: request offers its chunks for storing again from chunk 0), full16+sw16w128+full16 seed 964
+#: (the request's shared_prefix_boundary is a reachable boundary of sliding-window stores)
 RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish"]
 RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4", 111),
               ("full16+ring4", 729), ("full16", 268), ("full16+sw16w128+full16", 185),
-              ("full16+chunked16c64", 307), ("full16+ring4", 755)]
+              ("full16+chunked16c64", 307), ("full16+ring4", 755),
+              ("full16+sw16w128+full16", 964)]
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
