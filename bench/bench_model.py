@@ -6,6 +6,12 @@ GPU pool 1,200 blocks; max_num_batched_tokens 2048; max_num_seqs 32; store/load 
 Run: ``python bench/bench_model.py [--runs N]`` (N runs per row, median; default 5). Prints a
 Markdown table: steps/s with ``checks="fast", trace=False`` (the fast mode), with the trace, and
 with full checks and the trace, for 16/64/256 requests, and the ratio to the real Scheduler.
+
+``python bench/bench_model.py --real 0.30.0,0.33.0 [--runs N] [--sizes 64]``: side by side in one
+run, the model in fast mode and the bare real Scheduler + KVCacheManager + OffloadingConnector of
+each release on the same workload (release worker op ``run_case`` with ``bare=True``: the
+scheduler loop only, no trace, shadow or checks; boot and request construction excluded),
+alternating one model run and one real run N times; CPU-time medians and their ratio.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simsched.case import Case  # noqa: E402
 from simsched.model import run_case  # noqa: E402
 
+#: the real Scheduler's steps/s on the 64-request workload per the reference notes (the x real
+#: column of the model-only table); ``--real`` measures it side by side instead
 REAL_STEPS_PER_S = (1872, 2371)
 
 
@@ -59,12 +67,59 @@ def measure(case: Case, checks: str, trace: bool, runs: int = 5):
 MODES = (("fast", False), ("fast", True), ("full", True))
 
 
+def side_by_side(versions: list[str], sizes: list[int], runs: int) -> None:
+    """Model (fast mode) and bare real Scheduler alternately on one workload; CPU-time medians."""
+    from simsched.geometry import profile_for_release
+    from simsched.targets import Releases
+
+    print(f"Median of {runs} alternating runs per row (model in fast mode: checks=fast, "
+          "trace off; real: bare Scheduler loop in the release worker).\n")
+    print("| release | requests | model steps | real steps | real stores / loads / preemptions |"
+          " model steps/s (CPU) | real steps/s (CPU) | real steps/s (wall) | model / real "
+          "(ratio of medians) | model / real (median of per-run ratios) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with Releases.installed(versions, timeout=600) as pool:
+        for v in versions:
+            prof = profile_for_release(v)
+            for n in sizes:
+                case = workload(n)
+                worker = pool.worker(v, case.asserts)
+                worker.call("run_case", timeout=600, case=case.to_json(), bare=True)  # warm-up
+                run_case(case, prof, checks="fast", trace=False)
+                m_cpu, r_cpu, r_wall, ratios = [], [], [], []
+                for _ in range(runs):
+                    c0 = time.process_time()
+                    m = run_case(case, prof, checks="fast", trace=False)
+                    mc = time.process_time() - c0
+                    assert m.ok, m.findings
+                    r = worker.call("run_case", timeout=600, case=case.to_json(), bare=True)
+                    if r.get("status") != "ok":
+                        raise SystemExit(f"{v}: real run {r.get('status')}: {r}")
+                    ms, rs = m.counters["steps"] / mc, r["counters"]["steps"] / r["loop_cpu"]
+                    m_cpu.append(ms)
+                    r_cpu.append(rs)
+                    r_wall.append(r["counters"]["steps"] / r["loop_wall"])
+                    ratios.append(ms / rs)
+                rc = r["counters"]
+                mm, rm = statistics.median(m_cpu), statistics.median(r_cpu)
+                print(f"| {v} | {n} | {m.counters['steps']} | {rc['steps']} | {rc['stores']} / "
+                      f"{rc['loads']} / {rc['preemptions']} | {mm:,.0f} | {rm:,.0f} | "
+                      f"{statistics.median(r_wall):,.0f} | {mm / rm:.1f} | "
+                      f"{statistics.median(ratios):.1f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     runs = int(argv[argv.index("--runs") + 1]) if "--runs" in argv else 5
+    if "--real" in argv:
+        sizes = [int(x) for x in argv[argv.index("--sizes") + 1].split(",")] \
+            if "--sizes" in argv else [64]
+        side_by_side(argv[argv.index("--real") + 1].split(","), sizes, runs)
+        return
     lo, hi = REAL_STEPS_PER_S
     print(f"Median of {runs} runs per row; profile prefix-cacheable-windows-in-config; "
-          f"real vLLM Scheduler: {lo:,}-{hi:,} steps/s on the 64-request workload.\n")
+          f"real vLLM Scheduler: {lo:,}-{hi:,} steps/s on the 64-request workload (reference "
+          "notes; --real measures it side by side).\n")
     print("| requests | mode | steps | stores | loads | preemptions | median run (ms) | steps/s |"
           f" steps/s (CPU time) | x real ({lo:,}-{hi:,}) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -18,7 +18,8 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import compress, count, islice, takewhile
 
 NULL = 0
 # request states
@@ -38,7 +39,7 @@ class Request:
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
-                 "fast_blocks", "fast_store")
+                 "fast_blocks", "key_lists")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
                  num_groups: int):
@@ -60,7 +61,7 @@ class Request:
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list = []
-        self.fast_store: list = []
+        self.key_lists: dict[tuple[int, int], list[tuple]] = {}    # see keys()
         self._extend_ident()
 
     @property
@@ -75,6 +76,21 @@ class Request:
             prev = hash((prev, tuple(tokens[k * unit:(k + 1) * unit])))
             ident.append(prev)
             k += 1
+
+    def keys(self, gid: int, stride: int) -> list[tuple]:
+        """``[(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
+        GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
+        keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
+        extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
+        keys = self.key_lists.get((gid, stride))
+        if keys is None:
+            keys = self.key_lists[(gid, stride)] = []
+        ident, unit = self.ident, self.unit
+        have, n = len(keys), len(ident) * unit // stride
+        if have < n:
+            per = stride // unit
+            keys.extend([(gid, ident[(i + 1) * per - 1]) for i in range(have, n)])
+        return keys
 
     def append_tokens(self, new: list[int]) -> None:
         self.tokens.extend(new)
@@ -111,16 +127,20 @@ class BlockPool:
         return len(self.free)
 
     def get_new_blocks(self, n: int) -> list[int]:
-        free, key, ref, cached = self.free, self.key, self.ref, self.cached
-        out = []
-        for _ in range(n):
-            b = free.popitem(last=False)[0]
+        free, key, ref, cached, more = self.free, self.key, self.ref, self.cached, self.more
+        if n > len(free):
+            raise RuntimeError(f"{n} blocks asked of a free queue of {len(free)}")
+        out = list(islice(free, n))             # the head of the free queue, in order
+        deque(map(free.__delitem__, out), 0)    # (consumed in C: one deletion per block)
+        for b in out:
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
-                self._uncache(b, k)
+                if k in more or cached.get(k) != b:
+                    self._uncache(b, k)
+                else:                   # the only block under its hash: _uncache, inlined
+                    del cached[k]
                 key[b] = None
             ref[b] = 1
-            out.append(b)
         return out
 
     def free_blocks(self, blocks) -> None:
@@ -241,38 +261,35 @@ class KVCacheManager:
         if not self.hits_possible or not self.cacheable_rules:
             return 0
         cached, align = self.pool.cached, self.align
+        contains = cached.__contains__
         L = (req.num_tokens - 1) // align * align
-        ident_at = req.ident_at
-        ident, unit = req.ident, req.unit
-        nid = len(ident)
         for r in self.cacheable_rules:        # full-attention prefix bound first
             if r.code != FULLISH:
                 continue
-            n, bs, gid = 0, r.bs, r.gid
-            while (n + 1) * bs <= L:
-                e = (n + 1) * bs
-                k = e // unit - 1             # ident_at(e), inlined
-                if (gid, ident[k] if 0 <= k < nid else ident_at(e)) not in cached:
-                    break
-                n += 1
-            L = min(L, n * bs) // align * align
+            # the longest run of cached blocks from the start (a block whose tokens are not all
+            # known has no key: the run stops there)
+            n = len(list(takewhile(contains, req.keys(r.gid, r.bs)[:L // r.bs])))
+            L = min(L, n * r.bs) // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
-        # check below only needs the other groups
-        rest = [r for r in self.cacheable_rules if r.code != FULLISH]
+        # check below only needs the other groups. Where a group misses block j of its reach
+        # at L, it misses it at every smaller L whose reach still covers j (the reach's start,
+        # skipped_tokens, only grows with L): the search resumes at the largest L that ends at
+        # or before block j (the same first L that succeeds as trying every multiple of align)
+        rest = [(r, req.keys(r.gid, r.bs)) for r in self.cacheable_rules if r.code != FULLISH]
         full_hit = L
         while L > 0:
-            ok = True
-            for r in rest:
-                bs, gid = r.bs, r.gid
-                for i in range(r.skipped_tokens(L) // bs, L // bs):
-                    if (gid, ident_at((i + 1) * bs)) not in cached:
-                        ok = False
-                        break
-                if not ok:
+            for r, keys in rest:
+                bs = r.bs
+                hi, lo = L // bs, r.skipped_tokens(L) // bs
+                j = hi - 1                    # the last missing block in [lo, hi), if any
+                n = len(keys)
+                while j >= lo and j < n and keys[j] in cached:
+                    j -= 1
+                if j >= lo:
+                    L = ((j + 1) * bs - 1) // align * align
                     break
-            if ok:
-                break
-            L -= align
+            else:
+                break                         # every group hits at L
         if rest and full_hit > L and len(rest) < len(self.cacheable_rules):
             self.junction = full_hit
         return L
@@ -285,35 +302,38 @@ class KVCacheManager:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
                 continue
-            bs, gid = r.bs, r.gid
-            first = r.skipped_tokens(L) // bs
-            for i in range(L // bs):
-                if i < first:
-                    table.append(NULL)
-                else:
-                    b = cached[(gid, req.ident_at((i + 1) * bs))]
-                    pool.touch((b,))
-                    table.append(b)
+            n = L // r.bs
+            first = min(r.skipped_tokens(L) // r.bs, n)
+            table.extend([NULL] * first)
+            blocks = list(map(cached.__getitem__, req.keys(r.gid, r.bs)[first:n]))
+            pool.touch(blocks)
+            table.extend(blocks)
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
-        key, cache_block = pool.key, pool.cache_block
+        key, cached, more = pool.key, pool.cached, pool.more
         done = req.num_cached_blocks
-        idents, unit = req.ident, req.unit
-        nid = len(idents)
         for r in self.cacheable_rules:
-            bs, gid, table = r.bs, r.gid, req.tables[r.gid]
+            gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
-            n = min(num_tokens // bs, len(table))
-            while i < n:
+            n = min(num_tokens // r.bs, len(table))
+            if i >= n:
+                continue
+            keys = req.keys(r.gid, r.bs)
+            m = min(n, len(keys))
+            for b, k in zip(table[i:m], keys[i:m]):
+                if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
+                    key[b] = k
+                    if k in cached:
+                        more.setdefault(k, []).append(b)
+                    else:
+                        cached[k] = b
+            i = max(i, m)
+            while i < n:                              # past the known tokens: no key
                 b = table[i]
                 if b != NULL and key[b] is None:
-                    k = (i + 1) * bs // unit - 1          # req.ident_at, inlined
-                    ident = idents[k] if 0 <= k < nid else req.ident_at((i + 1) * bs)
-                    if ident is None:
-                        break
-                    cache_block(b, (gid, ident))
+                    break
                 i += 1
             done[gid] = i
 
@@ -343,10 +363,10 @@ class KVCacheManager:
             n_hit = hit // r.bs if (r.cacheable and hit) else 0
             skipped = r.skipped_tokens(total) // r.bs
             need += max(required - max(skipped, n_hit), 0)
-            for i in range(skipped, n_hit):
-                b = pool.cached[(r.gid, req.ident_at((i + 1) * r.bs))]
-                if pool.ref[b] == 0:
-                    need += 1
+            if skipped < n_hit:
+                # the evictable hit blocks (refcount 0): every hit block is cached under its key
+                blocks = map(pool.cached.__getitem__, req.keys(r.gid, r.bs)[skipped:n_hit])
+                need += list(map(pool.ref.__getitem__, blocks)).count(0)
         return need
 
     def remaining_blocks(self, req: Request) -> int:
@@ -440,9 +460,8 @@ class KVCacheManager:
             if b < bound:
                 bound = b
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                lead = 0
-                while lead < have and table[lead] == NULL:
-                    lead += 1
+                # the index of the first real block (block IDs are > 0, NULL is 0)
+                lead = next(compress(count(), table), have)
                 if lead < have:
                     m = (lead + 1) * bs                # skipped_tokens(c) < m
                     if code == SLIDING:

@@ -78,6 +78,15 @@ def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolatio
 
 def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     """INV-3: one key per chunk, each paired with its chunk's source blocks."""
+    tph = geo.tokens_per_hash
+    tpc = {g.group_id: g.tokens_per_chunk for g in geo.groups}
+    if all([(h + 1) * tph == (c + 1) * tpc[g] and blocks for g, c, h, _, blocks in job.items]):
+        return None     # every key names its chunk and has source blocks: nothing to report
+    return _check_store_job_named(step, job, geo)
+
+
+def _check_store_job_named(step: int, job, geo) -> InvariantViolation | None:
+    """:func:`check_store_job` item by item: the first violation, named."""
     per_group: dict[int, tuple[int, int]] = {}
     cfgs = {g.group_id: g for g in geo.groups}
     for gid, c, hidx, key, blocks in job.items:
@@ -136,6 +145,21 @@ def check_writes(step: int, written, pending_reads: dict, what: str) -> Invarian
     return None
 
 
+def check_writes_by_job(step: int, written, pending: dict, what: str
+                        ) -> InvariantViolation | None:
+    """INV-6 as :func:`check_writes`, the pending reads kept per store job (job ID -> the blocks
+    it has yet to read): the same finding, decided with one set operation per pending job."""
+    if pending:
+        if all(s.isdisjoint(written) for s in pending.values()):
+            return None
+        for b in written:
+            jids = [j for j, s in pending.items() if b in s]
+            if jids:
+                return InvariantViolation("INV-6", step, f"block {b} written by {what} while "
+                                          f"store job {min(jids)} still reads it")
+    return None
+
+
 def check_load_ready(step: int, tier, keys, kidx) -> InvariantViolation | None:
     """INV-7: every chunk a load reads is ready (its store completed)."""
     for k, label in zip(keys, kidx):
@@ -162,25 +186,32 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
         cap = min(cap, len(gs.keys) * tpc)
         unit = unit * tpc // math.gcd(unit, tpc)
     T = cap // unit * unit
+    # the largest T (a multiple of unit) whose chunks are all ready. Where a group's chunk c in
+    # reach at T is not ready, it is in reach at every smaller T that still covers it (the
+    # reach's start only grows with T): the search resumes at the largest T ending before it
+    # (T only shrinks: per group, the chunks [v0, v1) known ready from an earlier T are not
+    # looked up again)
+    entries = tier.entries
+    known = [(0, 0)] * len(st.groups)
     while T - local >= 1:
-        ok = True
-        for cfg, gs in zip(off.cfgs, st.groups):
+        for g, (cfg, gs) in enumerate(zip(off.cfgs, st.groups)):
             tpc, w = cfg.tokens_per_chunk, cfg.sliding_window_in_chunks
             if T % tpc:
-                ok = False
+                T -= unit
                 break
-            lo = local // tpc if w is None else max(local // tpc, T // tpc - w)
-            for c in range(lo, T // tpc):
-                e = tier.entries.get(gs.keys[c])
-                if e is None or not e[0]:
-                    ok = False
-                    break
-            if not ok:
+            hi = T // tpc
+            lo = local // tpc if w is None else max(local // tpc, hi - w)
+            v0, v1 = known[g]
+            c, keys = (v0 if v0 < hi <= v1 else hi) - 1, gs.keys
+            while c >= lo and (e := entries.get(keys[c])) is not None and e[0]:
+                c -= 1                             # c: the last chunk in reach not ready
+            known[g] = (c + 1, hi)
+            if c >= lo:
+                T = ((c + 1) * tpc - 1) // unit * unit
                 break
-        if ok:
+        else:
             best = T - local
             break
-        T -= unit
     if best and off.being_loaded:
         return best, "being-loaded"
     return best, None

@@ -121,6 +121,7 @@ class Model:
         # Scheduler._inflight_prefills: requests admitted with prefill left after their chunk, or
         # with an async load; their remaining blocks are reserved when a load is admitted
         self.inflight: dict[str, Request] = {}
+        # INV-6 fences: store job ID -> the GPU blocks it has yet to read (jobs with blocks only)
         self.pending_reads: dict[int, set[int]] = {}
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
@@ -217,20 +218,27 @@ class Model:
         req = self.reqs[job.rid]
         pr, gpu, contents, jid = self.pending_reads, self.shadow.gpu, job.contents, job.jid
         geo, tpbs, step, check = self.geo, self.tpbs, self.step_no, inv.check_stored_chunk
+        pr.pop(jid, None)
+        ident, unit, tph = req.ident, req.unit, geo.tokens_per_hash
+        nid = len(ident)
         for item in job.items:
-            blocks = item[4]
+            gid, _, hidx, key, blocks = item
             content = tuple([gpu[b] for _, b in blocks])      # Shadow.read, inlined
-            contents[item[3]] = content
-            if pr:
-                for _, b in blocks:
-                    s = pr.get(b)
-                    if s is not None:
-                        s.discard(jid)
-                        if not s:
-                            del pr[b]
-            v = check(step, job, item, content, req, geo, tpbs)
-            if v is not None:
-                raise v
+            contents[key] = content
+            # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here;
+            # anything else goes to check_stored_chunk, which decides and names the finding
+            ok = bool(content) and content[-1] == (gid, (hidx + 1) * tph, key[1])
+            if ok:
+                tpb = tpbs[gid]
+                for (i, _), got in zip(blocks, content):
+                    k = (i + 1) * tpb // unit - 1                   # req.ident_at, inlined
+                    if not 0 <= k < nid or got != (gid, (i + 1) * tpb, ident[k]):
+                        ok = False
+                        break
+            if not ok:
+                v = check(step, job, item, content, req, geo, tpbs)
+                if v is not None:
+                    raise v
 
     def _store_done(self, jid: int) -> None:
         job = self.off.jobs.get(jid)
@@ -249,7 +257,7 @@ class Model:
         for item in job.items:
             self.shadow.write(item[4], entries[item[3]][2])
             written.extend(b for _, b in item[4])
-        self._violation(inv.check_writes(self.step_no, written, self.pending_reads,
+        self._violation(inv.check_writes_by_job(self.step_no, written, self.pending_reads,
                                          f"load {jid}"))
         self.off.complete_job(jid)
         self._emit(f"done {jid} load")
@@ -300,7 +308,7 @@ class Model:
         if tracing:
             lines.append(f"step {step}")
         kv, off = self.kv, self.off
-        allocate, offloadable = kv.allocate, off._offloadable
+        allocate = kv.allocate
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list] = {}
@@ -316,17 +324,11 @@ class Model:
             if (not k and c <= req.fast_until and c <= req.quiet_until
                     and len(req.tokens) == c + 1):
                 # a quiet decode step (see _fast_bound): allocate, build_connector_meta and the
-                # store jobs would all be no-ops for it; the last is _build_store_jobs's own
-                # quick exit, evaluated here as it will be there
-                n_off = offloadable(req.off, c + 1)
-                for tpc, gs in req.fast_store:
-                    if n_off // tpc > gs.next_stored:
-                        break
-                else:
-                    sched_reqs.append((req, 1, None))
-                    budget -= 1
-                    i += 1
-                    continue
+                # store jobs would all be no-ops for it
+                sched_reqs.append((req, 1, None))
+                budget -= 1
+                i += 1
+                continue
             if k and req.num_computed >= req.num_prompt:
                 remaining = req.max_tokens - req.num_tokens
                 drafts = min(k, remaining - 1)
@@ -400,7 +402,8 @@ class Model:
                 for gid, b in req.fast_blocks:
                     gpu[b] = (gid, end, None)
                 if pr:
-                    self._violation(inv.check_writes(step, [b for _, b in req.fast_blocks], pr,
+                    self._violation(inv.check_writes_by_job(step, [b for _, b in req.fast_blocks],
+                                                            pr,
                                                      f"request {req.rid}"))
                 req.num_computed = end
                 if inflight:       # _update_after_schedule: no longer a prefill chunk
@@ -412,7 +415,7 @@ class Model:
                 continue
             written = write_computed(req, rules, start, end)
             if pr:
-                self._violation(inv.check_writes(step, written, pr, f"request {req.rid}"))
+                self._violation(inv.check_writes_by_job(step, written, pr, f"request {req.rid}"))
             req.num_computed = end
             if end >= len(req.tokens):
                 if inflight:       # _update_after_schedule: no longer a prefill chunk
@@ -425,15 +428,9 @@ class Model:
                 fast_bound(req)
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
-            if not job.read:
-                jid = job.jid
-                for item in job.items:
-                    for _, b in item[4]:
-                        s = pr.get(b)
-                        if s is None:
-                            pr[b] = {jid}
-                        else:
-                            s.add(jid)
+            if not job.read and (job.deferred or job.fenced):
+                # the job's source blocks: the blocks of its items, all in one of the two lists
+                pr[job.jid] = set(job.deferred).union(job.fenced or ())
         self.progress = self.progress or bool(sched_reqs)
         self._after_step(step)
 
@@ -442,23 +439,32 @@ class Model:
         steps are quiet, and the (group, block) pairs such a step writes.
 
         A decode step (one token, ``num_tokens == num_computed + 1``) with ``num_computed = c`` is
-        quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step), no
-        group can store a chunk (``_build_store_jobs``'s quick exit, checked at the step with
-        ``req.fast_store``) and: ``build_connector_meta`` adds no offload key
-        (``c + 1 < next_key_at``); the request does not finish (``c + 2 < max_tokens``); and the
-        token completes no block (so each group's write is ``(gid, c + 1, None)`` into the same
-        block). Those quantities only grow outside a full step, so the bound stays safe until the
-        next full step recomputes it; a preemption resets ``quiet_until``."""
+        quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step) and:
+        ``build_connector_meta`` adds no offload key (``c + 1 < next_key_at``); no group can store
+        a chunk (``_build_store_jobs``'s quick exit: the offloadable tokens ``min(c + 1, cap)``,
+        ``cap`` from ``max_offload_tokens`` and ``offload_prompt_only``, stay below ``store_at``,
+        the first chunk end past what some group stored); the request does not finish
+        (``c + 2 < max_tokens``); and the token completes no block (so each group's write is
+        ``(gid, c + 1, None)`` into the same block). Those quantities only grow outside a full
+        step (``next_stored`` too), so the bound stays safe until the next full step recomputes
+        it; a preemption resets ``quiet_until``."""
         c = req.num_computed
         st = req.off
         bound = -1
         if len(req.tokens) == c + 1 and st is not None and \
                 self.off.req_status.get(req.rid) is st:
             bound = min(req.max_tokens - 3, st.next_key_at - 2)
-            req.fast_store = [(cfg.tokens_per_chunk, gs) for cfg, gs in zip(self.off.cfgs,
-                                                                             st.groups)]
-            if any(tpc <= 0 for tpc, _ in req.fast_store):
+            cfgs = self.off.cfgs
+            if any(cfg.tokens_per_chunk <= 0 for cfg in cfgs):
                 bound = -1
+            elif cfgs:                                       # (no group offloaded: no store)
+                store_at = min([(gs.next_stored + 1) * cfg.tokens_per_chunk
+                                for cfg, gs in zip(cfgs, st.groups)])
+                cap = st.max_offload_tokens                 # as OffloadScheduler._offloadable
+                if self.off.prompt_only:
+                    cap = req.num_prompt if cap is None else min(cap, req.num_prompt)
+                if cap is None or cap >= store_at:
+                    bound = min(bound, store_at - 2)        # c + 1 < store_at
             blocks = []
             for r in self.kv.rules:
                 table = req.tables[r.gid]

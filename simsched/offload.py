@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
+from itertools import compress
 
 from simsched.allocator import ABORTED, NULL, Request
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
@@ -46,6 +47,11 @@ class CPUTier:
         # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used)
         self.entries: OrderedDict[tuple, list] = OrderedDict()
         self.evictions = 0
+        # change counters, for memos of callers: ``version`` moves on every change (order
+        # included), ``content_version`` on every change but a touch (what lookups can see:
+        # which chunks exist, ready or not, and their load refcounts)
+        self.version = 0
+        self.content_version = 0
 
     def lookup(self, key) -> int:
         e = self.entries.get(key)
@@ -57,6 +63,7 @@ class CPUTier:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
         reversed(list(keys))``), so the first key ends most recent (the loop runs in C)."""
         entries = self.entries
+        self.version += 1
         if self.evictable_list:
             keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
         deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
@@ -66,6 +73,8 @@ class CPUTier:
         to_store = [k for k in keys if k not in entries]
         if not to_store:
             return []
+        self.version += 1
+        self.content_version += 1
         n_evict = len(to_store) - (self.capacity - len(entries))
         if n_evict > 0:
             protected = set(keys)
@@ -85,6 +94,8 @@ class CPUTier:
         return to_store
 
     def complete_store(self, keys, contents: dict) -> None:
+        self.version += 1
+        self.content_version += 1
         for k in keys:
             e = self.entries.get(k)
             if e is not None and not e[0]:
@@ -94,6 +105,8 @@ class CPUTier:
                     self.entries.move_to_end(k)
 
     def prepare_load(self, keys, st=None) -> None:
+        self.version += 1
+        self.content_version += 1
         for k in keys:
             self.entries[k][1] += 1
 
@@ -101,6 +114,8 @@ class CPUTier:
         """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
 
     def complete_load(self, keys) -> None:
+        self.version += 1
+        self.content_version += 1
         for k in keys:
             e = self.entries[k]
             e[1] -= 1
@@ -127,8 +142,12 @@ class RankedCPUTier(CPUTier):
         super().__init__(capacity, False)
         self.request_ranks = request_ranks
         self.rank: dict[tuple, tuple] = {}
+        # (rank, group id, key) for every rank given since the first eviction (see
+        # _lowest_evictable); None before it
+        self.heap: list[tuple] | None = None
         self.next_rank = 0
         self.group = {cfg.group_id: (i, cfg.tokens_per_chunk) for i, cfg in enumerate(cfgs)}
+        self.positions: dict[str, list] = {}      # rid -> see _positions
         # rid -> [request rank or None, keys seen, {group id: keys in first-access order}]
         self.req_state: dict[str, list] = {}
 
@@ -148,11 +167,19 @@ class RankedCPUTier(CPUTier):
         return s[0]
 
     def _positions(self, st) -> dict:
-        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request."""
-        out = {}
+        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request. Kept
+        per request and extended as its offload keys grow (they are only ever appended)."""
+        c = self.positions.get(st.req.rid)
+        if c is None or c[0] is not st:
+            c = self.positions[st.req.rid] = [st, {}, {}]     # state, keys seen per group, map
+        counts, out = c[1], c[2]
         for gid, (gi, tpc) in self.group.items():
-            for i, k in enumerate(st.groups[gi].keys):
-                out[k] = (i + 1) * tpc
+            keys = st.groups[gi].keys
+            n = counts.get(gid, 0)
+            if n < len(keys):
+                for i in range(n, len(keys)):
+                    out[keys[i]] = (i + 1) * tpc
+                counts[gid] = len(keys)
         return out
 
     def _access(self, st, keys) -> None:
@@ -172,7 +199,7 @@ class RankedCPUTier(CPUTier):
                 if p is None or k not in self.entries:
                     continue
                 if self.rank[k] < (rr, -p):
-                    self.rank[k] = (rr, -p)
+                    self._set_rank(k, (rr, -p))
 
     def prepare_store(self, keys, st=None) -> list | None:
         entries, rank = self.entries, self.rank
@@ -181,13 +208,14 @@ class RankedCPUTier(CPUTier):
             self._access(st, [k for k in keys if k not in entries or entries[k][0]])
         if not to_store:
             return []
+        self.version += 1
+        self.content_version += 1
         n_evict = len(to_store) - (self.capacity - len(entries))
         if n_evict > 0:
-            protected = set(keys)
-            cand = [k for k, e in entries.items() if e[0] and e[1] == 0 and k not in protected]
-            if len(cand) < n_evict:
+            victims = self._lowest_evictable(n_evict, set(keys))
+            if victims is None:
                 return None
-            for k in heapq.nsmallest(n_evict, cand, key=lambda k: (rank[k], k[0])):
+            for k in victims:
                 del entries[k]
                 del rank[k]
             self.evictions += n_evict
@@ -197,10 +225,43 @@ class RankedCPUTier(CPUTier):
             p = pos.get(k)
             if p is None:
                 self.next_rank += 1
-                rank[k] = (self.next_rank, 0)
+                self._set_rank(k, (self.next_rank, 0))
             else:
-                rank[k] = (self._request_rank(self._state(st)), -p)
+                self._set_rank(k, (self._request_rank(self._state(st)), -p))
         return to_store
+
+    def _set_rank(self, k, r: tuple) -> None:
+        self.rank[k] = r
+        if self.heap is not None:
+            heapq.heappush(self.heap, (r, k[0], k))
+
+    def _lowest_evictable(self, n: int, protected: set) -> list | None:
+        """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
+        ``(rank, group)``, lowest first, or None if there are fewer (nothing changes then).
+        ``heap`` holds every rank a chunk was given (from the first eviction on); an entry whose
+        chunk is gone or has another rank since is dropped as it surfaces, chunks passed over go
+        back."""
+        rank, entries = self.rank, self.entries
+        if self.heap is None:                  # built at the first eviction, kept up after
+            self.heap = [(r, k[0], k) for k, r in rank.items()]
+            heapq.heapify(self.heap)
+        heap = self.heap
+        victims, passed, seen = [], [], set()
+        while heap and len(victims) < n:
+            item = heapq.heappop(heap)
+            r, _, k = item
+            if rank.get(k) != r or k in seen:
+                continue                       # stale (evicted or ranked again since) or twice
+            seen.add(k)
+            e = entries[k]
+            (victims if e[0] and e[1] == 0 and k not in protected else passed).append(item)
+        for item in passed:
+            heapq.heappush(heap, item)
+        if len(victims) < n:
+            for item in victims:
+                heapq.heappush(heap, item)
+            return None
+        return [k for _, _, k in victims]
 
     def prepare_load(self, keys, st=None) -> None:
         super().prepare_load(keys)
@@ -223,7 +284,7 @@ class RankedCPUTier(CPUTier):
         for k in reversed(flat):
             if k in self.entries:
                 self.next_rank += 1
-                self.rank[k] = (self.next_rank, 0)
+                self._set_rank(k, (self.next_rank, 0))
 
 
 class _SlidingWindowStoreMask:
@@ -284,7 +345,7 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled", "next_key_at")
+                 "finished_signaled", "next_key_at", "lookup_memo")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -296,6 +357,9 @@ class ReqOffload:
         self.num_local = 0
         self.finished_signaled = False
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
+        # (tier.content_version, num_local, num_tokens, hit) of the last _lookup: the same
+        # inputs give the same hit (see OffloadScheduler._lookup_memo)
+        self.lookup_memo: tuple | None = None
 
 
 class Job:
@@ -332,6 +396,7 @@ class OffloadScheduler:
             self.tier = RankedCPUTier(cpu_chunks, lru == "request-ranks", self.cfgs)
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
+        self._touched: tuple | None = None       # see _touch
         self.job_counter = 0
         self.block_to_jobs: dict[int, set[int]] = {}   # _block_id_to_pending_jobs
         self.batch_loads: list[Job] = []
@@ -389,14 +454,17 @@ class OffloadScheduler:
     def _update_offload_keys(self, st: ReqOffload) -> None:
         req, tph, profile = st.req, self.tph, self.profile
         num_hashes = req.num_tokens // tph
-        ident, per = req.ident, tph // req.unit
         for cfg, gs in zip(self.cfgs, st.groups):
             hpc = cfg.hashes_per_chunk
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
-            for j in offload_key_indices(cfg, num_hashes, len(gs.keys), profile):
-                gs.keys.append((cfg.group_id, ident[(j + 1) * per - 1]))
-                gs.kidx.append(j)
+            idx = offload_key_indices(cfg, num_hashes, len(gs.keys), profile)
+            if idx:
+                # key m (hash index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
+                # (gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
+                m = len(gs.keys)
+                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + len(idx)])
+                gs.kidx.extend(idx)
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -447,19 +515,43 @@ class OffloadScheduler:
             return None
         self.update_offload_keys(st, "get_num_new_matched_tokens")
         st.num_local = num_computed
-        hit = self._lookup(st)
+        hit = self._lookup_memo(st)
         for cfg, gs in zip(self.cfgs, st.groups):
             gs.num_hit_chunks = (num_computed + (hit or 0)) // cfg.tokens_per_chunk
         self._touch(st)
         return hit
 
+    def _lookup_memo(self, st: ReqOffload) -> int | None:
+        """``_lookup(st)``, or its last result when none of its inputs changed since: the tier's
+        content (``content_version``; ``being_loaded`` changes only with it), ``num_local`` and
+        the request's length (which fixes its offload keys). A waiting request that cannot be
+        admitted repeats the same lookup step after step."""
+        memo = st.lookup_memo
+        tier, num_local, num_tokens = self.tier, st.num_local, len(st.req.tokens)
+        if memo is not None and memo[0] == tier.content_version and memo[1] == num_local \
+                and memo[2] == num_tokens:
+            return memo[3]
+        hit = self._lookup(st)
+        st.lookup_memo = (tier.content_version, num_local, num_tokens, hit)
+        return hit
+
     def _touch(self, st: ReqOffload) -> None:
+        """Touch the request's keys in the CPU tier's LRU. Repeating a touch changes nothing when
+        the tier did not change since (the touched keys already sit at the MRU end in the order
+        the touch leaves them): then it is skipped (``_touched``: the tier's version after the
+        last touch, and what that touch covered)."""
+        tier = self.tier
+        sig = (st, len(st.req.tokens), [gs.num_hit_chunks for gs in st.groups])
+        last = self._touched
+        if last is not None and last[0] == tier.version and last[1] == sig:
+            return
         for cfg, gs in zip(self.cfgs, st.groups):
             w = cfg.sliding_window_in_chunks
             if w is None:
-                self.tier.touch(gs.keys)
+                tier.touch(gs.keys)
             else:
-                self.tier.touch(gs.keys[max(0, gs.num_hit_chunks - w):])
+                tier.touch(gs.keys[max(0, gs.num_hit_chunks - w):])
+        self._touched = (tier.version, sig)
 
     def _load_window(self, cfg, num_tokens: int) -> int:
         """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
@@ -636,9 +728,8 @@ class OffloadScheduler:
                 for cfg, gs in zip(self.cfgs, st.groups):
                     new = nb[cfg.group_id]
                     gs.block_ids.extend(new)
-                    for b in new:
-                        if b != NULL:
-                            self.batch_allocated.add(b)
+                    self.batch_allocated.update(new)
+        self.batch_allocated.discard(NULL)      # null placeholders are not allocations
         if self.sw_groups and self.batch_allocated:
             alloc, bpc = self.batch_allocated, self.bpc
             for rid, st in rs.items():
@@ -732,9 +823,7 @@ class OffloadScheduler:
                         if b != NULL and ok:
                             new_keys.append(k)
                     continue
-                for k, b in zip(keys, bids):
-                    if b != NULL:
-                        new_keys.append(k)
+                new_keys.extend(compress(keys, bids))     # the keys whose block is not NULL (0)
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue

@@ -22,7 +22,6 @@ class Shadow:
         block IDs written."""
         gpu, written = self.gpu, []
         ident, unit, tables = req.ident, req.unit, req.tables
-        nid = len(ident)
         for r in rules:
             gid = r.gid
             table = tables[gid]
@@ -37,17 +36,24 @@ class Shadow:
             last = (end - 1) // bs + 1
             if last > len(table):
                 last = len(table)
-            for i in range(start // bs, last):
-                b = table[i]
-                if b == NULL:
-                    continue
-                e = (i + 1) * bs
-                if e <= end:
-                    k = e // unit - 1            # req.ident_at(e), inlined
-                    gpu[b] = (gid, e, ident[k] if 0 <= k < nid else req.ident_at(e))
-                else:
+            i0 = start // bs
+            full = min(end // bs, last)          # blocks [i0, full) are complete at end
+            if full > i0:
+                # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1]
+                per = bs // unit
+                idents = ident[(i0 + 1) * per - 1:full * per:per]
+                if len(idents) < full - i0:      # not all known: pad as ident_at does
+                    idents += [None] * (full - i0 - len(idents))
+                for b, e, idt in zip(table[i0:full], range((i0 + 1) * bs, full * bs + 1, bs),
+                                     idents):
+                    if b != NULL:
+                        gpu[b] = (gid, e, idt)
+                        written.append(b)
+            if last > full and last > i0:        # the partial block holding token end - 1
+                b = table[last - 1]
+                if b != NULL:
                     gpu[b] = (gid, end, None)
-                written.append(b)
+                    written.append(b)
         return written
 
     def read(self, blocks) -> tuple:

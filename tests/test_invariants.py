@@ -139,3 +139,19 @@ def test_inv8_request_never_fits():
 def test_inv9_lookup_misses_ready_prefix(monkeypatch):
     monkeypatch.setattr(offload.OffloadScheduler, "_lookup", lambda self, st: 0)
     assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-9"
+
+
+def test_inv6_check_per_job_names_what_the_per_block_check_names():
+    """The model keeps pending reads per store job; the engine per block: same findings."""
+    from simsched import invariants as inv
+    by_job = {4: {10, 11, 12}, 2: {12, 30}, 7: set()}
+    by_block: dict = {}
+    for jid, blocks in by_job.items():
+        for b in blocks:
+            by_block.setdefault(b, set()).add(jid)
+    for written in ([1, 2, 3], [5, 12, 10], [30, 11], [11, 30], [], [0, 99]):
+        a = inv.check_writes(3, written, by_block, "request r")
+        b = inv.check_writes_by_job(3, written, by_job, "request r")
+        assert (a and a.to_json()) == (b and b.to_json()), written
+    v = inv.check_writes_by_job(3, [5, 12, 10], by_job, "request r")
+    assert v.detail == "block 12 written by request r while store job 2 still reads it"

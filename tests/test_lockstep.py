@@ -234,3 +234,19 @@ def test_hung_worker_is_a_recorded_finding_and_restarts(pool):
     assert sigs(res) == ["crash:WorkerTimeout:release_worker"], res.real
     again = lockstep(Case.from_json(LOAD_CASE), "0.33.0", pool)
     assert again.agree and worker.pid != pid
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_bare_real_run_drives_the_scheduler_like_the_checked_run(pool, version):
+    """bench_model.py --real times the bare Scheduler (``run_case`` with ``bare=True``: no trace,
+    shadow or checks); it must schedule, store, load and preempt exactly as the checked run."""
+    from simsched.lockstep import run_real
+    cases = [Case.from_json(LOAD_CASE), Case.from_json(FENCE_CASE),
+             generate_case(7, "full16+sw16w128+full16"), generate_case(3, "full16")]
+    for case in cases:
+        full = run_real(case, version, pool)
+        bare = pool.worker(version, case.asserts).call("run_case", timeout=120,
+                                                        case=case.to_json(), bare=True)
+        assert full["status"] == bare["status"] == "ok", (full.get("status"), bare)
+        assert bare["counters"] == full["counters"]
+        assert bare["counters"]["steps"] > 0 and bare["loop_cpu"] > 0

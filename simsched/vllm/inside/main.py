@@ -82,7 +82,8 @@ def main() -> int:
                 if "engine" not in state:
                     from simsched.vllm.inside.engine import RealEngine
                     state["engine"] = RealEngine(probe())
-                result = state["engine"].run_case(req["case"], req.get("mutant"))
+                result = state["engine"].run_case(req["case"], req.get("mutant"),
+                                                     bare=bool(req.get("bare", False)))
             elif op == "features":
                 result = probe().builder.features
             elif op == "coverage":
