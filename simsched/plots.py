@@ -466,34 +466,37 @@ def campaign_summary(data: dict) -> Table:
                    "releases": ", ".join(data["releases_installed"]) or "none"}])
 
 
+def _time_axes(ax):
+    """The axes of a plot against seconds into the campaign (a new figure when ``ax`` is None)."""
+    if ax is None:
+        _fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.set_xlabel("seconds into the campaign")
+    ax.grid(alpha=0.3)
+    return ax
+
+
 def draw_timeline(data: dict, ax=None):
     """Cumulative findings over the campaign's time (``timeline``), one marker per finding."""
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax = _time_axes(ax)
     tl = sorted(data.get("timeline", []), key=lambda e: e["t"])
     ts = [0.0] + [e["t"] for e in tl] + [data["elapsed_s"]]
     ns = [0] + list(range(1, len(tl) + 1)) + [len(tl)]
     ax.step(ts, ns, where="post", color="#c62828")
     ax.plot([e["t"] for e in tl], range(1, len(tl) + 1), "o", color="#c62828", markersize=4)
-    ax.set_xlabel("seconds into the campaign")
     ax.set_ylabel("findings")
     ax.set_title(f"findings over time ({len(data['findings'])} in the report)", fontsize=10)
-    ax.grid(alpha=0.3)
     return ax.figure
 
 
 def draw_throughput(data: dict, ax=None):
     """Examples generated against time (the timeline records the count at each finding)."""
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax = _time_axes(ax)
     tl = sorted(data.get("timeline", []), key=lambda e: e["t"])
     ts = [0.0] + [e["t"] for e in tl] + [data["elapsed_s"]]
     ex = [0] + [e["examples"] for e in tl] + [data["examples"]]
     ax.plot(ts, ex, "-o", color="#1565c0", markersize=3)
-    ax.set_xlabel("seconds into the campaign")
     ax.set_ylabel("examples")
     ax.set_title(f"throughput: {data['examples_per_s']} examples/s overall", fontsize=10)
-    ax.grid(alpha=0.3)
     return ax.figure
 
 
@@ -513,8 +516,7 @@ def draw_coverage(data: dict, axes=None):
 def draw_example_rate(data: dict, ax=None):
     """Examples per second over the campaign (``samples``: examples counted about every second;
     the rate drops to zero while a finding is being shrunk), with the overall average."""
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax = _time_axes(ax)
     pts = sorted(data.get("samples", []), key=lambda e: e["t"])
     ts, rates = [], []
     for a, b in zip(pts, pts[1:]):
@@ -527,26 +529,21 @@ def draw_example_rate(data: dict, ax=None):
         ax.step(ts, rates, where="post", color="#1565c0", linewidth=1)
     ax.axhline(data["examples_per_s"], color="#90a4ae", linestyle="--", linewidth=1,
                label=f"overall {data['examples_per_s']}/s")
-    ax.set_xlabel("seconds into the campaign")
     ax.set_ylabel("examples per second")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, loc="upper right")
     ax.set_title("examples per second", fontsize=10)
-    ax.grid(alpha=0.3)
     return ax.figure
 
 
 def draw_arcs(data: dict, ax=None):
     """Arcs of vLLM's offloading code covered inside the release workers (``arcs_timeline``)."""
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax = _time_axes(ax)
     pts = sorted(data.get("arcs_timeline", []), key=lambda e: e["t"])
     ax.step([p["t"] for p in pts], [p["arcs"] for p in pts], where="post", color="#6a1b9a")
-    ax.set_xlabel("seconds into the campaign")
     ax.set_ylabel("arcs covered")
     ax.set_title(f"vLLM offloading code covered: {data.get('vllm_arcs', 0)} arcs "
                  f"(steering: {data.get('steer', '?')})", fontsize=10)
-    ax.grid(alpha=0.3)
     return ax.figure
 
 
