@@ -104,12 +104,18 @@ def test_agreement_on_handmade_load_and_fence_cases(pool, version):
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
 def test_agreement_on_generated_cases(pool, version):
+    assert_agree(AGREEING, version, pool)
+
+
+def assert_agree(layout_seeds, version, pool) -> None:
+    """Every generated case agrees step for step, and together they load from the CPU tier (they
+    exercise its loads, not just stores)."""
     loads = 0
-    for layout, seed in AGREEING:
+    for layout, seed in layout_seeds:
         res = lockstep(generate_case(seed, layout), version, pool)
         assert res.agree, f"{layout} seed {seed}: {res.summary()}"
         loads += res.real["counters"]["loads"]
-    assert loads > 0          # the agreeing cases exercise the CPU tier's loads, not just stores
+    assert loads > 0
 
 
 #: one hand-made case per scheduler rule the model mirrors (tests/test_model_rules.py derives
@@ -164,12 +170,7 @@ MORE_LAYOUTS = ([("mla16", s) for s in range(1, 13)] + [("mla64", s) for s in ra
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
 def test_agreement_on_mla_and_chunked_local_layouts(pool, version):
-    loads = 0
-    for layout, seed in MORE_LAYOUTS:
-        res = lockstep(generate_case(seed, layout), version, pool)
-        assert res.agree, f"{layout} seed {seed}: {res.summary()}"
-        loads += res.real["counters"]["loads"]
-    assert loads > 0
+    assert_agree(MORE_LAYOUTS, version, pool)
 
 
 def test_observations_api_matches_replay(pool):
