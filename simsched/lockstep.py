@@ -303,9 +303,12 @@ LAYOUTS: dict[str, list[dict]] = {
 }
 
 
-def generate_case(seed: int, layout: str = "full16", n_requests: int | None = None) -> Case:
+def generate_case(seed: int, layout: str = "full16", n_requests: int | None = None,
+                  async_scheduling: bool = False) -> Case:
     """A small random workload: shared prefixes, a small GPU pool (so that the CPU tier serves
-    hits), short decodes, arrivals spread over a few steps, now and then an abort."""
+    hits), short decodes, arrivals spread over a few steps, now and then an abort.
+    ``async_scheduling``: the same workload under the engine's async scheduling (the
+    ``AsyncScheduler`` and a batch queue of depth 2); it draws nothing from the seed's stream."""
     import random
 
     rng = random.Random(seed)
@@ -326,8 +329,9 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
         reqs.append(r)
     blocks = rng.choice([24, 32, 48, 96]) * per_token_blocks
     return Case.from_json({
-        "layout": {"groups": groups, "engine": {"num_gpu_blocks": blocks,
-                                                "cpu_chunks": rng.choice([16, 64, 256])}},
+        "layout": {"groups": groups, "engine": dict(
+            {"num_gpu_blocks": blocks, "cpu_chunks": rng.choice([16, 64, 256])},
+            **({"async_scheduling": True} if async_scheduling else {}))},
         "requests": reqs, "seed": seed,
         "timing": {"store_latency": rng.randint(0, 3), "load_latency": rng.randint(0, 3),
                    "max_num_batched_tokens": rng.choice([64, 128, 2048]),
