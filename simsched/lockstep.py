@@ -349,7 +349,11 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: aborted before the waiting loop reaches it: its loaded blocks were never cached, so they go
 #: back to the front of the free queue: _update_waiting_for_remote_kv caches them only then)
 #: and ``window_finish`` (a's sliding-window block that leaves the window with a's last token
-#: is freed before the rest of a's blocks: Scheduler._connector_finished)
+#: is freed before the rest of a's blocks: Scheduler._connector_finished); under async
+#: scheduling: ``async_decode`` (a's decode is scheduled before its previous token is known, its
+#: finish and its store's completion are seen one step later: AsyncScheduler, the engine's batch
+#: queue) and ``async_abort`` (a, aborted while its batch is in flight, keeps its blocks until
+#: that batch's output is processed: Scheduler.defer_block_free / deferred_frees)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -392,6 +396,14 @@ HANDMADE: dict[str, dict] = {
                              {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2,
                               "abort_at": 9},
                              {"id": "c", "prompt": [[11, 40]], "arrival": 9, "decode": 1}]},
+    "async_decode": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                                "engine": {"num_gpu_blocks": 8, "async_scheduling": True}},
+                     "timing": {"store_latency": 1},
+                     "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 3}]},
+    "async_abort": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                               "engine": {"num_gpu_blocks": 8, "async_scheduling": True}},
+                    "requests": [{"id": "a", "prompt": [[7, 40]], "decode": 10, "abort_at": 3},
+                                 {"id": "b", "prompt": [[9, 20]], "arrival": 3, "decode": 1}]},
     "window_finish": {"layout": {"groups": [{"kind": "full", "block_size": 16},
                                             {"kind": "sliding_window", "block_size": 16,
                                              "sliding_window": 32}],
