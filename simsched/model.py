@@ -645,8 +645,8 @@ class Model:
             self.stall += 1
         self.progress = False
         if (self.async_.busy() if self.async_ is not None else
-                self.running or not quiet or any(r.status != WAITING_FOR_LOAD or r.rid in self.loaded
-                                                 for r in self.waiting)):
+                self.running or not quiet or any(r.status != WAITING_FOR_LOAD
+                                                 or r.rid in self.loaded for r in self.waiting)):
             if self.stall > STALL_STEPS and self.unfinished > 0:
                 stuck = [r.rid for r in self.reqs.values() if not r.finished][:5]
                 raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} "
