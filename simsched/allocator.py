@@ -249,6 +249,13 @@ class KVCacheManager:
             r.code == MAMBA and not r.cacheable for r in self.rules)
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
         self.junction = 0          # the last find_hit's shared_prefix_boundary
+        # use_eagle_block_drop (EAGLE-style speculative decoding): the last block of a GPU
+        # prefix hit is dropped, the drafter needs the tokens before the generation point
+        # recomputed (find_longest_cache_hit(drop_eagle_block)); set by the model
+        self.eagle_drop = False
+        # 0.32.0+, several groups (HybridKVCacheCoordinator): an EAGLE group matches one block
+        # past the candidate hit before dropping one (eagle_proof_margin); set by the model
+        self.eagle_margin = False
 
     # --- GPU prefix cache ------------------------------------------------------------------
     def find_hit(self, req: Request) -> int:
@@ -263,6 +270,9 @@ class KVCacheManager:
         cached, align = self.pool.cached, self.align
         contains = cached.__contains__
         L = (req.num_tokens - 1) // align * align
+        if self.eagle_drop and self.eagle_margin and L >= 0:
+            # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
+            L += min(r.bs for r in self.cacheable_rules)
         for r in self.cacheable_rules:        # full-attention prefix bound first
             if r.code != FULLISH:
                 continue
@@ -292,6 +302,8 @@ class KVCacheManager:
                 break                         # every group hits at L
         if rest and full_hit > L and len(rest) < len(self.cacheable_rules):
             self.junction = full_hit
+        if self.eagle_drop and L > 0:
+            L = (L - min(align, min(r.bs for r in self.cacheable_rules))) // align * align
         return L
 
     def apply_hit(self, req: Request, L: int) -> None:
@@ -397,18 +409,21 @@ class KVCacheManager:
         return freed
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
-                 cache_upto: int | None = None, reserved: int = 0) -> list[list[int]] | None:
-        """``allocate_slots``: blocks for ``[0, computed + num_new_tokens)``; None if the pool is dry.
+                 cache_upto: int | None = None, reserved: int = 0,
+                 lookahead: int = 0) -> list[list[int]] | None:
+        """``allocate_slots``: blocks for ``[0, computed + num_new_tokens + lookahead)``
+        (``num_lookahead_tokens``: the slots an EAGLE-style drafter writes past the scheduled
+        tokens); None if the pool is dry.
 
         Returns the new block IDs per group (null placeholders included, as vLLM reports them).
         """
         if computed is None:
             computed = req.num_computed
             if (num_new_tokens == 1 and computed <= req.quiet_until
-                    and cache_upto == computed + 1):
+                    and cache_upto == computed + 1 and not lookahead):
                 return [[] for _ in self.rules]     # a decode step that changes nothing
         self.remove_skipped_blocks(req, computed)
-        total = computed + num_new_tokens
+        total = computed + num_new_tokens + lookahead
         plan = []
         need = 0
         for r in self.rules:

@@ -300,6 +300,17 @@ LAYOUTS: dict[str, list[dict]] = {
     # assert of build_offloading_config fires on every release)
     "full16+mamba16align": [{"kind": "full", "block_size": 16},
                             {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
+    # speculative decoding (engine knobs in LAYOUT_ENGINE): n-gram drafts (no drafter group,
+    # no lookahead slots) and EAGLE with a drafter group beside its target (lookahead slots)
+    "full16+ngram2": [{"kind": "full", "block_size": 16}],
+    "full16+full16drafter+eagle2": [{"kind": "full", "block_size": 16},
+                                    {"kind": "full", "block_size": 16, "drafter": True}],
+}
+
+#: engine knobs of a generated layout beside the pool and tier sizes
+LAYOUT_ENGINE: dict[str, dict] = {
+    "full16+ngram2": {"speculative": {"method": "ngram", "num_tokens": 2}},
+    "full16+full16drafter+eagle2": {"speculative": {"method": "eagle", "num_tokens": 2}},
 }
 
 
@@ -314,6 +325,8 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
     rng = random.Random(seed)
     n = n_requests or rng.randint(2, 8)
     groups = LAYOUTS[layout]
+    knobs = LAYOUT_ENGINE.get(layout, {})
+    spec = knobs.get("speculative")
     per_token_blocks = len([g for g in groups if g["kind"] != "ring"])
     reqs = []
     for i in range(n):
@@ -326,11 +339,15 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
                    "decode": rng.randint(1, 24)}
         if rng.random() < 0.1:
             r["abort_at"] = r["arrival"] + rng.randint(0, 6)
+        if spec is not None and rng.random() < 0.8:
+            # drafts accepted per verification step (the rest rejected)
+            r["accept"] = [rng.randint(0, spec["num_tokens"])
+                           for _ in range(rng.randint(1, 4))]
         reqs.append(r)
     blocks = rng.choice([24, 32, 48, 96]) * per_token_blocks
     return Case.from_json({
         "layout": {"groups": groups, "engine": dict(
-            {"num_gpu_blocks": blocks, "cpu_chunks": rng.choice([16, 64, 256])},
+            {"num_gpu_blocks": blocks, "cpu_chunks": rng.choice([16, 64, 256])}, **knobs,
             **({"async_scheduling": True} if async_scheduling else {}))},
         "requests": reqs, "seed": seed,
         "timing": {"store_latency": rng.randint(0, 3), "load_latency": rng.randint(0, 3),
