@@ -221,6 +221,10 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
             break
     if best and off.being_loaded:
         return best, "being-loaded"
+    if 0 < best < max([cfg.tokens_per_chunk for cfg in off.cfgs], default=0):
+        # _lookup_complete_chunks: "We can only load less than a chunk, so skip" (a GPU hit
+        # that ends inside the last ready chunk leaves less than a chunk to load)
+        return best, "less-than-a-chunk"
     return best, None
 
 
