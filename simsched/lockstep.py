@@ -370,7 +370,13 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: scheduling: ``async_decode`` (a's decode is scheduled before its previous token is known, its
 #: finish and its store's completion are seen one step later: AsyncScheduler, the engine's batch
 #: queue) and ``async_abort`` (a, aborted while its batch is in flight, keeps its blocks until
-#: that batch's output is processed: Scheduler.defer_block_free / deferred_frees)
+#: that batch's output is processed: Scheduler.defer_block_free / deferred_frees); speculative
+#: decoding: ``spec_reject`` (n-gram drafts, some rejected: num_computed_tokens rolls back in
+#: update_from_output), ``spec_lookahead`` (the same under EAGLE with a drafter group:
+#: allocate_slots reserves num_lookahead_tokens slots), ``spec_pad`` (b, a full GPU prefix hit
+#: but its last token, is padded to 1 + k tokens of which the k padding drafts are rejected) and
+#: ``spec_eagle_hit`` (EAGLE drops the last block of a GPU prefix hit; 0.32.0+ hybrid layouts
+#: match one block further first)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -421,6 +427,32 @@ HANDMADE: dict[str, dict] = {
                                "engine": {"num_gpu_blocks": 8, "async_scheduling": True}},
                     "requests": [{"id": "a", "prompt": [[7, 40]], "decode": 10, "abort_at": 3},
                                  {"id": "b", "prompt": [[9, 20]], "arrival": 3, "decode": 1}]},
+    "spec_reject": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                               "engine": {"num_gpu_blocks": 16, "speculative": {
+                                   "method": "ngram", "num_tokens": 2}}},
+                    "requests": [{"id": "a", "prompt": [[7, 40]], "decode": 9,
+                                  "accept": [0, 2, 1]}]},
+    "spec_lookahead": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                             {"kind": "full", "block_size": 16,
+                                              "drafter": True}],
+                                  "engine": {"num_gpu_blocks": 16, "speculative": {
+                                      "method": "eagle", "num_tokens": 2}}},
+                       "requests": [{"id": "a", "prompt": [[7, 40]], "decode": 9,
+                                     "accept": [0, 2, 1]}]},
+    "spec_pad": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                            "engine": {"num_gpu_blocks": 16, "speculative": {
+                                "method": "ngram", "num_tokens": 2}}},
+                 "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 12},
+                              {"id": "b", "prompt": [[7, 32], [8, 1]], "arrival": 3,
+                               "decode": 3}]},
+    "spec_eagle_hit": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                             {"kind": "full", "block_size": 16,
+                                              "drafter": True}],
+                                  "engine": {"num_gpu_blocks": 32, "speculative": {
+                                      "method": "eagle", "num_tokens": 2}}},
+                       "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 3},
+                                    {"id": "b", "prompt": [[7, 48]], "arrival": 4,
+                                     "decode": 1}]},
     "window_finish": {"layout": {"groups": [{"kind": "full", "block_size": 16},
                                             {"kind": "sliding_window", "block_size": 16,
                                              "sliding_window": 32}],
