@@ -94,7 +94,7 @@ class Model:
                                  max_in_flight_tokens=in_flight)
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
-        self.shadow = Shadow(layout.engine.num_gpu_blocks)
+        self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
         # VllmConfig.num_lookahead_tokens: EAGLE-style drafters write KV past the scheduled

@@ -245,7 +245,7 @@ class _Run:
         self.unit = math.gcd(tph, *self.block_sizes)
         self.rules = [GroupRule(i, g, bs, layout.engine.enable_prefix_caching)
                       for i, (g, bs) in enumerate(zip(layout.groups, self.block_sizes))]
-        self.shadow = Shadow(layout.engine.num_gpu_blocks)
+        self.shadow = Shadow(layout.engine.num_gpu_blocks, self.bpc)
         self.tier: dict[Any, tuple] = {}          # offload key -> content (ready chunks)
         self.pending_reads: dict[int, set[int]] = {}
         self.jobs: dict[int, _Job] = {}
