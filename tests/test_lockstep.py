@@ -132,7 +132,7 @@ def assert_agree(layout_seeds, version, pool, async_scheduling: bool = False) ->
 #: request offers its chunks for storing again from chunk 0), full16+sw16w128+full16 seed 964
 #: (the request's shared_prefix_boundary is a reachable boundary of sliding-window stores)
 RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish", "async_decode",
-              "async_abort"]
+              "async_abort", "spec_reject", "spec_lookahead", "spec_pad", "spec_eagle_hit"]
 RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4", 111),
               ("full16+ring4", 729), ("full16", 268), ("full16+sw16w128+full16", 185),
               ("full16+chunked16c64", 307), ("full16+ring4", 755),
@@ -150,6 +150,24 @@ ASYNC_AGREEING = ([("full16", s) for s in range(12)]
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
 def test_agreement_on_async_generated_cases(pool, version):
     assert_agree(ASYNC_AGREEING, version, pool, async_scheduling=True)
+
+
+#: generated cases with speculative decoding (drafts proposed by the harness's worker after each
+#: step, accepted per the requests' ``accept`` patterns, so some are rejected): seeds that agree
+#: on 0.30.0 and 0.33.0; agreement over more cases: BENCHMARKS.md, "Lockstep agreement"
+SPEC_AGREEING = ([("full16+ngram2", s) for s in range(8)]
+                 + [("full16+full16drafter+eagle2", s) for s in range(8)])
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_agreement_on_speculative_generated_cases(pool, version):
+    rejected = 0
+    for layout, seed in SPEC_AGREEING:
+        case = generate_case(seed, layout)
+        res = lockstep(case, version, pool)
+        assert res.agree, f"{layout} seed {seed}: {res.summary()}"
+        rejected += sum(1 for r in case.requests if r.accept and min(r.accept) < 2)
+    assert rejected > 0          # the cases do reject drafts
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
