@@ -284,3 +284,38 @@ def test_bare_real_run_drives_the_scheduler_like_the_checked_run(pool, version):
         assert full["status"] == bare["status"] == "ok", (full.get("status"), bare)
         assert bare["counters"] == full["counters"]
         assert bare["counters"]["steps"] > 0 and bare["loop_cpu"] > 0
+
+
+#: a one-token prompt whose token is in the CPU tier (a stored it; block size 1, so 1-token
+#: chunks): BENCHMARKS.md, "Findings on 0.33.0, triaged", the INV-8 row
+ONE_TOKEN = {"layout": {"groups": [{"kind": "full", "block_size": 1}],
+                        "engine": {"num_gpu_blocks": 64}},
+             "requests": [{"id": "a", "prompt": [[1, 1], [2, 1]], "decode": 1},
+                          {"id": "b", "prompt": [[1, 1]], "arrival": 3, "decode": 1}]}
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_one_token_prompt_loaded_from_the_cpu_tier_livelocks(pool, version):
+    """A real vLLM liveness bug. b's whole prompt (one token) hits the CPU tier: the load
+    completes, _update_waiting_for_remote_kv recomputes the last prompt token
+    (num_computed_tokens 1 -> 0), the waiting loop takes b for a new request, the connector's
+    lookup finds the chunk again and loads it again: b is never scheduled. The model reproduces
+    it; with an EAGLE drafter group the trailing-chunk pop leaves nothing to load."""
+    case = Case.from_json(ONE_TOKEN)
+    real = pool.worker(version, True).call("run_case", timeout=120, case=case.to_json(),
+                                          step_cap=300)
+    assert real["status"] == "ok"
+    assert [f.get("inv_id") for f in real["findings"]] == ["INV-8"]
+    trace = real["trace"]
+    assert not any(x.startswith("sched b ") for x in trace)
+    assert sum(1 for x in trace if x.startswith("load ") and x.split()[2] == "b") > 250
+    from simsched.geometry import profile_for_release
+    from simsched.model import run_case
+    model = run_case(case, profile_for_release(version))
+    assert [f.get("inv_id") for f in model.findings] == ["INV-8"]
+    eagle = {**ONE_TOKEN, "layout": {
+        "groups": [{"kind": "full", "block_size": 1},
+                   {"kind": "full", "block_size": 1, "drafter": True}],
+        "engine": {"num_gpu_blocks": 64, "speculative": {"method": "eagle", "num_tokens": 2}}}}
+    res = lockstep(Case.from_json(eagle), version, pool)
+    assert res.agree and not res.real["findings"], res.summary()
