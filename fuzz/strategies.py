@@ -28,9 +28,15 @@ PROMPT_LENGTHS = (64, 16, 1, 128, 256, 1000, 1152, 2304, 4096)
 FAMILIES = ("free", "dense", "gpt_oss", "mamba_hybrid", "deepseek_v4", "mla_ring", "drafter")
 
 
-@lru_cache(maxsize=None)
 def _pick(values: tuple):
-    """``sampled_from`` built once per value list: building strategies is the slow part."""
+    """``sampled_from`` built once per value list: building strategies is the slow part. Keyed by
+    the values' types too: ``(0, 1) == (False, True)``, and a draw of ``_pick((0, 1))`` (prompt
+    segment seeds) must never return a bool."""
+    return _sampled(values, tuple(type(v) for v in values))
+
+
+@lru_cache(maxsize=None)
+def _sampled(values: tuple, _types: tuple):
     return st.sampled_from(values)
 
 

@@ -8,6 +8,11 @@ offloading manager. This module plays the GPU worker only:
 
 * one sampled token per request whose prefill is complete, ``simsched.model._token`` (the model
   samples the same ids);
+* speculative decoding (sync scheduling): ``k`` drafts per request of an executed batch through
+  ``Scheduler.update_draft_token_ids`` (as ``EngineCore.post_step``), the tokens that follow the
+  request's known ones; a step that scheduled drafts accepts the first ones as the request's
+  ``accept`` pattern says (``RequestSpec.accepted``; padding drafts ``-1`` never) and samples one
+  token after them, so ``update_from_output`` rolls back over the rejected ones;
 * transfer completions through the connector's real output path: a store reports only through
   ``OffloadingWorkerMetadata.completed_jobs``; a load through ``completed_jobs`` and
   ``finished_recving`` (as the real offloading worker does). A job created at time ``t`` is
