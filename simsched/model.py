@@ -308,6 +308,7 @@ class Model:
         if tracing:
             lines.append(f"step {step}")
         kv, off = self.kv, self.off
+        kv.new_step()
         allocate = kv.allocate
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -371,7 +372,7 @@ class Model:
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
         stores, loads, flush = off.build_connector_meta(scheduled, new_blocks, preempted,
-                                                        finished, self.reqs)
+                                                        finished, self.reqs, kv.take_offers())
         if stores:
             store_t = t + self.timing.store_latency
             geo, schedule = self.geo, self.q.schedule
@@ -518,7 +519,7 @@ class Model:
                         or kv.admission_blocks(req, L, total, total + n, False)
                         > pool.num_free() - reserved):
                     break
-                kv.apply_hit(req, L)
+                kv.apply_hit(req, L, total)
                 req.num_cached = L
             else:
                 L = req.num_computed
