@@ -301,6 +301,7 @@ LAYOUTS: dict[str, list[dict]] = {
     "full16+mamba16align": [{"kind": "full", "block_size": 16},
                             {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
 }
+_MAMBA_ALIGN = LAYOUTS["full16+mamba16align"]
 
 
 def generate_case(seed: int, layout: str = "full16", n_requests: int | None = None) -> Case:
@@ -345,7 +346,10 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: aborted before the waiting loop reaches it: its loaded blocks were never cached, so they go
 #: back to the front of the free queue: _update_waiting_for_remote_kv caches them only then)
 #: and ``window_finish`` (a's sliding-window block that leaves the window with a's last token
-#: is freed before the rest of a's blocks: Scheduler._connector_finished)
+#: is freed before the rest of a's blocks: Scheduler._connector_finished) and ``mamba_load``
+#: (align-mode Mamba: a's state at 64 is stored as a job of its own, before a's chunk job, and
+#: loaded back into one state block for b) and ``mamba_stall`` (the same with one block less:
+#: the real scheduler stalls, see BENCHMARKS.md, "Lockstep agreement")
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -395,4 +399,14 @@ HANDMADE: dict[str, dict] = {
                       "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 16},
                                    {"id": "b", "prompt": [[9, 64]], "arrival": 20,
                                     "decode": 1}]},
+    "mamba_load": {"layout": {"groups": _MAMBA_ALIGN, "engine": {"num_gpu_blocks": 9}},
+                   "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                 "decode": 2}]},
+    "mamba_stall": {"layout": {"groups": _MAMBA_ALIGN, "engine": {"num_gpu_blocks": 8}},
+                    "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                 {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                 {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                  "decode": 2}]},
 }

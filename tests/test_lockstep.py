@@ -130,7 +130,7 @@ def assert_agree(layout_seeds, version, pool) -> None:
 #: seen to its right, so the lookup is not deferred), full16+ring4 seed 755 (0.33.0: a resumed
 #: request offers its chunks for storing again from chunk 0), full16+sw16w128+full16 seed 964
 #: (the request's shared_prefix_boundary is a reachable boundary of sliding-window stores)
-RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish"]
+RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish", "mamba_load"]
 RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4", 111),
               ("full16+ring4", 729), ("full16", 268), ("full16+sw16w128+full16", 185),
               ("full16+chunked16c64", 307), ("full16+ring4", 755),
@@ -171,6 +171,27 @@ MORE_LAYOUTS = ([("mla16", s) for s in range(1, 13)] + [("mla64", s) for s in ra
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
 def test_agreement_on_mla_and_chunked_local_layouts(pool, version):
     assert_agree(MORE_LAYOUTS, version, pool)
+
+
+#: align-mode Mamba (MambaManager, boundary-state stores): seeds 0-19, and seed 78, whose request
+#: loads a Mamba state from the CPU tier
+MAMBA_SEEDS = [("full16+mamba16align", s) for s in list(range(20)) + [78]]
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_agreement_on_mamba_align_layout(pool, version):
+    assert_agree(MAMBA_SEEDS, version, pool)
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_real_scheduler_stalls_on_a_loaded_mamba_request(pool, version):
+    """HANDMADE["mamba_stall"]: b's CPU hit is admitted into a pool that holds exactly its whole
+    sequence as the full-sequence gate counts it (6 full-attention blocks + 1 Mamba block), but
+    its next chunk needs a second Mamba block while the loaded state block is still held: the real
+    scheduler never schedules b again (INV-8), and the model does the same."""
+    res = lockstep(Case.from_json(HANDMADE["mamba_stall"]), version, pool)
+    assert res.agree, res.summary()
+    assert sigs(res) == ["invariant:INV-8"]
 
 
 def test_observations_api_matches_replay(pool):

@@ -169,3 +169,31 @@ def test_cpu_lru_ranks_from_0310():
     assert _tier_evicts(True, False) == [2, 3]
     assert _tier_evicts(False, True) == [2, 3]
     assert _tier_evicts(True, True) == [2, 3]
+
+
+def test_mamba_align_state_is_stored_and_loaded_as_one_boundary_block():
+    """Align-mode Mamba (OffloadingConnectorScheduler): the Mamba group requires_cow_source, so
+    _build_store_jobs skips it; MambaManager.cache_blocks hands each cached state block over
+    (take_boundary_state_offloads) and _build_aligned_boundary_store_jobs, called before
+    _build_store_jobs, makes one store job per boundary that ends a chunk within the offloadable
+    tokens: a's state at 64 (hash index 3, the block at index 3) is job 0, a's four full-attention
+    chunks job 1. f's state at 96 is its own job too. b's CPU hit of 64 tokens loads one Mamba
+    key, the state at 64, into the one state block update_state_after_alloc finds (index 3); b's
+    next chunk puts its state at index 5 (cdiv(84, 16) - 1), nulls at 4."""
+    t = trace("mamba_load")
+    stores = [x for x in t if x.startswith("store ")]
+    a0, a1 = stores[0].split(), stores[1].split()
+    assert a0[:3] == ["store", "0", "a"] and len(a0) == 4 and a0[3].startswith("g1:3=")
+    assert a1[:3] == ["store", "1", "a"] and all(p.startswith("g0:") for p in a1[3:])
+    assert len(a1) == 3 + 4
+    assert any(x.split()[2] == "f" and x.split()[3:] == [x.split()[3]]
+               and x.split()[3].startswith("g1:5=") for x in stores)
+    load = t[first(t, "load ")].split()
+    assert load[2] == "b"
+    g1 = [p for p in load[3:] if p.startswith("g1:")]
+    assert len(g1) == 1 and g1[0].startswith("g1:3=")
+    state = int(g1[0].split("=")[1])
+    alloc_b = t[first(t, "alloc b ")].split()
+    g1_table = [int(x) for x in alloc_b[3].split("=")[1].split(",")]
+    assert g1_table[:3] == [0, 0, 0] and g1_table[3] == state and g1_table[4] == 0
+    assert len(g1_table) == 6 and g1_table[5] != 0
