@@ -9,9 +9,17 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
   (evictable, LRU) until it is handed out again;
 * full / mla / cross_attention (and drafter groups, which sit beside their target) hold a block
   for every token; sliding_window / chunked_local / mamba free blocks out of reach
-  (``get_num_skipped_tokens``) and put the null block in their place; a mamba group keeps only its
-  latest state block (in ``align`` mode the states at block boundaries are prefix-cached); a ring
+  (``get_num_skipped_tokens``) and put the null block in their place; a ring
   (``CircularBufferSpec``) claims one block for the request's lifetime and is never cached;
+* a mamba group in ``align`` mode (``MambaManager``, ``mamba_cache_mode == "align"``, no
+  speculative or prefill-checkpoint blocks) allocates, per allocation that reaches a new block,
+  null blocks up to the last block and one new block there for the running state; the state of
+  the previous allocation is freed by the next ``remove_skipped_blocks`` (which skips the null
+  gaps a chunked prefill leaves); a state block that is full when cached (a chunk ending on a
+  block boundary) is prefix-cached and offered to the connector with its boundary; admission
+  counts at most one new block plus an evictable hit block, and a hit on a state cached in the
+  same step waits for the next one (``cached_blocks_this_step``). A hit is the one state block
+  ending at the hit length (nulls before it);
 * a GPU prefix hit needs every prefix-cacheable group to hit (hit lengths are aligned to the
   scheduler block size, and a windowed group only needs the blocks still in its reach).
 """
