@@ -217,14 +217,15 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "is refused",
             releases=("0.32.0",), offloaded_groups=prefix_cacheable_groups,
             asserted_groups=prefix_cacheable_groups, single_group_dcp_by_spec=True,
-            single_group_unit_check=True),
+            single_group_unit_check=True, extra={"mamba_checkpoint_below": True}),
     Profile("prefix-cacheable-windows-in-config",
             "as prefix-cacheable-strict-unit; sliding windows in chunks derived in "
             "offloading/config.py",
             releases=("0.33.0",), offloaded_groups=prefix_cacheable_groups,
             asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY,
             single_group_dcp_by_spec=True, single_group_unit_check=True,
-            extra={"cpu_lru": "request-ranks", "restart_store_idx": True}),
+            extra={"cpu_lru": "request-ranks", "restart_store_idx": True,
+                   "mamba_checkpoint_below": True}),
     Profile("fix-assert-only",
             "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
             "which are still offloaded",

@@ -95,6 +95,16 @@ class Model:
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks)
+        # Scheduler.need_mamba_block_aligned_split (an align-mode Mamba group, so the engine's
+        # cache_config.mamba_cache_mode is "align"): prefill chunks are cut at block boundaries
+        # of cache_config.block_size, the first attention group's block size (_mamba_split)
+        self.mamba_split_bs = 0
+        if any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in layout.groups):
+            attn = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
+            self.mamba_split_bs = (attn[0] if attn else layout.groups[0]).block_size
+        # the last block-aligned position whose state can be cached: floor(num_tokens) up to
+        # 0.31.0, get_mamba_prefill_checkpoint_position (floor(num_tokens - 1)) from 0.32.0
+        self.mamba_split_below = profile.extra.get("mamba_checkpoint_below", False)
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
         self.timing = timing
@@ -366,6 +376,8 @@ class Model:
                 n += ph
             if n > budget:
                 n = budget
+            if self.mamba_split_bs and n > 0:
+                n = self._mamba_split(req, n, c)
             if n <= 0:
                 i += 1
                 continue
@@ -483,6 +495,34 @@ class Model:
                 pr[job.jid] = set(job.deferred).union(job.fenced or ())
         self.progress = self.progress or bool(sched_reqs)
 
+    def _mamba_split(self, req: Request, n: int, start: int) -> int:
+        """``Scheduler._mamba_block_aligned_split`` (no EAGLE, no partial-tail hits, no prefill
+        checkpoint blocks, long_prefill_token_threshold 0): a prefill chunk of ``n`` tokens from
+        ``start`` ends on a block boundary unless it ends the prefill, stops at the next
+        boundary when it starts inside a block, at the last cacheable boundary and at the
+        block-floored shared-prefix junction."""
+        prefill_end = max(req.num_prompt, req.num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        bs = self.mamba_split_bs
+        nt = req.num_tokens
+        last = ((nt - 1) if self.mamba_split_below else nt) // bs * bs
+        end = start + n
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.timing.max_num_batched_tokens:
+                end = aligned
+        stops = [last]
+        if start % bs:
+            stops.append((start // bs + 1) * bs)
+        junction = self.off.junction.get(req.rid, 0)
+        if start < junction < end:
+            stops.append(start + (junction - start) // bs * bs)
+        inside = [x for x in stops if start < x < end]
+        if inside:
+            end = min(inside)
+        return max(end - start, 0)
+
     def _fast_bound(self, req: Request) -> None:
         """After a full step of a running request: up to which ``num_computed`` its next decode
         steps are quiet, and the (group, block) pairs such a step writes.
@@ -562,6 +602,10 @@ class Model:
                 # then the chunk's blocks, for a load beyond the blocks reserved for the in-flight
                 # prefills (Scheduler._inflight_prefill_reserved_blocks)
                 total, n = L + ext, (0 if ext else min(req.num_tokens - L, budget))
+                if n and self.mamba_split_bs:
+                    n = self._mamba_split(req, n, L)
+                    if n == 0:
+                        break
                 reserved = sum([kv.remaining_blocks(r) for r in inflight.values()]) if ext else 0
                 if (kv.admission_blocks(req, L, total, req.num_tokens, True) > pool.num_free()
                         or kv.admission_blocks(req, L, total, total + n, False)
@@ -595,6 +639,10 @@ class Model:
                 i += 1
                 continue
             n = min(req.num_tokens - L, budget)
+            if self.mamba_split_bs:
+                n = self._mamba_split(req, n, L)
+                if n == 0:
+                    break
             req.num_computed = L
             nb = kv.allocate(req, n, cache_upto=L + n)
             if nb is None:

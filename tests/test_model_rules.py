@@ -224,15 +224,16 @@ def test_async_abort_defers_the_free_of_blocks_a_batch_in_flight_writes():
 
 
 def test_mamba_align_state_is_stored_and_loaded_as_one_boundary_block():
-    """Align-mode Mamba (OffloadingConnectorScheduler): the Mamba group requires_cow_source, so
-    _build_store_jobs skips it; MambaManager.cache_blocks hands each cached state block over
-    (take_boundary_state_offloads) and _build_aligned_boundary_store_jobs, called before
-    _build_store_jobs, makes one store job per boundary that ends a chunk within the offloadable
-    tokens: a's state at 64 (hash index 3, the block at index 3) is job 0, a's four full-attention
-    chunks job 1. f's state at 96 is its own job too. b's CPU hit of 64 tokens loads one Mamba
-    key, the state at 64, into the one state block update_state_after_alloc finds (index 3); b's
-    next chunk puts its state at index 5 (cdiv(84, 16) - 1), nulls at 4."""
-    t = trace("mamba_load")
+    """Align-mode Mamba (OffloadingConnectorScheduler), 0.30.0: the Mamba group
+    requires_cow_source, so _build_store_jobs skips it; MambaManager.cache_blocks hands each
+    cached state block over (take_boundary_state_offloads) and _build_aligned_boundary_store_jobs,
+    called before _build_store_jobs, makes one store job per boundary that ends a chunk within the
+    offloadable tokens: a's state at 64 (hash index 3, the block at index 3) is job 0, a's four
+    full-attention chunks job 1. f's state at 96 is its own job too. b's CPU hit of 64 tokens
+    loads one Mamba key, the state at 64, into the one state block update_state_after_alloc finds
+    (index 3). b's next chunk (_mamba_block_aligned_split, 0.30.0: the last cacheable position is
+    84 - 84 % 16 = 80, inside (64, 84)) is 16 tokens, its state at index 4 = cdiv(80, 16) - 1."""
+    t = trace("mamba_load", "every-group")
     stores = [x for x in t if x.startswith("store ")]
     a0, a1 = stores[0].split(), stores[1].split()
     assert a0[:3] == ["store", "0", "a"] and len(a0) == 4 and a0[3].startswith("g1:3=")
@@ -245,7 +246,22 @@ def test_mamba_align_state_is_stored_and_loaded_as_one_boundary_block():
     g1 = [p for p in load[3:] if p.startswith("g1:")]
     assert len(g1) == 1 and g1[0].startswith("g1:3=")
     state = int(g1[0].split("=")[1])
+    assert first(t, "sched b 16") < first(t, "sched b 4")
     alloc_b = t[first(t, "alloc b ")].split()
     g1_table = [int(x) for x in alloc_b[3].split("=")[1].split(",")]
-    assert g1_table[:3] == [0, 0, 0] and g1_table[3] == state and g1_table[4] == 0
-    assert len(g1_table) == 6 and g1_table[5] != 0
+    assert g1_table[:3] == [0, 0, 0] and g1_table[3] == state
+    assert len(g1_table) == 5 and g1_table[4] != 0
+
+
+def test_mamba_align_prefill_chunks_end_at_cacheable_block_boundaries():
+    """Scheduler._mamba_block_aligned_split (cache_config.mamba_cache_mode "align"): a prefill
+    chunk never runs past the last cacheable block boundary: 0.30.0 and 0.31.0 take
+    num_tokens - num_tokens % block_size, 0.32.0+ get_mamba_prefill_checkpoint_position
+    ((num_tokens - 1) // block_size * block_size, one token left to recompute). a's 64-token
+    prompt: one chunk on 0.30.0 (64 is not inside (0, 64)), 48 + 16 on 0.33.0; b's 20 tokens
+    after its 64-token hit: 16 + 4 on both (80 is inside (64, 84))."""
+    old, new = trace("mamba_load", "every-group"), trace("mamba_load")
+    assert [x for x in old if x.startswith("sched a ")][:1] == ["sched a 64"]
+    assert [x for x in new if x.startswith("sched a ")][:2] == ["sched a 48", "sched a 16"]
+    for t in (old, new):
+        assert [x for x in t if x.startswith("sched b ")][:2] == ["sched b 16", "sched b 4"]
