@@ -237,7 +237,8 @@ class KVCacheManager:
     """``KVCacheManager`` + coordinator over one :class:`BlockPool`."""
 
     def __init__(self, groups, block_sizes: list[int], num_blocks: int, align: int,
-                 enable_prefix_caching: bool = True, max_in_flight_tokens: int | None = None):
+                 enable_prefix_caching: bool = True, max_in_flight_tokens: int | None = None,
+                 mamba_tail_recache: int = 0):
         self.pool = BlockPool(num_blocks)
         self.rules = [GroupRule(i, g, bs, enable_prefix_caching)
                       for i, (g, bs) in enumerate(zip(groups, block_sizes))]
@@ -271,6 +272,13 @@ class KVCacheManager:
         # every align-mode Mamba block cached in this step, drained by take_offers
         # (KVCacheManager.take_boundary_state_offloads, once per step for the connector)
         self.offers: list[tuple[str, int, int, int]] = []
+        # 0.32.0's MambaManager._cache_partial_tail_block re-registers the state block at the
+        # prompt's last hash boundary, (num_prompt - 1) // tph * tph, whenever cache_blocks is
+        # called there, although the block is already keyed at that boundary (0.33.0 returns
+        # early: "re-caching would mark it cached this step and defer every sibling that hits
+        # it"; 0.30.0/0.31.0 skip a Mamba block equal to the hash block): the block counts as
+        # cached this step again. The hash unit tph when the rule applies, else 0.
+        self.mamba_tail_recache = mamba_tail_recache
 
     def new_step(self) -> None:
         """``KVCacheManager.new_step_starts``."""
@@ -353,6 +361,17 @@ class KVCacheManager:
         pool = self.pool
         key, cached, more = pool.key, pool.cached, pool.more
         done = req.num_cached_blocks
+        tph = self.mamba_tail_recache
+        if tph and self.align_rules:
+            # the coordinator caches min(num_tokens, known tokens) aligned down (_align_cacheable)
+            t = min(num_tokens, req.num_tokens) // self.align * self.align
+            if t and t % tph == 0 and t == (req.num_prompt - 1) // tph * tph:
+                for r in self.align_rules:
+                    table = req.tables[r.gid]
+                    i = -(-t // r.bs) - 1
+                    if r.cacheable and i < len(table) and table[i] != NULL \
+                            and key[table[i]] is not None and t % r.bs == 0:
+                        self.cached_this_step.add(key[table[i]])
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]

@@ -217,7 +217,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "is refused",
             releases=("0.32.0",), offloaded_groups=prefix_cacheable_groups,
             asserted_groups=prefix_cacheable_groups, single_group_dcp_by_spec=True,
-            single_group_unit_check=True, extra={"mamba_checkpoint_below": True}),
+            single_group_unit_check=True,
+            extra={"mamba_checkpoint_below": True, "mamba_tail_recache": True}),
     Profile("prefix-cacheable-windows-in-config",
             "as prefix-cacheable-strict-unit; sliding windows in chunks derived in "
             "offloading/config.py",

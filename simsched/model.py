@@ -91,7 +91,9 @@ class Model:
         in_flight = timing.max_num_batched_tokens * (2 if layout.engine.async_scheduling else 1)
         self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
                                  geo.scheduler_block_size, layout.engine.enable_prefix_caching,
-                                 max_in_flight_tokens=in_flight)
+                                 max_in_flight_tokens=in_flight,
+                                 mamba_tail_recache=(geo.tokens_per_hash if profile.extra.get(
+                                     "mamba_tail_recache") else 0))
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks)

@@ -232,3 +232,26 @@ def test_hit_blocks_out_of_reach_of_the_loaded_tokens_are_not_touched():
     assert sw == [NULL] * 6                              # the window at 160 starts past 96
     assert [x for x in kv.pool.free if x not in b.tables[0]] == \
         [x for x in order if x not in b.tables[0]]
+
+
+def test_mamba_align_prompt_tail_recached_on_0320_only():
+    """MambaManager._cache_partial_tail_block, called by cache_blocks with the cacheable tokens
+    aligned down (_align_cacheable): at the prompt's last hash boundary, (num_prompt - 1) // 16
+    * 16 = 64 for a 70-token prompt, 0.32.0 registers the state block again although it is keyed
+    there already, so it is cached this step again and a sibling hitting it waits one more step;
+    0.33.0 returns early ("already keyed here"), 0.30.0/0.31.0 skip a Mamba block equal to the
+    hash block. a computes 64 tokens (step 0), then its last 6 (step 1): b, hitting a's state at
+    64, is deferred in step 1 on 0.32.0 only."""
+    for recache, deferred in ((16, True), (0, False)):
+        kv = KVCacheManager([Group("full", 16), MAMBA], [16, 16], 64, 16,
+                            mamba_tail_recache=recache)
+        a = Request("a", 0, None, [(31 + i) % 1000 for i in range(70)], 74, 16, 2)
+        kv.new_step()
+        kv.allocate(a, 64, cache_upto=64)
+        a.num_computed = 64
+        kv.new_step()
+        kv.allocate(a, 6, cache_upto=70)
+        b = Request("b", 1, None, [(31 + i) % 1000 for i in range(64)] + [5] * 36, 104, 16, 2)
+        assert kv.find_hit(b) == 64
+        waits = kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.num_free()
+        assert waits is deferred, recache
