@@ -363,8 +363,12 @@ class KVCacheManager:
         done = req.num_cached_blocks
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
-            # the coordinator caches min(num_tokens, known tokens) aligned down (_align_cacheable)
-            t = min(num_tokens, req.num_tokens) // self.align * self.align
+            # the tokens the coordinator caches: min(num_tokens, known tokens), aligned down by
+            # the hybrid coordinator (get_num_cacheable_tokens: _align_cacheable), not by the
+            # unitary one of a single group
+            t = min(num_tokens, req.num_tokens)
+            if len(self.rules) > 1:
+                t = t // self.align * self.align
             if t and t % tph == 0 and t == (req.num_prompt - 1) // tph * tph:
                 for r in self.align_rules:
                     table = req.tables[r.gid]
