@@ -353,7 +353,7 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: is freed before the rest of a's blocks: Scheduler._connector_finished) and ``mamba_load``
 #: (align-mode Mamba: a's state at 64 is stored as a job of its own, before a's chunk job, and
 #: loaded back into one state block for b) and ``mamba_stall`` (the same with one block less:
-#: the real scheduler stalls, see BENCHMARKS.md, "Lockstep agreement"); under async
+#: the real scheduler stalls, see docs/invariants.md); under async
 #: scheduling: ``async_decode`` (a's decode is scheduled before its previous token is known, its
 #: finish and its store's completion are seen one step later: AsyncScheduler, the engine's batch
 #: queue) and ``async_abort`` (a, aborted while its batch is in flight, keeps its blocks until

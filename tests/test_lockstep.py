@@ -200,11 +200,13 @@ def test_agreement_on_mamba_align_layout(pool, version):
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
-def test_real_scheduler_stalls_on_a_loaded_mamba_request(pool, version):
-    """HANDMADE["mamba_stall"]: b's CPU hit is admitted into a pool that holds exactly its whole
-    sequence as the full-sequence gate counts it (6 full-attention blocks + 1 Mamba block), but
-    its next chunk needs a second Mamba block while the loaded state block is still held: the real
-    scheduler never schedules b again (INV-8), and the model does the same."""
+def test_real_scheduler_stalls_on_a_mamba_state_move(pool, version):
+    """HANDMADE["mamba_stall"]: the full-sequence gate counts one Mamba block per request, but the
+    allocation that moves a request's state to a new block holds two (the previous one is freed
+    at the next allocation). With 7 usable blocks: on 0.30.0 b, admitted with a CPU load of 64
+    tokens (6 full-attention blocks + 1 Mamba block counted), cannot take its next chunk; on
+    0.33.0 f's prefill, cut 80 + 16 at block boundaries, is preempted at its second chunk. The real
+    scheduler makes no progress (INV-8), and the model does the same."""
     res = lockstep(Case.from_json(HANDMADE["mamba_stall"]), version, pool)
     assert res.agree, res.summary()
     assert sigs(res) == ["invariant:INV-8"]
