@@ -221,3 +221,20 @@ def test_async_abort_defers_the_free_of_blocks_a_batch_in_flight_writes():
     assert a and b and not a & b
     s = _sync("async_abort")
     assert blocks_of(s[first(s, "alloc a ")]) & blocks_of(s[first(s, "alloc b ")])
+
+
+def test_async_window_blocks_are_freed_on_the_processed_tokens():
+    """KVCacheManager.allocate_slots frees the blocks out of a window with remove_skipped_blocks
+    on max(0, total_computed_tokens - request.num_in_flight_tokens) ("in-flight steps' attention
+    windows still read blocks below the optimistic boundary"), while the blocks to add count every
+    computed token. a (48-token prompt, window 32, 3 blocks per group) decodes at step 1: 49
+    tokens need a fourth block in each group, and get_num_skipped_tokens(48) = 48 - 32 + 1 = 17
+    puts a's first window block out of reach. Synchronously it is freed at step 1: a holds 7 of
+    the 11 usable blocks and b (32 tokens, 2 blocks per group) fits in the 4 left at step 1. Under
+    async scheduling the prefill's 48 tokens are still in flight at step 1 (processed 0): a holds
+    8, b does not fit; at step 2 the prefill's output is processed (48 tokens, the first decode
+    in flight), the block is freed and b is admitted."""
+    t = trace("async_window")
+    assert segment_of(t, "sched b 32")[0] == "step 2"
+    s = _sync("async_window")
+    assert segment_of(s, "sched b 32")[0] == "step 1"
