@@ -223,7 +223,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             releases=("0.33.0",), offloaded_groups=prefix_cacheable_groups,
             asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY,
             single_group_dcp_by_spec=True, single_group_unit_check=True,
-            extra={"cpu_lru": "request-ranks", "restart_store_idx": True}),
+            extra={"cpu_lru": "request-ranks", "restart_store_idx": True,
+                   "alloc_all_groups": True}),
     Profile("fix-assert-only",
             "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
             "which are still offloaded",

@@ -607,6 +607,8 @@ class Model:
                     kv.free(req)
                     req.num_computed = 0
                 break
+            if off.alloc_all_groups:
+                off.update_state_after_alloc(req, req.tables, 0, None)
             del waiting[i]
             if i < self.n_held:
                 self.n_held -= 1

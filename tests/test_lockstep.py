@@ -132,7 +132,7 @@ def assert_agree(layout_seeds, version, pool, async_scheduling: bool = False) ->
 #: request offers its chunks for storing again from chunk 0), full16+sw16w128+full16 seed 964
 #: (the request's shared_prefix_boundary is a reachable boundary of sliding-window stores)
 RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish", "async_decode",
-              "async_abort", "async_window"]
+              "async_abort", "async_window", "ring_fence"]
 RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4", 111),
               ("full16+ring4", 729), ("full16", 268), ("full16+sw16w128+full16", 185),
               ("full16+chunked16c64", 307), ("full16+ring4", 755),
