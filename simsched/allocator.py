@@ -501,8 +501,12 @@ class KVCacheManager:
         return freed
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
-                 cache_upto: int | None = None, reserved: int = 0) -> list[list[int]] | None:
+                 cache_upto: int | None = None, reserved: int = 0,
+                 processed: int | None = None) -> list[list[int]] | None:
         """``allocate_slots``: blocks for ``[0, computed + num_new_tokens)``; None if the pool is dry.
+        ``processed``: the tokens whose output is processed (``num_computed_tokens -
+        num_in_flight_tokens`` under async scheduling): blocks out of a window are freed on that
+        basis (``remove_skipped_blocks``), while the blocks to add count ``computed``.
 
         Returns the new block IDs per group (null placeholders included, as vLLM reports them).
         """
@@ -511,7 +515,7 @@ class KVCacheManager:
             if (num_new_tokens == 1 and computed <= req.quiet_until
                     and cache_upto == computed + 1):
                 return [[] for _ in self.rules]     # a decode step that changes nothing
-        self.remove_skipped_blocks(req, computed)
+        self.remove_skipped_blocks(req, computed if processed is None else processed)
         total = computed + num_new_tokens
         plan = []
         need = 0

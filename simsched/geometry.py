@@ -226,7 +226,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY,
             single_group_dcp_by_spec=True, single_group_unit_check=True,
             extra={"cpu_lru": "request-ranks", "restart_store_idx": True,
-                   "mamba_checkpoint_below": True}),
+                   "mamba_checkpoint_below": True,
+                   "alloc_all_groups": True}),
     Profile("fix-assert-only",
             "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
             "which are still offloaded",

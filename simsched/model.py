@@ -212,7 +212,11 @@ class Model:
         self.inflight.pop(req.rid, None)
         # Scheduler._connector_finished: blocks out of a window are freed
         # (remove_skipped_blocks on the processed tokens) before the connector sees the table
-        self.kv.remove_skipped_blocks(req, req.num_computed if computed is None else computed)
+        if computed is None:
+            computed = req.num_computed
+            if self.async_ is not None:
+                computed = self.async_.processed(req)
+        self.kv.remove_skipped_blocks(req, computed)
         self.off.request_finished(req)
         if delay_free:
             # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
@@ -384,10 +388,12 @@ class Model:
                 i += 1
                 continue
             upto = c + n
+            processed = None
             if asy is not None:
                 upto = min(upto, len(req.tokens))     # allocate_slots caches known tokens only
+                processed = asy.processed(req)
             while True:
-                nb = allocate(req, n, cache_upto=upto)
+                nb = allocate(req, n, cache_upto=upto, processed=processed)
                 if nb is not None:
                     break
                 if asy is not None and not asy.can_free(running[-1]):
@@ -652,6 +658,8 @@ class Model:
                     kv.free(req)
                     req.num_computed = 0
                 break
+            if off.alloc_all_groups:
+                off.update_state_after_alloc(req, req.tables, 0, None)
             del waiting[i]
             if i < self.n_held:
                 self.n_held -= 1
@@ -743,6 +751,10 @@ class AsyncRun:
       tokens arrive, up to ``num_computed - num_in_flight_tokens``
       (``update_from_output``; 0.30.0's ``AsyncScheduler._update_request_with_output`` says
       ``num_computed - num_output_placeholders``, the same count without speculative tokens);
+    * blocks out of a window are freed on the processed tokens, ``num_computed -
+      num_in_flight_tokens`` (``allocate_slots`` and ``_connector_finished`` call
+      ``remove_skipped_blocks`` on that basis), the blocks to add still count every computed
+      token;
     * ``defer_block_free`` (set with more than one concurrent batch and a connector that can
       be a KV consumer, as the OffloadingConnector's ``kv_both``): a request scheduled in a batch
       still in flight is never a preemption victim (``_request_blocks_can_be_freed``), and its
@@ -775,6 +787,13 @@ class AsyncRun:
     def busy(self) -> bool:
         """The engine steps again: something to schedule, a job pending, a batch in flight."""
         return self.has_requests() or not self.m.off.quiet() or bool(self.queue)
+
+    def processed(self, req: Request) -> int:
+        """``num_computed_tokens - num_in_flight_tokens``: the tokens of batches whose output is
+        processed, the basis on which blocks out of a window are freed (``allocate_slots``,
+        ``_connector_finished``: "in-flight steps' attention windows still read blocks below
+        the optimistic boundary")."""
+        return max(0, req.num_computed - self.in_flight.get(req.rid, 0))
 
     def can_free(self, req: Request) -> bool:
         return self.last_seq.get(req.rid, 0) <= self.processed_seq

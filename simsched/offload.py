@@ -438,6 +438,10 @@ class OffloadScheduler:
         self.junction: dict[str, int] = {}
         # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
         self.restart_store_idx = profile.extra.get("restart_store_idx", False)
+        # 0.33.0's update_state_after_alloc records every block of an admitted request, in every
+        # group (also groups not offloaded, GPU hits included) as allocated in this batch, with or
+        # without a load: a pending store fencing one of them is flushed
+        self.alloc_all_groups = profile.extra.get("alloc_all_groups", False)
         self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
                           if layout is not None and layout.groups[g.group_id].kind in
                           ("sliding_window", "sliding_window_mla")}
@@ -674,6 +678,8 @@ class OffloadScheduler:
         """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
         block tables (every KV cache group), ``is_cached(block)`` tells whether a block carries a
         block hash (a GPU prefix hit)."""
+        if self.alloc_all_groups:
+            self.batch_allocated.update(b for table in tables for b in table if b != NULL)
         if num_external == 0:
             return None
         st = self.req_status[req.rid]

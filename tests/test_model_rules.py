@@ -265,3 +265,44 @@ def test_mamba_align_prefill_chunks_end_at_cacheable_block_boundaries():
     assert [x for x in new if x.startswith("sched a ")][:2] == ["sched a 48", "sched a 16"]
     for t in (old, new):
         assert [x for x in t if x.startswith("sched b ")][:2] == ["sched b 16", "sched b 4"]
+
+
+def test_async_window_blocks_are_freed_on_the_processed_tokens():
+    """KVCacheManager.allocate_slots frees the blocks out of a window with remove_skipped_blocks
+    on max(0, total_computed_tokens - request.num_in_flight_tokens) ("in-flight steps' attention
+    windows still read blocks below the optimistic boundary"), while the blocks to add count every
+    computed token. a (48-token prompt, window 32, 3 blocks per group) decodes at step 1: 49
+    tokens need a fourth block in each group, and get_num_skipped_tokens(48) = 48 - 32 + 1 = 17
+    puts a's first window block out of reach. Synchronously it is freed at step 1: a holds 7 of
+    the 11 usable blocks and b (32 tokens, 2 blocks per group) fits in the 4 left at step 1. Under
+    async scheduling the prefill's 48 tokens are still in flight at step 1 (processed 0): a holds
+    8, b does not fit; at step 2 the prefill's output is processed (48 tokens, the first decode
+    in flight), the block is freed and b is admitted."""
+    t = trace("async_window")
+    assert segment_of(t, "sched b 32")[0] == "step 2"
+    s = _sync("async_window")
+    assert segment_of(s, "sched b 32")[0] == "step 1"
+
+
+def test_blocks_of_every_group_fence_pending_stores_from_0330():
+    """0.33.0's OffloadingConnectorScheduler.update_state_after_alloc, called by the waiting loop
+    of Scheduler.schedule for each admitted request, adds the request's blocks of every KV cache
+    group (get_blocks: GPU hits and groups that are not offloaded included), with or without a
+    load, to _current_batch_allocated_block_ids; build_connector_meta flushes the pending jobs of
+    those blocks (_block_id_to_pending_jobs). Up to 0.32.0 it returns at once without a load, and
+    _update_req_states counts only the offloaded groups' new blocks, so a ring group's block
+    (not offloaded from 0.31.0) is never checked.
+
+    a (32 tokens: full blocks 1, 2, ring block 3) finishes at step 0 with its store of blocks 1, 2
+    pending (latency 6); request_finished registers them as its store's deferred fences. Its
+    blocks are freed group by group, tail first: ring block 3 (no hash) to the front of the free
+    queue, hashed 2 then 1 at its tail: 3 4 5 6 7 2 1. b (70 tokens: 5 full blocks, 1 ring block)
+    takes 3-7 for its full group and 2 for its ring group. 0.33.0: store 0 is flushed in step 1;
+    0.32.0: b's step writes block 2 while store 0 still reads it (INV-6, as the real 0.32.0
+    does in lockstep)."""
+    t = trace("ring_fence")
+    step1 = segment_of(t, "sched b 70")
+    assert "alloc b g0=3,4,5,6,7 g1=2" in step1 and "flush 0" in step1
+    r = run_case(Case.from_json(HANDMADE["ring_fence"]), "prefix-cacheable-strict-unit")
+    assert not r.ok and [f["inv_id"] for f in r.findings] == ["INV-6"]
+    assert not [x for x in r.trace if x.startswith("flush")]
