@@ -614,17 +614,21 @@ class KVCacheManager:
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
         if self.align_rules:
-            # MambaManager.pop_blocks_for_free: the request's pending offers are dropped
-            for r in self.align_rules:
-                self.retired.pop((r.gid, req.rid), None)
-            if self.offers:
-                self.offers = [o for o in self.offers if o[0] != req.rid]
+            self.forget(req)
         for table in req.tables:
             tail_first = table[::-1]
             self.pool.free_blocks(tail_first)
             freed.extend(tail_first)
             table.clear()
         return freed
+
+    def forget(self, req: Request) -> None:
+        """``MambaManager.pop_blocks_for_free``: the request's align-mode Mamba state (retired
+        blocks) and its pending offers are dropped (also when its blocks are freed later)."""
+        for r in self.align_rules:
+            self.retired.pop((r.gid, req.rid), None)
+        if self.offers:
+            self.offers = [o for o in self.offers if o[0] != req.rid]
 
     def num_held(self) -> int:
         return self.pool.num_blocks - 1 - self.pool.num_free()

@@ -899,6 +899,8 @@ class AsyncRun:
         return self.last_seq.get(req.rid, 0) <= self.processed_seq
 
     def defer_free(self, req: Request) -> None:
+        if self.m.kv.align_rules:
+            self.m.kv.forget(req)
         blocks = [b for table in req.tables for b in table if b != NULL]
         for table in req.tables:
             table.clear()
