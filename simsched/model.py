@@ -253,7 +253,7 @@ class Model:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
         entries = self.off.tier.entries
-        written = []
+        written: list = []
         for item in job.items:
             self.shadow.write(item[4], entries[item[3]][2])
             written.extend(b for _, b in item[4])
@@ -495,7 +495,7 @@ class Model:
                     i += 1
                     continue
                 self._promote_loaded(req)
-            ext = 0
+            ext: int | None = 0
             fresh = req.num_computed == 0
             if fresh:
                 L = kv.find_hit(req)
@@ -531,6 +531,7 @@ class Model:
                     break
                 job = off.update_state_after_alloc(req, req.tables, ext,
                                                    lambda b: kv.pool.key[b] is not None)
+                assert job is not None             # ext > 0: a load job
                 self._violation(inv.check_load_ready(self.step_no, off.tier,
                                                      [it[3] for it in job.items],
                                                      [f"g{it[0]}:{it[2]}" for it in job.items]))
