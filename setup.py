@@ -21,7 +21,6 @@ COMPILED = next(ast.literal_eval(n.value) for n in _init.body
 ext_modules = []
 if os.environ.get("SIMSCHED_PURE") != "1":
     from mypyc.build import mypycify
-    ext_modules = mypycify([f"simsched/{m}.py" for m in COMPILED], opt_level="3",
-                           group_name="simsched_model")
+    ext_modules = mypycify([f"simsched/{m}.py" for m in COMPILED], opt_level="3")
 
 setup(ext_modules=ext_modules)
