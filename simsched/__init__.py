@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 #: model modules compiled at install, in the package ``simsched``
-COMPILED = ("allocator", "invariants", "model", "offload", "shadow")
+COMPILED = ("allocator", "case", "events", "geometry", "invariants", "layout", "model", "offload",
+            "shadow", "trace")
 
 
 class PureSource(importlib.abc.MetaPathFinder):
