@@ -7,7 +7,8 @@
 * agreement rate over N generated cases per release and layout (``simsched.lockstep``), with
   the first divergences by kind.
 
-Run: ``python bench/bench_lockstep.py [--cases N] [--releases 0.30.0,0.33.0]``. Prints Markdown.
+Run: ``python bench/bench_lockstep.py [--cases N] [--releases 0.30.0,0.33.0] [--layouts L,..]
+[--async] [--no-speed]``. Prints Markdown.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def speed(pool, versions, sizes=(16, 64)) -> None:
                   f"{ms / rs:.1f} |")
 
 
-def agreement(pool, versions, n_cases: int, layouts) -> None:
+def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = False) -> None:
     print()
     print("| release | layout | cases | agree | divergences by kind (first differing line) |"
           " real findings |")
@@ -64,7 +65,8 @@ def agreement(pool, versions, n_cases: int, layouts) -> None:
             finds: collections.Counter = collections.Counter()
             agree = 0
             for seed in range(n_cases):
-                r = lockstep(generate_case(seed, layout), v, pool)
+                r = lockstep(generate_case(seed, layout, async_scheduling=async_scheduling), v,
+                             pool)
                 if r.agree:
                     agree += 1
                 elif r.divergence is not None:
@@ -76,7 +78,8 @@ def agreement(pool, versions, n_cases: int, layouts) -> None:
                         finds[str(o.signature)] += 1
             kd = ", ".join(f"{k} {n}" for k, n in kinds.most_common()) or "-"
             fd = ", ".join(f"{k} {n}" for k, n in finds.most_common()) or "-"
-            print(f"| {v} | {layout} | {n_cases} | {agree} ({100 * agree / n_cases:.0f}%) | "
+            name = layout + (" (async)" if async_scheduling else "")
+            print(f"| {v} | {name} | {n_cases} | {agree} ({100 * agree / n_cases:.0f}%) | "
                   f"{kd} | {fd} |")
 
 
@@ -86,12 +89,17 @@ def main() -> None:
     ap.add_argument("--releases", default="0.30.0,0.33.0")
     ap.add_argument("--layouts", default="full16,full16+sw16w128+full16,full16+ring4")
     ap.add_argument("--sizes", default="16,64")
+    ap.add_argument("--async", dest="async_scheduling", action="store_true",
+                    help="generated cases under async scheduling (AsyncScheduler, batch queue "
+                         "of depth 2)")
+    ap.add_argument("--no-speed", action="store_true", help="agreement only")
     args = ap.parse_args()
     versions = args.releases.split(",")
     layouts = [x for x in args.layouts.split(",") if x in LAYOUTS]
     with Releases.installed(versions, timeout=600) as pool:
-        speed(pool, versions, tuple(int(x) for x in args.sizes.split(",")))
-        agreement(pool, versions, args.cases, layouts)
+        if not args.no_speed:
+            speed(pool, versions, tuple(int(x) for x in args.sizes.split(",")))
+        agreement(pool, versions, args.cases, layouts, args.async_scheduling)
 
 
 if __name__ == "__main__":

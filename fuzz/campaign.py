@@ -3,7 +3,8 @@
 One campaign round is one hypothesis run. The test body runs a case on every target and turns the
 outcomes into signatures. While no finding is being hunted, a signature the campaign has not seen
 makes the body fail, and hypothesis shrinks the case; while shrinking, the body fails only when the
-hunted signature is still present, so the shrunk case shows the same finding. Each shrunk finding
+hunted signature is still present, on the same targets and with the same model fingerprint (the
+profiles showing it, see :meth:`Campaign.fingerprint`), so the shrunk case shows the same finding. Each shrunk finding
 is replayed on every installed release and every profile, written to disk at once (case, pytest
 repro, report) and becomes known; the next round looks for the next one.
 
@@ -33,7 +34,7 @@ from fuzz.strategies import cases, edge_scores, family_of
 from simsched.case import Case, Timing
 from simsched.layout import Engine, Layout, LayoutError
 from simsched.geometry import PROFILES
-from simsched.outcome import Signature, describe
+from simsched.outcome import Signature, crash_signature, describe
 from simsched.replay import Observation, observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
 
@@ -57,6 +58,7 @@ class Finding:
     signature: Signature
     case: Case
     present_on: tuple[str, ...]    # the campaign's targets showing it when found: part of its key
+    fingerprint: tuple[str, ...]   # the profiles whose config stage shows it: part of its key
     first_target: str
     outcome: dict
     found_after_s: float
@@ -82,6 +84,7 @@ class Finding:
             "profiles_affected": self.profiles_affected,
             "releases_not_run": self.releases_not_run,
             "present_on": list(self.present_on),
+            "fingerprint": list(self.fingerprint),
             "first_target": self.first_target,
             "layout": self.case.layout.describe(),
             "case": f"repros/{self.id}/case.json",
@@ -136,7 +139,7 @@ def load_findings(out: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
     for path in sorted((Path(out) / "repros").glob("*/finding.json")):
         try:
             data = json.loads(path.read_text())
-            Signature.parse(data["signature"]), tuple(data["present_on"])
+            finding_key(data)
         except (OSError, ValueError, KeyError, TypeError) as e:
             damaged.append((path, str(e)))
             continue
@@ -150,11 +153,20 @@ def present_on(targets: list[str]) -> tuple[str, ...]:
     return tuple(releases) if releases else tuple(sorted(set(targets)))
 
 
-def finding_id(sig: Signature, present_on: tuple[str, ...]) -> str:
-    """A stable, readable id: the signature, then a digest of the targets it was found on."""
+def finding_id(sig: Signature, present_on: tuple[str, ...],
+               fingerprint: tuple[str, ...] = ()) -> str:
+    """A stable, readable id: the signature, then a digest of the targets it was found on (and
+    of its fingerprint, when it has one)."""
     text = str(sig).replace(":", "-").replace(".", "_")
     slug = "".join(ch for ch in text if ch.isalnum() or ch in "-_")[:72]
-    return f"{slug}-{hashlib.sha1(' '.join(present_on).encode()).hexdigest()[:6]}"
+    where = " ".join(present_on) + (" | " + " ".join(fingerprint) if fingerprint else "")
+    return f"{slug}-{hashlib.sha1(where.encode()).hexdigest()[:6]}"
+
+
+def finding_key(data: dict) -> tuple:
+    """The key of a finding read from disk (a finding written before fingerprints has none)."""
+    return (Signature.parse(data["signature"]), tuple(data["present_on"]),
+            tuple(data.get("fingerprint", ())))
 
 
 def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str]]:
@@ -193,6 +205,7 @@ class Campaign:
         self.out = Path(out)
         self.pool = releases
         self.model_targets = [ModelTarget(p) for p in PROFILES.values()] if model else []
+        self.fingerprint_targets = [ModelTarget(p) for p in PROFILES.values()]
         self.release_targets = [ReleaseTarget(v, releases) for v in (run_releases or [])]
         # Each shrunk finding is replayed on every installed release, unless only the model runs.
         self.all_release_targets = ([ReleaseTarget(v, releases) for v in releases.versions]
@@ -244,6 +257,27 @@ class Campaign:
         return observe(case, self.model_targets,
                        self.release_targets if releases is None else releases, outcomes,
                        lockstep=self.lockstep)
+
+    def fingerprint(self, case: Case, sig: Signature) -> tuple[str, ...]:
+        """The profiles whose config stage shows the crash ``sig`` on ``case`` (empty for findings
+        that are not configuration crashes): part of a finding's key, and kept fixed by shrinking.
+
+        Different bugs can raise from the same vLLM function, so that on one release they share
+        a signature, while the releases they are present in differ: on 0.30.0 the ring group of
+        upstream PR #55037 (present in 0.29.0-0.30.0), a lone Mamba group under DCP (0.27.0-
+        0.30.0) and ``offload_block_size`` with mixed block sizes all fail an assert of
+        ``build_offloading_config``. The model's profiles tell them apart (the issue's "affected
+        release set", predicted), so each becomes its own finding, and a shrunk case does not
+        slip from one to another (hypothesis guards against slips only by the line a test fails
+        at, which is the same here). Cheap: the config stage only, no step runs.
+        """
+        if sig.kind != "crash":
+            return ()
+        return tuple(t.profile.name for t in self.fingerprint_targets
+                     if crash_signature(t.config(case)) == sig)
+
+    def same_bug(self, case: Case, hunt: tuple) -> bool:
+        return self.fingerprint(case, hunt[0]) == hunt[3]
 
     # --- the rounds -----------------------------------------------------------------------
 
@@ -303,14 +337,18 @@ class Campaign:
             for o in obs:
                 where.setdefault(o.signature, []).append(o.target)
             if hunt is None:
-                keys = {(sig, present_on(ts)): ts for sig, ts in where.items()}
+                keys = {(sig, present_on(ts), self.fingerprint(case, sig)): ts
+                        for sig, ts in where.items()}
                 # the most specific first: a finding on fewer targets tells releases apart
                 new = sorted(set(keys) - known, key=lambda k: (len(k[1]), k))
                 if not new:
                     return
-                hunt = state["hunting"] = (*new[0], frozenset(keys[new[0]]))
                 state["t"] = time.monotonic() - self.started
                 state["n"] = self.examples
+                sig, shown_on, fp = new[0]
+                hunt = state["hunting"] = (sig, shown_on, frozenset(keys[new[0]]), fp)
+            elif not self.same_bug(case, hunt):
+                return
             if hunt[2] <= set(where.get(hunt[0], ())):   # still shows on every hunted target
                 state["case"] = case
                 state["obs"] = next(o for o in obs if o.signature == hunt[0])
@@ -324,9 +362,11 @@ class Campaign:
             with mock.patch.object(hypothesis_engine, "MAX_SHRINKING_SECONDS", shrink_s):
                 body()
         except Found:
-            sig, shown_on, targets = state["hunting"]
+            sig, shown_on, targets, fp = hunt = state["hunting"]
 
             def still_shows(case: Case) -> Observation | None:
+                if not self.same_bug(case, hunt):
+                    return None
                 obs = observe(case, [t for t in self.model_targets if t.name in targets],
                               [t for t in self.release_targets if t.name in targets],
                               lockstep=self.lockstep)
@@ -335,8 +375,8 @@ class Campaign:
                     if targets <= where else None
 
             case, o = simplify(state["case"], still_shows, state["obs"])
-            return Finding(id=finding_id(sig, shown_on), signature=sig, case=case,
-                           present_on=shown_on, first_target=o.target, outcome=o.outcome,
+            return Finding(id=finding_id(sig, shown_on, fp), signature=sig, case=case,
+                           present_on=shown_on, fingerprint=fp, first_target=o.target, outcome=o.outcome,
                            found_after_s=state["t"], examples_before=state["n"])
         return None
 
@@ -376,7 +416,7 @@ class Campaign:
 
     def replay_everywhere(self, finding: Finding) -> None:
         """Fill in where a shrunk finding's signature is present and where it is absent."""
-        saved, self.model_targets = self.model_targets, [ModelTarget(p) for p in PROFILES.values()]
+        saved, self.model_targets = self.model_targets, self.fingerprint_targets
         try:
             obs = self.observe(finding.case, self.all_release_targets, finding.outcomes)
         finally:
@@ -404,8 +444,7 @@ class Campaign:
 
     def known_keys(self) -> set:
         self.load_prior()   # other worker processes may have written findings since
-        return set(self.findings) | {(Signature.parse(f["signature"]), tuple(f["present_on"]))
-                                     for f in self.prior}
+        return set(self.findings) | {finding_key(f) for f in self.prior}
 
     def run(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -445,7 +484,7 @@ class Campaign:
 
     def _record(self, finding: Finding) -> None:
         self.replay_everywhere(finding)
-        self.findings[(finding.signature, finding.present_on)] = finding
+        self.findings[(finding.signature, finding.present_on, finding.fingerprint)] = finding
         repro_mod.write_repro(self.out, finding)     # the durable record, first
         self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,
                               "examples": finding.examples_before})

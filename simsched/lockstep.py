@@ -303,9 +303,12 @@ LAYOUTS: dict[str, list[dict]] = {
 }
 
 
-def generate_case(seed: int, layout: str = "full16", n_requests: int | None = None) -> Case:
+def generate_case(seed: int, layout: str = "full16", n_requests: int | None = None,
+                  async_scheduling: bool = False) -> Case:
     """A small random workload: shared prefixes, a small GPU pool (so that the CPU tier serves
-    hits), short decodes, arrivals spread over a few steps, now and then an abort."""
+    hits), short decodes, arrivals spread over a few steps, now and then an abort.
+    ``async_scheduling``: the same workload under the engine's async scheduling (the
+    ``AsyncScheduler`` and a batch queue of depth 2); it draws nothing from the seed's stream."""
     import random
 
     rng = random.Random(seed)
@@ -326,8 +329,9 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
         reqs.append(r)
     blocks = rng.choice([24, 32, 48, 96]) * per_token_blocks
     return Case.from_json({
-        "layout": {"groups": groups, "engine": {"num_gpu_blocks": blocks,
-                                                "cpu_chunks": rng.choice([16, 64, 256])}},
+        "layout": {"groups": groups, "engine": dict(
+            {"num_gpu_blocks": blocks, "cpu_chunks": rng.choice([16, 64, 256])},
+            **({"async_scheduling": True} if async_scheduling else {}))},
         "requests": reqs, "seed": seed,
         "timing": {"store_latency": rng.randint(0, 3), "load_latency": rng.randint(0, 3),
                    "max_num_batched_tokens": rng.choice([64, 128, 2048]),
@@ -345,7 +349,11 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: aborted before the waiting loop reaches it: its loaded blocks were never cached, so they go
 #: back to the front of the free queue: _update_waiting_for_remote_kv caches them only then)
 #: and ``window_finish`` (a's sliding-window block that leaves the window with a's last token
-#: is freed before the rest of a's blocks: Scheduler._connector_finished)
+#: is freed before the rest of a's blocks: Scheduler._connector_finished); under async
+#: scheduling: ``async_decode`` (a's decode is scheduled before its previous token is known, its
+#: finish and its store's completion are seen one step later: AsyncScheduler, the engine's batch
+#: queue) and ``async_abort`` (a, aborted while its batch is in flight, keeps its blocks until
+#: that batch's output is processed: Scheduler.defer_block_free / deferred_frees)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -388,6 +396,14 @@ HANDMADE: dict[str, dict] = {
                              {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2,
                               "abort_at": 9},
                              {"id": "c", "prompt": [[11, 40]], "arrival": 9, "decode": 1}]},
+    "async_decode": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                                "engine": {"num_gpu_blocks": 8, "async_scheduling": True}},
+                     "timing": {"store_latency": 1},
+                     "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 3}]},
+    "async_abort": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                               "engine": {"num_gpu_blocks": 8, "async_scheduling": True}},
+                    "requests": [{"id": "a", "prompt": [[7, 40]], "decode": 10, "abort_at": 3},
+                                 {"id": "b", "prompt": [[9, 20]], "arrival": 3, "decode": 1}]},
     "window_finish": {"layout": {"groups": [{"kind": "full", "block_size": 16},
                                             {"kind": "sliding_window", "block_size": 16,
                                              "sliding_window": 32}],

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 
 from simsched import events as ev
@@ -97,6 +98,8 @@ class Model:
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
         self.timing = timing
+        # async scheduling: the engine's batch queue of depth 2 (AsyncRun)
+        self.async_ = AsyncRun(self) if layout.engine.async_scheduling else None
         self.q = ev.EventQueue()
         self.q.handlers = {ev.STEP: self._step, ev.ARRIVAL: self._arrival,
                            ev.STORE_DONE: self._store_done, ev.LOAD_DONE: self._load_done,
@@ -173,6 +176,8 @@ class Model:
                 self.unfinished -= 1
                 self.counters["aborted"] += 1
             return
+        if self.async_ is not None:
+            self._schedule_step(self.q.now)     # the engine steps: a finished request to report
         loading = req.status == WAITING_FOR_LOAD and req.rid not in self.loaded
         # num_computed_tokens of a request admitted for a load is its hit length
         computed = req.load_target if req.status == WAITING_FOR_LOAD else None
@@ -202,6 +207,8 @@ class Model:
             # blocks (delay_free_blocks) until its load reports finished_recving;
             # _update_from_kv_xfer_finished frees them then (_load_done)
             self.delayed_free[req.rid] = req
+        elif self.async_ is not None and not self.async_.can_free(req):
+            self.async_.defer_free(req)
         else:
             self.kv.free(req)
         self.finished_ids.append(req.rid)
@@ -296,7 +303,17 @@ class Model:
 
     def _step(self, _data) -> None:
         self.step_scheduled = False
+        if self.async_ is not None:
+            self.async_.call()
+            return
         t = self.q.now
+        sched_reqs, stores = self._schedule(t)
+        self._execute(t, self.step_no, sched_reqs, stores)
+        self._after_step(self.step_no)
+
+    def _schedule(self, t: int) -> tuple[list, list]:
+        """``Scheduler.schedule()`` with ``build_connector_meta``: the scheduled requests as
+        ``(request, tokens, new blocks)`` and the store jobs created."""
         counters = self.counters
         self.step_no = step = counters["steps"]
         counters["steps"] = step + 1
@@ -317,11 +334,13 @@ class Model:
         preempted: list[str] = []
         running = self.running
         k = self.num_spec
+        asy = self.async_
+        fast = not k and asy is None
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             c = req.num_computed
-            if (not k and c <= req.fast_until and c <= req.quiet_until
+            if (fast and c <= req.fast_until and c <= req.quiet_until
                     and len(req.tokens) == c + 1):
                 # a quiet decode step (see _fast_bound): allocate, build_connector_meta and the
                 # store jobs would all be no-ops for it
@@ -337,16 +356,27 @@ class Model:
                                        range(req.num_tokens, req.num_tokens + drafts)])
             c = req.num_computed
             n = len(req.tokens) - c
+            if asy is not None:
+                ph = asy.ph.get(req.rid, 0)
+                if ph and c + 2 - ph >= req.max_tokens:
+                    # its last token is in flight: no step beyond max_tokens
+                    i += 1
+                    continue
+                n += ph
             if n > budget:
                 n = budget
             if n <= 0:
                 i += 1
                 continue
             upto = c + n
+            if asy is not None:
+                upto = min(upto, len(req.tokens))     # allocate_slots caches known tokens only
             while True:
                 nb = allocate(req, n, cache_upto=upto)
                 if nb is not None:
                     break
+                if asy is not None and not asy.can_free(running[-1]):
+                    break       # _request_blocks_can_be_freed: its batch is still in flight
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim.rid)
@@ -379,7 +409,10 @@ class Model:
                 if tracing:
                     lines.append(fmt_job(job))
                 self._violation(inv.check_store_job(step, job, geo))
-                schedule(store_t, ev.STORE_DONE, job.jid)
+                if asy is None:
+                    schedule(store_t, ev.STORE_DONE, job.jid)
+                else:
+                    asy.due[job.jid] = store_t
             counters["stores"] += len(stores)
         counters["loads"] += len(loads)
         if flush:
@@ -388,12 +421,24 @@ class Model:
                 job = off.jobs.get(jid)
                 if job is not None and job.is_store:
                     self._read_store(job)
-                    self.q.schedule(t, ev.STORE_DONE, jid)
-        # execute the model
+                    if asy is None:
+                        self.q.schedule(t, ev.STORE_DONE, jid)
+                    else:
+                        asy.due[jid] = t
+        if asy is not None:
+            asy.after_schedule(sched_reqs)
+        return sched_reqs, stores
+
+    def _execute(self, t: int, step: int, sched_reqs: list, stores: list) -> None:
+        """The model runner: computed tokens written (the shadow), one token sampled per
+        request whose prefill is complete; finished requests leave (``FINISH``)."""
+        kv = self.kv
         write_computed, rules, pr = self.shadow.write_computed, kv.rules, self.pending_reads
         gpu, unit, fast_bound = self.shadow.gpu, self.unit, self._fast_bound
         seed = self.case.seed
         inflight = self.inflight
+        asy = self.async_
+        fast = not self.num_spec and asy is None
         for req, n, nb in sched_reqs:
             start = req.num_computed
             end = start + n
@@ -420,11 +465,15 @@ class Model:
             if end >= len(req.tokens):
                 if inflight:       # _update_after_schedule: no longer a prefill chunk
                     inflight.pop(req.rid, None)
-                req.append_tokens([_token(seed, req.index, len(req.tokens))])
+                tok = _token(seed, req.index, len(req.tokens))
+                if asy is not None:
+                    asy.batch.tokens.append((req, tok))     # delivered with the batch's output
+                    continue
+                req.append_tokens([tok])
                 if len(req.tokens) >= req.max_tokens:
                     req.finish_step = step
                     self.q.schedule(t, ev.FINISH, req)
-            if not k:
+            if fast:
                 fast_bound(req)
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
@@ -432,7 +481,6 @@ class Model:
                 # the job's source blocks: the blocks of its items, all in one of the two lists
                 pr[job.jid] = set(job.deferred).union(job.fenced or ())
         self.progress = self.progress or bool(sched_reqs)
-        self._after_step(step)
 
     def _fast_bound(self, req: Request) -> None:
         """After a full step of a running request: up to which ``num_computed`` its next decode
@@ -540,7 +588,10 @@ class Model:
                 req.status = WAITING_FOR_LOAD
                 req.load_target = L + ext
                 inflight[req.rid] = req
-                self.q.schedule(t + self.timing.load_latency, ev.LOAD_DONE, job.jid)
+                if self.async_ is None:
+                    self.q.schedule(t + self.timing.load_latency, ev.LOAD_DONE, job.jid)
+                else:
+                    self.async_.due[job.jid] = t + self.timing.load_latency
                 i += 1
                 continue
             n = min(req.num_tokens - L, budget)
@@ -585,7 +636,8 @@ class Model:
         if self.checks == "full":
             self._violation(inv.check_pool(step, self.kv.pool,
                                            [r for r in self.reqs.values() if not r.finished]
-                                           + list(self.delayed_free.values())))
+                                           + list(self.delayed_free.values())
+                                           + (self.async_.held() if self.async_ else [])))
         self._emit("check ok")
         quiet = self.off.quiet()
         if self.progress or not quiet or self.future_events:
@@ -593,8 +645,9 @@ class Model:
         else:
             self.stall += 1
         self.progress = False
-        if self.running or not quiet or any(r.status != WAITING_FOR_LOAD or r.rid in self.loaded
-                                            for r in self.waiting):
+        if (self.async_.busy() if self.async_ is not None else
+                self.running or not quiet or any(r.status != WAITING_FOR_LOAD
+                                                 or r.rid in self.loaded for r in self.waiting)):
             if self.stall > STALL_STEPS and self.unfinished > 0:
                 stuck = [r.rid for r in self.reqs.values() if not r.finished][:5]
                 raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} "
@@ -607,6 +660,172 @@ class Model:
         if self.unfinished > 0:
             raise inv.InvariantViolation("INV-8", self.step_no, f"{self.unfinished} requests "
                                          "never finished")
+
+
+class _Batch:
+    """One scheduled batch in the engine's batch queue, until its output is processed."""
+
+    __slots__ = ("sched", "tokens", "jobs", "executed")
+
+    def __init__(self, sched: list, executed: bool):
+        self.sched = sched          # [(request, tokens scheduled)]
+        self.tokens: list = []      # [(request, sampled token)]: the worker's sampled tokens
+        self.jobs: list[int] = []   # transfer jobs the worker reports done in this output
+        self.executed = executed
+
+
+class AsyncRun:
+    """Async scheduling (``SchedulerConfig.async_scheduling``): ``EngineCore.
+    step_with_batch_queue`` with a batch queue of depth 2 (``max_concurrent_batches``) over the
+    ``AsyncScheduler``. Each engine step (a ``STEP`` event, :meth:`call`) schedules a batch
+    while there is something to schedule and, once two batches are in flight (or nothing more
+    can be scheduled), processes the output of the oldest one (``update_from_output``): the
+    scheduler sees a step's sampled tokens and transfer completions only after it has
+    scheduled the next step.
+
+    Scheduler rules it adds (vLLM's ``AsyncScheduler`` and ``Scheduler``):
+
+    * ``num_output_placeholders`` (``ph``): a request scheduled past its prefill gets one
+      (``_update_after_schedule``) and is scheduled again for ``num_tokens + ph -
+      num_computed`` tokens before its token is known; it is skipped when its last token is
+      in flight (``num_computed + 2 - ph >= num_prompt + max_tokens``);
+    * ``allocate_slots`` caches only blocks of known tokens; the rest are cached when the
+      tokens arrive, up to ``num_computed - num_in_flight_tokens``
+      (``update_from_output``; 0.30.0's ``AsyncScheduler._update_request_with_output`` says
+      ``num_computed - num_output_placeholders``, the same count without speculative tokens);
+    * ``defer_block_free`` (set with more than one concurrent batch and a connector that can
+      be a KV consumer, as the OffloadingConnector's ``kv_both``): a request scheduled in a batch
+      still in flight is never a preemption victim (``_request_blocks_can_be_freed``), and its
+      freed blocks return to the pool when that batch's output is processed
+      (``deferred_frees``, in reverse allocation order). No in-flight output ever becomes stale
+      (a preemption victim has no batch in flight), so ``num_stale_output_tokens`` stays 0.
+
+    The worker reports a transfer job in the output of the first step executed at or after
+    ``due - 1`` (``due`` = creation + latency; a flushed job in the step that flushes it), as
+    the harness's worker does (:mod:`simsched.vllm.inside.engine`)."""
+
+    DEPTH = 2
+
+    def __init__(self, model: "Model"):
+        self.m = model
+        self.queue: deque[_Batch] = deque()
+        self.ph: dict[str, int] = {}          # num_output_placeholders
+        self.in_flight: dict[str, int] = {}   # num_in_flight_tokens
+        self.last_seq: dict[str, int] = {}    # Request.last_sched_seq
+        self.sched_seq = 0                    # Scheduler.sched_step_seq
+        self.processed_seq = 0                # Scheduler.processed_step_seq
+        self.deferred: deque = deque()        # (fence, blocks in allocation order)
+        self.due: dict[int, int] = {}         # job ID -> due time
+        self.batch: _Batch | None = None
+
+    def has_requests(self) -> bool:
+        m = self.m
+        return bool(m.running or m.waiting or m.finished_ids)
+
+    def busy(self) -> bool:
+        """The engine steps again: something to schedule, a job pending, a batch in flight."""
+        return self.has_requests() or not self.m.off.quiet() or bool(self.queue)
+
+    def can_free(self, req: Request) -> bool:
+        return self.last_seq.get(req.rid, 0) <= self.processed_seq
+
+    def defer_free(self, req: Request) -> None:
+        blocks = [b for table in req.tables for b in table if b != NULL]
+        for table in req.tables:
+            table.clear()
+        req.quiet_until = -1
+        req.num_cached_blocks = [0] * len(req.tables)
+        if blocks:
+            self.deferred.append((self.sched_seq, blocks))
+
+    def held(self) -> list:
+        """The deferred blocks as holders for the pool check."""
+        return [_Held(blocks) for _, blocks in self.deferred]
+
+    def after_schedule(self, sched_reqs: list) -> None:
+        """``_update_after_schedule`` (num_computed itself advances when the batch executes)."""
+        self.batch = _Batch([(req, n) for req, n, _ in sched_reqs], bool(sched_reqs))
+        if sched_reqs:
+            self.sched_seq += 1
+        ph, in_flight, seq = self.ph, self.in_flight, self.sched_seq
+        for req, n, _ in sched_reqs:
+            rid = req.rid
+            in_flight[rid] = in_flight.get(rid, 0) + n
+            self.last_seq[rid] = seq
+            if req.num_computed + n >= len(req.tokens) + ph.get(rid, 0):   # not a prefill chunk
+                ph[rid] = ph.get(rid, 0) + 1
+
+    def call(self) -> None:
+        m = self.m
+        t = m.q.now
+        queue = self.queue
+        m.step_scheduled = True      # a load completing in here asks for no step at t
+        if self.has_requests() or not m.off.quiet():
+            sched_reqs, stores = m._schedule(t)
+            batch = self.batch
+            queue.appendleft(batch)
+            if len(queue) < self.DEPTH and (batch.executed or self.has_requests()):
+                self._execute(batch, t, sched_reqs, stores)
+            elif queue[-1] is batch:
+                queue.pop()
+                self._execute(batch, t, sched_reqs, stores)
+                self._apply(batch)
+            else:
+                self._apply(queue.pop())
+                self._execute(batch, t, sched_reqs, stores)
+        elif queue:
+            self._apply(queue.pop())
+        m.step_scheduled = False
+        m._after_step(m.step_no)
+
+    def _execute(self, batch: _Batch, t: int, sched_reqs: list, stores: list) -> None:
+        m = self.m
+        m._execute(t, m.step_no, sched_reqs, stores)
+        due = self.due
+        batch.jobs = sorted([j for j, d in due.items() if d <= t + 1])
+        for j in batch.jobs:
+            del due[j]
+
+    def _apply(self, batch: _Batch) -> None:
+        """``update_from_output``: deferred frees, sampled tokens (stops), then the connector's
+        output (loads through ``finished_recving``, store and load jobs completed)."""
+        m = self.m
+        pool = m.kv.pool
+        if batch.executed:
+            self.processed_seq += 1
+            deferred = self.deferred
+            while deferred and deferred[0][0] <= self.processed_seq:
+                pool.free_blocks(reversed(deferred.popleft()[1]))
+        in_flight, ph = self.in_flight, self.ph
+        for req, n in batch.sched:
+            in_flight[req.rid] -= n
+        for req, tok in batch.tokens:
+            if req.finished:
+                continue            # aborted while the batch was in flight
+            running = req.status == RUNNING
+            req.append_tokens([tok])
+            ph[req.rid] -= 1
+            if running:
+                m.kv.cache_blocks(req, req.num_computed - in_flight[req.rid])
+            if len(req.tokens) >= req.max_tokens:
+                m._finish(req)
+        jobs = m.off.jobs
+        for jid in batch.jobs:
+            job = jobs.get(jid)
+            if job is None:
+                continue
+            if job.is_store:
+                m._store_done(jid)
+            else:
+                m._load_done(jid)
+        m.progress = m.progress or batch.executed or bool(batch.jobs)
+
+
+class _Held:
+    __slots__ = ("tables",)
+
+    def __init__(self, blocks: list[int]):
+        self.tables = [blocks]
 
 
 def crash_finding(e: ConfigError, step: int | None) -> dict:

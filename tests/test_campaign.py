@@ -121,3 +121,36 @@ def test_steer_choices(tmp_path):
         with pytest.raises(CampaignError, match="runs no release"):
             Campaign(tmp_path, pool, model=True, run_releases=[], steer="coverage")
         assert Campaign(tmp_path, pool, steer=False).steer == "none"
+
+
+def test_shrinking_keeps_the_bug_not_just_the_signature(tmp_path):
+    """On one release, the ring group of upstream PR #55037 and a lone Mamba group under DCP raise
+    the same assert of ``build_offloading_config`` (one signature), but they are different bugs:
+    the ring one needs a ring spec and the every-group assert (0.29.0-0.30.0 in vLLM), the Mamba one
+    the DCP-scaled hash unit of a single group, from 0.27.0 (``replay --all-releases`` on real
+    vLLM shows exactly these release sets). A shrink step from one to the other is refused."""
+    from simsched.case import Case, RequestSpec
+    from simsched.layout import Engine, Group, Layout
+    from simsched.outcome import Signature
+
+    def case(groups, **engine):
+        return Case(layout=Layout(groups=groups, engine=Engine(**engine)),
+                    requests=(RequestSpec("r0", prompt=((101, 64),), decode=1),))
+
+    ring = case((Group("mla", 64), Group("ring", 4)))
+    ring_smaller = case((Group("full", 16), Group("ring", 4)))
+    mamba_dcp = case((Group("mamba", 16, mamba_cache_mode="align"),), dcp_size=2)
+    sig = Signature.parse("crash:AssertionError:build_offloading_config")
+    with Releases(()) as pool:
+        c = Campaign(tmp_path, pool, model=True, run_releases=[], budget=1.0, seed_=1,
+                     asserts=True, progress=lambda s: None)
+        fp_ring, fp_mamba = c.fingerprint(ring, sig), c.fingerprint(mamba_dcp, sig)
+        hunt = (sig, ("0.30.0",), frozenset({"0.30.0"}), fp_ring)
+        assert c.same_bug(ring_smaller, hunt)
+        assert not c.same_bug(mamba_dcp, hunt)
+    # both fail under 0.30.0's profile and neither under 0.31.0's; the upstream fix of the assert
+    # alone (ring groups exempt) ends the ring one and leaves the single-group DCP scaling
+    assert "every-group" in fp_ring and "every-group" in fp_mamba
+    assert "prefix-cacheable" not in fp_ring and "prefix-cacheable" not in fp_mamba
+    assert "fix-assert-only" in fp_mamba and "fix-assert-only" not in fp_ring
+    assert c.fingerprint(ring, Signature.parse("invariant:INV-4")) == ()

@@ -169,3 +169,55 @@ def test_cpu_lru_ranks_from_0310():
     assert _tier_evicts(True, False) == [2, 3]
     assert _tier_evicts(False, True) == [2, 3]
     assert _tier_evicts(True, True) == [2, 3]
+
+
+def segment_of(lines: list[str], wanted: str) -> list[str]:
+    """The step segment (``step n`` up to the next ``step``) holding the line ``wanted``."""
+    i = lines.index(wanted)
+    start = max(j for j in range(i + 1) if lines[j].startswith("step "))
+    end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("step ")), len(lines))
+    return lines[start:end]
+
+
+def _sync(name: str) -> list[str]:
+    obj = dict(HANDMADE[name])
+    obj["layout"] = {"groups": obj["layout"]["groups"],
+                     "engine": dict(obj["layout"]["engine"], async_scheduling=False)}
+    r = run_case(Case.from_json(obj))
+    assert r.ok, r.findings
+    return r.trace
+
+
+def test_async_decode_is_scheduled_before_its_token_and_seen_one_step_later():
+    """AsyncScheduler._update_after_schedule gives a request past its prefill one output
+    placeholder; Scheduler.schedule then schedules it for num_tokens + placeholders -
+    num_computed tokens before the token is known, and skips it once its last token is in flight
+    (num_computed + 2 - placeholders >= num_prompt + max_tokens). EngineCore.step_with_batch_queue
+    processes a batch's output after scheduling the next batch. So a (prompt 32, decode 3) is
+    scheduled 32, 1, 1 tokens at steps 0-2 as without async scheduling, but its finish is seen in
+    step 3, which schedules nothing; its store (latency 1, reported in the output of step 0) is
+    seen in step 1, after step 1 is scheduled."""
+    t = trace("async_decode")
+    assert [x for x in t if x.startswith("sched ")] == ["sched a 32", "sched a 1", "sched a 1"]
+    fin = segment_of(t, "finish a finished")
+    assert fin[0] == "step 3" and not [x for x in fin if x.startswith("sched ")]
+    assert segment_of(t, "done 0 store")[0] == "step 1"
+    s = _sync("async_decode")       # the same case scheduled synchronously
+    assert segment_of(s, "finish a finished")[0] == "step 2"
+    assert segment_of(s, "done 0 store")[0] == "step 0"
+
+
+def test_async_abort_defers_the_free_of_blocks_a_batch_in_flight_writes():
+    """Scheduler.defer_block_free (more than one concurrent batch and a KV-consumer connector,
+    the OffloadingConnector being kv_both): a request aborted while a batch that schedules it is
+    in flight has its blocks put on deferred_frees (_free_request_blocks) and returned to the
+    pool only when that batch's output is processed (_drain_deferred_frees), after the next
+    schedule. So b, admitted in the step right after a's abort, gets none of a's blocks; without
+    async scheduling a's blocks are free at once and b's first block is a's last (unhashed,
+    prepended to the free queue)."""
+    t = trace("async_abort")
+    a = blocks_of(t[first(t, "alloc a ")])
+    b = blocks_of(t[first(t, "alloc b ")])
+    assert a and b and not a & b
+    s = _sync("async_abort")
+    assert blocks_of(s[first(s, "alloc a ")]) & blocks_of(s[first(s, "alloc b ")])

@@ -29,6 +29,7 @@ import math
 import os
 import time
 import traceback
+from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
@@ -408,6 +409,13 @@ class _Run:
                 for b in table:
                     if b != NULL:
                         holders[b] = holders.get(b, 0) + 1
+        # async scheduling: blocks of a freed request that a batch in flight may still write
+        # are returned to the pool only once that batch's output is processed
+        # (Scheduler._free_request_blocks, deferred_frees)
+        for _, held in getattr(self.sched, "deferred_frees", None) or ():
+            for blk in held:
+                if blk.block_id != NULL:
+                    holders[blk.block_id] = holders.get(blk.block_id, 0) + 1
         blocks = pool.blocks
         for b, n in holders.items():
             blk = blocks[b]
@@ -434,9 +442,13 @@ class _Run:
         timing = case.timing
         unfinished = len(case.requests)
         t = arrivals[0][0] if arrivals else 0
-        stall = 0
+        self.stall = 0
         RS = self.eng.RequestStatus
-        while unfinished > 0 or sched.has_requests() or self._live_jobs():
+        # EngineCore's batch queue: depth 2 with async scheduling (step_with_batch_queue,
+        # VllmConfig.max_concurrent_batches), else 1 (EngineCore.step)
+        depth = 2 if case.layout.engine.async_scheduling else 1
+        queue: deque = deque()
+        while unfinished > 0 or sched.has_requests() or self._live_jobs() or queue:
             # completions are delivered in update_from_output; arrivals and aborts at t
             while ai < len(arrivals) and arrivals[ai][0] <= t:
                 self._add_request(arrivals[ai][1], arrivals[ai][2])
@@ -457,9 +469,18 @@ class _Run:
                 unfinished -= 1
                 self.counters["aborted"] += 1
                 self.emit(f"finish {rid} aborted")
-            if unfinished <= 0 and not sched.has_requests() and not self._live_jobs():
+            if (unfinished <= 0 and not sched.has_requests() and not self._live_jobs()
+                    and not queue):
                 break
             if not sched.has_requests() and not self.cs._jobs and not self._live_jobs():
+                if queue:
+                    # EngineCore.step_with_batch_queue: nothing to schedule, the batch in
+                    # flight is collected
+                    progress, done = self._update(queue.pop())
+                    unfinished = self._end_call(t, progress, done, unfinished,
+                                                ai < len(arrivals) or bi < len(aborts))
+                    t += 1
+                    continue
                 # idle: jump to the next arrival or abort
                 nxt = [x[0] for x in arrivals[ai:ai + 1]] + [x[0] for x in aborts[bi:bi + 1]]
                 if not nxt:
@@ -467,40 +488,61 @@ class _Run:
                                                  f"{unfinished} requests never finished")
                 t = max(t + 1, min(nxt))
                 continue
-            progress, done = self._step(t)
-            tail = []
-            for rid, req in self.reqs.items():
-                if rid not in self.finished and req.is_finished():
-                    self.finished.add(rid)
-                    unfinished -= 1
-                    self.counters["finished"] += 1
-                    tail.append(f"finish {rid} finished")
-            if self.checks == "full":
-                self._check_pool()
-            self.emit("check ok")
-            # the model's order: FINISH events of step t, then completions due at t + 1
-            self.lines.extend(tail)
-            for job in done:
-                self.emit(f"done {job.jid} {'store' if job.is_store else 'load'}")
-            future = ai < len(arrivals) or bi < len(aborts)
-            if progress or self._live_jobs() or future:
-                stall = 0
-            else:
-                stall += 1
-                if stall > STALL_STEPS:
-                    stuck = [r for r in self.reqs if r not in self.finished][:5]
-                    raise inv.InvariantViolation("INV-8", self.step_no, f"no progress for "
-                                                 f"{stall} steps with the tier quiet; "
-                                                 f"stuck: {stuck}")
-            if self.counters["steps"] >= self.step_cap:
-                raise inv.InvariantViolation("INV-8", self.step_no, f"{unfinished} requests "
-                                             f"unfinished after {self.step_cap} steps")
+            batch = self._schedule_execute(t)
+            queue.appendleft(batch)
+            if len(queue) < depth and (batch.executed or sched.has_requests()):
+                # the batch queue is not full: schedule the next batch before collecting this one
+                if self.checks == "full":
+                    self._check_pool()
+                self.emit("check ok")
+                self._stall(batch.executed, ai < len(arrivals) or bi < len(aborts), unfinished)
+                t += 1
+                continue
+            progress, done = self._update(queue.pop())
+            unfinished = self._end_call(t, progress or batch.executed, done, unfinished,
+                                        ai < len(arrivals) or bi < len(aborts))
             t += 1
+
+    def _end_call(self, t: int, progress: bool, done: list, unfinished: int,
+                  future: bool = False) -> int:
+        """After ``update_from_output``: finished requests, pool check, trace, liveness."""
+        tail = []
+        for rid, req in self.reqs.items():
+            if rid not in self.finished and req.is_finished():
+                self.finished.add(rid)
+                unfinished -= 1
+                self.counters["finished"] += 1
+                tail.append(f"finish {rid} finished")
+        if self.checks == "full":
+            self._check_pool()
+        self.emit("check ok")
+        # the model's order: FINISH events of step t, then completions due at t + 1
+        self.lines.extend(tail)
+        for job in done:
+            self.emit(f"done {job.jid} {'store' if job.is_store else 'load'}")
+        self._stall(progress, future, unfinished)
+        return unfinished
+
+    def _stall(self, progress: bool, future: bool, unfinished: int) -> None:
+        if progress or self._live_jobs() or future:
+            self.stall = 0
+        else:
+            self.stall += 1
+            if self.stall > STALL_STEPS:
+                stuck = [r for r in self.reqs if r not in self.finished][:5]
+                raise inv.InvariantViolation("INV-8", self.step_no, f"no progress for "
+                                             f"{self.stall} steps with the tier quiet; "
+                                             f"stuck: {stuck}")
+        if self.counters["steps"] >= self.step_cap:
+            raise inv.InvariantViolation("INV-8", self.step_no, f"{unfinished} requests "
+                                         f"unfinished after {self.step_cap} steps")
 
     def _live_jobs(self) -> bool:
         return any(not j.done for j in self.jobs.values())
 
-    def _step(self, t: int) -> bool:
+    def _schedule_execute(self, t: int) -> SimpleNamespace:
+        """``schedule()`` and the worker's execution of the batch; its output is applied by
+        :meth:`_update` (at once, or after the next schedule with async scheduling)."""
         sched, eng, case = self.sched, self.eng, self.case
         self.step_no = step = self.counters["steps"]
         self.counters["steps"] += 1
@@ -572,7 +614,6 @@ class _Run:
         seed = case.seed
         pr = self.pending_reads
         for rid, n in scheduled.items():
-            req = self.reqs[rid]
             ident = self.ident[rid]
             start = before.get(rid, 0)
             ident.tables = self._tables(rid)
@@ -581,9 +622,12 @@ class _Run:
                 v = inv.check_writes(step, written, pr, f"request {rid}")
                 if v is not None:
                     raise v
-            if start + n >= req.num_tokens:
-                tok = _token(seed, self.index[rid], req.num_tokens)
+            # the worker samples when the batch reaches the end of the tokens it knows (under
+            # async scheduling it knows the tokens the scheduler has not received yet)
+            if start + n >= len(ident.tokens):
+                tok = _token(seed, self.index[rid], start + n)
                 sampled[rid] = [tok]
+                ident.append_tokens([tok])
             else:
                 sampled[rid] = []
         for job in new_stores:
@@ -594,10 +638,19 @@ class _Run:
         # --- completions reported by this step's worker output
         done = [j for j in self.jobs.values() if not j.done and j.due <= t + 1]
         done.sort(key=lambda j: j.jid)
+        for job in done:
+            self._complete(job)
+        return SimpleNamespace(out=out, order=list(scheduled), sampled=sampled, done=done,
+                               executed=bool(scheduled))
+
+    def _update(self, batch: SimpleNamespace) -> tuple[bool, list]:
+        """``update_from_output`` with the worker output of ``batch``: sampled tokens and the
+        connector's output (store completions through the worker metadata's completed jobs,
+        loads also through ``finished_recving``)."""
+        eng, done, order = self.eng, batch.done, batch.order
         completed: dict[int, int] = {}
         recving: set[str] = set()
         for job in done:
-            self._complete(job)
             completed[job.jid] = 1
             if not job.is_store:
                 recving.add(job.rid)
@@ -606,16 +659,12 @@ class _Run:
             wm = eng.WorkerMeta(completed_jobs=completed) if eng.WorkerMeta else None
             kvo = eng.KVConnectorOutput(finished_recving=recving or None,
                                         kv_connector_worker_meta=wm)
-        order = list(scheduled)
         mro = eng.ModelRunnerOutput(
             req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
-            sampled_token_ids=[sampled[r] for r in order], kv_connector_output=kvo,
+            sampled_token_ids=[batch.sampled[r] for r in order], kv_connector_output=kvo,
             **({"logprobs": None} if "logprobs" in eng.mro_params else {}))
-        self._call("update_from_output", sched.update_from_output, out, mro)
-        for rid, toks in sampled.items():
-            if toks:
-                self.ident[rid].append_tokens(toks)
-        return bool(scheduled) or bool(done), done
+        self._call("update_from_output", self.sched.update_from_output, batch.out, mro)
+        return bool(order) or bool(done), done
 
 
 class _BareRun:
