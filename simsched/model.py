@@ -467,6 +467,7 @@ class Model:
                     inflight.pop(req.rid, None)
                 tok = _token(seed, req.index, len(req.tokens))
                 if asy is not None:
+                    assert asy.batch is not None            # (after_schedule made it)
                     asy.batch.tokens.append((req, tok))     # delivered with the batch's output
                     continue
                 req.append_tokens([tok])
@@ -763,6 +764,7 @@ class AsyncRun:
         if self.has_requests() or not m.off.quiet():
             sched_reqs, stores = m._schedule(t)
             batch = self.batch
+            assert batch is not None                 # (m._schedule's after_schedule made it)
             queue.appendleft(batch)
             if len(queue) < self.DEPTH and (batch.executed or self.has_requests()):
                 self._execute(batch, t, sched_reqs, stores)
