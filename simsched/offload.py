@@ -68,7 +68,7 @@ class CPUTier:
             keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
         deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
 
-    def prepare_store(self, keys, st: ReqOffload | None = None) -> list | None:
+    def prepare_store(self, keys, st=None) -> list | None:
         entries = self.entries
         to_store = [k for k in keys if k not in entries]
         if not to_store:
@@ -104,13 +104,13 @@ class CPUTier:
                 if self.evictable_list:
                     self.entries.move_to_end(k)
 
-    def prepare_load(self, keys, st: ReqOffload | None = None) -> None:
+    def prepare_load(self, keys, st=None) -> None:
         self.version += 1
         self.content_version += 1
         for k in keys:
             self.entries[k][1] += 1
 
-    def on_request_finished(self, st: ReqOffload) -> None:
+    def on_request_finished(self, st) -> None:
         """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
 
     def complete_load(self, keys) -> None:
@@ -154,7 +154,7 @@ class RankedCPUTier(CPUTier):
     def touch(self, keys) -> None:
         return
 
-    def _state(self, st: ReqOffload) -> list:
+    def _state(self, st) -> list:
         s = self.req_state.get(st.req.rid)
         if s is None:
             s = self.req_state[st.req.rid] = [None, set(), {}]
@@ -166,7 +166,7 @@ class RankedCPUTier(CPUTier):
             s[0] = self.next_rank
         return s[0]
 
-    def _positions(self, st: ReqOffload) -> dict:
+    def _positions(self, st) -> dict:
         """``ReqContext.get_offload_key_position``: a key's chunk end token in the request. Kept
         per request and extended as its offload keys grow (they are only ever appended)."""
         c = self.positions.get(st.req.rid)
@@ -182,7 +182,7 @@ class RankedCPUTier(CPUTier):
                 counts[gid] = len(keys)
         return out
 
-    def _access(self, st: ReqOffload, keys) -> None:
+    def _access(self, st, keys) -> None:
         s = self._state(st)
         seen, groups = s[1], s[2]
         new = []
@@ -201,7 +201,7 @@ class RankedCPUTier(CPUTier):
                 if self.rank[k] < (rr, -p):
                     self._set_rank(k, (rr, -p))
 
-    def prepare_store(self, keys, st: ReqOffload | None = None) -> list | None:
+    def prepare_store(self, keys, st=None) -> list | None:
         entries, rank = self.entries, self.rank
         to_store = [k for k in keys if k not in entries]
         if st is not None:
@@ -226,8 +226,7 @@ class RankedCPUTier(CPUTier):
             if p is None:
                 self.next_rank += 1
                 self._set_rank(k, (self.next_rank, 0))
-            else:                                  # (pos is st's: st is not None)
-                assert st is not None
+            else:
                 self._set_rank(k, (self._request_rank(self._state(st)), -p))
         return to_store
 
@@ -266,12 +265,12 @@ class RankedCPUTier(CPUTier):
             return None
         return [k for _, _, k in victims]
 
-    def prepare_load(self, keys, st: ReqOffload | None = None) -> None:
+    def prepare_load(self, keys, st=None) -> None:
         super().prepare_load(keys)
         if st is not None:
             self._access(st, keys)
 
-    def on_request_finished(self, st: ReqOffload) -> None:
+    def on_request_finished(self, st) -> None:
         s = self.req_state.pop(st.req.rid, None)
         if s is None:
             return
