@@ -54,7 +54,8 @@ def speed(pool, versions, sizes=(16, 64)) -> None:
                   f"{ms / rs:.1f} |")
 
 
-def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = False) -> None:
+def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = False,
+              show_seeds: bool = False) -> None:
     print()
     print("| release | layout | cases | agree | divergences by kind (first differing line) |"
           " real findings |")
@@ -62,6 +63,7 @@ def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = Fa
     for v in versions:
         for layout in layouts:
             kinds: collections.Counter = collections.Counter()
+            seeds: dict[str, list[int]] = collections.defaultdict(list)
             finds: collections.Counter = collections.Counter()
             agree = 0
             for seed in range(n_cases):
@@ -71,8 +73,10 @@ def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = Fa
                     agree += 1
                 elif r.divergence is not None:
                     kinds[r.divergence.kind] += 1
+                    seeds[r.divergence.kind].append(seed)
                 else:
                     kinds[r.real.get("status", "?")] += 1
+                    seeds[r.real.get("status", "?")].append(seed)
                 for o in r.observations:
                     if o.signature.kind != "divergence":
                         finds[str(o.signature)] += 1
@@ -80,7 +84,10 @@ def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = Fa
             fd = ", ".join(f"{k} {n}" for k, n in finds.most_common()) or "-"
             name = layout + (" (async)" if async_scheduling else "")
             print(f"| {v} | {name} | {n_cases} | {agree} ({100 * agree / n_cases:.0f}%) | "
-                  f"{kd} | {fd} |")
+                  f"{kd} | {fd} |", flush=True)
+            if show_seeds:
+                for k, ss in seeds.items():
+                    print(f"<!-- {v} {name} {k}: seeds {' '.join(map(str, ss))} -->", flush=True)
 
 
 def main() -> None:
@@ -93,13 +100,15 @@ def main() -> None:
                     help="generated cases under async scheduling (AsyncScheduler, batch queue "
                          "of depth 2)")
     ap.add_argument("--no-speed", action="store_true", help="agreement only")
+    ap.add_argument("--show-seeds", action="store_true",
+                    help="after each row, the diverging seeds by kind (as a Markdown comment)")
     args = ap.parse_args()
     versions = args.releases.split(",")
     layouts = [x for x in args.layouts.split(",") if x in LAYOUTS]
     with Releases.installed(versions, timeout=600) as pool:
         if not args.no_speed:
             speed(pool, versions, tuple(int(x) for x in args.sizes.split(",")))
-        agreement(pool, versions, args.cases, layouts, args.async_scheduling)
+        agreement(pool, versions, args.cases, layouts, args.async_scheduling, args.show_seeds)
 
 
 if __name__ == "__main__":

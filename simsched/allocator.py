@@ -9,9 +9,17 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
   (evictable, LRU) until it is handed out again;
 * full / mla / cross_attention (and drafter groups, which sit beside their target) hold a block
   for every token; sliding_window / chunked_local / mamba free blocks out of reach
-  (``get_num_skipped_tokens``) and put the null block in their place; a mamba group keeps only its
-  latest state block (in ``align`` mode the states at block boundaries are prefix-cached); a ring
+  (``get_num_skipped_tokens``) and put the null block in their place; a ring
   (``CircularBufferSpec``) claims one block for the request's lifetime and is never cached;
+* a mamba group in ``align`` mode (``MambaManager``, ``mamba_cache_mode == "align"``, no
+  speculative or prefill-checkpoint blocks) allocates, per allocation that reaches a new block,
+  null blocks up to the last block and one new block there for the running state; the state of
+  the previous allocation is freed by the next ``remove_skipped_blocks`` (which skips the null
+  gaps a chunked prefill leaves); a state block that is full when cached (a chunk ending on a
+  block boundary) is prefix-cached and offered to the connector with its boundary; admission
+  counts at most one new block plus an evictable hit block, and a hit on a state cached in the
+  same step waits for the next one (``cached_blocks_this_step``). A hit is the one state block
+  ending at the hit length (nulls before it);
 * a GPU prefix hit needs every prefix-cacheable group to hit (hit lengths are aligned to the
   scheduler block size, and a windowed group only needs the blocks still in its reach).
 """
@@ -203,7 +211,7 @@ class BlockPool:
 
 
 class GroupRule:
-    __slots__ = ("gid", "kind", "code", "bs", "window", "chunk", "cacheable", "drafter")
+    __slots__ = ("gid", "kind", "code", "bs", "window", "chunk", "cacheable", "drafter", "align")
 
     def __init__(self, gid: int, group, block_size: int, enable_prefix_caching: bool):
         self.gid, self.kind, self.bs = gid, group.kind, block_size
@@ -213,6 +221,9 @@ class GroupRule:
         self.drafter = group.drafter
         self.cacheable = enable_prefix_caching and group.prefix_cacheable and not (
             group.kind == "mamba" and group.mamba_cache_mode != "align")
+        # MambaManager in ``mamba_cache_mode == "align"``: one running state block per request
+        # (see KVCacheManager.allocate, remove_skipped_blocks, admission_blocks, cache_blocks)
+        self.align = group.kind == "mamba" and group.mamba_cache_mode == "align"
 
     def skipped_tokens(self, computed: int) -> int:
         """``get_num_skipped_tokens``: tokens out of this group's reach."""
@@ -230,7 +241,8 @@ class KVCacheManager:
     """``KVCacheManager`` + coordinator over one :class:`BlockPool`."""
 
     def __init__(self, groups, block_sizes: list[int], num_blocks: int, align: int,
-                 enable_prefix_caching: bool = True, max_in_flight_tokens: int | None = None):
+                 enable_prefix_caching: bool = True, max_in_flight_tokens: int | None = None,
+                 mamba_tail_recache: int = 0):
         self.pool = BlockPool(num_blocks)
         self.rules = [GroupRule(i, g, bs, enable_prefix_caching)
                       for i, (g, bs) in enumerate(zip(groups, block_sizes))]
@@ -253,6 +265,34 @@ class KVCacheManager:
             r.code == MAMBA and not r.cacheable for r in self.rules)
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
         self.junction = 0          # the last find_hit's shared_prefix_boundary
+        # align-mode Mamba groups (MambaManager, mamba_cache_mode == "align")
+        self.align_rules = [r for r in self.rules if r.align]
+        # MambaManager._num_retired_blocks: (gid, rid) -> blocks below it already nulled
+        self.retired: dict[tuple[int, str], int] = {}
+        # MambaManager.cached_blocks_this_step: keys of the Mamba blocks cached in this step
+        # (cleared by new_step, KVCacheManager.new_step_starts at the start of schedule())
+        self.cached_this_step: set = set()
+        # MambaManager._pending_boundary_state_offloads: (rid, gid, block, boundary tokens) of
+        # every align-mode Mamba block cached in this step, drained by take_offers
+        # (KVCacheManager.take_boundary_state_offloads, once per step for the connector)
+        self.offers: list[tuple[str, int, int, int]] = []
+        # 0.32.0's MambaManager._cache_partial_tail_block re-registers the state block at the
+        # prompt's last hash boundary, (num_prompt - 1) // tph * tph, whenever cache_blocks is
+        # called there, although the block is already keyed at that boundary (0.33.0 returns
+        # early: "re-caching would mark it cached this step and defer every sibling that hits
+        # it"; 0.30.0/0.31.0 skip a Mamba block equal to the hash block): the block counts as
+        # cached this step again. The hash unit tph when the rule applies, else 0.
+        self.mamba_tail_recache = mamba_tail_recache
+
+    def new_step(self) -> None:
+        """``KVCacheManager.new_step_starts``."""
+        if self.cached_this_step:
+            self.cached_this_step.clear()
+
+    def take_offers(self) -> list[tuple[str, int, int, int]]:
+        """``take_boundary_state_offloads``: this step's Mamba boundary states, in offer order."""
+        out, self.offers = self.offers, []
+        return out
 
     # --- GPU prefix cache ------------------------------------------------------------------
     def find_hit(self, req: Request) -> int:
@@ -298,26 +338,48 @@ class KVCacheManager:
             self.junction = full_hit
         return L
 
-    def apply_hit(self, req: Request, L: int) -> None:
-        """Take the hit blocks: real blocks in reach, the null block out of reach."""
+    def apply_hit(self, req: Request, L: int, total: int | None = None) -> None:
+        """Take the hit blocks (``save_new_computed_blocks``): the null block for the blocks out
+        of reach at ``total`` computed tokens (the hit plus the connector's tokens; default
+        ``L``), the hit blocks in reach touched. The hit blocks count as cached
+        (``num_cached_block``): ``cache_blocks`` starts after them."""
         cached, pool = self.pool.cached, self.pool
         req.quiet_until = -1
+        if total is None:
+            total = L
+        done = req.num_cached_blocks
         for r in self.rules:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
                 continue
             n = L // r.bs
-            first = min(r.skipped_tokens(L) // r.bs, n)
+            first = min(r.skipped_tokens(total) // r.bs, n)
             table.extend([NULL] * first)
             blocks = list(map(cached.__getitem__, req.keys(r.gid, r.bs)[first:n]))
             pool.touch(blocks)
             table.extend(blocks)
+            done[r.gid] = len(table)
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
         key, cached, more = pool.key, pool.cached, pool.more
         done = req.num_cached_blocks
+        tph = self.mamba_tail_recache
+        if tph and self.align_rules:
+            # the tokens the coordinator caches: min(num_tokens, known tokens), aligned down by
+            # the hybrid coordinator (get_num_cacheable_tokens: _align_cacheable), not by the
+            # unitary one of a single group
+            t = min(num_tokens, req.num_tokens)
+            if len(self.rules) > 1:
+                t = t // self.align * self.align
+            if t and t % tph == 0 and t == (req.num_prompt - 1) // tph * tph:
+                for r in self.align_rules:
+                    table = req.tables[r.gid]
+                    i = -(-t // r.bs) - 1
+                    if r.cacheable and i < len(table) and table[i] != NULL \
+                            and key[table[i]] is not None and t % r.bs == 0:
+                        self.cached_this_step.add(key[table[i]])
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
@@ -333,6 +395,15 @@ class KVCacheManager:
                         more.setdefault(k, []).append(b)
                     else:
                         cached[k] = b
+            if r.align:
+                # MambaManager.cache_blocks: every state block cached now is offered to the
+                # connector with the boundary it summarises, and marked cached this step
+                bs = r.bs
+                for j in range(i, m):
+                    b = table[j]
+                    if b != NULL and key[b] is not None:
+                        self.offers.append((req.rid, gid, b, (j + 1) * bs))
+                        self.cached_this_step.add(key[b])
             i = max(i, m)
             while i < n:                              # past the known tokens: no key
                 b = table[i]
@@ -357,6 +428,22 @@ class KVCacheManager:
             table = req.tables[r.gid]
             if r.code == RING:
                 need += 0 if table else 1
+                continue
+            if r.align:
+                # MambaManager.get_num_blocks_to_allocate, align mode: a hit whose state block
+                # another request cached in this step cannot be used yet (num_gpu_blocks + 1:
+                # never fits); the blocks still missing, at most one (the new running state;
+                # num_speculative_blocks is 0), plus the evictable hit block
+                n = -(-num_tokens // r.bs) - len(table)
+                if not table and r.cacheable and hit:
+                    n_hit = hit // r.bs
+                    n -= n_hit
+                    k = req.keys(r.gid, r.bs)[n_hit - 1]
+                    if k in self.cached_this_step:
+                        return pool.num_blocks + 1
+                    if pool.ref[pool.cached[k]] == 0:
+                        need += 1
+                need += 1 if n > 0 else n
                 continue
             required = -(-num_tokens // r.bs)
             if capped and cap is not None and cap < required:
@@ -386,6 +473,23 @@ class KVCacheManager:
                 continue
             table = req.tables[r.gid]
             n = min(r.skipped_tokens(computed) // r.bs, len(table))
+            if r.align:
+                # MambaManager._remove_blocks_in_range, align mode: prefill leaves null gaps
+                # between states; every state block in [retired, n) is freed, tail first.
+                # (The running block of two steps ago, last_state_block_idx, lies in that
+                # range whenever its own rule would free it.)
+                rk = (r.gid, req.rid)
+                first = self.retired.get(rk, 0)
+                if first >= n:
+                    continue
+                group = [table[i] for i in range(n - 1, first - 1, -1) if table[i] != NULL]
+                for i in range(first, n):
+                    table[i] = NULL
+                if group:
+                    self.pool.free_blocks(group)
+                    freed += group
+                self.retired[rk] = n
+                continue
             group = []
             for i in range(n - 1, -1, -1):
                 b = table[i]
@@ -401,8 +505,12 @@ class KVCacheManager:
         return freed
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
-                 cache_upto: int | None = None, reserved: int = 0) -> list[list[int]] | None:
+                 cache_upto: int | None = None, reserved: int = 0,
+                 processed: int | None = None) -> list[list[int]] | None:
         """``allocate_slots``: blocks for ``[0, computed + num_new_tokens)``; None if the pool is dry.
+        ``processed``: the tokens whose output is processed (``num_computed_tokens -
+        num_in_flight_tokens`` under async scheduling): blocks out of a window are freed on that
+        basis (``remove_skipped_blocks``), while the blocks to add count ``computed``.
 
         Returns the new block IDs per group (null placeholders included, as vLLM reports them).
         """
@@ -411,7 +519,7 @@ class KVCacheManager:
             if (num_new_tokens == 1 and computed <= req.quiet_until
                     and cache_upto == computed + 1):
                 return [[] for _ in self.rules]     # a decode step that changes nothing
-        self.remove_skipped_blocks(req, computed)
+        self.remove_skipped_blocks(req, computed if processed is None else processed)
         total = computed + num_new_tokens
         plan = []
         need = 0
@@ -425,6 +533,12 @@ class KVCacheManager:
             target = -(-total // r.bs)
             if target <= have:
                 plan.append((0, 0))
+                continue
+            if r.align:
+                # MambaManager.allocate_new_blocks, align mode: nulls up to the last block, one
+                # new block there for the running state
+                plan.append((target - 1 - have, 1))
+                need += 1
                 continue
             nulls = max(0, min(r.skipped_tokens(computed) // r.bs, target) - have)
             n = target - have - nulls
@@ -489,6 +603,12 @@ class KVCacheManager:
         freed = []
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
+        if self.align_rules:
+            # MambaManager.pop_blocks_for_free: the request's pending offers are dropped
+            for r in self.align_rules:
+                self.retired.pop((r.gid, req.rid), None)
+            if self.offers:
+                self.offers = [o for o in self.offers if o[0] != req.rid]
         for table in req.tables:
             tail_first = table[::-1]
             self.pool.free_blocks(tail_first)

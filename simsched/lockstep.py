@@ -301,6 +301,7 @@ LAYOUTS: dict[str, list[dict]] = {
     "full16+mamba16align": [{"kind": "full", "block_size": 16},
                             {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
 }
+_MAMBA_ALIGN = LAYOUTS["full16+mamba16align"]
 
 
 def generate_case(seed: int, layout: str = "full16", n_requests: int | None = None,
@@ -349,11 +350,20 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: aborted before the waiting loop reaches it: its loaded blocks were never cached, so they go
 #: back to the front of the free queue: _update_waiting_for_remote_kv caches them only then)
 #: and ``window_finish`` (a's sliding-window block that leaves the window with a's last token
-#: is freed before the rest of a's blocks: Scheduler._connector_finished); under async
+#: is freed before the rest of a's blocks: Scheduler._connector_finished) and ``mamba_load``
+#: (align-mode Mamba: a's state at 64 is stored as a job of its own, before a's chunk job, and
+#: loaded back into one state block for b) and ``mamba_stall`` (the same with one block less:
+#: the real scheduler stalls, see docs/invariants.md); under async
 #: scheduling: ``async_decode`` (a's decode is scheduled before its previous token is known, its
 #: finish and its store's completion are seen one step later: AsyncScheduler, the engine's batch
 #: queue) and ``async_abort`` (a, aborted while its batch is in flight, keeps its blocks until
-#: that batch's output is processed: Scheduler.defer_block_free / deferred_frees)
+#: that batch's output is processed: Scheduler.defer_block_free / deferred_frees) and
+#: ``async_window`` (a's sliding-window block that leaves the window with a's first decode is
+#: freed only once the prefill's output is processed, so b, which needs that block, is admitted
+#: one step later: allocate_slots frees on num_computed_tokens - num_in_flight_tokens); and
+#: ``ring_fence`` (b's ring block is a's full-attention block that a's pending store still reads:
+#: 0.33.0 flushes the store, its update_state_after_alloc counting every group's blocks; up to
+#: 0.32.0 a ring block is not watched and b's step writes the block, INV-6)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -404,6 +414,18 @@ HANDMADE: dict[str, dict] = {
                                "engine": {"num_gpu_blocks": 8, "async_scheduling": True}},
                     "requests": [{"id": "a", "prompt": [[7, 40]], "decode": 10, "abort_at": 3},
                                  {"id": "b", "prompt": [[9, 20]], "arrival": 3, "decode": 1}]},
+    "async_window": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                           {"kind": "sliding_window", "block_size": 16,
+                                            "sliding_window": 32}],
+                                "engine": {"num_gpu_blocks": 12, "async_scheduling": True}},
+                     "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 5},
+                                  {"id": "b", "prompt": [[9, 32]], "arrival": 1, "decode": 1}]},
+    "ring_fence": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                         {"kind": "ring", "block_size": 4}],
+                              "engine": {"num_gpu_blocks": 8}},
+                   "timing": {"store_latency": 6},
+                   "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 1},
+                                {"id": "b", "prompt": [[9, 70]], "arrival": 1, "decode": 1}]},
     "window_finish": {"layout": {"groups": [{"kind": "full", "block_size": 16},
                                             {"kind": "sliding_window", "block_size": 16,
                                              "sliding_window": 32}],
@@ -411,4 +433,14 @@ HANDMADE: dict[str, dict] = {
                       "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 16},
                                    {"id": "b", "prompt": [[9, 64]], "arrival": 20,
                                     "decode": 1}]},
+    "mamba_load": {"layout": {"groups": _MAMBA_ALIGN, "engine": {"num_gpu_blocks": 9}},
+                   "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                 "decode": 2}]},
+    "mamba_stall": {"layout": {"groups": _MAMBA_ALIGN, "engine": {"num_gpu_blocks": 8}},
+                    "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                 {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                 {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                  "decode": 2}]},
 }

@@ -91,10 +91,22 @@ class Model:
         in_flight = timing.max_num_batched_tokens * (2 if layout.engine.async_scheduling else 1)
         self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
                                  geo.scheduler_block_size, layout.engine.enable_prefix_caching,
-                                 max_in_flight_tokens=in_flight)
+                                 max_in_flight_tokens=in_flight,
+                                 mamba_tail_recache=(geo.tokens_per_hash if profile.extra.get(
+                                     "mamba_tail_recache") else 0))
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks)
+        # Scheduler.need_mamba_block_aligned_split (an align-mode Mamba group, so the engine's
+        # cache_config.mamba_cache_mode is "align"): prefill chunks are cut at block boundaries
+        # of cache_config.block_size, the first attention group's block size (_mamba_split)
+        self.mamba_split_bs = 0
+        if any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in layout.groups):
+            attn = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
+            self.mamba_split_bs = (attn[0] if attn else layout.groups[0]).block_size
+        # the last block-aligned position whose state can be cached: floor(num_tokens) up to
+        # 0.31.0, get_mamba_prefill_checkpoint_position (floor(num_tokens - 1)) from 0.32.0
+        self.mamba_split_below = profile.extra.get("mamba_checkpoint_below", False)
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
         self.timing = timing
@@ -200,7 +212,11 @@ class Model:
         self.inflight.pop(req.rid, None)
         # Scheduler._connector_finished: blocks out of a window are freed
         # (remove_skipped_blocks on the processed tokens) before the connector sees the table
-        self.kv.remove_skipped_blocks(req, req.num_computed if computed is None else computed)
+        if computed is None:
+            computed = req.num_computed
+            if self.async_ is not None:
+                computed = self.async_.processed(req)
+        self.kv.remove_skipped_blocks(req, computed)
         self.off.request_finished(req)
         if delay_free:
             # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
@@ -325,6 +341,7 @@ class Model:
         if tracing:
             lines.append(f"step {step}")
         kv, off = self.kv, self.off
+        kv.new_step()
         allocate = kv.allocate
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -365,14 +382,18 @@ class Model:
                 n += ph
             if n > budget:
                 n = budget
+            if self.mamba_split_bs and n > 0:
+                n = self._mamba_split(req, n, c)
             if n <= 0:
                 i += 1
                 continue
             upto = c + n
+            processed = None
             if asy is not None:
                 upto = min(upto, len(req.tokens))     # allocate_slots caches known tokens only
+                processed = asy.processed(req)
             while True:
-                nb = allocate(req, n, cache_upto=upto)
+                nb = allocate(req, n, cache_upto=upto, processed=processed)
                 if nb is not None:
                     break
                 if asy is not None and not asy.can_free(running[-1]):
@@ -401,7 +422,7 @@ class Model:
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
         stores, loads, flush = off.build_connector_meta(scheduled, new_blocks, preempted,
-                                                        finished, self.reqs)
+                                                        finished, self.reqs, kv.take_offers())
         if stores:
             store_t = t + self.timing.store_latency
             geo, schedule = self.geo, self.q.schedule
@@ -483,6 +504,34 @@ class Model:
                 pr[job.jid] = set(job.deferred).union(job.fenced or ())
         self.progress = self.progress or bool(sched_reqs)
 
+    def _mamba_split(self, req: Request, n: int, start: int) -> int:
+        """``Scheduler._mamba_block_aligned_split`` (no EAGLE, no partial-tail hits, no prefill
+        checkpoint blocks, long_prefill_token_threshold 0): a prefill chunk of ``n`` tokens from
+        ``start`` ends on a block boundary unless it ends the prefill, stops at the next
+        boundary when it starts inside a block, at the last cacheable boundary and at the
+        block-floored shared-prefix junction."""
+        prefill_end = max(req.num_prompt, req.num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        bs = self.mamba_split_bs
+        nt = req.num_tokens
+        last = ((nt - 1) if self.mamba_split_below else nt) // bs * bs
+        end = start + n
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.timing.max_num_batched_tokens:
+                end = aligned
+        stops = [last]
+        if start % bs:
+            stops.append((start // bs + 1) * bs)
+        junction = self.off.junction.get(req.rid, 0)
+        if start < junction < end:
+            stops.append(start + (junction - start) // bs * bs)
+        inside = [x for x in stops if start < x < end]
+        if inside:
+            end = min(inside)
+        return max(end - start, 0)
+
     def _fast_bound(self, req: Request) -> None:
         """After a full step of a running request: up to which ``num_computed`` its next decode
         steps are quiet, and the (group, block) pairs such a step writes.
@@ -562,12 +611,16 @@ class Model:
                 # then the chunk's blocks, for a load beyond the blocks reserved for the in-flight
                 # prefills (Scheduler._inflight_prefill_reserved_blocks)
                 total, n = L + ext, (0 if ext else min(req.num_tokens - L, budget))
+                if n and self.mamba_split_bs:
+                    n = self._mamba_split(req, n, L)
+                    if n == 0:
+                        break
                 reserved = sum([kv.remaining_blocks(r) for r in inflight.values()]) if ext else 0
                 if (kv.admission_blocks(req, L, total, req.num_tokens, True) > pool.num_free()
                         or kv.admission_blocks(req, L, total, total + n, False)
                         > pool.num_free() - reserved):
                     break
-                kv.apply_hit(req, L)
+                kv.apply_hit(req, L, total)
                 req.num_cached = L
             else:
                 L = req.num_computed
@@ -596,6 +649,10 @@ class Model:
                 i += 1
                 continue
             n = min(req.num_tokens - L, budget)
+            if self.mamba_split_bs:
+                n = self._mamba_split(req, n, L)
+                if n == 0:
+                    break
             req.num_computed = L
             nb = kv.allocate(req, n, cache_upto=L + n)
             if nb is None:
@@ -603,6 +660,8 @@ class Model:
                     kv.free(req)
                     req.num_computed = 0
                 break
+            if off.alloc_all_groups:
+                off.update_state_after_alloc(req, req.tables, 0, None)
             del waiting[i]
             if i < self.n_held:
                 self.n_held -= 1
@@ -694,6 +753,10 @@ class AsyncRun:
       tokens arrive, up to ``num_computed - num_in_flight_tokens``
       (``update_from_output``; 0.30.0's ``AsyncScheduler._update_request_with_output`` says
       ``num_computed - num_output_placeholders``, the same count without speculative tokens);
+    * blocks out of a window are freed on the processed tokens, ``num_computed -
+      num_in_flight_tokens`` (``allocate_slots`` and ``_connector_finished`` call
+      ``remove_skipped_blocks`` on that basis), the blocks to add still count every computed
+      token;
     * ``defer_block_free`` (set with more than one concurrent batch and a connector that can
       be a KV consumer, as the OffloadingConnector's ``kv_both``): a request scheduled in a batch
       still in flight is never a preemption victim (``_request_blocks_can_be_freed``), and its
@@ -726,6 +789,13 @@ class AsyncRun:
     def busy(self) -> bool:
         """The engine steps again: something to schedule, a job pending, a batch in flight."""
         return self.has_requests() or not self.m.off.quiet() or bool(self.queue)
+
+    def processed(self, req: Request) -> int:
+        """``num_computed_tokens - num_in_flight_tokens``: the tokens of batches whose output is
+        processed, the basis on which blocks out of a window are freed (``allocate_slots``,
+        ``_connector_finished``: "in-flight steps' attention windows still read blocks below
+        the optimistic boundary")."""
+        return max(0, req.num_computed - self.in_flight.get(req.rid, 0))
 
     def can_free(self, req: Request) -> bool:
         return self.last_seq.get(req.rid, 0) <= self.processed_seq

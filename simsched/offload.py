@@ -412,11 +412,19 @@ class OffloadScheduler:
         self.sw_groups = tuple(sw)
         self.lookup_groups = tuple(full) + self.sw_groups
         self.mamba_align = None
+        # GroupOffloadConfig.requires_cow_source: align-mode Mamba groups, stored only through
+        # the boundary states the KV cache manager hands over (_build_boundary_store_jobs)
+        self.cow_groups: frozenset = frozenset()
+        # (0.28.0+; before, profile.extra["mamba_boundary_stores"] False, a Mamba group is stored
+        # chunk by chunk like the other groups)
+        boundary_stores = profile.extra.get("mamba_boundary_stores", True)
         if layout is not None:
             for g in self.cfgs:
                 grp = layout.groups[g.group_id]
                 if grp.kind == "mamba" and grp.mamba_cache_mode == "align":
                     self.mamba_align = g.tokens_per_chunk
+                    if boundary_stores:
+                        self.cow_groups |= {g.group_id}
         self.supports_max_load = profile.extra.get(
             "max_load_tokens", profile.offloaded_groups is prefix_cacheable_groups)
         self.finish_clamp = profile.extra.get("finish_store_clamp", profile.keyed_chunk_clamp)
@@ -433,6 +441,10 @@ class OffloadScheduler:
         self.junction: dict[str, int] = {}
         # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
         self.restart_store_idx = profile.extra.get("restart_store_idx", False)
+        # 0.33.0's update_state_after_alloc records every block of an admitted request, in every
+        # group (also groups not offloaded, GPU hits included) as allocated in this batch, with or
+        # without a load: a pending store fencing one of them is flushed
+        self.alloc_all_groups = profile.extra.get("alloc_all_groups", False)
         self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
                           if layout is not None and layout.groups[g.group_id].kind in
                           ("sliding_window", "sliding_window_mla")}
@@ -670,6 +682,8 @@ class OffloadScheduler:
         """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
         block tables (every KV cache group), ``is_cached(block)`` tells whether a block carries a
         block hash (a GPU prefix hit)."""
+        if self.alloc_all_groups:
+            self.batch_allocated.update(b for table in tables for b in table if b != NULL)
         if num_external == 0:
             return None
         st = self.req_status[req.rid]
@@ -717,8 +731,10 @@ class OffloadScheduler:
         return job
 
     def build_connector_meta(self, scheduled: dict[str, int], new_blocks: dict[str, list],
-                             preempted: list[str], finished: list[str], reqs: dict):
-        """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush)."""
+                             preempted: list[str], finished: list[str], reqs: dict,
+                             offers=()):
+        """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush).
+        ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
         # _update_req_states
         sw_ends: dict[str, tuple] = {}
         rs = self.req_status
@@ -756,7 +772,8 @@ class OffloadScheduler:
             for b in self.batch_allocated:
                 if b in self.block_to_jobs:
                     self.batch_flush.update(self.block_to_jobs[b])
-        stores = self._build_store_jobs(scheduled, finished, reqs)
+        stores = self._build_boundary_store_jobs(offers) if offers else []
+        stores += self._build_store_jobs(scheduled, finished, reqs)
         loads, flush = self.batch_loads, self.batch_flush
         for rid in finished:
             fst = rs.get(rid)
@@ -780,6 +797,42 @@ class OffloadScheduler:
         if self.prompt_only:
             n = min(n, req.num_prompt)
         return n
+
+    def _build_boundary_store_jobs(self, offers) -> list[Job]:
+        """``_build_aligned_boundary_store_jobs`` (from ``_build_partial_tail_store_jobs``, before
+        the chunk store jobs): an align-mode Mamba group is stored only from the boundary states
+        the KV cache manager hands over (``boundary_state_offloads``), one job per boundary: the
+        state block, fenced, under the key of the boundary's last block hash, when the boundary
+        ends a chunk and lies within the offloadable tokens. (Partial tails, a Mamba block larger
+        than the hash block, are not modelled.)"""
+        by_req: dict[str, list] = {}
+        for rid, gid, b, boundary in offers:
+            by_req.setdefault(rid, []).append((gid, b, boundary))
+        cfg_of = {cfg.group_id: cfg for cfg in self.cfgs}
+        tph, out = self.tph, []
+        for rid, entries in by_req.items():
+            st = self.req_status.get(rid)
+            if st is None:
+                continue
+            req = st.req
+            max_boundary = self._offloadable(st, req.num_tokens)
+            for gid, b, boundary in entries:
+                cfg = cfg_of.get(gid)
+                if cfg is None or b == NULL or boundary > max_boundary \
+                        or boundary % cfg.tokens_per_chunk:
+                    continue
+                key = (gid, req.ident_at(boundary))
+                to_store = self.tier.prepare_store([key], st)
+                if not to_store:
+                    continue
+                c = boundary // cfg.tokens_per_chunk - 1
+                item = (gid, c, boundary // tph - 1, key,
+                        [(boundary // cfg.tokens_per_block - 1, b)])
+                job = self._new_job(rid, True, {key}, [item], [b], [])
+                st.jobs.add(job.jid)
+                self.block_to_jobs.setdefault(b, set()).add(job.jid)
+                out.append(job)
+        return out
 
     def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str], reqs: dict
                           ) -> list[Job]:
@@ -810,9 +863,10 @@ class OffloadScheduler:
                 continue        # no group can store a chunk: advance_stored_idx is a no-op too
             new_keys = []
             ns = [storable(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
+            cow = self.cow_groups
             for cfg, gs, n in zip(cfgs, groups, ns):
                 start = gs.next_stored
-                if n <= start:
+                if n <= start or cfg.group_id in cow:
                     continue
                 keys = gs.keys[start:n]
                 bids = gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]

@@ -111,3 +111,147 @@ def test_shared_prefix_boundary_is_the_longer_full_attention_hit():
     b = req(80, rid="b", groups=2)
     assert kv.find_hit(b) == 0 and kv.junction == 64
     assert kv.find_hit(req(80, rid="c", groups=2, seed=2)) == 0 and kv.junction == 0
+
+
+# --- Mamba in align mode (MambaManager, mamba_cache_mode == "align") -------------------------
+# Expectations derived from vllm/v1/core/single_type_kv_cache_manager.py, MambaManager (0.30.0 to
+# 0.33.0 alike for these rules, num_speculative_blocks 0, no prefill checkpoint blocks).
+
+MAMBA = Group("mamba", 16, mamba_cache_mode="align")
+
+
+def test_mamba_align_allocates_one_state_block_after_nulls():
+    """allocate_new_blocks: num_required_blocks = cdiv(num_tokens, block_size); the request's
+    blocks are padded with null blocks up to num_required_blocks - 1 and one new block holds the
+    running state. A 100-token chunk: 6 nulls and 1 block (a full-attention group: 7 blocks)."""
+    kv = mgr([Group("full", 16), MAMBA])
+    r = req(100, groups=2)
+    nb = kv.allocate(r, 100)
+    assert len(nb[0]) == 7 and NULL not in nb[0]
+    assert nb[1][:6] == [NULL] * 6 and len(nb[1]) == 7 and nb[1][6] != NULL
+    assert kv.pool.num_free() == 63 - 8
+
+
+def test_mamba_align_chunks_leave_null_gaps_and_free_the_old_state():
+    """Chunked prefill (32 tokens, then 40): the first chunk's state block sits at index 1, the
+    second chunk adds nulls at 2 and 3 and its state at 4 (num_required 5). The next allocation
+    (remove_skipped_blocks at 72 computed: get_num_skipped_tokens = 71, blocks [0, 4) out of
+    reach; _remove_blocks_in_range skips the nulls instead of stopping at them) frees index 1."""
+    kv = mgr([MAMBA])
+    r = req(100)
+    first = kv.allocate(r, 32)[0]
+    assert first[0] == NULL and first[1] != NULL
+    r.num_computed = 32
+    second = kv.allocate(r, 40)[0]
+    assert second[:2] == [NULL, NULL] and second[2] != NULL
+    assert r.tables[0][1] == first[1]                    # still held: it seeds the next chunk
+    r.num_computed = 72
+    kv.allocate(r, 1)
+    assert r.tables[0][:4] == [NULL] * 4 and r.tables[0][4] == second[2]
+    assert kv.pool.ref[first[1]] == 0                    # freed
+
+
+def test_mamba_align_hit_takes_only_the_state_at_the_boundary():
+    """find_longest_cache_hit: a Mamba hit is the one state block ending at the hit length, null
+    blocks before it; the hit block is freed (to the evictable tail) once the next chunk's state
+    exists: the hit 64 of a 100-token request then the 36 remaining tokens give [0,0,0,H,0,0,S]."""
+    kv = mgr([Group("full", 16), MAMBA])
+    a = req(64, "a", 2)
+    kv.allocate(a, 64, cache_upto=64)                    # the state at 64 is cached
+    a.num_computed = 64
+    state = a.tables[1][3]
+    kv.free(a)
+    b = req(100, "b", 2)
+    assert kv.find_hit(b) == 64
+    kv.apply_hit(b, 64)
+    h = b.tables[1][3]
+    assert b.tables[1] == [NULL, NULL, NULL, state]
+    nb = kv.allocate(b, 36, computed=64)
+    assert nb[1][:2] == [NULL, NULL] and nb[1][2] != NULL
+    b.num_computed = 100
+    kv.allocate(b, 1)
+    assert b.tables[1][3] == NULL and kv.pool.ref[h] == 0
+
+
+def test_mamba_align_admission_needs_at_most_one_new_block():
+    """get_num_blocks_to_allocate, align mode: num_required - len(new_computed_blocks) -
+    len(req_to_blocks), capped at 1 (+ num_speculative_blocks for a request not allocated yet) when
+    positive, plus the evictable hit blocks. A 100-token request: 7 full-attention blocks + 1."""
+    kv = mgr([Group("full", 16), MAMBA])
+    r = req(100, groups=2)
+    assert kv.admission_blocks(r, 0, 0, 100, True) == 7 + 1
+
+
+def test_mamba_align_hit_on_a_state_cached_this_step_waits():
+    """get_num_blocks_to_allocate: a hit whose last block was cached in this step
+    (cached_blocks_this_step, cleared by new_step_starts) returns num_gpu_blocks + 1, so the
+    request is not scheduled in this step; in the next one it is."""
+    kv = mgr([Group("full", 16), MAMBA])
+    a = req(64, "a", 2)
+    kv.new_step()
+    kv.allocate(a, 64, cache_upto=64)
+    b = req(100, "b", 2)
+    assert kv.find_hit(b) == 64
+    assert kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.num_free()
+    kv.new_step()
+    assert kv.admission_blocks(b, 64, 64, 100, True) == 3 + 1
+
+
+def test_mamba_align_cached_states_are_offered_to_the_connector():
+    """MambaManager.cache_blocks: each state block cached in this step is handed over with its
+    boundary (_pending_boundary_state_offloads, drained by take_boundary_state_offloads); a
+    chunk ending inside a block caches nothing; freeing a request drops its pending offers
+    (pop_blocks_for_free)."""
+    kv = mgr([Group("full", 16), MAMBA])
+    a = req(100, "a", 2)
+    kv.allocate(a, 64, cache_upto=64)
+    b = req(100, "b", 2, seed=2)
+    kv.allocate(b, 40, cache_upto=40)
+    c = req(100, "c", 2, seed=3)
+    kv.allocate(c, 32, cache_upto=32)
+    kv.free(c)
+    assert kv.take_offers() == [("a", 1, a.tables[1][3], 64)]
+    assert kv.take_offers() == []
+
+
+def test_hit_blocks_out_of_reach_of_the_loaded_tokens_are_not_touched():
+    """save_new_computed_blocks: the blocks skipped at local + external computed tokens are
+    replaced by nulls without being touched, so an evictable hit block keeps its place in the
+    free queue (touching then freeing it would move it to the tail)."""
+    groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=32)]
+    kv = mgr(groups, n=40)
+    a = req(100, "a", 2)
+    kv.allocate(a, 100, cache_upto=100)
+    kv.free(a)
+    order = list(kv.pool.free)
+    b = req(200, "b", 2)
+    L = kv.find_hit(b)
+    assert L == 96
+    kv.apply_hit(b, L, L + 64)                           # 64 tokens more from the CPU tier
+    sw = b.tables[1]
+    assert sw == [NULL] * 6                              # the window at 160 starts past 96
+    assert [x for x in kv.pool.free if x not in b.tables[0]] == \
+        [x for x in order if x not in b.tables[0]]
+
+
+def test_mamba_align_prompt_tail_recached_on_0320_only():
+    """MambaManager._cache_partial_tail_block, called by cache_blocks with the cacheable tokens
+    aligned down (_align_cacheable): at the prompt's last hash boundary, (num_prompt - 1) // 16
+    * 16 = 64 for a 70-token prompt, 0.32.0 registers the state block again although it is keyed
+    there already, so it is cached this step again and a sibling hitting it waits one more step;
+    0.33.0 returns early ("already keyed here"), 0.30.0/0.31.0 skip a Mamba block equal to the
+    hash block. a computes 64 tokens (step 0), then its last 6 (step 1): b, hitting a's state at
+    64, is deferred in step 1 on 0.32.0 only."""
+    for recache, deferred in ((16, True), (0, False)):
+        kv = KVCacheManager([Group("full", 16), MAMBA], [16, 16], 64, 16,
+                            mamba_tail_recache=recache)
+        a = Request("a", 0, None, [(31 + i) % 1000 for i in range(70)], 74, 16, 2)
+        kv.new_step()
+        kv.allocate(a, 64, cache_upto=64)
+        a.num_computed = 64
+        kv.new_step()
+        kv.allocate(a, 6, cache_upto=70)
+        b = Request("b", 1, None, [(31 + i) % 1000 for i in range(64)] + [5] * 36, 104, 16, 2)
+        assert kv.find_hit(b) == 64
+        waits = kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.num_free()
+        assert waits is deferred, recache

@@ -131,8 +131,8 @@ def assert_agree(layout_seeds, version, pool, async_scheduling: bool = False) ->
 #: seen to its right, so the lookup is not deferred), full16+ring4 seed 755 (0.33.0: a resumed
 #: request offers its chunks for storing again from chunk 0), full16+sw16w128+full16 seed 964
 #: (the request's shared_prefix_boundary is a reachable boundary of sliding-window stores)
-RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish", "async_decode",
-              "async_abort"]
+RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish", "mamba_load",
+              "async_decode", "async_abort", "async_window", "ring_fence"]
 RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4", 111),
               ("full16+ring4", 729), ("full16", 268), ("full16+sw16w128+full16", 185),
               ("full16+chunked16c64", 307), ("full16+ring4", 755),
@@ -143,8 +143,9 @@ RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4"
 #: seeds that agree on 0.30.0 and 0.33.0 (sliding-window seeds 0 and 1 are left out for the
 #: 0.30.0 store-order divergence AGREEING names); agreement over more cases: BENCHMARKS.md,
 #: "Lockstep agreement"
+#: sliding-window seeds 53 and 69 free window blocks on the processed tokens (async_window)
 ASYNC_AGREEING = ([("full16", s) for s in range(12)]
-                  + [("full16+sw16w128+full16", s) for s in range(2, 10)])
+                  + [("full16+sw16w128+full16", s) for s in [*range(2, 10), 53, 69]])
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
@@ -186,6 +187,30 @@ MORE_LAYOUTS = ([("mla16", s) for s in range(1, 13)] + [("mla64", s) for s in ra
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
 def test_agreement_on_mla_and_chunked_local_layouts(pool, version):
     assert_agree(MORE_LAYOUTS, version, pool)
+
+
+#: align-mode Mamba (MambaManager, boundary-state stores, block-aligned prefill chunks): seeds
+#: 0-19 but seed 9 (on 0.30.0 its first divergence is the CPU tier's eviction order), and seed 78,
+#: whose request loads a Mamba state from the CPU tier
+MAMBA_SEEDS = [("full16+mamba16align", s) for s in list(range(20)) + [78] if s != 9]
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_agreement_on_mamba_align_layout(pool, version):
+    assert_agree(MAMBA_SEEDS, version, pool)
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_real_scheduler_stalls_on_a_mamba_state_move(pool, version):
+    """HANDMADE["mamba_stall"]: the full-sequence gate counts one Mamba block per request, but the
+    allocation that moves a request's state to a new block holds two (the previous one is freed
+    at the next allocation). With 7 usable blocks: on 0.30.0 b, admitted with a CPU load of 64
+    tokens (6 full-attention blocks + 1 Mamba block counted), cannot take its next chunk; on
+    0.33.0 f's prefill, cut 80 + 16 at block boundaries, is preempted at its second chunk. The real
+    scheduler makes no progress (INV-8), and the model does the same."""
+    res = lockstep(Case.from_json(HANDMADE["mamba_stall"]), version, pool)
+    assert res.agree, res.summary()
+    assert sigs(res) == ["invariant:INV-8"]
 
 
 def test_observations_api_matches_replay(pool):

@@ -221,3 +221,88 @@ def test_async_abort_defers_the_free_of_blocks_a_batch_in_flight_writes():
     assert a and b and not a & b
     s = _sync("async_abort")
     assert blocks_of(s[first(s, "alloc a ")]) & blocks_of(s[first(s, "alloc b ")])
+
+
+def test_mamba_align_state_is_stored_and_loaded_as_one_boundary_block():
+    """Align-mode Mamba (OffloadingConnectorScheduler), 0.30.0: the Mamba group
+    requires_cow_source, so _build_store_jobs skips it; MambaManager.cache_blocks hands each
+    cached state block over (take_boundary_state_offloads) and _build_aligned_boundary_store_jobs,
+    called before _build_store_jobs, makes one store job per boundary that ends a chunk within the
+    offloadable tokens: a's state at 64 (hash index 3, the block at index 3) is job 0, a's four
+    full-attention chunks job 1. f's state at 96 is its own job too. b's CPU hit of 64 tokens
+    loads one Mamba key, the state at 64, into the one state block update_state_after_alloc finds
+    (index 3). b's next chunk (_mamba_block_aligned_split, 0.30.0: the last cacheable position is
+    84 - 84 % 16 = 80, inside (64, 84)) is 16 tokens, its state at index 4 = cdiv(80, 16) - 1."""
+    t = trace("mamba_load", "every-group")
+    stores = [x for x in t if x.startswith("store ")]
+    a0, a1 = stores[0].split(), stores[1].split()
+    assert a0[:3] == ["store", "0", "a"] and len(a0) == 4 and a0[3].startswith("g1:3=")
+    assert a1[:3] == ["store", "1", "a"] and all(p.startswith("g0:") for p in a1[3:])
+    assert len(a1) == 3 + 4
+    assert any(x.split()[2] == "f" and x.split()[3:] == [x.split()[3]]
+               and x.split()[3].startswith("g1:5=") for x in stores)
+    load = t[first(t, "load ")].split()
+    assert load[2] == "b"
+    g1 = [p for p in load[3:] if p.startswith("g1:")]
+    assert len(g1) == 1 and g1[0].startswith("g1:3=")
+    state = int(g1[0].split("=")[1])
+    assert first(t, "sched b 16") < first(t, "sched b 4")
+    alloc_b = t[first(t, "alloc b ")].split()
+    g1_table = [int(x) for x in alloc_b[3].split("=")[1].split(",")]
+    assert g1_table[:3] == [0, 0, 0] and g1_table[3] == state
+    assert len(g1_table) == 5 and g1_table[4] != 0
+
+
+def test_mamba_align_prefill_chunks_end_at_cacheable_block_boundaries():
+    """Scheduler._mamba_block_aligned_split (cache_config.mamba_cache_mode "align"): a prefill
+    chunk never runs past the last cacheable block boundary: 0.30.0 and 0.31.0 take
+    num_tokens - num_tokens % block_size, 0.32.0+ get_mamba_prefill_checkpoint_position
+    ((num_tokens - 1) // block_size * block_size, one token left to recompute). a's 64-token
+    prompt: one chunk on 0.30.0 (64 is not inside (0, 64)), 48 + 16 on 0.33.0; b's 20 tokens
+    after its 64-token hit: 16 + 4 on both (80 is inside (64, 84))."""
+    old, new = trace("mamba_load", "every-group"), trace("mamba_load")
+    assert [x for x in old if x.startswith("sched a ")][:1] == ["sched a 64"]
+    assert [x for x in new if x.startswith("sched a ")][:2] == ["sched a 48", "sched a 16"]
+    for t in (old, new):
+        assert [x for x in t if x.startswith("sched b ")][:2] == ["sched b 16", "sched b 4"]
+
+
+def test_async_window_blocks_are_freed_on_the_processed_tokens():
+    """KVCacheManager.allocate_slots frees the blocks out of a window with remove_skipped_blocks
+    on max(0, total_computed_tokens - request.num_in_flight_tokens) ("in-flight steps' attention
+    windows still read blocks below the optimistic boundary"), while the blocks to add count every
+    computed token. a (48-token prompt, window 32, 3 blocks per group) decodes at step 1: 49
+    tokens need a fourth block in each group, and get_num_skipped_tokens(48) = 48 - 32 + 1 = 17
+    puts a's first window block out of reach. Synchronously it is freed at step 1: a holds 7 of
+    the 11 usable blocks and b (32 tokens, 2 blocks per group) fits in the 4 left at step 1. Under
+    async scheduling the prefill's 48 tokens are still in flight at step 1 (processed 0): a holds
+    8, b does not fit; at step 2 the prefill's output is processed (48 tokens, the first decode
+    in flight), the block is freed and b is admitted."""
+    t = trace("async_window")
+    assert segment_of(t, "sched b 32")[0] == "step 2"
+    s = _sync("async_window")
+    assert segment_of(s, "sched b 32")[0] == "step 1"
+
+
+def test_blocks_of_every_group_fence_pending_stores_from_0330():
+    """0.33.0's OffloadingConnectorScheduler.update_state_after_alloc, called by the waiting loop
+    of Scheduler.schedule for each admitted request, adds the request's blocks of every KV cache
+    group (get_blocks: GPU hits and groups that are not offloaded included), with or without a
+    load, to _current_batch_allocated_block_ids; build_connector_meta flushes the pending jobs of
+    those blocks (_block_id_to_pending_jobs). Up to 0.32.0 it returns at once without a load, and
+    _update_req_states counts only the offloaded groups' new blocks, so a ring group's block
+    (not offloaded from 0.31.0) is never checked.
+
+    a (32 tokens: full blocks 1, 2, ring block 3) finishes at step 0 with its store of blocks 1, 2
+    pending (latency 6); request_finished registers them as its store's deferred fences. Its
+    blocks are freed group by group, tail first: ring block 3 (no hash) to the front of the free
+    queue, hashed 2 then 1 at its tail: 3 4 5 6 7 2 1. b (70 tokens: 5 full blocks, 1 ring block)
+    takes 3-7 for its full group and 2 for its ring group. 0.33.0: store 0 is flushed in step 1;
+    0.32.0: b's step writes block 2 while store 0 still reads it (INV-6, as the real 0.32.0
+    does in lockstep)."""
+    t = trace("ring_fence")
+    step1 = segment_of(t, "sched b 70")
+    assert "alloc b g0=3,4,5,6,7 g1=2" in step1 and "flush 0" in step1
+    r = run_case(Case.from_json(HANDMADE["ring_fence"]), "prefix-cacheable-strict-unit")
+    assert not r.ok and [f["inv_id"] for f in r.findings] == ["INV-6"]
+    assert not [x for x in r.trace if x.startswith("flush")]

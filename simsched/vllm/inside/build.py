@@ -186,6 +186,12 @@ class ConfigBuilder:
         attn = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
         cc.block_size = (attn[0] if attn else layout.groups[0]).block_size
         cc.enable_prefix_caching = eng.enable_prefix_caching
+        # An engine whose Mamba layers cache in "align" mode has cache_config.mamba_cache_mode
+        # "align" (the specs take it from there); the Scheduler reads it
+        # (need_mamba_block_aligned_split: prefill chunks cut at block boundaries)
+        if any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in layout.groups) \
+                and hasattr(cc, "mamba_cache_mode"):
+            cc.mamba_cache_mode = "align"
         if eng.prefix_match_unit is not None:
             if self.match_unit_field is None:
                 raise Unsupported("prefix_match_unit: CacheConfig has neither prefix_match_unit "
