@@ -8,13 +8,14 @@
   the first divergences by kind.
 
 Run: ``python bench/bench_lockstep.py [--cases N] [--releases 0.30.0,0.33.0] [--layouts L,..]
-[--async] [--no-speed]``. Prints Markdown.
+[--async] [--no-speed] [--sizes 16,64] [--runs 5]``. Prints Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,28 +31,38 @@ from simsched.model import run_case  # noqa: E402
 from simsched.targets import Releases  # noqa: E402
 
 
-def speed(pool, versions, sizes=(16, 64)) -> None:
+def speed(pool, versions, sizes=(16, 64), runs: int = 5) -> None:
+    """Per release and size, ``runs`` alternating pairs (one real lockstep run, one model run with
+    full checks and trace, as lockstep runs it): medians of steps/s and of per-pair ratios."""
+    print(f"Medians of {runs} alternating runs per row.\n")
     print("| release | requests | steps | stores | loads | preemptions | real run (s) | "
-          "real steps/s | model steps/s | model / real |")
+          "real steps/s | model steps/s | model / real (median of per-run ratios) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    med = statistics.median
     for v in versions:
         prof = profile_for_release(v)
         for n in sizes:
             case = workload(n)
             run_real(case, v, pool, timeout=600)          # warm-up (imports, first build)
-            real = run_real(case, v, pool, timeout=600)
-            if real.get("status") != "ok":
+            reals, models, ratios, walls = [], [], [], []
+            c = None
+            for _ in range(runs):
+                real = run_real(case, v, pool, timeout=600)
+                if real.get("status") != "ok":
+                    break
+                c = real["counters"]
+                t0 = time.perf_counter()
+                m = run_case(case, prof)
+                tm = time.perf_counter() - t0
+                rs, ms = c["steps"] / real["wall"], m.counters["steps"] / tm
+                reals.append(rs), models.append(ms), ratios.append(ms / rs)
+                walls.append(real["wall"])
+            if c is None or len(reals) < runs:
                 print(f"| {v} | {n} | {real.get('status')}: {real.get('message', '')} |")
                 continue
-            c = real["counters"]
-            t0 = time.perf_counter()
-            m = run_case(case, prof)
-            tm = time.perf_counter() - t0
-            rs = c["steps"] / real["wall"]
-            ms = m.counters["steps"] / tm
             print(f"| {v} | {n} | {c['steps']} | {c['stores']} | {c['loads']} | "
-                  f"{c['preemptions']} | {real['wall']:.2f} | {rs:,.0f} | {ms:,.0f} | "
-                  f"{ms / rs:.1f} |")
+                  f"{c['preemptions']} | {med(walls):.2f} | {med(reals):,.0f} | "
+                  f"{med(models):,.0f} | {med(ratios):.1f} |")
 
 
 def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = False,
@@ -96,6 +107,7 @@ def main() -> None:
     ap.add_argument("--releases", default="0.30.0,0.33.0")
     ap.add_argument("--layouts", default="full16,full16+sw16w128+full16,full16+ring4")
     ap.add_argument("--sizes", default="16,64")
+    ap.add_argument("--runs", type=int, default=5, help="alternating real/model runs per row")
     ap.add_argument("--async", dest="async_scheduling", action="store_true",
                     help="generated cases under async scheduling (AsyncScheduler, batch queue "
                          "of depth 2)")
@@ -107,8 +119,10 @@ def main() -> None:
     layouts = [x for x in args.layouts.split(",") if x in LAYOUTS]
     with Releases.installed(versions, timeout=600) as pool:
         if not args.no_speed:
-            speed(pool, versions, tuple(int(x) for x in args.sizes.split(",")))
-        agreement(pool, versions, args.cases, layouts, args.async_scheduling, args.show_seeds)
+            speed(pool, versions, tuple(int(x) for x in args.sizes.split(",")), args.runs)
+        if args.cases > 0:
+            agreement(pool, versions, args.cases, layouts, args.async_scheduling,
+                      args.show_seeds)
 
 
 if __name__ == "__main__":

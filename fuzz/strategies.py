@@ -9,6 +9,8 @@ The free-form family comes first: shrinking any failure tends toward it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from functools import lru_cache
 
 from hypothesis import strategies as st
@@ -26,9 +28,15 @@ PROMPT_LENGTHS = (64, 16, 1, 128, 256, 1000, 1152, 2304, 4096)
 FAMILIES = ("free", "dense", "gpt_oss", "mamba_hybrid", "deepseek_v4", "mla_ring", "drafter")
 
 
-@lru_cache(maxsize=None)
 def _pick(values: tuple):
-    """``sampled_from`` built once per value list: building strategies is the slow part."""
+    """``sampled_from`` built once per value list: building strategies is the slow part. Keyed by
+    the values' types too: ``(0, 1) == (False, True)``, and a draw of ``_pick((0, 1))`` (prompt
+    segment seeds) must never return a bool."""
+    return _sampled(values, tuple(type(v) for v in values))
+
+
+@lru_cache(maxsize=None)
+def _sampled(values: tuple, _types: tuple):
     return st.sampled_from(values)
 
 
@@ -182,7 +190,14 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
                    for g in layout.groups) for r in requests)
     if layout.engine.num_gpu_blocks <= need + 1:
         layout = layout.with_engine(num_gpu_blocks=need + 16)
-    return Case(layout=layout, requests=requests, timing=_timing(draw), asserts=flag)
+    timing = _timing(draw)
+    spec = layout.engine.speculative
+    if spec is not None:
+        # drafts accepted per verification step (drawn last: other cases draw as before)
+        requests = tuple([dataclasses.replace(r, accept=tuple(
+            draw(st.lists(_ints(0, spec.num_tokens), min_size=1, max_size=4))))
+            if draw(_ints(0, 3)) else r for r in requests])
+    return Case(layout=layout, requests=requests, timing=timing, asserts=flag)
 
 
 def edge_scores(case: Case) -> dict[str, float]:

@@ -265,6 +265,13 @@ class KVCacheManager:
             r.code == MAMBA and not r.cacheable for r in self.rules)
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
         self.junction = 0          # the last find_hit's shared_prefix_boundary
+        # use_eagle_block_drop (EAGLE-style speculative decoding): the last block of a GPU
+        # prefix hit is dropped, the drafter needs the tokens before the generation point
+        # recomputed (find_longest_cache_hit(drop_eagle_block)); set by the model
+        self.eagle_drop = False
+        # 0.32.0+, several groups (HybridKVCacheCoordinator): an EAGLE group matches one block
+        # past the candidate hit before dropping one (eagle_proof_margin); set by the model
+        self.eagle_margin = False
         # align-mode Mamba groups (MambaManager, mamba_cache_mode == "align")
         self.align_rules = [r for r in self.rules if r.align]
         # MambaManager._num_retired_blocks: (gid, rid) -> blocks below it already nulled
@@ -307,6 +314,9 @@ class KVCacheManager:
         cached, align = self.pool.cached, self.align
         contains = cached.__contains__
         L = (req.num_tokens - 1) // align * align
+        if self.eagle_drop and self.eagle_margin and L >= 0:
+            # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
+            L += min(r.bs for r in self.cacheable_rules)
         for r in self.cacheable_rules:        # full-attention prefix bound first
             if r.code != FULLISH:
                 continue
@@ -336,6 +346,8 @@ class KVCacheManager:
                 break                         # every group hits at L
         if rest and full_hit > L and len(rest) < len(self.cacheable_rules):
             self.junction = full_hit
+        if self.eagle_drop and L > 0:
+            L = (L - min(align, min(r.bs for r in self.cacheable_rules))) // align * align
         return L
 
     def apply_hit(self, req: Request, L: int, total: int | None = None) -> None:
@@ -506,8 +518,10 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
                  cache_upto: int | None = None, reserved: int = 0,
-                 processed: int | None = None) -> list[list[int]] | None:
-        """``allocate_slots``: blocks for ``[0, computed + num_new_tokens)``; None if the pool is dry.
+                 processed: int | None = None, lookahead: int = 0) -> list[list[int]] | None:
+        """``allocate_slots``: blocks for ``[0, computed + num_new_tokens + lookahead)``
+        (``num_lookahead_tokens``: the slots an EAGLE-style drafter writes past the scheduled
+        tokens); None if the pool is dry.
         ``processed``: the tokens whose output is processed (``num_computed_tokens -
         num_in_flight_tokens`` under async scheduling): blocks out of a window are freed on that
         basis (``remove_skipped_blocks``), while the blocks to add count ``computed``.
@@ -517,10 +531,10 @@ class KVCacheManager:
         if computed is None:
             computed = req.num_computed
             if (num_new_tokens == 1 and computed <= req.quiet_until
-                    and cache_upto == computed + 1):
+                    and cache_upto == computed + 1 and not lookahead):
                 return [[] for _ in self.rules]     # a decode step that changes nothing
         self.remove_skipped_blocks(req, computed if processed is None else processed)
-        total = computed + num_new_tokens
+        total = computed + num_new_tokens + lookahead
         plan = []
         need = 0
         for r in self.rules:
@@ -604,17 +618,21 @@ class KVCacheManager:
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
         if self.align_rules:
-            # MambaManager.pop_blocks_for_free: the request's pending offers are dropped
-            for r in self.align_rules:
-                self.retired.pop((r.gid, req.rid), None)
-            if self.offers:
-                self.offers = [o for o in self.offers if o[0] != req.rid]
+            self.forget(req)
         for table in req.tables:
             tail_first = table[::-1]
             self.pool.free_blocks(tail_first)
             freed.extend(tail_first)
             table.clear()
         return freed
+
+    def forget(self, req: Request) -> None:
+        """``MambaManager.pop_blocks_for_free``: the request's align-mode Mamba state (retired
+        blocks) and its pending offers are dropped (also when its blocks are freed later)."""
+        for r in self.align_rules:
+            self.retired.pop((r.gid, req.rid), None)
+        if self.offers:
+            self.offers = [o for o in self.offers if o[0] != req.rid]
 
     def num_held(self) -> int:
         return self.pool.num_blocks - 1 - self.pool.num_free()

@@ -49,6 +49,15 @@ class RequestSpec:
     abort_at: int | None = None             # step at which the request is aborted
     max_load_tokens: int | None = None
     max_offload_tokens: int | None = None
+    # speculative decoding: drafts the worker accepts at the request's k-th verification step
+    # (a step that scheduled drafts for it): accept[k % len(accept)], at most the drafts
+    # scheduled; None accepts every draft
+    accept: tuple[int, ...] | None = None
+
+    def accepted(self, k: int, drafts: int) -> int:
+        if self.accept is None:
+            return drafts
+        return min(drafts, self.accept[k % len(self.accept)])
 
     @property
     def prompt_len(self) -> int:
@@ -77,6 +86,14 @@ class RequestSpec:
                 raise LayoutError(f"{path}.prompt[{i}]",
                                   f"expected [seed >= 0, length >= 1], got {seg!r}")
             segments.append((seg[0], seg[1]))
+        accept = obj.get("accept")
+        if accept is not None:
+            if (not isinstance(accept, list) or not accept or len(accept) > 1024
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 16
+                               for x in accept)):
+                raise LayoutError(f"{path}.accept", "a list of 1 to 1024 integers 0 to 16 "
+                                  f"is required, got {accept!r}")
+            accept = tuple(accept)
         return cls(
             id=rid,
             prompt=tuple(segments),
@@ -86,13 +103,15 @@ class RequestSpec:
             max_load_tokens=_int(obj, "max_load_tokens", path, default=None, optional=True, lo=0),
             max_offload_tokens=_int(obj, "max_offload_tokens", path, default=None, optional=True,
                                     lo=0),
+            accept=accept,
         )
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"id": self.id, "prompt": [list(s) for s in self.prompt]}
         for f in fields(self)[2:]:
             if getattr(self, f.name) != f.default:
-                out[f.name] = getattr(self, f.name)
+                v = getattr(self, f.name)
+                out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 
 

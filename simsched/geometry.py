@@ -218,7 +218,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             releases=("0.32.0",), offloaded_groups=prefix_cacheable_groups,
             asserted_groups=prefix_cacheable_groups, single_group_dcp_by_spec=True,
             single_group_unit_check=True,
-            extra={"mamba_checkpoint_below": True, "mamba_tail_recache": True}),
+            extra={"mamba_checkpoint_below": True, "mamba_tail_recache": True,
+                   "eagle_hit_margin": True}),
     Profile("prefix-cacheable-windows-in-config",
             "as prefix-cacheable-strict-unit; sliding windows in chunks derived in "
             "offloading/config.py",
@@ -227,7 +228,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             single_group_dcp_by_spec=True, single_group_unit_check=True,
             extra={"cpu_lru": "request-ranks", "restart_store_idx": True,
                    "mamba_checkpoint_below": True,
-                   "alloc_all_groups": True}),
+                   "alloc_all_groups": True, "spec_cache_on_output": True,
+                   "eagle_hit_margin": True}),
     Profile("fix-assert-only",
             "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
             "which are still offloaded",

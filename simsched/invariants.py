@@ -204,19 +204,30 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
                 break
             hi = T // tpc
             lo = local // tpc if w is None else max(local // tpc, hi - w)
-            v0, v1 = known[g]
-            c, keys = (v0 if v0 < hi <= v1 else hi) - 1, gs.keys
-            while c >= lo and (e := entries.get(keys[c])) is not None and e[0]:
-                c -= 1                             # c: the last chunk in reach not ready
-            known[g] = (c + 1, hi)
+            # an EAGLE drafter group pops its trailing chunk (volatile KV): it hits at T only
+            # when the chunk after T is ready too (and exists)
+            top = hi + 1 if cfg.drafter else hi
+            keys = gs.keys
+            if top > len(keys):
+                c = len(keys)
+            else:
+                v0, v1 = known[g]
+                c = (v0 if v0 < top <= v1 else top) - 1
+                while c >= lo and (e := entries.get(keys[c])) is not None and e[0]:
+                    c -= 1                         # c: the last chunk in reach not ready
+                known[g] = (c + 1, top)
             if c >= lo:
-                T = ((c + 1) * tpc - 1) // unit * unit
+                T = ((c + 1 - (top - hi)) * tpc - 1) // unit * unit
                 break
         else:
             best = T - local
             break
     if best and off.being_loaded:
         return best, "being-loaded"
+    if 0 < best < max([cfg.tokens_per_chunk for cfg in off.cfgs], default=0):
+        # _lookup_complete_chunks: "We can only load less than a chunk, so skip" (a GPU hit
+        # that ends inside the last ready chunk leaves less than a chunk to load)
+        return best, "less-than-a-chunk"
     return best, None
 
 

@@ -300,6 +300,17 @@ LAYOUTS: dict[str, list[dict]] = {
     # assert of build_offloading_config fires on every release)
     "full16+mamba16align": [{"kind": "full", "block_size": 16},
                             {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
+    # speculative decoding (engine knobs in LAYOUT_ENGINE): n-gram drafts (no drafter group,
+    # no lookahead slots) and EAGLE with a drafter group beside its target (lookahead slots)
+    "full16+ngram2": [{"kind": "full", "block_size": 16}],
+    "full16+full16drafter+eagle2": [{"kind": "full", "block_size": 16},
+                                    {"kind": "full", "block_size": 16, "drafter": True}],
+}
+
+#: engine knobs of a generated layout beside the pool and tier sizes
+LAYOUT_ENGINE: dict[str, dict] = {
+    "full16+ngram2": {"speculative": {"method": "ngram", "num_tokens": 2}},
+    "full16+full16drafter+eagle2": {"speculative": {"method": "eagle", "num_tokens": 2}},
 }
 _MAMBA_ALIGN = LAYOUTS["full16+mamba16align"]
 
@@ -315,6 +326,8 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
     rng = random.Random(seed)
     n = n_requests or rng.randint(2, 8)
     groups = LAYOUTS[layout]
+    knobs = LAYOUT_ENGINE.get(layout, {})
+    spec = knobs.get("speculative")
     per_token_blocks = len([g for g in groups if g["kind"] != "ring"])
     reqs = []
     for i in range(n):
@@ -327,11 +340,15 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
                    "decode": rng.randint(1, 24)}
         if rng.random() < 0.1:
             r["abort_at"] = r["arrival"] + rng.randint(0, 6)
+        if spec is not None and rng.random() < 0.8:
+            # drafts accepted per verification step (the rest rejected)
+            r["accept"] = [rng.randint(0, spec["num_tokens"])
+                           for _ in range(rng.randint(1, 4))]
         reqs.append(r)
     blocks = rng.choice([24, 32, 48, 96]) * per_token_blocks
     return Case.from_json({
         "layout": {"groups": groups, "engine": dict(
-            {"num_gpu_blocks": blocks, "cpu_chunks": rng.choice([16, 64, 256])},
+            {"num_gpu_blocks": blocks, "cpu_chunks": rng.choice([16, 64, 256])}, **knobs,
             **({"async_scheduling": True} if async_scheduling else {}))},
         "requests": reqs, "seed": seed,
         "timing": {"store_latency": rng.randint(0, 3), "load_latency": rng.randint(0, 3),
@@ -357,13 +374,19 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: scheduling: ``async_decode`` (a's decode is scheduled before its previous token is known, its
 #: finish and its store's completion are seen one step later: AsyncScheduler, the engine's batch
 #: queue) and ``async_abort`` (a, aborted while its batch is in flight, keeps its blocks until
-#: that batch's output is processed: Scheduler.defer_block_free / deferred_frees) and
+#: that batch's output is processed: Scheduler.defer_block_free / deferred_frees);
 #: ``async_window`` (a's sliding-window block that leaves the window with a's first decode is
 #: freed only once the prefill's output is processed, so b, which needs that block, is admitted
 #: one step later: allocate_slots frees on num_computed_tokens - num_in_flight_tokens); and
 #: ``ring_fence`` (b's ring block is a's full-attention block that a's pending store still reads:
 #: 0.33.0 flushes the store, its update_state_after_alloc counting every group's blocks; up to
-#: 0.32.0 a ring block is not watched and b's step writes the block, INV-6)
+#: 0.32.0 a ring block is not watched and b's step writes the block, INV-6); speculative
+#: decoding: ``spec_reject`` (n-gram drafts, some rejected: num_computed_tokens rolls back in
+#: update_from_output), ``spec_lookahead`` (the same under EAGLE with a drafter group:
+#: allocate_slots reserves num_lookahead_tokens slots), ``spec_pad`` (b, a full GPU prefix hit
+#: but its last token, is padded to 1 + k tokens of which the k padding drafts are rejected) and
+#: ``spec_eagle_hit`` (EAGLE drops the last block of a GPU prefix hit; 0.32.0+ hybrid layouts
+#: match one block further first)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -426,6 +449,32 @@ HANDMADE: dict[str, dict] = {
                    "timing": {"store_latency": 6},
                    "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 1},
                                 {"id": "b", "prompt": [[9, 70]], "arrival": 1, "decode": 1}]},
+    "spec_reject": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                               "engine": {"num_gpu_blocks": 16, "speculative": {
+                                   "method": "ngram", "num_tokens": 2}}},
+                    "requests": [{"id": "a", "prompt": [[7, 40]], "decode": 9,
+                                  "accept": [0, 2, 1]}]},
+    "spec_lookahead": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                             {"kind": "full", "block_size": 16,
+                                              "drafter": True}],
+                                  "engine": {"num_gpu_blocks": 16, "speculative": {
+                                      "method": "eagle", "num_tokens": 2}}},
+                       "requests": [{"id": "a", "prompt": [[7, 40]], "decode": 9,
+                                     "accept": [0, 2, 1]}]},
+    "spec_pad": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                            "engine": {"num_gpu_blocks": 16, "speculative": {
+                                "method": "ngram", "num_tokens": 2}}},
+                 "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 12},
+                              {"id": "b", "prompt": [[7, 32], [8, 1]], "arrival": 3,
+                               "decode": 3}]},
+    "spec_eagle_hit": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                             {"kind": "full", "block_size": 16,
+                                              "drafter": True}],
+                                  "engine": {"num_gpu_blocks": 32, "speculative": {
+                                      "method": "eagle", "num_tokens": 2}}},
+                       "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 3},
+                                    {"id": "b", "prompt": [[7, 48]], "arrival": 4,
+                                     "decode": 1}]},
     "window_finish": {"layout": {"groups": [{"kind": "full", "block_size": 16},
                                             {"kind": "sliding_window", "block_size": 16,
                                              "sliding_window": 32}],

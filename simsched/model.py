@@ -33,8 +33,8 @@ from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
                                 WAITING_FOR_LOAD, KVCacheManager, Request)
 from simsched.case import VOCAB, Case, load_case
-from simsched.geometry import (DEFAULT_PROFILE, PROFILES, ConfigError, Profile, derive,
-                               effective_block_size, prefix_cacheable_groups)
+from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
+                               derive, effective_block_size, prefix_cacheable_groups)
 from simsched.offload import ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -96,7 +96,7 @@ class Model:
                                      "mamba_tail_recache") else 0))
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
-        self.shadow = Shadow(layout.engine.num_gpu_blocks)
+        self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)
         # Scheduler.need_mamba_block_aligned_split (an align-mode Mamba group, so the engine's
         # cache_config.mamba_cache_mode is "align"): prefill chunks are cut at block boundaries
         # of cache_config.block_size, the first attention group's block size (_mamba_split)
@@ -109,6 +109,37 @@ class Model:
         self.mamba_split_below = profile.extra.get("mamba_checkpoint_below", False)
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
+        # VllmConfig.num_lookahead_tokens: EAGLE-style drafters write KV past the scheduled
+        # tokens, allocate_slots reserves them
+        self.lookahead = self.num_spec if spec is not None and spec.method in EAGLE_METHODS \
+            else 0
+        # Request.spec_token_ids: rid -> drafts proposed after the request's last step, verified
+        # when it is scheduled next (Scheduler.update_draft_token_ids); per request the number of
+        # verification steps so far (the index into its ``accept`` pattern)
+        self.drafts: dict[str, int] = {}
+        self.verified: dict[str, int] = {}
+        self.kv.eagle_drop = bool(self.lookahead)
+        self.kv.eagle_margin = (len(layout.groups) > 1
+                                and profile.extra.get("eagle_hit_margin", False))
+        # 0.33.0: with speculative decoding, update_from_output caches the blocks of a running
+        # request's computed tokens once its new tokens are appended (rejections rolled back)
+        self.cache_on_output = bool(spec is not None
+                                    and profile.extra.get("spec_cache_on_output", False))
+        if layout.engine.async_scheduling:
+            # under async scheduling drafts reach the scheduler through the worker
+            # (update_draft_token_ids_in_output), not played here: no drafts
+            self.num_spec = 0
+        # Scheduler._spec_decode_step_blocks (0.31.0+): an async load is admitted only with the
+        # blocks of one spec decode step free beyond the in-flight reservations
+        self.spec_step_blocks = 0
+        if spec is not None and profile.extra.get(
+                "kv_holding_waiting", profile.offloaded_groups is prefix_cacheable_groups):
+            slots = 1 + spec.num_tokens + self.lookahead
+            if profile.name == "prefix-cacheable":      # 0.31.0: by the scheduler block size
+                self.spec_step_blocks = -(-slots // geo.scheduler_block_size)
+            else:                                       # per non-Mamba group
+                self.spec_step_blocks = sum(-(-slots // bs) for g, bs in
+                                            zip(layout.groups, sizes) if g.kind != "mamba")
         self.timing = timing
         # async scheduling: the engine's batch queue of depth 2 (AsyncRun)
         self.async_ = AsyncRun(self) if layout.engine.async_scheduling else None
@@ -309,6 +340,7 @@ class Model:
 
     # --- the scheduler step -------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
+        self.drafts.pop(req.rid, None)         # _preempt_request: spec_token_ids cleared
         self.kv.free(req)
         req.num_computed = 0
         req.status = WAITING
@@ -348,6 +380,9 @@ class Model:
         new_blocks: dict[str, list] = {}
         # (request, tokens, new blocks) in scheduling order; new blocks None for a quiet decode
         sched_reqs: list[tuple] = []
+        self.sched_drafts: dict[str, int] = {}    # scheduled_spec_decode_tokens (counts)
+        self.padded: set[str] = set()             # ... of padding drafts (-1) only
+        self.prefill_scheduled = False
         preempted: list[str] = []
         running = self.running
         k = self.num_spec
@@ -365,14 +400,10 @@ class Model:
                 budget -= 1
                 i += 1
                 continue
-            if k and req.num_computed >= req.num_prompt:
-                remaining = req.max_tokens - req.num_tokens
-                drafts = min(k, remaining - 1)
-                if drafts > 0 and req.num_computed == req.num_tokens - 1:
-                    req.append_tokens([_token(self.case.seed, req.index, p) for p in
-                                       range(req.num_tokens, req.num_tokens + drafts)])
             c = req.num_computed
             n = len(req.tokens) - c
+            if k:
+                n += self.drafts.get(req.rid, 0)      # num_tokens_with_spec
             if asy is not None:
                 ph = asy.ph.get(req.rid, 0)
                 if ph and c + 2 - ph >= req.max_tokens:
@@ -389,11 +420,14 @@ class Model:
                 continue
             upto = c + n
             processed = None
+            if asy is not None or k:
+                # allocate_slots caches finalized tokens only (not drafts, nor tokens in flight)
+                upto = min(upto, len(req.tokens))
             if asy is not None:
-                upto = min(upto, len(req.tokens))     # allocate_slots caches known tokens only
                 processed = asy.processed(req)
             while True:
-                nb = allocate(req, n, cache_upto=upto, processed=processed)
+                nb = allocate(req, n, cache_upto=upto, processed=processed,
+                              lookahead=self.lookahead)
                 if nb is not None:
                     break
                 if asy is not None and not asy.can_free(running[-1]):
@@ -410,6 +444,14 @@ class Model:
             sched_reqs.append((req, n, nb))
             budget -= n
             i += 1
+            if k:
+                # prefill_scheduled: a running request in a prefill chunk (is_prefill_chunk)
+                self.prefill_scheduled = self.prefill_scheduled or req.rid in self.inflight
+                # scheduled_spec_decode_tokens (cut to the tokens scheduled); the request's
+                # spec_token_ids are cleared until the worker proposes new ones
+                d = self.drafts.pop(req.rid, 0)
+                if d and c + n > len(req.tokens):
+                    self.sched_drafts[req.rid] = min(d, c + n - len(req.tokens))
         if not preempted:
             self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
         counters["scheduled_tokens"] += sum([n for _, n, _ in sched_reqs])
@@ -479,6 +521,41 @@ class Model:
                 if len(tokens) % unit == 0:
                     req._extend_ident()
                 continue
+            d = self.sched_drafts.get(req.rid, 0) if self.num_spec else 0
+            if d:
+                # verification (update_from_output): the accepted drafts are the request's next
+                # tokens; a rejected draft's slot holds KV of no token and num_computed_tokens
+                # rolls back over it; the worker samples one token after the accepted drafts
+                if req.rid in self.padded:
+                    a = 0
+                else:
+                    k = self.verified.get(req.rid, 0)
+                    self.verified[req.rid] = k + 1
+                    a = req.spec.accepted(k, d)
+                base = len(req.tokens)
+                acc = [_token(seed, req.index, p) for p in range(base, base + a)]
+                req.append_tokens(acc[:max(0, req.max_tokens - base)])
+                written = write_computed(req, rules, start, end)
+                if pr:
+                    self._violation(inv.check_writes_by_job(step, written, pr,
+                                                            f"request {req.rid}"))
+                req.num_computed = end - (d - a)
+                if inflight:
+                    inflight.pop(req.rid, None)
+                if len(req.tokens) < req.max_tokens:
+                    req.append_tokens([_token(seed, req.index, base + a)])
+                elif self.cache_on_output:
+                    # 0.33.0 _update_request_with_output: the tokens trimmed at a stop leave
+                    # num_computed_tokens too
+                    req.num_computed -= base + a + 1 - req.max_tokens
+                if self.cache_on_output:
+                    kv.cache_blocks(req, req.num_computed)
+                if len(req.tokens) >= req.max_tokens:
+                    req.finish_step = step
+                    self.q.schedule(t, ev.FINISH, req)
+                else:
+                    self.drafts[req.rid] = self.num_spec
+                continue
             written = write_computed(req, rules, start, end)
             if pr:
                 self._violation(inv.check_writes_by_job(step, written, pr, f"request {req.rid}"))
@@ -492,9 +569,14 @@ class Model:
                     asy.batch.tokens.append((req, tok))     # delivered with the batch's output
                     continue
                 req.append_tokens([tok])
+                if self.cache_on_output:
+                    kv.cache_blocks(req, req.num_computed)
                 if len(req.tokens) >= req.max_tokens:
                     req.finish_step = step
                     self.q.schedule(t, ev.FINISH, req)
+                elif self.num_spec:
+                    # the drafter proposes after a step that sampled (not a prefill chunk)
+                    self.drafts[req.rid] = self.num_spec
             if fast:
                 fast_bound(req)
         # stores of this step read what the forward pass wrote: fence them from now on
@@ -615,9 +697,11 @@ class Model:
                     n = self._mamba_split(req, n, L)
                     if n == 0:
                         break
-                reserved = sum([kv.remaining_blocks(r) for r in inflight.values()]) if ext else 0
+                reserved = (sum([kv.remaining_blocks(r) for r in inflight.values()])
+                             + self.spec_step_blocks) if ext else 0
+                la = 0 if ext else self.lookahead     # no lookahead slots for an async load
                 if (kv.admission_blocks(req, L, total, req.num_tokens, True) > pool.num_free()
-                        or kv.admission_blocks(req, L, total, total + n, False)
+                        or kv.admission_blocks(req, L, total, total + n + la, False)
                         > pool.num_free() - reserved):
                     break
                 kv.apply_hit(req, L, total)
@@ -649,12 +733,25 @@ class Model:
                 i += 1
                 continue
             n = min(req.num_tokens - L, budget)
+            pad = 0
+            if (self.num_spec and n == 1 and req.num_tokens - L == 1
+                    and not self.prefill_scheduled and (len(sched_reqs) or L > 0)):
+                # Pad new decode requests to uniform spec decoding size: 1 + k tokens, k
+                # padding drafts (-1) the worker rejects; not scheduled at all without the budget
+                if 1 + self.num_spec > budget:
+                    if fresh:
+                        kv.free(req)
+                        req.num_computed = 0
+                    break
+                pad = self.num_spec
+                n += pad
             if self.mamba_split_bs:
                 n = self._mamba_split(req, n, L)
                 if n == 0:
                     break
             req.num_computed = L
-            nb = kv.allocate(req, n, cache_upto=L + n)
+            nb = kv.allocate(req, n, cache_upto=min(L + n, req.num_tokens),
+                             lookahead=self.lookahead)
             if nb is None:
                 if fresh:
                     kv.free(req)
@@ -673,6 +770,9 @@ class Model:
             new_blocks[req.rid] = nb = [list(tb) for tb in req.tables]
             sched_reqs.append((req, n, nb))
             budget -= n
+            if pad:
+                self.sched_drafts[req.rid] = pad
+                self.padded.add(req.rid)
         if i:
             self._requeue_skipped(i)
 
@@ -801,6 +901,8 @@ class AsyncRun:
         return self.last_seq.get(req.rid, 0) <= self.processed_seq
 
     def defer_free(self, req: Request) -> None:
+        if self.m.kv.align_rules:
+            self.m.kv.forget(req)
         blocks = [b for table in req.tables for b in table if b != NULL]
         for table in req.tables:
             table.clear()

@@ -592,6 +592,10 @@ class OffloadScheduler:
         num_hit = 0
         defer = False
         lookup_groups = self.lookup_groups
+        # EAGLE drafter groups (is_eagle_group): each looks up one chunk more and pops it (its
+        # trailing chunk is volatile), once per convergence pass; the pass restarts the pops when
+        # a target group tightens the hit
+        eagle_verified: set[int] = set()
         while lookup_groups:
             looked_up_sw = False
             it = iter(lookup_groups)
@@ -599,6 +603,7 @@ class OffloadScheduler:
             for gi in it:
                 cfg, gs = self.cfgs[gi], st.groups[gi]
                 tpc, keys = cfg.tokens_per_chunk, gs.keys
+                eagle = cfg.drafter and gi not in eagle_verified
                 if self.asserts and len(keys) < req.num_tokens // tpc:
                     raise ModelCrash("AssertionError", "_lookup_complete_chunks", "lookup",
                                      "assert len(offload_keys) >= "
@@ -609,7 +614,8 @@ class OffloadScheduler:
                 if max_hit - num_computed < tpc:
                     return 0
                 w = cfg.sliding_window_in_chunks
-                num_chunks = min(-(-max_hit // tpc), len(keys))
+                query_max = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
+                num_chunks = min(-(-query_max // tpc), len(keys))
                 start = num_computed // tpc
                 sub = keys[start:num_chunks]
                 if w is None:
@@ -628,14 +634,16 @@ class OffloadScheduler:
                     # a pending chunk to its right, and the first run needs the load window
                     # (GroupOffloadConfig.load_window_size_in_chunks of the candidate end)
                     v2 = self.window_v2
-                    need = self._load_window(cfg, min(max_hit, num_chunks * tpc)) if v2 else w
+                    need = (self._load_window(cfg, min(max_hit, (num_chunks - eagle) * tpc))
+                            if v2 else w) + eagle
+                    w_req = w + eagle
                     consecutive, found, pending = 0, False, False
                     for idx in range(len(sub) - 1, -1, -1):
                         r = tier.lookup(sub[idx])
                         if r == MISS:
                             consecutive = 0
                             if v2:
-                                pending, need = False, w
+                                pending, need = False, w_req
                         else:
                             if r == HIT_PENDING:
                                 pending = True
@@ -651,11 +659,16 @@ class OffloadScheduler:
                 if n_hit == 0:
                     return 0
                 if n_hit is not None:
+                    if eagle:
+                        n_hit -= 1
+                        eagle_verified.add(gi)
                     max_hit = min(max_hit, tpc * (start + n_hit))
                 new_hit = max_hit - num_computed
                 if new_hit < tpc:
                     return 0
                 if new_hit < num_hit:
+                    if not cfg.drafter:
+                        eagle_verified.clear()
                     if defer:
                         defer = False
                         lookup_groups = self.lookup_groups

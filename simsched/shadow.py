@@ -14,8 +14,9 @@ from simsched.allocator import FULLISH, NULL, RING
 
 
 class Shadow:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, blocks_per_chunk: int | None = None):
         self.gpu: list[tuple | None] = [None] * num_blocks
+        self.bpc = blocks_per_chunk
 
     def write_computed(self, req, rules, start: int, end: int) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
@@ -62,7 +63,14 @@ class Shadow:
 
     def write(self, blocks, content: tuple) -> None:
         gpu = self.gpu
-        # a chunk's content lines up with the tail of the destination blocks
+        if content and len(content) == self.bpc:
+            # a whole chunk: each destination block takes the chunk's block at its own offset
+            # (the offloading worker skips block_index % blocks_per_chunk blocks of the chunk)
+            for i, b in blocks:
+                gpu[b] = content[i % self.bpc]
+            return
+        # a chunk whose store read only some blocks (windowed groups): its content lines up
+        # with the tail of the destination blocks
         content = content[len(content) - len(blocks):] if content else ()
         for (_, b), c in zip(blocks, content):
             gpu[b] = c

@@ -132,7 +132,8 @@ def assert_agree(layout_seeds, version, pool, async_scheduling: bool = False) ->
 #: request offers its chunks for storing again from chunk 0), full16+sw16w128+full16 seed 964
 #: (the request's shared_prefix_boundary is a reachable boundary of sliding-window stores)
 RULE_CASES = ["abort_load", "full_seq", "reserve", "promote", "window_finish", "mamba_load",
-              "async_decode", "async_abort", "async_window", "ring_fence"]
+              "async_decode", "async_abort", "async_window", "ring_fence", "spec_reject",
+              "spec_lookahead", "spec_pad", "spec_eagle_hit"]
 RULE_SEEDS = [("full16", 764), ("full16", 128), ("full16", 510), ("full16+ring4", 111),
               ("full16+ring4", 729), ("full16", 268), ("full16+sw16w128+full16", 185),
               ("full16+chunked16c64", 307), ("full16+ring4", 755),
@@ -151,6 +152,24 @@ ASYNC_AGREEING = ([("full16", s) for s in range(12)]
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
 def test_agreement_on_async_generated_cases(pool, version):
     assert_agree(ASYNC_AGREEING, version, pool, async_scheduling=True)
+
+
+#: generated cases with speculative decoding (drafts proposed by the harness's worker after each
+#: step, accepted per the requests' ``accept`` patterns, so some are rejected): seeds that agree
+#: on 0.30.0 and 0.33.0; agreement over more cases: BENCHMARKS.md, "Lockstep agreement"
+SPEC_AGREEING = ([("full16+ngram2", s) for s in range(8)]
+                 + [("full16+full16drafter+eagle2", s) for s in range(8)])
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_agreement_on_speculative_generated_cases(pool, version):
+    rejected = 0
+    for layout, seed in SPEC_AGREEING:
+        case = generate_case(seed, layout)
+        res = lockstep(case, version, pool)
+        assert res.agree, f"{layout} seed {seed}: {res.summary()}"
+        rejected += sum(1 for r in case.requests if r.accept and min(r.accept) < 2)
+    assert rejected > 0          # the cases do reject drafts
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
@@ -291,3 +310,38 @@ def test_bare_real_run_drives_the_scheduler_like_the_checked_run(pool, version):
         assert full["status"] == bare["status"] == "ok", (full.get("status"), bare)
         assert bare["counters"] == full["counters"]
         assert bare["counters"]["steps"] > 0 and bare["loop_cpu"] > 0
+
+
+#: a one-token prompt whose token is in the CPU tier (a stored it; block size 1, so 1-token
+#: chunks): BENCHMARKS.md, "Findings on 0.33.0, triaged", the INV-8 row
+ONE_TOKEN = {"layout": {"groups": [{"kind": "full", "block_size": 1}],
+                        "engine": {"num_gpu_blocks": 64}},
+             "requests": [{"id": "a", "prompt": [[1, 1], [2, 1]], "decode": 1},
+                          {"id": "b", "prompt": [[1, 1]], "arrival": 3, "decode": 1}]}
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_one_token_prompt_loaded_from_the_cpu_tier_livelocks(pool, version):
+    """A real vLLM liveness bug. b's whole prompt (one token) hits the CPU tier: the load
+    completes, _update_waiting_for_remote_kv recomputes the last prompt token
+    (num_computed_tokens 1 -> 0), the waiting loop takes b for a new request, the connector's
+    lookup finds the chunk again and loads it again: b is never scheduled. The model reproduces
+    it; with an EAGLE drafter group the trailing-chunk pop leaves nothing to load."""
+    case = Case.from_json(ONE_TOKEN)
+    real = pool.worker(version, True).call("run_case", timeout=120, case=case.to_json(),
+                                          step_cap=300)
+    assert real["status"] == "ok"
+    assert [f.get("inv_id") for f in real["findings"]] == ["INV-8"]
+    trace = real["trace"]
+    assert not any(x.startswith("sched b ") for x in trace)
+    assert sum(1 for x in trace if x.startswith("load ") and x.split()[2] == "b") > 250
+    from simsched.geometry import profile_for_release
+    from simsched.model import run_case
+    model = run_case(case, profile_for_release(version))
+    assert [f.get("inv_id") for f in model.findings] == ["INV-8"]
+    eagle = {**ONE_TOKEN, "layout": {
+        "groups": [{"kind": "full", "block_size": 1},
+                   {"kind": "full", "block_size": 1, "drafter": True}],
+        "engine": {"num_gpu_blocks": 64, "speculative": {"method": "eagle", "num_tokens": 2}}}}
+    res = lockstep(Case.from_json(eagle), version, pool)
+    assert res.agree and not res.real["findings"], res.summary()

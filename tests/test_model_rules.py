@@ -223,6 +223,95 @@ def test_async_abort_defers_the_free_of_blocks_a_batch_in_flight_writes():
     assert blocks_of(s[first(s, "alloc a ")]) & blocks_of(s[first(s, "alloc b ")])
 
 
+# --- speculative decoding -----------------------------------------------------------------------
+
+def sched_counts(t: list[str], rid: str) -> list[int]:
+    return [int(x.split()[2]) for x in t if x.startswith(f"sched {rid} ")]
+
+
+def step_of(t: list[str], i: int) -> int:
+    """The step number of trace line ``i``."""
+    return int(next(t[j] for j in range(i, -1, -1) if t[j].startswith("step ")).split()[1])
+
+
+def test_rejected_drafts_roll_back_num_computed_tokens():
+    """Scheduler.schedule schedules num_tokens_with_spec - num_computed_tokens tokens (the drafts
+    set by update_draft_token_ids after each step that sampled); update_from_output rolls
+    num_computed_tokens back over the rejected drafts and appends the accepted ones plus one
+    sampled token. a: prompt 40, max 9 output tokens, 2 n-gram drafts a step, accepting 0, 2,
+    1, 0, 2 (the ``accept`` pattern cycled). Prefill: 40 computed, 1 output token. Then every
+    step schedules 1 + 2 = 3 tokens; computed/output after each: 41/2, 44/5, 46/7, 47/8, and at
+    the fifth decode step 2 accepted + 1 make 11 > 9: a finishes (step 5). Its blocks: 3 for
+    the prompt's 40 slots; the fourth (slots 48..63) is needed first when computed 46 + 3
+    scheduled = 49 slots (step 4), not at step 3 (44 + 3 = 47 slots)."""
+    t = trace("spec_reject")
+    assert sched_counts(t, "a") == [40, 3, 3, 3, 3, 3]
+    new_block = [step_of(t, i) for i, x in enumerate(t)
+                 if x.startswith("alloc a ") and x != "alloc a g0=-"]
+    assert new_block == [0, 4]
+    assert step_of(t, t.index("finish a finished")) == 5
+
+
+def test_all_drafts_accepted_finish_sooner():
+    """The same request accepting every draft (no ``accept``: all accepted) gains 3 tokens a
+    step: output 1, 4, 7, 10 >= 9, so it finishes at step 3 instead of step 5."""
+    case = dict(HANDMADE["spec_reject"])
+    case["requests"] = [{k: v for k, v in case["requests"][0].items() if k != "accept"}]
+    r = run_case(Case.from_json(case), "prefix-cacheable-windows-in-config")
+    assert r.ok, r.findings
+    assert sched_counts(r.trace, "a") == [40, 3, 3, 3]
+    assert step_of(r.trace, r.trace.index("finish a finished")) == 3
+
+
+def test_eagle_reserves_lookahead_slots():
+    """VllmConfig.num_lookahead_tokens is num_speculative_tokens for EAGLE-style methods (0 for
+    n-gram): allocate_slots(num_lookahead_tokens=...) from the running loop reserves slots for
+    computed + scheduled + 2 tokens. Same request and acceptance as spec_reject: at step 3
+    computed 44 + 3 + 2 = 49 slots need the fourth block, one step before n-gram needs it (and
+    in both groups, target and drafter)."""
+    t = trace("spec_lookahead")
+    assert sched_counts(t, "a") == [40, 3, 3, 3, 3, 3]
+    grown = [(step_of(t, i), x) for i, x in enumerate(t)
+             if x.startswith("alloc a ") and x != "alloc a g0=- g1=-"]
+    assert [s for s, _ in grown] == [0, 3]
+    assert all(len(blocks_of(x)) == 2 for _, x in grown[1:])
+
+
+def test_new_decode_request_is_padded_to_the_spec_size():
+    """Scheduler.schedule, waiting loop: a request with one token to compute (b: 33-token prompt,
+    a GPU prefix hit of 32 tokens from a's prompt blocks), admitted while a running request was
+    scheduled in the step and no prefill is, is padded to 1 + num_spec_tokens tokens ("Pad new
+    decode requests to uniform spec decoding size"); scheduled_spec_decode_tokens holds k -1s,
+    which the worker rejects: b gets one output token from that step, so with 3 output tokens
+    and every real draft accepted it needs one more step (not finishing at admission)."""
+    t = trace("spec_pad")
+    admit = first(t, "sched b ")
+    assert t[admit] == "sched b 3"
+    assert blocks_of(t[admit + 1]) >= {1, 2}          # the GPU prefix hit: a's prompt blocks
+    assert sched_counts(t, "b") == [3, 3]
+    assert step_of(t, t.index("finish b finished")) == step_of(t, admit) + 1
+
+
+def test_eagle_drops_the_last_block_of_a_gpu_hit():
+    """find_longest_cache_hit(drop_eagle_block=True) for EAGLE: the last matched block is dropped
+    (the drafter needs the tokens before the generation point recomputed). b's prompt is a's
+    48-token prompt, whose 3 blocks are cached. 0.30.0/0.31.0: the hit is capped at
+    num_tokens - 1 = 47, 2 blocks match, one is dropped: 16 tokens; the connector's lookup from
+    there finds chunks 1 and 2 ready, the drafter group pops its trailing chunk
+    (_lookup_complete_chunks, is_eagle_group): one chunk (16 tokens) is loaded, 16 computed.
+    0.32.0+ (HybridKVCacheCoordinator, eagle_proof_margin): an EAGLE group matches one block past
+    the cap (3 blocks) before dropping one: a GPU hit of 32, nothing to load, 16 computed."""
+    for profile, loads in (("every-group", 1), ("prefix-cacheable", 1),
+                           ("prefix-cacheable-strict-unit", 0),
+                           ("prefix-cacheable-windows-in-config", 0)):
+        t = trace("spec_eagle_hit", profile)
+        assert sched_counts(t, "b") == [16], profile
+        load = [x for x in t if x.startswith("load ")]
+        assert len(load) == loads, (profile, load)
+        if loads:
+            assert load[0].split()[2] == "b" and "g0:1=" in load[0] and "g0:2" not in load[0]
+
+
 def test_mamba_align_state_is_stored_and_loaded_as_one_boundary_block():
     """Align-mode Mamba (OffloadingConnectorScheduler), 0.30.0: the Mamba group
     requires_cow_source, so _build_store_jobs skips it; MambaManager.cache_blocks hands each

@@ -8,6 +8,11 @@ offloading manager. This module plays the GPU worker only:
 
 * one sampled token per request whose prefill is complete, ``simsched.model._token`` (the model
   samples the same ids);
+* speculative decoding (sync scheduling): ``k`` drafts per request of an executed batch through
+  ``Scheduler.update_draft_token_ids`` (as ``EngineCore.post_step``), the tokens that follow the
+  request's known ones; a step that scheduled drafts accepts the first ones as the request's
+  ``accept`` pattern says (``RequestSpec.accepted``; padding drafts ``-1`` never) and samples one
+  token after them, so ``update_from_output`` rolls back over the rejected ones;
 * transfer completions through the connector's real output path: a store reports only through
   ``OffloadingWorkerMetadata.completed_jobs``; a load through ``completed_jobs`` and
   ``finished_recving`` (as the real offloading worker does). A job created at time ``t`` is
@@ -89,6 +94,11 @@ class RealEngine:
         self.KVConnectorOutput = KVConnectorOutput
         self.RequestStatus = RequestStatus
         self.WorkerMeta = getattr(common, "OffloadingWorkerMetadata", None)
+        try:
+            from vllm.v1.outputs import DraftTokenIds
+            self.DraftTokenIds = DraftTokenIds
+        except ImportError:
+            self.DraftTokenIds = None
         self.sched_params = set(inspect.signature(Scheduler.__init__).parameters)
         self.mro_params = set(inspect.signature(ModelRunnerOutput).parameters)
         try:
@@ -240,7 +250,7 @@ class _Run:
         self.unit = math.gcd(tph, *self.block_sizes)
         self.rules = [GroupRule(i, g, bs, layout.engine.enable_prefix_caching)
                       for i, (g, bs) in enumerate(zip(layout.groups, self.block_sizes))]
-        self.shadow = Shadow(layout.engine.num_gpu_blocks)
+        self.shadow = Shadow(layout.engine.num_gpu_blocks, self.bpc)
         self.tier: dict[Any, tuple] = {}          # offload key -> content (ready chunks)
         self.pending_reads: dict[int, set[int]] = {}
         self.jobs: dict[int, _Job] = {}
@@ -256,6 +266,12 @@ class _Run:
             self.key_hash = lambda k: bytes(k)[:-4]
             self.key_group = lambda k: int.from_bytes(bytes(k)[-4:], "big")
         self.hasher = self.eng.probe.hasher(vc, tph)
+        # speculative decoding (sync scheduling): the worker proposes drafts after each executed
+        # step (EngineCore.post_step -> Scheduler.update_draft_token_ids)
+        spec = layout.engine.speculative
+        self.num_spec = (spec.num_tokens if spec is not None and not layout.engine.async_scheduling
+                         else 0)
+        self.verified: dict[str, int] = {}       # rid -> verification steps so far
 
     def _add_request(self, i: int, spec) -> None:
         eng = self.eng
@@ -613,10 +629,29 @@ class _Run:
         sampled: dict[str, list[int]] = {}
         seed = case.seed
         pr = self.pending_reads
+        spec_sched = dict(getattr(out, "scheduled_spec_decode_tokens", None) or {})
         for rid, n in scheduled.items():
             ident = self.ident[rid]
             start = before.get(rid, 0)
             ident.tables = self._tables(rid)
+            drafts = list(spec_sched.get(rid, ()))
+            d = len(drafts)
+            accepted: list[int] = []
+            samples = start + n >= len(ident.tokens) + d
+            if samples and d:
+                # verification: the first accepted drafts are the request's next tokens (the
+                # worker proposed them so); the slots of rejected drafts hold KV of no token;
+                # padding drafts (-1, a new decode request padded to 1 + k tokens) never match
+                if all(x == -1 for x in drafts):
+                    a = 0
+                else:
+                    spec = case.requests[self.index[rid]]
+                    k = self.verified.get(rid, 0)
+                    self.verified[rid] = k + 1
+                    a = spec.accepted(k, d)
+                base = len(ident.tokens)
+                accepted = [_token(seed, self.index[rid], base + j) for j in range(a)]
+                ident.append_tokens(accepted[:max(0, ident.max_tokens - base)])
             written = self.shadow.write_computed(ident, self.rules, start, start + n)
             if pr:
                 v = inv.check_writes(step, written, pr, f"request {rid}")
@@ -624,10 +659,12 @@ class _Run:
                     raise v
             # the worker samples when the batch reaches the end of the tokens it knows (under
             # async scheduling it knows the tokens the scheduler has not received yet)
-            if start + n >= len(ident.tokens):
-                tok = _token(seed, self.index[rid], start + n)
-                sampled[rid] = [tok]
-                ident.append_tokens([tok])
+            if samples:
+                pos = start + n - d + len(accepted)
+                tok = _token(seed, self.index[rid], pos)
+                sampled[rid] = accepted + [tok]
+                if len(ident.tokens) < ident.max_tokens:
+                    ident.append_tokens([tok])
             else:
                 sampled[rid] = []
         for job in new_stores:
@@ -664,7 +701,28 @@ class _Run:
             sampled_token_ids=[batch.sampled[r] for r in order], kv_connector_output=kvo,
             **({"logprobs": None} if "logprobs" in eng.mro_params else {}))
         self._call("update_from_output", self.sched.update_from_output, batch.out, mro)
+        if self.num_spec and order and eng.DraftTokenIds is not None:
+            self._propose_drafts(batch.out, order)
         return bool(order) or bool(done), done
+
+    def _propose_drafts(self, out, order: list[str]) -> None:
+        """The drafter after an executed step (``EngineCore.post_step``): ``k`` drafts for every
+        request of the batch, the tokens that follow the request's known ones (whether the
+        worker accepts them is the case's ``accept`` pattern); ``k`` is the scheduler's
+        ``num_spec_tokens_to_schedule`` where it has one, none when it says ``skip_drafts``. The
+        scheduler drops drafts of requests that are finished or in a prefill chunk."""
+        k = getattr(out, "num_spec_tokens_to_schedule", None)
+        k = self.num_spec if k is None else int(k)
+        if getattr(out, "skip_drafts", False):
+            k = 0
+        seed = self.case.seed
+        drafts = []
+        for rid in order:
+            req = self.reqs[rid]
+            base = req.num_tokens
+            drafts.append([_token(seed, self.index[rid], base + j) for j in range(k)])
+        self._call("update_draft_token_ids", self.sched.update_draft_token_ids,
+                   self.eng.DraftTokenIds(list(order), drafts))
 
 
 class _BareRun:

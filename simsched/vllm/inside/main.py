@@ -7,7 +7,7 @@ Protocol (one JSON object per line): the worker first announces
 not an observation of vLLM: vLLM's own failures are outcomes inside ``result``).
 
 Ops: ``ping``, ``config_batch`` (``items``: list of ``{"layout", "num_tokens"}``),
-``scheduler_construct`` (``layout``), ``run_case`` (``case``, ``mutant``: see
+``scheduler_construct`` (``layout``), ``run_case`` (``case``, ``mutant``, ``step_cap``: see
 :mod:`simsched.vllm.inside.engine`), ``features``, ``coverage`` (``action``: ``take``, ``reset`` or
 ``summary``; arc coverage of the offloading code, collected when the worker starts with
 ``SIMSCHED_COVERAGE=1``, see :mod:`simsched.vllm.inside.coverage`), ``exit``; and ``sleep`` (``seconds``), a
@@ -82,8 +82,9 @@ def main() -> int:
                 if "engine" not in state:
                     from simsched.vllm.inside.engine import RealEngine
                     state["engine"] = RealEngine(probe())
+                kw = {"step_cap": int(req["step_cap"])} if req.get("step_cap") else {}
                 result = state["engine"].run_case(req["case"], req.get("mutant"),
-                                                     bare=bool(req.get("bare", False)))
+                                                     bare=bool(req.get("bare", False)), **kw)
             elif op == "features":
                 result = probe().builder.features
             elif op == "coverage":
