@@ -12,6 +12,10 @@ run, the model in fast mode and the bare real Scheduler + KVCacheManager + Offlo
 each release on the same workload (release worker op ``run_case`` with ``bare=True``: the
 scheduler loop only, no trace, shadow or checks; boot and request construction excluded),
 alternating one model run and one real run N times; CPU-time medians and their ratio.
+
+The model runs compiled when the checkout was installed with ``pip install -e .`` (mypyc, see
+``setup.py``); ``SIMSCHED_PURE=1`` in the environment runs its Python source instead. The first
+line of the output says which.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from simsched import compiled  # noqa: E402
 from simsched.case import Case  # noqa: E402
 from simsched.model import run_case  # noqa: E402
 
@@ -67,13 +72,18 @@ def measure(case: Case, checks: str, trace: bool, runs: int = 5):
 MODES = (("fast", False), ("fast", True), ("full", True))
 
 
+def model_build() -> str:
+    """Which model ran: the modules compiled at install, or their Python source."""
+    return "model compiled (mypyc)" if compiled() else "model pure Python"
+
+
 def side_by_side(versions: list[str], sizes: list[int], runs: int) -> None:
     """Model (fast mode) and bare real Scheduler alternately on one workload; CPU-time medians."""
     from simsched.geometry import profile_for_release
     from simsched.targets import Releases
 
     print(f"Median of {runs} alternating runs per row (model in fast mode: checks=fast, "
-          "trace off; real: bare Scheduler loop in the release worker).\n")
+          f"trace off; {model_build()}; real: bare Scheduler loop in the release worker).\n")
     print("| release | requests | model steps | real steps | real stores / loads / preemptions |"
           " model steps/s (CPU) | real steps/s (CPU) | real steps/s (wall) | model / real "
           "(ratio of medians) | model / real (median of per-run ratios) |")
@@ -117,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         side_by_side(argv[argv.index("--real") + 1].split(","), sizes, runs)
         return
     lo, hi = REAL_STEPS_PER_S
-    print(f"Median of {runs} runs per row; profile prefix-cacheable-windows-in-config; "
+    print(f"Median of {runs} runs per row; {model_build()}; profile "
+          "prefix-cacheable-windows-in-config; "
           f"real vLLM Scheduler: {lo:,}-{hi:,} steps/s on the 64-request workload (reference "
           "notes; --real measures it side by side).\n")
     print("| requests | mode | steps | stores | loads | preemptions | median run (ms) | steps/s |"

@@ -1,1 +1,62 @@
-"""simsched: a simulator and fuzzer for vLLM's native KV offloading scheduler."""
+"""simsched: a simulator and fuzzer for vLLM's native KV offloading scheduler.
+
+The model modules named in ``COMPILED`` are compiled with mypyc when the package is installed
+(``setup.py``; ``SIMSCHED_PURE=1`` at install builds without compiling). Their ``.py`` files
+stay the readable specification: with ``SIMSCHED_PURE=1`` in the environment at run time they
+are imported from source even where compiled modules sit beside them, and so they are, with a
+warning, when the compiled modules are stale (a source edited after the build, or a compiled
+module missing): the compiled modules are one build, used all together or not at all.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import warnings
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+#: model modules compiled at install, in the package ``simsched``
+COMPILED = ("allocator", "case", "events", "geometry", "invariants", "layout", "model", "offload",
+            "shadow", "trace")
+
+
+class PureSource(importlib.abc.MetaPathFinder):
+    """Finds the ``COMPILED`` modules' Python source, ahead of any compiled module."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        pkg, _, mod = fullname.partition(".")
+        if pkg == "simsched" and mod in COMPILED:
+            return importlib.util.spec_from_file_location(
+                fullname, Path(__file__).with_name(mod + ".py"))
+        return None
+
+
+def compiled() -> bool:
+    """Whether the imported model modules are the compiled ones."""
+    from simsched import model
+    return not str(model.__file__).endswith(".py")
+
+
+def _stale() -> bool:
+    """Compiled modules beside the sources, but not all of them or older than a source."""
+    here = Path(__file__).parent
+    built = []
+    for m in COMPILED:
+        ext = [p for p in (here / (m + s) for s in EXTENSION_SUFFIXES) if p.exists()]
+        built.append(max(p.stat().st_mtime for p in ext) if ext else None)
+    if all(b is None for b in built):
+        return False                               # not compiled: sources import anyway
+    return any(b is None or (here / (m + ".py")).stat().st_mtime > b
+               for m, b in zip(COMPILED, built))
+
+
+if os.environ.get("SIMSCHED_PURE") == "1":
+    sys.meta_path.insert(0, PureSource())
+elif _stale():
+    warnings.warn("simsched: compiled model modules older than their sources (or incomplete); "
+                  "running the sources. Reinstall (pip install -e .) to compile them again.",
+                  stacklevel=2)
+    sys.meta_path.insert(0, PureSource())

@@ -27,6 +27,10 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from simsched.offload import ReqOffload
 from itertools import compress, count, islice, takewhile
 
 NULL = 0
@@ -61,10 +65,10 @@ class Request:
         self.status = WAITING
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.arrival = spec.arrival if spec is not None else 0
-        self.off = None            # the connector's RequestOffloadState
+        self.off: ReqOffload | None = None   # the connector's RequestOffloadState
         self.num_cached = 0        # GPU prefix hit tokens at admission
         self.load_target = 0       # tokens computed once the in-flight load completes
-        self.finish_step = None
+        self.finish_step: int | None = None
         self.num_cached_blocks = [0] * num_groups   # blocks already offered to the prefix cache
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)

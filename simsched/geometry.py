@@ -105,9 +105,9 @@ def prefix_cacheable_or_all(layout: Layout) -> tuple[int, ...]:
 def window_full_attention_only(group: Group, tokens_per_chunk: int) -> int | None:
     """``get_sliding_window_size_in_chunks`` as released: anything else must be full attention."""
     if group.kind in ("sliding_window", "sliding_window_mla"):
-        return _cdiv(group.sliding_window, tokens_per_chunk)
+        return _cdiv(group.sliding_window, tokens_per_chunk)  # type: ignore[arg-type]
     if group.kind == "chunked_local":
-        return _cdiv(group.attention_chunk_size, tokens_per_chunk)
+        return _cdiv(group.attention_chunk_size, tokens_per_chunk)  # type: ignore[arg-type]
     if group.kind == "mamba":
         return 1
     if group.kind in ("full", "mla"):

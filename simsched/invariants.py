@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import is_, itemgetter
 
@@ -28,11 +27,15 @@ INVARIANTS = {
 }
 
 
-@dataclass
 class InvariantViolation(Exception):
-    inv_id: str
-    step: int
-    detail: str
+    """An invariant broken at a step (a plain class: a dataclass exception does not compile)."""
+
+    def __init__(self, inv_id: str, step: int, detail: str):
+        self.inv_id, self.step, self.detail = inv_id, step, detail
+
+    def __repr__(self) -> str:
+        return f"InvariantViolation(inv_id={self.inv_id!r}, step={self.step!r}, " \
+            f"detail={self.detail!r})"
 
     def __str__(self) -> str:
         return f"{self.inv_id} at step {self.step}: {self.detail}"

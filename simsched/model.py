@@ -307,7 +307,7 @@ class Model:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
         entries = self.off.tier.entries
-        written = []
+        written: list = []
         for item in job.items:
             self.shadow.write(item[4], entries[item[3]][2])
             written.extend(b for _, b in item[4])
@@ -565,6 +565,7 @@ class Model:
                     inflight.pop(req.rid, None)
                 tok = _token(seed, req.index, len(req.tokens))
                 if asy is not None:
+                    assert asy.batch is not None            # (after_schedule made it)
                     asy.batch.tokens.append((req, tok))     # delivered with the batch's output
                     continue
                 req.append_tokens([tok])
@@ -674,7 +675,7 @@ class Model:
                     i += 1
                     continue
                 self._promote_loaded(req)
-            ext = 0
+            ext: int | None = 0
             fresh = req.num_computed == 0
             if fresh:
                 L = kv.find_hit(req)
@@ -716,6 +717,7 @@ class Model:
                     break
                 job = off.update_state_after_alloc(req, req.tables, ext,
                                                    lambda b: kv.pool.key[b] is not None)
+                assert job is not None             # ext > 0: a load job
                 self._violation(inv.check_load_ready(self.step_no, off.tier,
                                                      [it[3] for it in job.items],
                                                      [f"g{it[0]}:{it[2]}" for it in job.items]))
@@ -934,6 +936,7 @@ class AsyncRun:
         if self.has_requests() or not m.off.quiet():
             sched_reqs, stores = m._schedule(t)
             batch = self.batch
+            assert batch is not None                 # (m._schedule's after_schedule made it)
             queue.appendleft(batch)
             if len(queue) < self.DEPTH and (batch.executed or self.has_requests()):
                 self._execute(batch, t, sched_reqs, stores)

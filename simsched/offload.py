@@ -246,7 +246,9 @@ class RankedCPUTier(CPUTier):
             self.heap = [(r, k[0], k) for k, r in rank.items()]
             heapq.heapify(self.heap)
         heap = self.heap
-        victims, passed, seen = [], [], set()
+        victims: list = []
+        passed: list = []
+        seen: set = set()
         while heap and len(victims) < n:
             item = heapq.heappop(heap)
             r, _, k = item
@@ -405,7 +407,8 @@ class OffloadScheduler:
         self.being_loaded: set | None = set() if enable_prefix_caching else None
         full = [i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is None]
         sw = sorted((i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is not None),
-                    key=lambda i: self.cfgs[i].sliding_window_in_chunks, reverse=True)
+                    key=lambda i: self.cfgs[i].sliding_window_in_chunks,  # type: ignore
+                    reverse=True)
         self.sw_groups = tuple(sw)
         self.lookup_groups = tuple(full) + self.sw_groups
         self.mamba_align = None
@@ -460,7 +463,7 @@ class OffloadScheduler:
         try:
             self._update_offload_keys(st)
         except ConfigError as e:
-            e.caller = caller
+            e.caller = caller  # type: ignore[attr-defined]
             raise
 
     def _update_offload_keys(self, st: ReqOffload) -> None:
@@ -671,7 +674,8 @@ class OffloadScheduler:
                         lookup_groups = self.lookup_groups
                     elif looked_up_sw and not lookup_groups:
                         lookup_groups = self.sw_groups
-                looked_up_sw |= w is not None
+                if w is not None:
+                    looked_up_sw = True
                 num_hit = new_hit
         if defer:
             return None
@@ -774,9 +778,9 @@ class OffloadScheduler:
                         if bids[j] in alloc:
                             bids[j] = NULL
         for rid in preempted:
-            st = rs.get(rid)
-            if st is not None and st.jobs:
-                self.batch_flush.update(st.jobs)
+            pst = rs.get(rid)
+            if pst is not None and pst.jobs:
+                self.batch_flush.update(pst.jobs)
         if self.block_to_jobs and not self.block_to_jobs.keys().isdisjoint(self.batch_allocated):
             for b in self.batch_allocated:
                 if b in self.block_to_jobs:
@@ -785,12 +789,12 @@ class OffloadScheduler:
         stores += self._build_store_jobs(scheduled, finished, reqs)
         loads, flush = self.batch_loads, self.batch_flush
         for rid in finished:
-            st = rs.get(rid)
-            if st is None:
+            fst = rs.get(rid)
+            if fst is None:
                 continue
-            st.finished_signaled = True
-            self.tier.on_request_finished(st)
-            if not st.jobs:
+            fst.finished_signaled = True
+            self.tier.on_request_finished(fst)
+            if not fst.jobs:
                 del rs[rid]
         self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
         return stores, loads, flush
@@ -843,7 +847,8 @@ class OffloadScheduler:
                 out.append(job)
         return out
 
-    def _build_store_jobs(self, scheduled, finished, reqs) -> list[Job]:
+    def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str], reqs: dict
+                          ) -> list[Job]:
         bpc, asserts, tier = self.bpc, self.asserts, self.tier
         cfgs, storable = self.cfgs, self.storable_chunks
         out = []
@@ -902,7 +907,9 @@ class OffloadScheduler:
                 continue
             self._touch(st)
             keyset = set(to_store)
-            items, fenced, deferred = [], [], []
+            items: list = []
+            fenced: list = []
+            deferred: list = []
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
                 sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
                 start = gs.next_stored

@@ -1,8 +1,13 @@
 """Each invariant shown to FIRE on a deliberately broken model, and to hold on the real one."""
 
+import importlib
+import sys
+from types import SimpleNamespace
+
 import pytest
 
-from simsched import allocator, offload
+import simsched
+from simsched import PureSource
 from simsched.case import Case
 from simsched.model import run_case
 
@@ -29,21 +34,46 @@ def inv_of(r):
     return r.findings[0].get("inv_id") if r.findings else None
 
 
+@pytest.fixture
+def src():
+    """Fresh model modules from their Python source, for a test that patches their methods.
+
+    Compiled model modules (mypyc, at install) call each other natively, past any patched class
+    attribute; the source modules, imported afresh for the test alone, take the patch. The
+    modules imported before are restored afterwards."""
+    names = [f"simsched.{m}" for m in simsched.COMPILED]
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    finder = PureSource()
+    sys.meta_path.insert(0, finder)
+    try:
+        mods = {m: importlib.import_module(f"simsched.{m}") for m in ("allocator", "offload",
+                                                                      "model")}
+    finally:
+        sys.meta_path.remove(finder)
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
+        for n, mod in saved.items():
+            setattr(simsched, n.split(".")[1], mod)
+    assert all(m.__file__.endswith(".py") for m in mods.values())
+    return SimpleNamespace(run_case=mods["model"].run_case, **mods)
+
+
 def test_load_case_is_clean_and_loads():
     r = run_case(load_case(), "prefix-cacheable")
     assert r.ok, r.findings
     assert r.counters["loads"] == 1
 
 
-def test_inv1_leaked_block(monkeypatch):
-    orig = allocator.BlockPool.free_blocks
-    monkeypatch.setattr(allocator.BlockPool, "free_blocks",
+def test_inv1_leaked_block(monkeypatch, src):
+    orig = src.allocator.BlockPool.free_blocks
+    monkeypatch.setattr(src.allocator.BlockPool, "free_blocks",
                         lambda self, blocks: orig(self, list(blocks)[1:]))
-    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-1"
+    assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-1"
 
 
-def test_inv2_block_handed_to_two_requests(monkeypatch):
-    orig = allocator.BlockPool.get_new_blocks
+def test_inv2_block_handed_to_two_requests(monkeypatch, src):
+    orig = src.allocator.BlockPool.get_new_blocks
 
     def twice(self, n):
         out = orig(self, n)
@@ -51,12 +81,12 @@ def test_inv2_block_handed_to_two_requests(monkeypatch):
             out[0] = 1
             self.ref[1] += 1
         return out
-    monkeypatch.setattr(allocator.BlockPool, "get_new_blocks", twice)
-    assert inv_of(run_case(load_case(), "prefix-cacheable")) in ("INV-2", "INV-1")
+    monkeypatch.setattr(src.allocator.BlockPool, "get_new_blocks", twice)
+    assert inv_of(src.run_case(load_case(), "prefix-cacheable")) in ("INV-2", "INV-1")
 
 
-def test_inv3_key_count_mismatch(monkeypatch):
-    orig = offload.OffloadScheduler._build_store_jobs
+def test_inv3_key_count_mismatch(monkeypatch, src):
+    orig = src.offload.OffloadScheduler._build_store_jobs
 
     def drop(self, *a):
         jobs = orig(self, *a)
@@ -64,12 +94,12 @@ def test_inv3_key_count_mismatch(monkeypatch):
             gid, c, h, k, blocks = j.items[0]
             j.items[0] = (gid, c, h, k, [])
         return jobs
-    monkeypatch.setattr(offload.OffloadScheduler, "_build_store_jobs", drop)
-    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-3"
+    monkeypatch.setattr(src.offload.OffloadScheduler, "_build_store_jobs", drop)
+    assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-3"
 
 
-def test_inv4_store_shifted_by_one_chunk(monkeypatch):
-    orig = offload.OffloadScheduler._build_store_jobs
+def test_inv4_store_shifted_by_one_chunk(monkeypatch, src):
+    orig = src.offload.OffloadScheduler._build_store_jobs
 
     def shift(self, *a):
         jobs = orig(self, *a)
@@ -79,12 +109,12 @@ def test_inv4_store_shifted_by_one_chunk(monkeypatch):
                                        for i, _ in blocks])
                        for gid, c, h, k, blocks in j.items[:-1]]
         return jobs
-    monkeypatch.setattr(offload.OffloadScheduler, "_build_store_jobs", shift)
-    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-4"
+    monkeypatch.setattr(src.offload.OffloadScheduler, "_build_store_jobs", shift)
+    assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-4"
 
 
-def test_inv5_load_into_wrong_blocks(monkeypatch):
-    orig = offload.OffloadScheduler.update_state_after_alloc
+def test_inv5_load_into_wrong_blocks(monkeypatch, src):
+    orig = src.offload.OffloadScheduler.update_state_after_alloc
 
     def rot(self, *a):
         job = orig(self, *a)
@@ -94,22 +124,22 @@ def test_inv5_load_into_wrong_blocks(monkeypatch):
             job.items = [(g, c, h, k, b2) for (g, c, h, k, _), b2 in
                          zip(job.items, [it[4] for it in [first] + job.items[:-1]])]
         return job
-    monkeypatch.setattr(offload.OffloadScheduler, "update_state_after_alloc", rot)
-    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-5"
+    monkeypatch.setattr(src.offload.OffloadScheduler, "update_state_after_alloc", rot)
+    assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-5"
 
 
-def test_inv6_fence_dropped(monkeypatch):
+def test_inv6_fence_dropped(monkeypatch, src):
     """Without flushes, a finished request's store is still reading a block that is reused."""
-    orig = offload.OffloadScheduler.build_connector_meta
+    orig = src.offload.OffloadScheduler.build_connector_meta
 
     def no_flush(self, *a):
         stores, loads, flush = orig(self, *a)
         return stores, loads, set()
-    monkeypatch.setattr(offload.OffloadScheduler, "build_connector_meta", no_flush)
+    monkeypatch.setattr(src.offload.OffloadScheduler, "build_connector_meta", no_flush)
     c = mk([{"id": "a", "prompt": [[1, 64]], "decode": 1},
             {"id": "x", "prompt": [[9, 700]], "arrival": 1, "decode": 2}],
            num_gpu_blocks=48, timing={"store_latency": 5})
-    assert inv_of(run_case(c, "prefix-cacheable")) == "INV-6"
+    assert inv_of(src.run_case(c, "prefix-cacheable")) == "INV-6"
 
 
 def test_inv6_holds_with_fences():
@@ -121,14 +151,14 @@ def test_inv6_holds_with_fences():
     assert any(line.startswith("flush") for line in r.trace)
 
 
-def test_inv7_load_of_pending_chunk(monkeypatch):
-    monkeypatch.setattr(offload.CPUTier, "lookup",
-                        lambda self, key: offload.HIT if key in self.entries else offload.MISS)
+def test_inv7_load_of_pending_chunk(monkeypatch, src):
+    monkeypatch.setattr(src.offload.CPUTier, "lookup",
+                        lambda self, key: src.offload.HIT if key in self.entries else src.offload.MISS)
     c = mk([{"id": "a", "prompt": [[1, 96]], "decode": 1},
             {"id": "b", "prompt": [[1, 96], [3, 20]], "arrival": 2, "decode": 2}],
            num_gpu_blocks=48, enable_prefix_caching=False,
            timing={"store_latency": 20, "load_latency": 1})
-    assert inv_of(run_case(c, "prefix-cacheable")) == "INV-7"
+    assert inv_of(src.run_case(c, "prefix-cacheable")) == "INV-7"
 
 
 def test_inv8_request_never_fits():
@@ -136,9 +166,9 @@ def test_inv8_request_never_fits():
     assert inv_of(run_case(c, "prefix-cacheable")) == "INV-8"
 
 
-def test_inv9_lookup_misses_ready_prefix(monkeypatch):
-    monkeypatch.setattr(offload.OffloadScheduler, "_lookup", lambda self, st: 0)
-    assert inv_of(run_case(load_case(), "prefix-cacheable")) == "INV-9"
+def test_inv9_lookup_misses_ready_prefix(monkeypatch, src):
+    monkeypatch.setattr(src.offload.OffloadScheduler, "_lookup", lambda self, st: 0)
+    assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-9"
 
 
 def test_inv6_check_per_job_names_what_the_per_block_check_names():
