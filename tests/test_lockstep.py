@@ -232,6 +232,27 @@ def test_real_scheduler_stalls_on_a_mamba_state_move(pool, version):
     assert sigs(res) == ["invariant:INV-8"]
 
 
+#: align-mode Mamba with 2-block chunks (the case of finding invariant-INV-4-e66b97, grown to a
+#: CPU load): on 0.33.0 the MambaManager's align table nulls interior states, so the state block a
+#: boundary store job reads sits at the index its source spec names (block_indices, boundary //
+#: tokens_per_block - 1), not at a position the harness can read off the table
+MAMBA_CHUNK2 = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                      {"kind": "mamba", "block_size": 16,
+                                       "mamba_cache_mode": "align"}],
+                           "engine": {"blocks_per_chunk": 2, "num_gpu_blocks": 9}},
+                "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                             {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                             {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                              "decode": 2}]}
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_mamba_boundary_store_with_two_block_chunks(pool, version):
+    res = lockstep(Case.from_json(MAMBA_CHUNK2), version, pool)
+    assert res.agree, res.summary()
+    assert res.real["counters"]["loads"] >= 1
+
+
 def test_observations_api_matches_replay(pool):
     from simsched.targets import ReleaseTarget
     obs = lockstep_observations(Case.from_json({"layout": RING, "requests": REQS}),
