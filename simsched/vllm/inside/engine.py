@@ -466,8 +466,10 @@ class _Run:
     def _go(self) -> None:
         self._boot()
         case, sched = self.case, self.sched
-        arrivals = sorted(((r.arrival, i, r) for i, r in enumerate(case.requests)),
-                          key=lambda x: (x[0], x[1]))
+        # a request aborted before it arrives is never sent (RequestSpec.withdrawn); its abort
+        # counts it aborted
+        arrivals = sorted(((r.arrival, i, r) for i, r in enumerate(case.requests)
+                           if not r.withdrawn), key=lambda x: (x[0], x[1]))
         aborts = sorted(((r.abort_at, i, r.id) for i, r in enumerate(case.requests)
                          if r.abort_at is not None))
         ai = bi = 0
