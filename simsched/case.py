@@ -54,6 +54,13 @@ class RequestSpec:
     # scheduled; None accepts every draft
     accept: tuple[int, ...] | None = None
 
+    @property
+    def withdrawn(self) -> bool:
+        """Aborted before it arrives (``abort_at < arrival``): the request is never sent to the
+        engine (vLLM cannot abort a request it has not seen); it counts as aborted. At
+        ``abort_at == arrival`` it arrives and is aborted before that step is scheduled."""
+        return self.abort_at is not None and self.abort_at < self.arrival
+
     def accepted(self, k: int, drafts: int) -> int:
         if self.accept is None:
             return drafts

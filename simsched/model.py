@@ -178,13 +178,15 @@ class Model:
         self.progress = False
         self.step_scheduled = False
         for i, spec_ in enumerate(case.requests):
-            self.q.schedule(spec_.arrival, ev.ARRIVAL, (i, spec_))
-            self.future_events += 1
+            if not spec_.withdrawn:     # aborted before it arrives: never sent (_abort counts it)
+                self.q.schedule(spec_.arrival, ev.ARRIVAL, (i, spec_))
+                self.future_events += 1
             if spec_.abort_at is not None:
                 self.q.schedule(spec_.abort_at, ev.ABORT, spec_.id)
                 self.future_events += 1
-        if case.requests:
-            self._schedule_step(min(r.arrival for r in case.requests))
+        sent = [r.arrival for r in case.requests if not r.withdrawn]
+        if sent:
+            self._schedule_step(min(sent))
 
     # --- helpers ------------------------------------------------------------------------------
     def _emit(self, line: str) -> None:

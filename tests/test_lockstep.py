@@ -232,6 +232,58 @@ def test_real_scheduler_stalls_on_a_mamba_state_move(pool, version):
     assert sigs(res) == ["invariant:INV-8"]
 
 
+#: align-mode Mamba with 2-block chunks (the case of finding invariant-INV-4-e66b97, grown to a
+#: CPU load): on 0.33.0 the MambaManager's align table nulls interior states, so the state block a
+#: boundary store job reads sits at the index its source spec names (block_indices, boundary //
+#: tokens_per_block - 1), not at a position the harness can read off the table
+MAMBA_CHUNK2 = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                      {"kind": "mamba", "block_size": 16,
+                                       "mamba_cache_mode": "align"}],
+                           "engine": {"blocks_per_chunk": 2, "num_gpu_blocks": 9}},
+                "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                             {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                             {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                              "decode": 2}]}
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_mamba_boundary_store_with_two_block_chunks(pool, version):
+    res = lockstep(Case.from_json(MAMBA_CHUNK2), version, pool)
+    assert res.agree, res.summary()
+    assert res.real["counters"]["loads"] >= 1
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_align_mamba_block_other_than_the_engine_block_is_unsupported(pool, version):
+    """Every release sets mamba_block_size = block_size in align mode (Platform's hybrid
+    block-size alignment), so full/16 + mamba/528(align) (finding invariant-INV-2-e66b97: INV-2
+    under async scheduling on 0.33.0) is no real engine's layout; with the Mamba block at the
+    engine's block size the same workload runs and agrees."""
+    case = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                  {"kind": "mamba", "block_size": 528,
+                                   "mamba_cache_mode": "align"}],
+                       "engine": {"async_scheduling": True}},
+            "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+    res = lockstep(Case.from_json(case), version, pool)
+    assert res.real["status"] == "unsupported", res.summary()
+    assert "mamba_block_size" in res.real["reason"]
+    assert res.observations == []
+    case["layout"]["groups"][1]["block_size"] = 16
+    res = lockstep(Case.from_json(case), version, pool)
+    assert res.agree, res.summary()
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_a_request_aborted_before_it_arrives_is_never_sent(pool, version):
+    """finding divergence-trace_end-e66b97 (tests/test_model_rules.py, WITHDRAWN): the harness
+    does not add the withdrawn request, even while another request keeps the engine busy."""
+    from test_model_rules import WITHDRAWN
+    res = lockstep(Case.from_json(WITHDRAWN), version, pool)
+    assert res.agree, res.summary()
+    assert not [x for x in res.real["trace"] if " r2 " in f"{x} "]
+    assert res.real["counters"]["aborted"] == 1
+
+
 def test_observations_api_matches_replay(pool):
     from simsched.targets import ReleaseTarget
     obs = lockstep_observations(Case.from_json({"layout": RING, "requests": REQS}),

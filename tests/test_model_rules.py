@@ -395,3 +395,28 @@ def test_blocks_of_every_group_fence_pending_stores_from_0330():
     r = run_case(Case.from_json(HANDMADE["ring_fence"]), "prefix-cacheable-strict-unit")
     assert not r.ok and [f["inv_id"] for f in r.findings] == ["INV-6"]
     assert not [x for x in r.trace if x.startswith("flush")]
+
+
+#: finding divergence-trace_end-e66b97: r2 is aborted at step 2, before it arrives at step 3; r0
+#: keeps the engine busy past step 3 (decode 8), so a request that arrived would be scheduled
+WITHDRAWN = {"layout": {"groups": [{"kind": "full", "block_size": 16}]},
+             "requests": [{"id": "r0", "prompt": [[0, 64]], "decode": 8},
+                          {"id": "r2", "prompt": [[0, 64]], "arrival": 3, "abort_at": 2}]}
+
+
+def test_a_request_aborted_before_it_arrives_is_never_sent():
+    """A request is aborted through Scheduler.finish_requests, which looks it up in
+    ``self.requests`` and skips an ID it does not know: vLLM cannot abort a request it has not
+    seen. ``abort_at < arrival`` therefore means the request is withdrawn before it is sent
+    (RequestSpec.withdrawn): it never reaches the scheduler, and counts as aborted, not finished.
+    With ``abort_at == arrival`` it arrives, then is aborted before that step is scheduled."""
+    r = run_case(Case.from_json(WITHDRAWN))
+    assert r.ok, r.findings
+    assert not [x for x in r.trace if " r2 " in f"{x} "]
+    assert r.counters["aborted"] == 1 and r.counters["finished"] == 1
+    same = dict(WITHDRAWN, requests=[WITHDRAWN["requests"][0],
+                                     dict(WITHDRAWN["requests"][1], abort_at=3)])
+    r = run_case(Case.from_json(same))
+    assert r.ok, r.findings
+    assert "finish r2 aborted" in r.trace
+    assert not [x for x in r.trace if x.startswith("sched r2")]

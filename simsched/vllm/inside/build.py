@@ -185,6 +185,17 @@ class ConfigBuilder:
         # "align" mode share it. Take the first non-mamba target group (else the first group).
         attn = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
         cc.block_size = (attn[0] if attn else layout.groups[0]).block_size
+        # With Mamba prefix caching ("align") every release sets cache_config.mamba_block_size =
+        # cache_config.block_size (Platform's hybrid block-size alignment, after raising the
+        # attention block to fit the Mamba page): an align-mode Mamba group of another size is a
+        # layout no real engine has (the real scheduler would then cut prefill chunks inside
+        # Mamba blocks and break invariants no real run can)
+        for g in layout.groups:
+            if g.kind == "mamba" and g.mamba_cache_mode == "align" \
+                    and g.block_size != cc.block_size:
+                raise Unsupported(f"mamba_cache_mode align: Mamba block size {g.block_size} is "
+                                  f"not the engine's block size {cc.block_size} (vLLM sets "
+                                  "mamba_block_size = block_size in align mode)")
         cc.enable_prefix_caching = eng.enable_prefix_caching
         # An engine whose Mamba layers cache in "align" mode has cache_config.mamba_cache_mode
         # "align" (the specs take it from there); the Scheduler reads it

@@ -239,8 +239,12 @@ class _Run:
         for gc in cfg.kv_group_configs:
             gid = int(gc.group_idx)
             tpb = int(getattr(gc, "tokens_per_block", None) or getattr(gc, "gpu_block_size"))
+            # cow_source: Mamba "align" (0.33.0+): stores come as one-block boundary jobs whose
+            # block_indices name the block's index; the block table is not append-only there
             gcfgs.append(SimpleNamespace(group_id=gid, tokens_per_block=tpb,
-                                         tokens_per_chunk=tpb * self.bpc))
+                                         tokens_per_chunk=tpb * self.bpc,
+                                         cow_source=bool(getattr(gc, "requires_cow_source",
+                                                                 False))))
         self.gcfgs = gcfgs
         self.gcfg_by_id = {g.group_id: g for g in gcfgs}
         self.geo = SimpleNamespace(tokens_per_hash=tph, groups=gcfgs)
@@ -332,7 +336,19 @@ class _Run:
             if req_state is not None and gi < len(req_state.group_states):
                 for c, kk in enumerate(req_state.group_states[gi].offload_keys):
                     chunk_of.setdefault(bytes(kk), c)
-            if is_store:
+            if is_store and gcfg.cow_source:
+                # an aligned boundary job (_build_aligned_boundary_store_jobs): one key, one block,
+                # its index in the request's table given by block_indices (boundary // tpb - 1);
+                # the table cannot be read positionally (interior states nulled or relocated)
+                start = starts[gi] if gi < len(starts) else 0
+                for hidx, k in keys:
+                    c = chunk_of.get(bytes(k))
+                    if c is None:
+                        c = (hidx + 1) * self.tph // tpc - 1
+                    take, blocks = blocks[:1], blocks[1:]
+                    items.append((gid, c, hidx, (gid, ident.ident_at((hidx + 1) * self.tph)),
+                                  [(start, b) for b in take]))
+            elif is_store:
                 # the source blocks of each chunk: its non-null blocks, in order
                 table = (req_state.group_states[gi].block_ids
                          if req_state is not None else [])
@@ -450,8 +466,10 @@ class _Run:
     def _go(self) -> None:
         self._boot()
         case, sched = self.case, self.sched
-        arrivals = sorted(((r.arrival, i, r) for i, r in enumerate(case.requests)),
-                          key=lambda x: (x[0], x[1]))
+        # a request aborted before it arrives is never sent (RequestSpec.withdrawn); its abort
+        # counts it aborted
+        arrivals = sorted(((r.arrival, i, r) for i, r in enumerate(case.requests)
+                           if not r.withdrawn), key=lambda x: (x[0], x[1]))
         aborts = sorted(((r.abort_at, i, r.id) for i, r in enumerate(case.requests)
                          if r.abort_at is not None))
         ai = bi = 0
