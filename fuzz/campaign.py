@@ -4,9 +4,9 @@ One campaign round is one hypothesis run. The test body runs a case on every tar
 outcomes into signatures. While no finding is being hunted, a signature the campaign has not seen
 makes the body fail, and hypothesis shrinks the case; while shrinking, the body fails only when the
 hunted signature is still present, on the same targets and with the same model fingerprint (the
-profiles showing it, see :meth:`Campaign.fingerprint`), so the shrunk case shows the same finding. Each shrunk finding
-is replayed on every installed release and every profile, written to disk at once (case, pytest
-repro, report) and becomes known; the next round looks for the next one.
+profiles showing it, see :meth:`Campaign.fingerprint`), so the shrunk case shows the same finding.
+Each shrunk finding is replayed on every installed release and every profile, written to disk at
+once (case, pytest repro, report) and becomes known; the next round looks for the next one.
 
 Nothing is kept only in memory: ``report.json`` is rewritten atomically after every finding, and
 a campaign started on an output folder that already holds findings resumes from them (and from the
@@ -258,7 +258,8 @@ class Campaign:
                        self.release_targets if releases is None else releases, outcomes,
                        lockstep=self.lockstep)
 
-    def fingerprint(self, case: Case, sig: Signature) -> tuple[str, ...]:
+    def fingerprint(self, case: Case, sig: Signature,
+                    outcomes: dict | None = None) -> tuple[str, ...]:
         """The profiles whose config stage shows the crash ``sig`` on ``case`` (empty for findings
         that are not configuration crashes): part of a finding's key, and kept fixed by shrinking.
 
@@ -269,12 +270,15 @@ class Campaign:
         ``build_offloading_config``. The model's profiles tell them apart (the issue's "affected
         release set", predicted), so each becomes its own finding, and a shrunk case does not
         slip from one to another (hypothesis guards against slips only by the line a test fails
-        at, which is the same here). Cheap: the config stage only, no step runs.
+        at, which is the same here). Cheap: the config stage only, no step runs, and none at
+        all for a profile whose outcome ``outcomes`` (target name -> outcome, as
+        :func:`simsched.replay.observe` fills it) already holds.
         """
         if sig.kind != "crash":
             return ()
+        outcomes = outcomes or {}
         return tuple(t.profile.name for t in self.fingerprint_targets
-                     if crash_signature(t.config(case)) == sig)
+                     if crash_signature(outcomes.get(t.name) or t.config(case)) == sig)
 
     def same_bug(self, case: Case, hunt: tuple) -> bool:
         return self.fingerprint(case, hunt[0]) == hunt[3]
@@ -337,7 +341,7 @@ class Campaign:
             for o in obs:
                 where.setdefault(o.signature, []).append(o.target)
             if hunt is None:
-                keys = {(sig, present_on(ts), self.fingerprint(case, sig)): ts
+                keys = {(sig, present_on(ts), self.fingerprint(case, sig, outcomes)): ts
                         for sig, ts in where.items()}
                 # the most specific first: a finding on fewer targets tells releases apart
                 new = sorted(set(keys) - known, key=lambda k: (len(k[1]), k))
@@ -376,8 +380,9 @@ class Campaign:
 
             case, o = simplify(state["case"], still_shows, state["obs"])
             return Finding(id=finding_id(sig, shown_on, fp), signature=sig, case=case,
-                           present_on=shown_on, fingerprint=fp, first_target=o.target, outcome=o.outcome,
-                           found_after_s=state["t"], examples_before=state["n"])
+                           present_on=shown_on, fingerprint=fp, first_target=o.target,
+                           outcome=o.outcome, found_after_s=state["t"],
+                           examples_before=state["n"])
         return None
 
     def _sample(self) -> None:
