@@ -5,7 +5,7 @@ import json
 import pytest
 from hypothesis import given, settings
 
-from fuzz.strategies import config_cases
+from fuzz.strategies import config_cases, layouts
 from simsched.case import Case, load_case
 from simsched.layout import Layout, LayoutError
 
@@ -25,6 +25,17 @@ def test_generated_cases_round_trip(case):
     again = Case.from_json(json.loads(case.dumps()))
     assert again == case
     assert again.dumps() == case.dumps()
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts(families=("mamba_hybrid",)))
+def test_mamba_hybrid_align_mode_uses_the_attention_block_size(layout):
+    """vLLM sets mamba_block_size = cache_config.block_size in align mode: the family draws no
+    align-mode layout a real engine would not build (the harness refuses those)."""
+    attn, mamba = layout.groups
+    assert mamba.kind == "mamba"
+    if mamba.mamba_cache_mode == "align":
+        assert mamba.block_size == attn.block_size
 
 
 @pytest.mark.parametrize("bad, field, reason", [
