@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from itertools import compress
+from typing import Final
 
 from simsched.allocator import ABORTED, NULL, Request
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
@@ -123,6 +124,28 @@ class CPUTier:
                 self.entries.move_to_end(k)
 
 
+# a rank ``(rank, -position)`` is kept as one int, ``rank * RANK_UNIT - position`` (a token
+# position stays far below RANK_UNIT, so the order is the tuples' order): comparisons and the
+# eviction heap need no tuples
+RANK_UNIT: Final = 1 << 40
+
+
+class _ReqAccess:
+    """A request's state in :class:`RankedCPUTier`: its request rank (0: none given yet), the keys
+    it accessed (a dict used as an ordered set: first-access order), and the token position of
+    each of its offload keys (``ReqContext.get_offload_key_position``) as an order code, see
+    :meth:`RankedCPUTier._codes`."""
+
+    __slots__ = ("st", "rank", "seen", "codes", "counts")
+
+    def __init__(self, st, n_groups: int):
+        self.st = st
+        self.rank = 0
+        self.seen: dict = {}
+        self.codes: dict = {}
+        self.counts: list[int] = [0] * n_groups
+
+
 class RankedCPUTier(CPUTier):
     """0.31.0+ ``LRUCachePolicy``: logical recency ranks independent of transfer pinning.
 
@@ -136,76 +159,112 @@ class RankedCPUTier(CPUTier):
     ``on_request_access``); when the request finishes (``on_request_finished``, after its last
     store jobs) every chunk it accessed takes a fresh rank, tail first, so that its head is the
     most recent. The connector never calls ``touch`` from 0.31.0 on.
+
+    A chunk's rank is the fourth element of its entry, ``[ready, ref_cnt, content, rank]``, an int
+    (see ``RANK_UNIT``).
     """
 
     def __init__(self, capacity: int, request_ranks: bool, cfgs):
         super().__init__(capacity, False)
         self.request_ranks = request_ranks
-        self.rank: dict[tuple, tuple] = {}
         # (rank, group id, key) for every rank given since the first eviction (see
         # _lowest_evictable); None before it
         self.heap: list[tuple] | None = None
         self.next_rank = 0
-        self.group = {cfg.group_id: (i, cfg.tokens_per_chunk) for i, cfg in enumerate(cfgs)}
-        self.positions: dict[str, list] = {}      # rid -> see _positions
-        # rid -> [request rank or None, keys seen, {group id: keys in first-access order}]
-        self.req_state: dict[str, list] = {}
+        # per group: (index in the request's groups, tokens per chunk, index in group id order)
+        by_id = sorted(cfg.group_id for cfg in cfgs)
+        self.group = [(i, cfg.tokens_per_chunk, by_id.index(cfg.group_id))
+                      for i, cfg in enumerate(cfgs)]
+        self.n_groups = max(len(cfgs), 1)
+        self.req_state: dict[str, _ReqAccess] = {}
 
     def touch(self, keys) -> None:
         return
 
-    def _state(self, st) -> list:
-        s = self.req_state.get(st.req.rid)
-        if s is None:
-            s = self.req_state[st.req.rid] = [None, set(), {}]
-        return s
+    def _state(self, st) -> _ReqAccess:
+        a = self.req_state.get(st.req.rid)
+        if a is None:
+            a = self.req_state[st.req.rid] = _ReqAccess(st, len(self.group))
+        return a
 
-    def _request_rank(self, s: list) -> int:
-        if s[0] is None:
+    def _request_rank(self, a: _ReqAccess) -> int:
+        if not a.rank:
             self.next_rank += 1
-            s[0] = self.next_rank
-        return s[0]
+            a.rank = self.next_rank
+        return a.rank
 
-    def _positions(self, st) -> dict:
-        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request. Kept
-        per request and extended as its offload keys grow (they are only ever appended)."""
-        c = self.positions.get(st.req.rid)
-        if c is None or c[0] is not st:
-            c = self.positions[st.req.rid] = [st, {}, {}]     # state, keys seen per group, map
-        counts, out = c[1], c[2]
-        for gid, (gi, tpc) in self.group.items():
+    def _codes(self, a: _ReqAccess, st) -> dict:
+        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request, kept
+        as ``position * n_groups + the group's index in group id order`` (the order in which
+        on_request_finished walks a request's chunks, head to tail, ties by group id).
+        Extended as the request's offload keys grow (they are only ever appended)."""
+        if a.st is not st:
+            a.st, a.codes, a.counts = st, {}, [0] * len(self.group)
+        counts, out, ng = a.counts, a.codes, self.n_groups
+        for gi, tpc, order in self.group:
             keys = st.groups[gi].keys
-            n = counts.get(gid, 0)
+            n = counts[gi]
             if n < len(keys):
                 for i in range(n, len(keys)):
-                    out[keys[i]] = (i + 1) * tpc
-                counts[gid] = len(keys)
+                    out[keys[i]] = (i + 1) * tpc * ng + order
+                counts[gi] = len(keys)
         return out
 
     def _access(self, st, keys) -> None:
-        s = self._state(st)
-        seen, groups = s[1], s[2]
-        new = []
+        """The first access of the request to each of ``keys`` (0.33.0: raises a resident chunk
+        to the request's rank, ``(request rank, -position)``, if that is higher)."""
+        a = self._state(st)
+        seen = a.seen
+        if not self.request_ranks:
+            for k in keys:
+                if k not in seen:
+                    seen[k] = None
+            return
+        codes, entries, ng = self._codes(a, st), self.entries, self.n_groups
         for k in keys:
-            if k not in seen:
-                seen.add(k)
-                groups.setdefault(k[0], []).append(k)
-                new.append(k)
-        if new and self.request_ranks:
-            rr = self._request_rank(s)
-            pos = self._positions(st)
-            for k in new:
-                p = pos.get(k)
-                if p is None or k not in self.entries:
-                    continue
-                if self.rank[k] < (rr, -p):
-                    self._set_rank(k, (rr, -p))
+            if k in seen:
+                continue
+            seen[k] = None
+            rr = self._request_rank(a)
+            c = codes.get(k)
+            if c is None:
+                continue
+            e = entries.get(k)
+            if e is not None:
+                r = rr * RANK_UNIT - c // ng
+                if e[3] < r:
+                    self._set_rank(k, e, r)
 
     def prepare_store(self, keys, st=None) -> list | None:
-        entries, rank = self.entries, self.rank
-        to_store = [k for k in keys if k not in entries]
-        if st is not None:
-            self._access(st, [k for k in keys if k not in entries or entries[k][0]])
+        entries = self.entries
+        ranks = self.request_ranks and st is not None
+        codes: dict = {}
+        if st is None:
+            to_store = [k for k in keys if k not in entries]
+        else:
+            # _access of the new and the ready keys, in one pass with the keys to store
+            a = self._state(st)
+            seen, ng = a.seen, self.n_groups
+            if ranks:
+                codes = self._codes(a, st)
+            to_store = []
+            for k in keys:
+                e = entries.get(k)
+                if e is None:
+                    to_store.append(k)
+                    if k not in seen:
+                        seen[k] = None
+                        if ranks:
+                            self._request_rank(a)
+                elif e[0] and k not in seen:
+                    seen[k] = None
+                    if ranks:
+                        rr = self._request_rank(a)
+                        c = codes.get(k)
+                        if c is not None:
+                            r = rr * RANK_UNIT - c // ng
+                            if e[3] < r:
+                                self._set_rank(k, e, r)
         if not to_store:
             return []
         self.version += 1
@@ -217,21 +276,22 @@ class RankedCPUTier(CPUTier):
                 return None
             for k in victims:
                 del entries[k]
-                del rank[k]
             self.evictions += n_evict
-        pos = self._positions(st) if (self.request_ranks and st is not None) else {}
+        heap, ng = self.heap, self.n_groups
         for k in to_store:
-            entries[k] = [False, 0, None]
-            p = pos.get(k)
-            if p is None:
+            c = codes.get(k) if ranks else None
+            if c is None:
                 self.next_rank += 1
-                self._set_rank(k, (self.next_rank, 0))
+                r = self.next_rank * RANK_UNIT
             else:
-                self._set_rank(k, (self._request_rank(self._state(st)), -p))
+                r = self._request_rank(self._state(st)) * RANK_UNIT - c // ng
+            entries[k] = [False, 0, None, r]
+            if heap is not None:
+                heapq.heappush(heap, (r, k[0], k))
         return to_store
 
-    def _set_rank(self, k, r: tuple) -> None:
-        self.rank[k] = r
+    def _set_rank(self, k, e: list, r: int) -> None:
+        e[3] = r
         if self.heap is not None:
             heapq.heappush(self.heap, (r, k[0], k))
 
@@ -241,9 +301,9 @@ class RankedCPUTier(CPUTier):
         ``heap`` holds every rank a chunk was given (from the first eviction on); an entry whose
         chunk is gone or has another rank since is dropped as it surfaces, chunks passed over go
         back."""
-        rank, entries = self.rank, self.entries
+        entries = self.entries
         if self.heap is None:                  # built at the first eviction, kept up after
-            self.heap = [(r, k[0], k) for k, r in rank.items()]
+            self.heap = [(e[3], k[0], k) for k, e in entries.items()]
             heapq.heapify(self.heap)
         heap = self.heap
         victims: list = []
@@ -252,10 +312,10 @@ class RankedCPUTier(CPUTier):
         while heap and len(victims) < n:
             item = heapq.heappop(heap)
             r, _, k = item
-            if rank.get(k) != r or k in seen:
+            e = entries.get(k)
+            if e is None or e[3] != r or k in seen:
                 continue                       # stale (evicted or ranked again since) or twice
             seen.add(k)
-            e = entries[k]
             (victims if e[0] and e[1] == 0 and k not in protected else passed).append(item)
         for item in passed:
             heapq.heappush(heap, item)
@@ -271,22 +331,34 @@ class RankedCPUTier(CPUTier):
             self._access(st, keys)
 
     def on_request_finished(self, st) -> None:
-        s = self.req_state.pop(st.req.rid, None)
-        if s is None:
+        a = self.req_state.pop(st.req.rid, None)
+        if a is None:
             return
-        pos = self._positions(st)
-        flat = []
-        for gid in sorted(s[2]):
-            keys = s[2][gid]
-            if all(k in pos for k in keys):
-                keys = sorted(keys, key=pos.__getitem__)
-            flat += keys
-        if all(k in pos for k in flat):            # order_request_keys: head to tail
-            flat.sort(key=pos.__getitem__)
+        codes = self._codes(a, st)
+        flat = list(a.seen)
+        if all(map(codes.__contains__, flat)):
+            # order_request_keys, head to tail: by position, ties by group id (each group's
+            # keys sorted by position, the groups in id order, then a stable sort by position)
+            flat.sort(key=codes.__getitem__)
+        else:
+            groups: dict = {}
+            for k in flat:
+                groups.setdefault(k[0], []).append(k)
+            flat = []
+            for gid in sorted(groups):
+                keys = groups[gid]
+                if all(k in codes for k in keys):
+                    keys = sorted(keys, key=codes.__getitem__)
+                flat += keys
+        entries, heap = self.entries, self.heap
         for k in reversed(flat):
-            if k in self.entries:
+            e = entries.get(k)
+            if e is not None:
                 self.next_rank += 1
-                self._set_rank(k, (self.next_rank, 0))
+                r = self.next_rank * RANK_UNIT
+                e[3] = r
+                if heap is not None:
+                    heapq.heappush(heap, (r, k[0], k))
 
 
 class _SlidingWindowStoreMask:
