@@ -45,8 +45,12 @@ class CPUTier:
         # it becomes evictable (store or last load completes) and touches move only evictable
         # chunks; 0.31.0+ rank chunks instead (RankedCPUTier)
         self.evictable_list = evictable_list
-        # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used)
-        self.entries: OrderedDict[tuple, list] = OrderedDict()
+        # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used). ``lru`` is
+        # the same mapping typed as ordered (RankedCPUTier keeps a plain dict and no LRU order)
+        self.lru: OrderedDict[tuple, list] = OrderedDict()
+        self.entries: dict[tuple, list] = self.lru
+        # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
+        self.touches = True
         self.evictions = 0
         # change counters, for memos of callers: ``version`` moves on every change (order
         # included), ``content_version`` on every change but a touch (what lookups can see:
@@ -63,14 +67,14 @@ class CPUTier:
     def touch(self, keys) -> None:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
         reversed(list(keys))``), so the first key ends most recent (the loop runs in C)."""
-        entries = self.entries
+        entries = self.lru
         self.version += 1
         if self.evictable_list:
             keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
         deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
 
     def prepare_store(self, keys, st=None) -> list | None:
-        entries = self.entries
+        entries = self.lru
         to_store = [k for k in keys if k not in entries]
         if not to_store:
             return []
@@ -97,19 +101,21 @@ class CPUTier:
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
         self.content_version += 1
+        entries = self.entries
         for k in keys:
-            e = self.entries.get(k)
+            e = entries.get(k)
             if e is not None and not e[0]:
                 e[0] = True
                 e[2] = contents.get(k)
                 if self.evictable_list:
-                    self.entries.move_to_end(k)
+                    self.lru.move_to_end(k)
 
     def prepare_load(self, keys, st=None) -> None:
         self.version += 1
         self.content_version += 1
+        entries = self.entries
         for k in keys:
-            self.entries[k][1] += 1
+            entries[k][1] += 1
 
     def on_request_finished(self, st) -> None:
         """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
@@ -121,7 +127,7 @@ class CPUTier:
             e = self.entries[k]
             e[1] -= 1
             if not e[1] and self.evictable_list:
-                self.entries.move_to_end(k)
+                self.lru.move_to_end(k)
 
 
 # a rank ``(rank, -position)`` is kept as one int, ``rank * RANK_UNIT - position`` (a token
@@ -132,17 +138,18 @@ RANK_UNIT: Final = 1 << 40
 
 class _ReqAccess:
     """A request's state in :class:`RankedCPUTier`: its request rank (0: none given yet), the keys
-    it accessed (a dict used as an ordered set: first-access order), and the token position of
-    each of its offload keys (``ReqContext.get_offload_key_position``) as an order code, see
-    :meth:`RankedCPUTier._codes`."""
+    it accessed, in first-access order, each with its position code (see
+    :meth:`RankedCPUTier._codes`; -1 where not known at the access, counted in ``unknown``), and
+    the position codes of all its offload keys (``ReqContext.get_offload_key_position``)."""
 
-    __slots__ = ("st", "rank", "seen", "codes", "counts")
+    __slots__ = ("st", "rank", "seen", "unknown", "codes", "counts")
 
     def __init__(self, st, n_groups: int):
         self.st = st
         self.rank = 0
-        self.seen: dict = {}
-        self.codes: dict = {}
+        self.seen: dict[tuple, int] = {}
+        self.unknown = 0
+        self.codes: dict[tuple, int] = {}
         self.counts: list[int] = [0] * n_groups
 
 
@@ -161,11 +168,13 @@ class RankedCPUTier(CPUTier):
     most recent. The connector never calls ``touch`` from 0.31.0 on.
 
     A chunk's rank is the fourth element of its entry, ``[ready, ref_cnt, content, rank]``, an int
-    (see ``RANK_UNIT``).
+    (see ``RANK_UNIT``); ``entries`` is a plain dict (eviction follows the ranks, not its order).
     """
 
     def __init__(self, capacity: int, request_ranks: bool, cfgs):
         super().__init__(capacity, False)
+        self.entries = {}
+        self.touches = False
         self.request_ranks = request_ranks
         # (rank, group id, key) for every rank given since the first eviction (see
         # _lowest_evictable); None before it
@@ -173,8 +182,8 @@ class RankedCPUTier(CPUTier):
         self.next_rank = 0
         # per group: (index in the request's groups, tokens per chunk, index in group id order)
         by_id = sorted(cfg.group_id for cfg in cfgs)
-        self.group = [(i, cfg.tokens_per_chunk, by_id.index(cfg.group_id))
-                      for i, cfg in enumerate(cfgs)]
+        self.group: list[tuple[int, int, int]] = [
+            (i, cfg.tokens_per_chunk, by_id.index(cfg.group_id)) for i, cfg in enumerate(cfgs)]
         self.n_groups = max(len(cfgs), 1)
         self.req_state: dict[str, _ReqAccess] = {}
 
@@ -182,9 +191,10 @@ class RankedCPUTier(CPUTier):
         return
 
     def _state(self, st) -> _ReqAccess:
-        a = self.req_state.get(st.req.rid)
+        rid = st.req.rid
+        a = self.req_state.get(rid)
         if a is None:
-            a = self.req_state[st.req.rid] = _ReqAccess(st, len(self.group))
+            a = self.req_state[rid] = _ReqAccess(st, len(self.group))
         return a
 
     def _request_rank(self, a: _ReqAccess) -> int:
@@ -193,20 +203,24 @@ class RankedCPUTier(CPUTier):
             a.rank = self.next_rank
         return a.rank
 
-    def _codes(self, a: _ReqAccess, st) -> dict:
+    def _codes(self, a: _ReqAccess, st) -> dict[tuple, int]:
         """``ReqContext.get_offload_key_position``: a key's chunk end token in the request, kept
         as ``position * n_groups + the group's index in group id order`` (the order in which
         on_request_finished walks a request's chunks, head to tail, ties by group id).
         Extended as the request's offload keys grow (they are only ever appended)."""
         if a.st is not st:
             a.st, a.codes, a.counts = st, {}, [0] * len(self.group)
+            a.unknown += 1                     # the codes seen so far may be another request's
         counts, out, ng = a.counts, a.codes, self.n_groups
         for gi, tpc, order in self.group:
-            keys = st.groups[gi].keys
+            keys: list = st.groups[gi].keys
             n = counts[gi]
             if n < len(keys):
+                step = tpc * ng
+                c = (n + 1) * step + order
                 for i in range(n, len(keys)):
-                    out[keys[i]] = (i + 1) * tpc * ng + order
+                    out[keys[i]] = c
+                    c += step
                 counts[gi] = len(keys)
         return out
 
@@ -218,16 +232,18 @@ class RankedCPUTier(CPUTier):
         if not self.request_ranks:
             for k in keys:
                 if k not in seen:
-                    seen[k] = None
+                    seen[k] = -1
+                    a.unknown += 1
             return
         codes, entries, ng = self._codes(a, st), self.entries, self.n_groups
         for k in keys:
             if k in seen:
                 continue
-            seen[k] = None
             rr = self._request_rank(a)
-            c = codes.get(k)
-            if c is None:
+            c = codes.get(k, -1)
+            seen[k] = c
+            if c < 0:
+                a.unknown += 1
                 continue
             e = entries.get(k)
             if e is not None:
@@ -237,36 +253,52 @@ class RankedCPUTier(CPUTier):
 
     def prepare_store(self, keys, st=None) -> list | None:
         entries = self.entries
-        ranks = self.request_ranks and st is not None
-        codes: dict = {}
         if st is None:
-            to_store = [k for k in keys if k not in entries]
-        else:
-            # _access of the new and the ready keys, in one pass with the keys to store
-            a = self._state(st)
-            seen, ng = a.seen, self.n_groups
-            if ranks:
-                codes = self._codes(a, st)
-            to_store = []
+            return self._insert([k for k in keys if k not in entries], keys, None)
+        # _access of the new and the ready keys, in one pass with the keys to store
+        a = self._state(st)
+        seen, ng = a.seen, self.n_groups
+        to_store: list = []
+        if not self.request_ranks:
             for k in keys:
                 e = entries.get(k)
                 if e is None:
                     to_store.append(k)
-                    if k not in seen:
-                        seen[k] = None
-                        if ranks:
-                            self._request_rank(a)
-                elif e[0] and k not in seen:
-                    seen[k] = None
-                    if ranks:
-                        rr = self._request_rank(a)
-                        c = codes.get(k)
-                        if c is not None:
-                            r = rr * RANK_UNIT - c // ng
-                            if e[3] < r:
-                                self._set_rank(k, e, r)
+                elif not e[0]:
+                    continue
+                if k not in seen:
+                    seen[k] = -1
+                    a.unknown += 1
+            return self._insert(to_store, keys, None)
+        codes = self._codes(a, st)
+        for k in keys:
+            e = entries.get(k)
+            if e is None:
+                to_store.append(k)
+                if k not in seen:
+                    self._request_rank(a)
+                    c = codes.get(k, -1)
+                    seen[k] = c
+                    if c < 0:
+                        a.unknown += 1
+            elif e[0] and k not in seen:
+                rr = self._request_rank(a)
+                c = codes.get(k, -1)
+                seen[k] = c
+                if c < 0:
+                    a.unknown += 1
+                else:
+                    r = rr * RANK_UNIT - c // ng
+                    if e[3] < r:
+                        self._set_rank(k, e, r)
+        return self._insert(to_store, keys, a)
+
+    def _insert(self, to_store: list, keys, a: _ReqAccess | None) -> list | None:
+        """The rest of prepare_store: evict for the new chunks, insert them (``a``: the request's
+        state if it ranks them, 0.33.0)."""
         if not to_store:
             return []
+        entries = self.entries
         self.version += 1
         self.content_version += 1
         n_evict = len(to_store) - (self.capacity - len(entries))
@@ -278,13 +310,15 @@ class RankedCPUTier(CPUTier):
                 del entries[k]
             self.evictions += n_evict
         heap, ng = self.heap, self.n_groups
+        codes = a.codes if a is not None else None
         for k in to_store:
-            c = codes.get(k) if ranks else None
-            if c is None:
+            c = codes.get(k, -1) if codes is not None else -1
+            if c < 0:
                 self.next_rank += 1
                 r = self.next_rank * RANK_UNIT
             else:
-                r = self._request_rank(self._state(st)) * RANK_UNIT - c // ng
+                assert a is not None
+                r = self._request_rank(a) * RANK_UNIT - c // ng
             entries[k] = [False, 0, None, r]
             if heap is not None:
                 heapq.heappush(heap, (r, k[0], k))
@@ -325,6 +359,16 @@ class RankedCPUTier(CPUTier):
             return None
         return [k for _, _, k in victims]
 
+    def complete_store(self, keys, contents: dict) -> None:
+        self.version += 1
+        self.content_version += 1
+        entries = self.entries
+        for k in keys:
+            e = entries.get(k)
+            if e is not None and not e[0]:
+                e[0] = True
+                e[2] = contents.get(k)
+
     def prepare_load(self, keys, st=None) -> None:
         super().prepare_load(keys)
         if st is not None:
@@ -334,31 +378,36 @@ class RankedCPUTier(CPUTier):
         a = self.req_state.pop(st.req.rid, None)
         if a is None:
             return
-        codes = self._codes(a, st)
-        flat = list(a.seen)
-        if all(map(codes.__contains__, flat)):
+        seen = a.seen
+        flat = list(seen)
+        if not a.unknown:
             # order_request_keys, head to tail: by position, ties by group id (each group's
             # keys sorted by position, the groups in id order, then a stable sort by position)
-            flat.sort(key=codes.__getitem__)
+            flat.sort(key=seen.__getitem__)
         else:
-            groups: dict = {}
-            for k in flat:
-                groups.setdefault(k[0], []).append(k)
-            flat = []
-            for gid in sorted(groups):
-                keys = groups[gid]
-                if all(k in codes for k in keys):
-                    keys = sorted(keys, key=codes.__getitem__)
-                flat += keys
+            codes = self._codes(a, st)
+            if all(map(codes.__contains__, flat)):
+                flat.sort(key=codes.__getitem__)
+            else:
+                groups: dict = {}
+                for k in flat:
+                    groups.setdefault(k[0], []).append(k)
+                flat = []
+                for gid in sorted(groups):
+                    keys = groups[gid]
+                    if all(k in codes for k in keys):
+                        keys = sorted(keys, key=codes.__getitem__)
+                    flat += keys
         entries, heap = self.entries, self.heap
+        r = self.next_rank * RANK_UNIT
         for k in reversed(flat):
             e = entries.get(k)
             if e is not None:
-                self.next_rank += 1
-                r = self.next_rank * RANK_UNIT
+                r += RANK_UNIT
                 e[3] = r
                 if heap is not None:
                     heapq.heappush(heap, (r, k[0], k))
+        self.next_rank = r // RANK_UNIT
 
 
 class _SlidingWindowStoreMask:
@@ -626,8 +675,11 @@ class OffloadScheduler:
         """Touch the request's keys in the CPU tier's LRU. Repeating a touch changes nothing when
         the tier did not change since (the touched keys already sit at the MRU end in the order
         the touch leaves them): then it is skipped (``_touched``: the tier's version after the
-        last touch, and what that touch covered)."""
+        last touch, and what that touch covered). A tier that ignores touches (0.31.0+) is not
+        called."""
         tier = self.tier
+        if not tier.touches:
+            return
         sig = (st, len(st.req.tokens), [gs.num_hit_chunks for gs in st.groups])
         last = self._touched
         if last is not None and last[0] == tier.version and last[1] == sig:
