@@ -1030,17 +1030,22 @@ class OffloadScheduler:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
             self._touch(st)
-            keyset = set(to_store)
             items: list = []
             fenced: list = []
             deferred: list = []
+            # the keys to store are a subsequence of new_keys, in the order of the walk below
+            # (the same groups and chunks): each chunk's key is the next one to store or not one
+            j, n_store = 0, len(to_store)
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
                 sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
                 start = gs.next_stored
                 bids, kidx, gid = gs.block_ids, gs.kidx, cfg.group_id
-                for c, k in enumerate(gs.keys[start:n], start):
-                    if k not in keyset:
+                keys = gs.keys
+                for c in range(start, min(n, len(keys))):
+                    k = keys[c]
+                    if j == n_store or k is not to_store[j]:
                         continue
+                    j += 1
                     if bpc == 1:
                         b = bids[c]
                         if b == NULL:
@@ -1058,7 +1063,10 @@ class OffloadScheduler:
                             sink.append(b)
                     items.append((gid, c, kidx[c], k, blocks))
                 gs.next_stored = max(gs.next_stored, n)
-            job = self._new_job(rid, True, keyset, items, fenced or None, deferred)
+            # the tier's complete_store walks the keys: in the order of their set where that
+            # order matters (the evictable list's MRU end), else as listed
+            job = self._new_job(rid, True, set(to_store) if tier.evictable_list else to_store,
+                                items, fenced or None, deferred)
             st.jobs.add(job.jid)
             for b in fenced:
                 self.block_to_jobs.setdefault(b, set()).add(job.jid)
