@@ -84,6 +84,7 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     tph: int = geo.tokens_per_hash
     tpc = {g.group_id: g.tokens_per_chunk for g in geo.groups}
     ok = True
+    item: tuple
     for item in job.items:
         c: int = item[1]
         h: int = item[2]

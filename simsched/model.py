@@ -277,6 +277,7 @@ class Model:
         self.pending_reads.pop(job.jid, None)
         ident, unit, tph = req.ident, req.unit, geo.tokens_per_hash
         nid = len(ident)
+        item: tuple
         for item in job.items:
             gid: int = item[0]
             hidx: int = item[2]

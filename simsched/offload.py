@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from itertools import compress
 from typing import Final
 
 from simsched.allocator import ABORTED, NULL, Request
@@ -137,19 +136,22 @@ RANK_UNIT: Final = 1 << 40
 
 
 class _ReqAccess:
-    """A request's state in :class:`RankedCPUTier`: its request rank (0: none given yet), the keys
-    it accessed, in first-access order, each with its position code (see
-    :meth:`RankedCPUTier._codes`; -1 where not known at the access, counted in ``unknown``), and
-    the position codes of all its offload keys (``ReqContext.get_offload_key_position``)."""
+    """A request's state in :class:`RankedCPUTier`: its request rank (0: none given yet); the
+    keys it accessed, in first-access order (``order``); and the positions of its offload keys
+    (``ReqContext.get_offload_key_position``): ``codes`` maps each key of the request to
+    ``2 * position code + accessed`` (see :meth:`RankedCPUTier._codes`), ``extra`` holds the keys
+    accessed while their position was not known (counted in ``unknown``, as is a change of the
+    request state: then on_request_finished takes the general path)."""
 
-    __slots__ = ("st", "rank", "seen", "unknown", "codes", "counts")
+    __slots__ = ("st", "rank", "order", "codes", "extra", "unknown", "counts")
 
     def __init__(self, st, n_groups: int):
         self.st = st
         self.rank = 0
-        self.seen: dict[tuple, int] = {}
-        self.unknown = 0
+        self.order: list = []
         self.codes: dict[tuple, int] = {}
+        self.extra: dict = {}
+        self.unknown = 0
         self.counts: list[int] = [0] * n_groups
 
 
@@ -205,59 +207,71 @@ class RankedCPUTier(CPUTier):
 
     def _codes(self, a: _ReqAccess, st) -> dict[tuple, int]:
         """``ReqContext.get_offload_key_position``: a key's chunk end token in the request, kept
-        as ``position * n_groups + the group's index in group id order`` (the order in which
-        on_request_finished walks a request's chunks, head to tail, ties by group id).
-        Extended as the request's offload keys grow (they are only ever appended)."""
+        as the code ``position * n_groups + the group's index in group id order`` (the order in
+        which on_request_finished walks a request's chunks, head to tail, ties by group id),
+        doubled, plus 1 once the request accessed the key. Extended as the request's offload
+        keys grow (they are only ever appended)."""
         if a.st is not st:
+            # another request state (the model keeps one per request): positions anew; every
+            # key accessed so far is accessed without a known position until found again
             a.st, a.codes, a.counts = st, {}, [0] * len(self.group)
-            a.unknown += 1                     # the codes seen so far may be another request's
-        counts, out, ng = a.counts, a.codes, self.n_groups
+            a.extra = dict.fromkeys(a.order)
+            a.unknown += 1
+        counts, out, extra, ng = a.counts, a.codes, a.extra, self.n_groups
         for gi, tpc, order in self.group:
             keys: list = st.groups[gi].keys
             n = counts[gi]
             if n < len(keys):
-                step = tpc * ng
-                c = (n + 1) * step + order
+                step = 2 * tpc * ng
+                c = (n + 1) * step + 2 * order
                 for i in range(n, len(keys)):
                     out[keys[i]] = c
                     c += step
+                if extra:
+                    for i in range(n, len(keys)):
+                        if keys[i] in extra:
+                            out[keys[i]] |= 1
                 counts[gi] = len(keys)
         return out
+
+    def _first_unknown(self, a: _ReqAccess, k) -> None:
+        """A key without a known position: its first access is recorded in ``extra``."""
+        if k not in a.extra:
+            a.extra[k] = None
+            a.order.append(k)
+            a.unknown += 1
+            if self.request_ranks:
+                self._request_rank(a)
 
     def _access(self, st, keys) -> None:
         """The first access of the request to each of ``keys`` (0.33.0: raises a resident chunk
         to the request's rank, ``(request rank, -position)``, if that is higher)."""
         a = self._state(st)
-        seen = a.seen
         if not self.request_ranks:
             for k in keys:
-                if k not in seen:
-                    seen[k] = -1
-                    a.unknown += 1
+                self._first_unknown(a, k)       # positions only matter at finish
             return
-        codes, entries, ng = self._codes(a, st), self.entries, self.n_groups
+        codes, order, entries, ng = self._codes(a, st), a.order, self.entries, self.n_groups
         for k in keys:
-            if k in seen:
-                continue
-            rr = self._request_rank(a)
-            c = codes.get(k, -1)
-            seen[k] = c
-            if c < 0:
-                a.unknown += 1
-                continue
-            e = entries.get(k)
-            if e is not None:
-                r = rr * RANK_UNIT - c // ng
-                if e[3] < r:
-                    self._set_rank(k, e, r)
+            v = codes.get(k, -1)
+            if v < 0:
+                self._first_unknown(a, k)
+            elif not v & 1:
+                codes[k] = v | 1
+                order.append(k)
+                rr = self._request_rank(a)
+                e = entries.get(k)
+                if e is not None:
+                    r = rr * RANK_UNIT - (v >> 1) // ng
+                    if e[3] < r:
+                        self._set_rank(k, e, r)
 
     def prepare_store(self, keys, st=None) -> list | None:
         entries = self.entries
         if st is None:
-            return self._insert([k for k in keys if k not in entries], keys, None)
+            return self._insert([k for k in keys if k not in entries], keys, None, None)
         # _access of the new and the ready keys, in one pass with the keys to store
         a = self._state(st)
-        seen, ng = a.seen, self.n_groups
         to_store: list = []
         if not self.request_ranks:
             for k in keys:
@@ -266,36 +280,38 @@ class RankedCPUTier(CPUTier):
                     to_store.append(k)
                 elif not e[0]:
                     continue
-                if k not in seen:
-                    seen[k] = -1
-                    a.unknown += 1
-            return self._insert(to_store, keys, None)
-        codes = self._codes(a, st)
+                self._first_unknown(a, k)       # positions only matter at finish
+            return self._insert(to_store, keys, None, None)
+        codes, order, ng = self._codes(a, st), a.order, self.n_groups
+        to_codes: list[int] = []
         for k in keys:
             e = entries.get(k)
             if e is None:
                 to_store.append(k)
-                if k not in seen:
+                v = codes.get(k, -1)
+                to_codes.append(v)
+                if v < 0:
+                    self._first_unknown(a, k)
+                elif not v & 1:
+                    codes[k] = v | 1
+                    order.append(k)
                     self._request_rank(a)
-                    c = codes.get(k, -1)
-                    seen[k] = c
-                    if c < 0:
-                        a.unknown += 1
-            elif e[0] and k not in seen:
-                rr = self._request_rank(a)
-                c = codes.get(k, -1)
-                seen[k] = c
-                if c < 0:
-                    a.unknown += 1
-                else:
-                    r = rr * RANK_UNIT - c // ng
+            elif e[0]:
+                v = codes.get(k, -1)
+                if v < 0:
+                    self._first_unknown(a, k)
+                elif not v & 1:
+                    codes[k] = v | 1
+                    order.append(k)
+                    r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
                     if e[3] < r:
                         self._set_rank(k, e, r)
-        return self._insert(to_store, keys, a)
+        return self._insert(to_store, keys, a, to_codes)
 
-    def _insert(self, to_store: list, keys, a: _ReqAccess | None) -> list | None:
+    def _insert(self, to_store: list, keys, a: _ReqAccess | None, to_codes: list[int] | None
+                ) -> list | None:
         """The rest of prepare_store: evict for the new chunks, insert them (``a``: the request's
-        state if it ranks them, 0.33.0)."""
+        state if it ranks them, 0.33.0, with the keys' position codes)."""
         if not to_store:
             return []
         entries = self.entries
@@ -310,15 +326,14 @@ class RankedCPUTier(CPUTier):
                 del entries[k]
             self.evictions += n_evict
         heap, ng = self.heap, self.n_groups
-        codes = a.codes if a is not None else None
-        for k in to_store:
-            c = codes.get(k, -1) if codes is not None else -1
-            if c < 0:
+        for i, k in enumerate(to_store):
+            v = to_codes[i] if to_codes is not None else -1
+            if v < 0:
                 self.next_rank += 1
                 r = self.next_rank * RANK_UNIT
             else:
                 assert a is not None
-                r = self._request_rank(a) * RANK_UNIT - c // ng
+                r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
             entries[k] = [False, 0, None, r]
             if heap is not None:
                 heapq.heappush(heap, (r, k[0], k))
@@ -378,12 +393,12 @@ class RankedCPUTier(CPUTier):
         a = self.req_state.pop(st.req.rid, None)
         if a is None:
             return
-        seen = a.seen
-        flat = list(seen)
+        flat = list(a.order)
         if not a.unknown:
             # order_request_keys, head to tail: by position, ties by group id (each group's
-            # keys sorted by position, the groups in id order, then a stable sort by position)
-            flat.sort(key=seen.__getitem__)
+            # keys sorted by position, the groups in id order, then a stable sort by position);
+            # every key accessed has its code (doubled, plus 1: the same order)
+            flat.sort(key=a.codes.__getitem__)
         else:
             codes = self._codes(a, st)
             if all(map(codes.__contains__, flat)):
@@ -1019,7 +1034,9 @@ class OffloadScheduler:
                         if b != NULL and ok:
                             new_keys.append(k)
                     continue
-                new_keys.extend(compress(keys, bids))     # the keys whose block is not NULL (0)
+                for i in range(min(len(keys), len(bids))):
+                    if bids[i]:                         # the keys whose block is not NULL (0)
+                        new_keys.append(keys[i])
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
