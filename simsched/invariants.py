@@ -81,9 +81,16 @@ def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolatio
 
 def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     """INV-3: one key per chunk, each paired with its chunk's source blocks."""
-    tph = geo.tokens_per_hash
+    tph: int = geo.tokens_per_hash
     tpc = {g.group_id: g.tokens_per_chunk for g in geo.groups}
-    if all([(h + 1) * tph == (c + 1) * tpc[g] and blocks for g, c, h, _, blocks in job.items]):
+    ok = True
+    item: tuple
+    for item in job.items:
+        c: int = item[1]
+        h: int = item[2]
+        if (h + 1) * tph != (c + 1) * tpc[item[0]] or not item[4]:
+            ok = False
+    if ok:
         return None     # every key names its chunk and has source blocks: nothing to report
     return _check_store_job_named(step, job, geo)
 

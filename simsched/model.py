@@ -272,25 +272,42 @@ class Model:
             return
         job.read = True
         req = self.reqs[job.rid]
-        pr, gpu, contents, jid = self.pending_reads, self.shadow.gpu, job.contents, job.jid
+        gpu, contents = self.shadow.gpu, job.contents
         geo, tpbs, step, check = self.geo, self.tpbs, self.step_no, inv.check_stored_chunk
-        pr.pop(jid, None)
+        self.pending_reads.pop(job.jid, None)
         ident, unit, tph = req.ident, req.unit, geo.tokens_per_hash
         nid = len(ident)
+        item: tuple
         for item in job.items:
-            gid, _, hidx, key, blocks = item
-            content = tuple([gpu[b] for _, b in blocks])      # Shadow.read, inlined
-            contents[key] = content
-            # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here;
+            gid: int = item[0]
+            hidx: int = item[2]
+            key: tuple = item[3]
+            blocks: list = item[4]
+            end = (hidx + 1) * tph
+            # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (its
+            # last block holds (gid, end, key ident), each block (gid, its end, ident there));
             # anything else goes to check_stored_chunk, which decides and names the finding
-            ok = bool(content) and content[-1] == (gid, (hidx + 1) * tph, key[1])
-            if ok:
-                tpb = tpbs[gid]
-                for (i, _), got in zip(blocks, content):
-                    k = (i + 1) * tpb // unit - 1                   # req.ident_at, inlined
-                    if not 0 <= k < nid or got != (gid, (i + 1) * tpb, ident[k]):
-                        ok = False
-                        break
+            if len(blocks) == 1:
+                # one block (Shadow.read inlined): it is the last block, compared field by field
+                blk: tuple = blocks[0]
+                got = gpu[blk[1]]
+                content: tuple = (got,)
+                e: int = (blk[0] + 1) * tpbs[gid]
+                k = e // unit - 1
+                ok = got is not None and len(got) == 3 and e == end and got[1] == end \
+                    and got[0] == gid and got[2] == key[1] and 0 <= k < nid \
+                    and got[2] == ident[k]
+            else:
+                content = tuple([gpu[b] for _, b in blocks])      # Shadow.read, inlined
+                ok = bool(content) and content[-1] == (gid, end, key[1])
+                if ok:
+                    tpb = tpbs[gid]
+                    for (i, _), got in zip(blocks, content):
+                        k = (i + 1) * tpb // unit - 1                   # req.ident_at, inlined
+                        if not 0 <= k < nid or got != (gid, (i + 1) * tpb, ident[k]):
+                            ok = False
+                            break
+            contents[key] = content
             if not ok:
                 v = check(step, job, item, content, req, geo, tpbs)
                 if v is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from itertools import compress
+from typing import Final
 
 from simsched.allocator import ABORTED, NULL, Request
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
@@ -44,8 +44,12 @@ class CPUTier:
         # it becomes evictable (store or last load completes) and touches move only evictable
         # chunks; 0.31.0+ rank chunks instead (RankedCPUTier)
         self.evictable_list = evictable_list
-        # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used)
-        self.entries: OrderedDict[tuple, list] = OrderedDict()
+        # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used). ``lru`` is
+        # the same mapping typed as ordered (RankedCPUTier keeps a plain dict and no LRU order)
+        self.lru: OrderedDict[tuple, list] = OrderedDict()
+        self.entries: dict[tuple, list] = self.lru
+        # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
+        self.touches = True
         self.evictions = 0
         # change counters, for memos of callers: ``version`` moves on every change (order
         # included), ``content_version`` on every change but a touch (what lookups can see:
@@ -62,14 +66,14 @@ class CPUTier:
     def touch(self, keys) -> None:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
         reversed(list(keys))``), so the first key ends most recent (the loop runs in C)."""
-        entries = self.entries
+        entries = self.lru
         self.version += 1
         if self.evictable_list:
             keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
         deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
 
     def prepare_store(self, keys, st=None) -> list | None:
-        entries = self.entries
+        entries = self.lru
         to_store = [k for k in keys if k not in entries]
         if not to_store:
             return []
@@ -96,19 +100,21 @@ class CPUTier:
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
         self.content_version += 1
+        entries = self.entries
         for k in keys:
-            e = self.entries.get(k)
+            e = entries.get(k)
             if e is not None and not e[0]:
                 e[0] = True
                 e[2] = contents.get(k)
                 if self.evictable_list:
-                    self.entries.move_to_end(k)
+                    self.lru.move_to_end(k)
 
     def prepare_load(self, keys, st=None) -> None:
         self.version += 1
         self.content_version += 1
+        entries = self.entries
         for k in keys:
-            self.entries[k][1] += 1
+            entries[k][1] += 1
 
     def on_request_finished(self, st) -> None:
         """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
@@ -120,7 +126,33 @@ class CPUTier:
             e = self.entries[k]
             e[1] -= 1
             if not e[1] and self.evictable_list:
-                self.entries.move_to_end(k)
+                self.lru.move_to_end(k)
+
+
+# a rank ``(rank, -position)`` is kept as one int, ``rank * RANK_UNIT - position`` (a token
+# position stays far below RANK_UNIT, so the order is the tuples' order): comparisons and the
+# eviction heap need no tuples
+RANK_UNIT: Final = 1 << 40
+
+
+class _ReqAccess:
+    """A request's state in :class:`RankedCPUTier`: its request rank (0: none given yet); the
+    keys it accessed, in first-access order (``order``); and the positions of its offload keys
+    (``ReqContext.get_offload_key_position``): ``codes`` maps each key of the request to
+    ``2 * position code + accessed`` (see :meth:`RankedCPUTier._codes`), ``extra`` holds the keys
+    accessed while their position was not known (counted in ``unknown``, as is a change of the
+    request state: then on_request_finished takes the general path)."""
+
+    __slots__ = ("st", "rank", "order", "codes", "extra", "unknown", "counts")
+
+    def __init__(self, st, n_groups: int):
+        self.st = st
+        self.rank = 0
+        self.order: list = []
+        self.codes: dict[tuple, int] = {}
+        self.extra: dict = {}
+        self.unknown = 0
+        self.counts: list[int] = [0] * n_groups
 
 
 class RankedCPUTier(CPUTier):
@@ -136,78 +168,153 @@ class RankedCPUTier(CPUTier):
     ``on_request_access``); when the request finishes (``on_request_finished``, after its last
     store jobs) every chunk it accessed takes a fresh rank, tail first, so that its head is the
     most recent. The connector never calls ``touch`` from 0.31.0 on.
+
+    A chunk's rank is the fourth element of its entry, ``[ready, ref_cnt, content, rank]``, an int
+    (see ``RANK_UNIT``); ``entries`` is a plain dict (eviction follows the ranks, not its order).
     """
 
     def __init__(self, capacity: int, request_ranks: bool, cfgs):
         super().__init__(capacity, False)
+        self.entries = {}
+        self.touches = False
         self.request_ranks = request_ranks
-        self.rank: dict[tuple, tuple] = {}
         # (rank, group id, key) for every rank given since the first eviction (see
         # _lowest_evictable); None before it
         self.heap: list[tuple] | None = None
         self.next_rank = 0
-        self.group = {cfg.group_id: (i, cfg.tokens_per_chunk) for i, cfg in enumerate(cfgs)}
-        self.positions: dict[str, list] = {}      # rid -> see _positions
-        # rid -> [request rank or None, keys seen, {group id: keys in first-access order}]
-        self.req_state: dict[str, list] = {}
+        # per group: (index in the request's groups, tokens per chunk, index in group id order)
+        by_id = sorted(cfg.group_id for cfg in cfgs)
+        self.group: list[tuple[int, int, int]] = [
+            (i, cfg.tokens_per_chunk, by_id.index(cfg.group_id)) for i, cfg in enumerate(cfgs)]
+        self.n_groups = max(len(cfgs), 1)
+        self.req_state: dict[str, _ReqAccess] = {}
 
     def touch(self, keys) -> None:
         return
 
-    def _state(self, st) -> list:
-        s = self.req_state.get(st.req.rid)
-        if s is None:
-            s = self.req_state[st.req.rid] = [None, set(), {}]
-        return s
+    def _state(self, st) -> _ReqAccess:
+        rid = st.req.rid
+        a = self.req_state.get(rid)
+        if a is None:
+            a = self.req_state[rid] = _ReqAccess(st, len(self.group))
+        return a
 
-    def _request_rank(self, s: list) -> int:
-        if s[0] is None:
+    def _request_rank(self, a: _ReqAccess) -> int:
+        if not a.rank:
             self.next_rank += 1
-            s[0] = self.next_rank
-        return s[0]
+            a.rank = self.next_rank
+        return a.rank
 
-    def _positions(self, st) -> dict:
-        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request. Kept
-        per request and extended as its offload keys grow (they are only ever appended)."""
-        c = self.positions.get(st.req.rid)
-        if c is None or c[0] is not st:
-            c = self.positions[st.req.rid] = [st, {}, {}]     # state, keys seen per group, map
-        counts, out = c[1], c[2]
-        for gid, (gi, tpc) in self.group.items():
-            keys = st.groups[gi].keys
-            n = counts.get(gid, 0)
+    def _codes(self, a: _ReqAccess, st) -> dict[tuple, int]:
+        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request, kept
+        as the code ``position * n_groups + the group's index in group id order`` (the order in
+        which on_request_finished walks a request's chunks, head to tail, ties by group id),
+        doubled, plus 1 once the request accessed the key. Extended as the request's offload
+        keys grow (they are only ever appended)."""
+        if a.st is not st:
+            # another request state (the model keeps one per request): positions anew; every
+            # key accessed so far is accessed without a known position until found again
+            a.st, a.codes, a.counts = st, {}, [0] * len(self.group)
+            a.extra = dict.fromkeys(a.order)
+            a.unknown += 1
+        counts, out, extra, ng = a.counts, a.codes, a.extra, self.n_groups
+        for gi, tpc, order in self.group:
+            keys: list = st.groups[gi].keys
+            n = counts[gi]
             if n < len(keys):
+                step = 2 * tpc * ng
+                c = (n + 1) * step + 2 * order
                 for i in range(n, len(keys)):
-                    out[keys[i]] = (i + 1) * tpc
-                counts[gid] = len(keys)
+                    out[keys[i]] = c
+                    c += step
+                if extra:
+                    for i in range(n, len(keys)):
+                        if keys[i] in extra:
+                            out[keys[i]] |= 1
+                counts[gi] = len(keys)
         return out
 
+    def _first_unknown(self, a: _ReqAccess, k) -> None:
+        """A key without a known position: its first access is recorded in ``extra``."""
+        if k not in a.extra:
+            a.extra[k] = None
+            a.order.append(k)
+            a.unknown += 1
+            if self.request_ranks:
+                self._request_rank(a)
+
     def _access(self, st, keys) -> None:
-        s = self._state(st)
-        seen, groups = s[1], s[2]
-        new = []
+        """The first access of the request to each of ``keys`` (0.33.0: raises a resident chunk
+        to the request's rank, ``(request rank, -position)``, if that is higher)."""
+        a = self._state(st)
+        if not self.request_ranks:
+            for k in keys:
+                self._first_unknown(a, k)       # positions only matter at finish
+            return
+        codes, order, entries, ng = self._codes(a, st), a.order, self.entries, self.n_groups
         for k in keys:
-            if k not in seen:
-                seen.add(k)
-                groups.setdefault(k[0], []).append(k)
-                new.append(k)
-        if new and self.request_ranks:
-            rr = self._request_rank(s)
-            pos = self._positions(st)
-            for k in new:
-                p = pos.get(k)
-                if p is None or k not in self.entries:
-                    continue
-                if self.rank[k] < (rr, -p):
-                    self._set_rank(k, (rr, -p))
+            v = codes.get(k, -1)
+            if v < 0:
+                self._first_unknown(a, k)
+            elif not v & 1:
+                codes[k] = v | 1
+                order.append(k)
+                rr = self._request_rank(a)
+                e = entries.get(k)
+                if e is not None:
+                    r = rr * RANK_UNIT - (v >> 1) // ng
+                    if e[3] < r:
+                        self._set_rank(k, e, r)
 
     def prepare_store(self, keys, st=None) -> list | None:
-        entries, rank = self.entries, self.rank
-        to_store = [k for k in keys if k not in entries]
-        if st is not None:
-            self._access(st, [k for k in keys if k not in entries or entries[k][0]])
+        entries = self.entries
+        if st is None:
+            return self._insert([k for k in keys if k not in entries], keys, None, None)
+        # _access of the new and the ready keys, in one pass with the keys to store
+        a = self._state(st)
+        to_store: list = []
+        if not self.request_ranks:
+            for k in keys:
+                e = entries.get(k)
+                if e is None:
+                    to_store.append(k)
+                elif not e[0]:
+                    continue
+                self._first_unknown(a, k)       # positions only matter at finish
+            return self._insert(to_store, keys, None, None)
+        codes, order, ng = self._codes(a, st), a.order, self.n_groups
+        to_codes: list[int] = []
+        for k in keys:
+            e = entries.get(k)
+            if e is None:
+                to_store.append(k)
+                v = codes.get(k, -1)
+                to_codes.append(v)
+                if v < 0:
+                    self._first_unknown(a, k)
+                elif not v & 1:
+                    codes[k] = v | 1
+                    order.append(k)
+                    self._request_rank(a)
+            elif e[0]:
+                v = codes.get(k, -1)
+                if v < 0:
+                    self._first_unknown(a, k)
+                elif not v & 1:
+                    codes[k] = v | 1
+                    order.append(k)
+                    r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
+                    if e[3] < r:
+                        self._set_rank(k, e, r)
+        return self._insert(to_store, keys, a, to_codes)
+
+    def _insert(self, to_store: list, keys, a: _ReqAccess | None, to_codes: list[int] | None
+                ) -> list | None:
+        """The rest of prepare_store: evict for the new chunks, insert them (``a``: the request's
+        state if it ranks them, 0.33.0, with the keys' position codes)."""
         if not to_store:
             return []
+        entries = self.entries
         self.version += 1
         self.content_version += 1
         n_evict = len(to_store) - (self.capacity - len(entries))
@@ -217,21 +324,23 @@ class RankedCPUTier(CPUTier):
                 return None
             for k in victims:
                 del entries[k]
-                del rank[k]
             self.evictions += n_evict
-        pos = self._positions(st) if (self.request_ranks and st is not None) else {}
-        for k in to_store:
-            entries[k] = [False, 0, None]
-            p = pos.get(k)
-            if p is None:
+        heap, ng = self.heap, self.n_groups
+        for i, k in enumerate(to_store):
+            v = to_codes[i] if to_codes is not None else -1
+            if v < 0:
                 self.next_rank += 1
-                self._set_rank(k, (self.next_rank, 0))
+                r = self.next_rank * RANK_UNIT
             else:
-                self._set_rank(k, (self._request_rank(self._state(st)), -p))
+                assert a is not None
+                r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
+            entries[k] = [False, 0, None, r]
+            if heap is not None:
+                heapq.heappush(heap, (r, k[0], k))
         return to_store
 
-    def _set_rank(self, k, r: tuple) -> None:
-        self.rank[k] = r
+    def _set_rank(self, k, e: list, r: int) -> None:
+        e[3] = r
         if self.heap is not None:
             heapq.heappush(self.heap, (r, k[0], k))
 
@@ -241,9 +350,9 @@ class RankedCPUTier(CPUTier):
         ``heap`` holds every rank a chunk was given (from the first eviction on); an entry whose
         chunk is gone or has another rank since is dropped as it surfaces, chunks passed over go
         back."""
-        rank, entries = self.rank, self.entries
+        entries = self.entries
         if self.heap is None:                  # built at the first eviction, kept up after
-            self.heap = [(r, k[0], k) for k, r in rank.items()]
+            self.heap = [(e[3], k[0], k) for k, e in entries.items()]
             heapq.heapify(self.heap)
         heap = self.heap
         victims: list = []
@@ -252,10 +361,10 @@ class RankedCPUTier(CPUTier):
         while heap and len(victims) < n:
             item = heapq.heappop(heap)
             r, _, k = item
-            if rank.get(k) != r or k in seen:
+            e = entries.get(k)
+            if e is None or e[3] != r or k in seen:
                 continue                       # stale (evicted or ranked again since) or twice
             seen.add(k)
-            e = entries[k]
             (victims if e[0] and e[1] == 0 and k not in protected else passed).append(item)
         for item in passed:
             heapq.heappush(heap, item)
@@ -265,28 +374,55 @@ class RankedCPUTier(CPUTier):
             return None
         return [k for _, _, k in victims]
 
+    def complete_store(self, keys, contents: dict) -> None:
+        self.version += 1
+        self.content_version += 1
+        entries = self.entries
+        for k in keys:
+            e = entries.get(k)
+            if e is not None and not e[0]:
+                e[0] = True
+                e[2] = contents.get(k)
+
     def prepare_load(self, keys, st=None) -> None:
         super().prepare_load(keys)
         if st is not None:
             self._access(st, keys)
 
     def on_request_finished(self, st) -> None:
-        s = self.req_state.pop(st.req.rid, None)
-        if s is None:
+        a = self.req_state.pop(st.req.rid, None)
+        if a is None:
             return
-        pos = self._positions(st)
-        flat = []
-        for gid in sorted(s[2]):
-            keys = s[2][gid]
-            if all(k in pos for k in keys):
-                keys = sorted(keys, key=pos.__getitem__)
-            flat += keys
-        if all(k in pos for k in flat):            # order_request_keys: head to tail
-            flat.sort(key=pos.__getitem__)
+        flat = list(a.order)
+        if not a.unknown:
+            # order_request_keys, head to tail: by position, ties by group id (each group's
+            # keys sorted by position, the groups in id order, then a stable sort by position);
+            # every key accessed has its code (doubled, plus 1: the same order)
+            flat.sort(key=a.codes.__getitem__)
+        else:
+            codes = self._codes(a, st)
+            if all(map(codes.__contains__, flat)):
+                flat.sort(key=codes.__getitem__)
+            else:
+                groups: dict = {}
+                for k in flat:
+                    groups.setdefault(k[0], []).append(k)
+                flat = []
+                for gid in sorted(groups):
+                    keys = groups[gid]
+                    if all(k in codes for k in keys):
+                        keys = sorted(keys, key=codes.__getitem__)
+                    flat += keys
+        entries, heap = self.entries, self.heap
+        r = self.next_rank * RANK_UNIT
         for k in reversed(flat):
-            if k in self.entries:
-                self.next_rank += 1
-                self._set_rank(k, (self.next_rank, 0))
+            e = entries.get(k)
+            if e is not None:
+                r += RANK_UNIT
+                e[3] = r
+                if heap is not None:
+                    heapq.heappush(heap, (r, k[0], k))
+        self.next_rank = r // RANK_UNIT
 
 
 class _SlidingWindowStoreMask:
@@ -554,8 +690,11 @@ class OffloadScheduler:
         """Touch the request's keys in the CPU tier's LRU. Repeating a touch changes nothing when
         the tier did not change since (the touched keys already sit at the MRU end in the order
         the touch leaves them): then it is skipped (``_touched``: the tier's version after the
-        last touch, and what that touch covered)."""
+        last touch, and what that touch covered). A tier that ignores touches (0.31.0+) is not
+        called."""
         tier = self.tier
+        if not tier.touches:
+            return
         sig = (st, len(st.req.tokens), [gs.num_hit_chunks for gs in st.groups])
         last = self._touched
         if last is not None and last[0] == tier.version and last[1] == sig:
@@ -895,7 +1034,9 @@ class OffloadScheduler:
                         if b != NULL and ok:
                             new_keys.append(k)
                     continue
-                new_keys.extend(compress(keys, bids))     # the keys whose block is not NULL (0)
+                for i in range(min(len(keys), len(bids))):
+                    if bids[i]:                         # the keys whose block is not NULL (0)
+                        new_keys.append(keys[i])
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
@@ -906,17 +1047,22 @@ class OffloadScheduler:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
             self._touch(st)
-            keyset = set(to_store)
             items: list = []
             fenced: list = []
             deferred: list = []
+            # the keys to store are a subsequence of new_keys, in the order of the walk below
+            # (the same groups and chunks): each chunk's key is the next one to store or not one
+            j, n_store = 0, len(to_store)
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
                 sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
                 start = gs.next_stored
                 bids, kidx, gid = gs.block_ids, gs.kidx, cfg.group_id
-                for c, k in enumerate(gs.keys[start:n], start):
-                    if k not in keyset:
+                keys = gs.keys
+                for c in range(start, min(n, len(keys))):
+                    k = keys[c]
+                    if j == n_store or k is not to_store[j]:
                         continue
+                    j += 1
                     if bpc == 1:
                         b = bids[c]
                         if b == NULL:
@@ -934,7 +1080,10 @@ class OffloadScheduler:
                             sink.append(b)
                     items.append((gid, c, kidx[c], k, blocks))
                 gs.next_stored = max(gs.next_stored, n)
-            job = self._new_job(rid, True, keyset, items, fenced or None, deferred)
+            # the tier's complete_store walks the keys: in the order of their set where that
+            # order matters (the evictable list's MRU end), else as listed
+            job = self._new_job(rid, True, set(to_store) if tier.evictable_list else to_store,
+                                items, fenced or None, deferred)
             st.jobs.add(job.jid)
             for b in fenced:
                 self.block_to_jobs.setdefault(b, set()).add(job.jid)
