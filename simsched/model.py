@@ -309,12 +309,15 @@ class Model:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
         entries = self.off.tier.entries
-        written: list = []
+        shadow = self.shadow
+        written: list[int] = []
         for item in job.items:
-            self.shadow.write(item[4], entries[item[3]][2])
-            written.extend(b for _, b in item[4])
+            blocks = item[4]
+            shadow.write(blocks, entries[item[3]][2])
+            for _, b in blocks:
+                written.append(b)
         self._violation(inv.check_writes_by_job(self.step_no, written, self.pending_reads,
-                                         f"load {jid}"))
+                                                f"load {jid}"))
         self.off.complete_job(jid)
         self._emit(f"done {jid} load")
         self.progress = True
@@ -322,7 +325,8 @@ class Model:
             # aborted while loading: the blocks were held until now (_free_request)
             self.kv.free(self.delayed_free.pop(req.rid))
             return
-        self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo))
+        self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo,
+                                         self.tpbs))
         # finished_recving_kv_req_ids: the request stays WAITING_FOR_REMOTE_KVS until the waiting
         # loop reaches it (_promote_loaded)
         self.loaded.add(req.rid)
@@ -717,12 +721,10 @@ class Model:
                 if nb is None:
                     kv.free(req)
                     break
-                job = off.update_state_after_alloc(req, req.tables, ext,
-                                                   lambda b: kv.pool.key[b] is not None)
+                # is_cached(block): the block's hash (a tuple, true) or None
+                job = off.update_state_after_alloc(req, req.tables, ext, pool.key.__getitem__)
                 assert job is not None             # ext > 0: a load job
-                self._violation(inv.check_load_ready(self.step_no, off.tier,
-                                                     [it[3] for it in job.items],
-                                                     [f"g{it[0]}:{it[2]}" for it in job.items]))
+                self._violation(inv.check_load_ready(self.step_no, off.tier, job.items))
                 if self.tracing:
                     self._emit(fmt_job(job))
                 req.status = WAITING_FOR_LOAD
