@@ -27,18 +27,27 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
 from itertools import compress, count, islice
 
-NULL = 0
+# (Final: constants mypyc inlines, no module-dict lookup at each use)
+NULL: Final = 0
 # request states
-WAITING, RUNNING, WAITING_FOR_LOAD, FINISHED, ABORTED = range(5)
+WAITING: Final = 0
+RUNNING: Final = 1
+WAITING_FOR_LOAD: Final = 2
+FINISHED: Final = 3
+ABORTED: Final = 4
 _KIND_CODE = {"full": 0, "mla": 0, "cross_attention": 0, "sliding_window": 1,
               "sliding_window_mla": 1, "chunked_local": 2, "mamba": 3, "ring": 4}
-FULLISH, SLIDING, CHUNKED, MAMBA, RING = range(5)
+FULLISH: Final = 0
+SLIDING: Final = 1
+CHUNKED: Final = 2
+MAMBA: Final = 3
+RING: Final = 4
 
 
 class Request:

@@ -19,12 +19,16 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from itertools import compress
+from typing import Final
 
 from simsched.allocator import ABORTED, NULL, Request
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
-MISS, HIT, HIT_PENDING = 0, 1, 2
+# CPUTier.lookup results (Final: constants mypyc inlines, no module-dict lookup at each use)
+MISS: Final = 0
+HIT: Final = 1
+HIT_PENDING: Final = 2
 
 
 class ModelCrash(ConfigError):
