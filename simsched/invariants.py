@@ -132,7 +132,9 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
     tokens per block by group id, when the caller has them."""
     if tpbs is None:
         tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
-    gpu, ident, unit = shadow.gpu, req.ident, req.unit
+    gpu: list = shadow.gpu
+    unit: int = req.unit
+    ident: list = req.ident        # (untyped: compared as the int objects they are)
     nid = len(ident)
     for item in job.items:
         gid: int = item[0]
@@ -189,7 +191,7 @@ def check_writes_by_job(step: int, written, pending: dict, what: str
 def check_load_ready(step: int, tier, items) -> InvariantViolation | None:
     """INV-7: every chunk a load reads is ready (its store completed). ``items``: the load job's
     ``(gid, chunk_idx, hash_idx, key, blocks)``."""
-    entries = tier.entries
+    entries: dict[tuple, list] = tier.entries
     for item in items:
         e = entries.get(item[3])
         if e is None or not e[0]:

@@ -308,11 +308,11 @@ class Model:
     def _load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
-        entries = self.off.tier.entries
+        entries: dict[tuple, list] = self.off.tier.entries
         shadow = self.shadow
         written: list[int] = []
         for item in job.items:
-            blocks = item[4]
+            blocks: list[tuple[int, int]] = item[4]
             shadow.write(blocks, entries[item[3]][2])
             for _, b in blocks:
                 written.append(b)
