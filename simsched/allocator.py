@@ -63,14 +63,16 @@ class Request:
                  "fast_blocks", "key_lists")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
-                 num_groups: int):
+                 num_groups: int, known_ident: list[int] | None = None):
+        """``known_ident``: the identities of the prompt's first units when the caller has them
+        (another request's, whose prompt starts with the same tokens); the rest are hashed."""
         self.rid, self.index, self.spec = rid, index, spec
         self.tokens = list(prompt)
         self.num_prompt = len(prompt)
         self.max_tokens = max_tokens
         self.num_computed = 0
         self.unit = unit
-        self.ident: list[int] = []
+        self.ident: list[int] = list(known_ident) if known_ident else []
         self.status = WAITING
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.arrival = spec.arrival if spec is not None else 0

@@ -61,7 +61,7 @@ class Shadow:
         gpu = self.gpu
         return tuple(gpu[b] for _, b in blocks)
 
-    def write(self, blocks, content: tuple) -> None:
+    def write(self, blocks: list[tuple[int, int]], content: tuple) -> None:
         gpu = self.gpu
         n = len(content) if content else 0
         if n and n == self.bpc:
