@@ -60,19 +60,22 @@ class Request:
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
-                 "fast_blocks", "key_lists")
+                 "fast_blocks", "key_lists", "prefix_of", "prefix_units")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
-                 num_groups: int, known_ident: list[int] | None = None):
-        """``known_ident``: the identities of the prompt's first units when the caller has them
-        (another request's, whose prompt starts with the same tokens); the rest are hashed."""
+                 num_groups: int, prefix_of: Request | None = None, prefix_units: int = 0):
+        """``prefix_of``: an earlier request whose prompt starts with the same tokens as this one
+        for ``prefix_units`` whole units: their identities (and keys) are its own, not hashed
+        again."""
         self.rid, self.index, self.spec = rid, index, spec
         self.tokens = list(prompt)
         self.num_prompt = len(prompt)
         self.max_tokens = max_tokens
         self.num_computed = 0
         self.unit = unit
-        self.ident: list[int] = list(known_ident) if known_ident else []
+        self.ident: list[int] = prefix_of.ident[:prefix_units] if prefix_of is not None else []
+        self.prefix_of = prefix_of
+        self.prefix_units = len(self.ident)
         self.status = WAITING
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.arrival = spec.arrival if spec is not None else 0
@@ -121,6 +124,11 @@ class Request:
         ident: list = self.ident      # (untyped: the key tuples share the ident int objects)
         per = stride // self.unit
         have, n = len(keys), len(ident) // per
+        if have < n and self.prefix_of is not None and have < self.prefix_units // per:
+            # the keys of the shared prefix: the same tuples as prefix_of's (equal values)
+            shared = self.prefix_of.keys(gid, stride)[have:self.prefix_units // per]
+            keys.extend(shared)
+            have += len(shared)
         if have < n:
             g: object = gid
             keys.extend([(g, h) for h in (ident[have:n] if per == 1 else

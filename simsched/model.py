@@ -151,8 +151,8 @@ class Model:
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
-        # a prompt's first segment (seed, length) -> the identities of its whole units (_arrival)
-        self.segment_idents: dict[tuple, list[int]] = {}
+        # a prompt's first segment (seed, length) -> the first request that had it (_arrival)
+        self.segment_first: dict[tuple, Request] = {}
         # Scheduler.schedule drains a first waiting queue before ``waiting``: up to 0.30.0
         # ``skipped_waiting`` (every request skipped at an earlier step: a load in flight, no
         # lookup result), from 0.31.0 ``kv_holding_waiting`` (requests holding blocks: loading or
@@ -209,13 +209,13 @@ class Model:
         i, spec = data
         self.future_events -= 1
         # requests whose prompts start with the same segment share its tokens (case.py): the
-        # identities of its whole units are hashed once (by the first such request)
+        # identities and keys of its whole units are made once, by the first such request
         first = spec.prompt[0]
-        known = self.segment_idents.get(first)
+        prefix_of = self.segment_first.get(first)
         req = Request(spec.id, i, spec, spec.prompt_tokens(), spec.prompt_len + spec.decode,
-                      self.unit, len(self.case.layout.groups), known)
-        if known is None:
-            self.segment_idents[first] = req.ident[:first[1] // self.unit]
+                      self.unit, len(self.case.layout.groups), prefix_of, first[1] // self.unit)
+        if prefix_of is None:
+            self.segment_first[first] = req
         self.reqs[spec.id] = req
         self.off.on_new_request(req)
         self.waiting.append(req)
