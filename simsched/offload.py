@@ -716,8 +716,9 @@ class OffloadScheduler:
             gid = cfg.group_id
             blocks = tables[gid]
             tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
-            alloc.update(blocks)
-            alloc.discard(NULL)
+            if not self.alloc_all_groups:          # (else every table is in already)
+                alloc.update(blocks)
+                alloc.discard(NULL)
             n_gpu = -(-num_cached // tpb)
             n_local = n_gpu
             for i in range(n_gpu):
