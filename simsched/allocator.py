@@ -27,18 +27,27 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
-from itertools import compress, count, islice, takewhile
+from itertools import compress, count, islice
 
-NULL = 0
+# (Final: constants mypyc inlines, no module-dict lookup at each use)
+NULL: Final = 0
 # request states
-WAITING, RUNNING, WAITING_FOR_LOAD, FINISHED, ABORTED = range(5)
+WAITING: Final = 0
+RUNNING: Final = 1
+WAITING_FOR_LOAD: Final = 2
+FINISHED: Final = 3
+ABORTED: Final = 4
 _KIND_CODE = {"full": 0, "mla": 0, "cross_attention": 0, "sliding_window": 1,
               "sliding_window_mla": 1, "chunked_local": 2, "mamba": 3, "ring": 4}
-FULLISH, SLIDING, CHUNKED, MAMBA, RING = range(5)
+FULLISH: Final = 0
+SLIDING: Final = 1
+CHUNKED: Final = 2
+MAMBA: Final = 3
+RING: Final = 4
 
 
 class Request:
@@ -51,17 +60,22 @@ class Request:
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
-                 "fast_blocks", "key_lists")
+                 "fast_blocks", "key_lists", "prefix_of", "prefix_units")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
-                 num_groups: int):
+                 num_groups: int, prefix_of: Request | None = None, prefix_units: int = 0):
+        """``prefix_of``: an earlier request whose prompt starts with the same tokens as this one
+        for ``prefix_units`` whole units: their identities (and keys) are its own, not hashed
+        again."""
         self.rid, self.index, self.spec = rid, index, spec
         self.tokens = list(prompt)
         self.num_prompt = len(prompt)
         self.max_tokens = max_tokens
         self.num_computed = 0
         self.unit = unit
-        self.ident: list[int] = []
+        self.ident: list[int] = prefix_of.ident[:prefix_units] if prefix_of is not None else []
+        self.prefix_of = prefix_of
+        self.prefix_units = len(self.ident)
         self.status = WAITING
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.arrival = spec.arrival if spec is not None else 0
@@ -73,7 +87,8 @@ class Request:
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list = []
-        self.key_lists: dict[tuple[int, int], list[tuple]] = {}    # see keys()
+        # see keys(): per group, stride -> the group's key list at that stride
+        self.key_lists: list[dict[int, list[tuple]]] = [{} for _ in range(num_groups)]
         self._extend_ident()
 
     @property
@@ -81,27 +96,43 @@ class Request:
         return len(self.tokens)
 
     def _extend_ident(self) -> None:
-        unit, tokens, ident = self.unit, self.tokens, self.ident
-        k = len(ident)
-        prev = ident[-1] if ident else 0x5EED
-        while (k + 1) * unit <= len(tokens):
-            prev = hash((prev, tuple(tokens[k * unit:(k + 1) * unit])))
+        """``ident[k] = hash((ident[k - 1], tuple(tokens[k * unit:(k + 1) * unit])))`` (``ident[-1]``
+        read as ``0x5EED``) for every whole unit of known tokens. The units' token tuples are
+        slices of one tuple of the new tokens: equal tuples, so the same hashes."""
+        unit, tokens = self.unit, self.tokens
+        ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
+        k, n = len(ident), len(tokens) // unit
+        if k >= n:
+            return
+        prev: object = ident[-1] if ident else 0x5EED
+        new = tuple(tokens[k * unit:n * unit])
+        j, end = 0, (n - k) * unit
+        while j < end:
+            prev = hash((prev, new[j:j + unit]))
             ident.append(prev)
-            k += 1
+            j += unit
 
     def keys(self, gid: int, stride: int) -> list[tuple]:
         """``[(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
-        keys = self.key_lists.get((gid, stride))
+        per_group = self.key_lists[gid]
+        keys = per_group.get(stride)
         if keys is None:
-            keys = self.key_lists[(gid, stride)] = []
-        ident, unit = self.ident, self.unit
-        have, n = len(keys), len(ident) * unit // stride
+            keys = per_group[stride] = []
+        ident: list = self.ident      # (untyped: the key tuples share the ident int objects)
+        per = stride // self.unit
+        have, n = len(keys), len(ident) // per
+        if have < n and self.prefix_of is not None and have < self.prefix_units // per:
+            # the keys of the shared prefix: the same tuples as prefix_of's (equal values)
+            shared = self.prefix_of.keys(gid, stride)[have:self.prefix_units // per]
+            keys.extend(shared)
+            have += len(shared)
         if have < n:
-            per = stride // unit
-            keys.extend([(gid, ident[(i + 1) * per - 1]) for i in range(have, n)])
+            g: object = gid
+            keys.extend([(g, h) for h in (ident[have:n] if per == 1 else
+                                          ident[(have + 1) * per - 1:n * per:per])])
         return keys
 
     def append_tokens(self, new: list[int]) -> None:
@@ -312,7 +343,6 @@ class KVCacheManager:
         if not self.hits_possible or not self.cacheable_rules:
             return 0
         cached, align = self.pool.cached, self.align
-        contains = cached.__contains__
         L = (req.num_tokens - 1) // align * align
         if self.eagle_drop and self.eagle_margin and L >= 0:
             # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
@@ -322,7 +352,11 @@ class KVCacheManager:
                 continue
             # the longest run of cached blocks from the start (a block whose tokens are not all
             # known has no key: the run stops there)
-            n = len(list(takewhile(contains, req.keys(r.gid, r.bs)[:L // r.bs])))
+            keys = req.keys(r.gid, r.bs)
+            m = min(L // r.bs, len(keys))
+            n = 0
+            while n < m and keys[n] in cached:
+                n += 1
             L = min(L, n * r.bs) // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
         # check below only needs the other groups. Where a group misses block j of its reach
@@ -367,7 +401,7 @@ class KVCacheManager:
             n = L // r.bs
             first = min(r.skipped_tokens(total) // r.bs, n)
             table.extend([NULL] * first)
-            blocks = list(map(cached.__getitem__, req.keys(r.gid, r.bs)[first:n]))
+            blocks = [cached[k] for k in req.keys(r.gid, r.bs)[first:n]]
             pool.touch(blocks)
             table.extend(blocks)
             done[r.gid] = len(table)
@@ -468,8 +502,10 @@ class KVCacheManager:
             need += max(required - max(skipped, n_hit), 0)
             if skipped < n_hit:
                 # the evictable hit blocks (refcount 0): every hit block is cached under its key
-                blocks = map(pool.cached.__getitem__, req.keys(r.gid, r.bs)[skipped:n_hit])
-                need += list(map(pool.ref.__getitem__, blocks)).count(0)
+                ref, cached = pool.ref, pool.cached
+                for k in req.keys(r.gid, r.bs)[skipped:n_hit]:
+                    if ref[cached[k]] == 0:
+                        need += 1
         return need
 
     def remaining_blocks(self, req: Request) -> int:

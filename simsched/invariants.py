@@ -133,9 +133,34 @@ def check_stored_chunk(step: int, job, item, content, req, geo,
     return None
 
 
-def check_loaded(step: int, job, req, shadow, geo) -> InvariantViolation | None:
-    """INV-5: after a load, its destination blocks hold the request's own tokens."""
-    tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
+def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
+                 ) -> InvariantViolation | None:
+    """INV-5: after a load, its destination blocks hold the request's own tokens. ``tpbs``:
+    tokens per block by group id, when the caller has them."""
+    if tpbs is None:
+        tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
+    gpu: list = shadow.gpu
+    unit: int = req.unit
+    ident: list = req.ident        # (untyped: compared as the int objects they are)
+    nid = len(ident)
+    for item in job.items:
+        gid: int = item[0]
+        blocks: list[tuple[int, int]] = item[4]
+        tpb: int = tpbs[gid]
+        for i, b in blocks:
+            # the common case decided here: the block holds (gid, end, ident_at(end)) with the
+            # identity known; anything else goes to the walk below, which decides and names it
+            e = (i + 1) * tpb
+            k = e // unit - 1                       # req.ident_at(e), inlined
+            got = gpu[b]
+            if got is None or len(got) != 3 or not 0 <= k < nid or got[2] != ident[k] \
+                    or got[1] != e or got[0] != gid:
+                return _check_loaded_named(step, job, req, shadow, tpbs)
+    return None
+
+
+def _check_loaded_named(step: int, job, req, shadow, tpbs: dict) -> InvariantViolation | None:
+    """:func:`check_loaded` block by block: the first violation, named."""
     for gid, c, hidx, key, blocks in job.items:
         for i, b in blocks:
             want = (gid, (i + 1) * tpbs[gid], req.ident_at((i + 1) * tpbs[gid]))
@@ -170,13 +195,15 @@ def check_writes_by_job(step: int, written, pending: dict, what: str
     return None
 
 
-def check_load_ready(step: int, tier, keys, kidx) -> InvariantViolation | None:
-    """INV-7: every chunk a load reads is ready (its store completed)."""
-    for k, label in zip(keys, kidx):
-        e = tier.entries.get(k)
+def check_load_ready(step: int, tier, items) -> InvariantViolation | None:
+    """INV-7: every chunk a load reads is ready (its store completed). ``items``: the load job's
+    ``(gid, chunk_idx, hash_idx, key, blocks)``."""
+    entries: dict[tuple, list] = tier.entries
+    for item in items:
+        e = entries.get(item[3])
         if e is None or not e[0]:
-            return InvariantViolation("INV-7", step, f"load of chunk {label} whose store has not "
-                                      "completed")
+            return InvariantViolation("INV-7", step, f"load of chunk g{item[0]}:{item[2]} whose "
+                                      "store has not completed")
     return None
 
 

@@ -151,6 +151,8 @@ class Model:
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
+        # a prompt's first segment (seed, length) -> the first request that had it (_arrival)
+        self.segment_first: dict[tuple, Request] = {}
         # Scheduler.schedule drains a first waiting queue before ``waiting``: up to 0.30.0
         # ``skipped_waiting`` (every request skipped at an earlier step: a load in flight, no
         # lookup result), from 0.31.0 ``kv_holding_waiting`` (requests holding blocks: loading or
@@ -206,8 +208,14 @@ class Model:
     def _arrival(self, data) -> None:
         i, spec = data
         self.future_events -= 1
+        # requests whose prompts start with the same segment share its tokens (case.py): the
+        # identities and keys of its whole units are made once, by the first such request
+        first = spec.prompt[0]
+        prefix_of = self.segment_first.get(first)
         req = Request(spec.id, i, spec, spec.prompt_tokens(), spec.prompt_len + spec.decode,
-                      self.unit, len(self.case.layout.groups))
+                      self.unit, len(self.case.layout.groups), prefix_of, first[1] // self.unit)
+        if prefix_of is None:
+            self.segment_first[first] = req
         self.reqs[spec.id] = req
         self.off.on_new_request(req)
         self.waiting.append(req)
@@ -325,13 +333,16 @@ class Model:
     def _load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
-        entries = self.off.tier.entries
-        written: list = []
+        entries: dict[tuple, list] = self.off.tier.entries
+        shadow = self.shadow
+        written: list[int] = []
         for item in job.items:
-            self.shadow.write(item[4], entries[item[3]][2])
-            written.extend(b for _, b in item[4])
+            blocks: list[tuple[int, int]] = item[4]
+            shadow.write(blocks, entries[item[3]][2])
+            for _, b in blocks:
+                written.append(b)
         self._violation(inv.check_writes_by_job(self.step_no, written, self.pending_reads,
-                                         f"load {jid}"))
+                                                f"load {jid}"))
         self.off.complete_job(jid)
         self._emit(f"done {jid} load")
         self.progress = True
@@ -339,7 +350,8 @@ class Model:
             # aborted while loading: the blocks were held until now (_free_request)
             self.kv.free(self.delayed_free.pop(req.rid))
             return
-        self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo))
+        self._violation(inv.check_loaded(self.step_no, job, req, self.shadow, self.geo,
+                                         self.tpbs))
         # finished_recving_kv_req_ids: the request stays WAITING_FOR_REMOTE_KVS until the waiting
         # loop reaches it (_promote_loaded)
         self.loaded.add(req.rid)
@@ -734,12 +746,10 @@ class Model:
                 if nb is None:
                     kv.free(req)
                     break
-                job = off.update_state_after_alloc(req, req.tables, ext,
-                                                   lambda b: kv.pool.key[b] is not None)
+                # is_cached(block): the block's hash (a tuple, true) or None
+                job = off.update_state_after_alloc(req, req.tables, ext, pool.key.__getitem__)
                 assert job is not None             # ext > 0: a load job
-                self._violation(inv.check_load_ready(self.step_no, off.tier,
-                                                     [it[3] for it in job.items],
-                                                     [f"g{it[0]}:{it[2]}" for it in job.items]))
+                self._violation(inv.check_load_ready(self.step_no, off.tier, job.items))
                 if self.tracing:
                     self._emit(fmt_job(job))
                 req.status = WAITING_FOR_LOAD

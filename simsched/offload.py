@@ -24,7 +24,10 @@ from simsched.allocator import ABORTED, NULL, Request
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
-MISS, HIT, HIT_PENDING = 0, 1, 2
+# CPUTier.lookup results (Final: constants mypyc inlines, no module-dict lookup at each use)
+MISS: Final = 0
+HIT: Final = 1
+HIT_PENDING: Final = 2
 
 
 class ModelCrash(ConfigError):
@@ -737,9 +740,8 @@ class OffloadScheduler:
         eagle_verified: set[int] = set()
         while lookup_groups:
             looked_up_sw = False
-            it = iter(lookup_groups)
-            lookup_groups = ()
-            for gi in it:
+            groups, lookup_groups = lookup_groups, ()
+            for gi in groups:
                 cfg, gs = self.cfgs[gi], st.groups[gi]
                 tpc, keys = cfg.tokens_per_chunk, gs.keys
                 eagle = cfg.drafter and gi not in eagle_verified
@@ -825,7 +827,7 @@ class OffloadScheduler:
                 if cfg.sliding_window_in_chunks is not None:
                     sub = sub[-(self._load_window(cfg, num_computed + num_hit)
                                 if self.window_v2 else cfg.sliding_window_in_chunks):]
-                if any(k in self.being_loaded for k in sub):
+                if not self.being_loaded.isdisjoint(sub):
                     return None
         return num_hit
 
@@ -834,36 +836,46 @@ class OffloadScheduler:
         """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
         block tables (every KV cache group), ``is_cached(block)`` tells whether a block carries a
         block hash (a GPU prefix hit)."""
+        alloc, bpc = self.batch_allocated, self.bpc
+        # (NULL is never in batch_allocated outside these updates: null placeholders are not
+        # allocations; adding the tables whole and dropping NULL after is the same set)
         if self.alloc_all_groups:
-            self.batch_allocated.update(b for table in tables for b in table if b != NULL)
+            for table in tables:
+                alloc.update(table)
+            alloc.discard(NULL)
         if num_external == 0:
             return None
         st = self.req_status[req.rid]
         num_local = st.num_local
         num_cached = num_local + num_external
-        keys, items = [], []
+        keys: list[tuple] = []
+        items: list[tuple] = []
         for cfg, gs in zip(self.cfgs, st.groups):
-            blocks = tables[cfg.group_id]
+            gid = cfg.group_id
+            blocks = tables[gid]
             tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
-            self.batch_allocated.update(b for b in blocks if b != NULL)
+            if not self.alloc_all_groups:          # (else every table is in already)
+                alloc.update(blocks)
+                alloc.discard(NULL)
             n_gpu = -(-num_cached // tpb)
             n_local = n_gpu
             for i in range(n_gpu):
                 b = blocks[i]
-                if b != NULL and not is_cached(b):
+                if b != 0 and not is_cached(b):        # (0: NULL)
                     n_local = i
                     break
             if n_gpu - n_local:
-                start = n_local // self.bpc
+                start = n_local // bpc
                 end = -(-num_cached // tpc)
-                if self.asserts and len(gs.keys) < end:
+                gkeys, kidx = gs.keys, gs.kidx
+                if self.asserts and len(gkeys) < end:
                     raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
                                      "assert len(offload_keys) >= end_chunk_idx")
-                for c in range(start, min(end, len(gs.keys))):
-                    lo, hi = max(c * self.bpc, n_local), min((c + 1) * self.bpc, n_gpu)
-                    items.append((cfg.group_id, c, gs.kidx[c], gs.keys[c],
-                                  [(i, blocks[i]) for i in range(lo, hi)]))
-                    keys.append(gs.keys[c])
+                for c in range(start, min(end, len(gkeys))):
+                    lo, hi = max(c * bpc, n_local), min((c + 1) * bpc, n_gpu)
+                    k = gkeys[c]
+                    items.append((gid, c, kidx[c], k, [(i, blocks[i]) for i in range(lo, hi)]))
+                    keys.append(k)
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         self.tier.prepare_load(keys, st)
         job = self._new_job(req.rid, False, set(keys), items)

@@ -61,13 +61,14 @@ class Shadow:
         gpu = self.gpu
         return tuple(gpu[b] for _, b in blocks)
 
-    def write(self, blocks, content: tuple) -> None:
+    def write(self, blocks: list[tuple[int, int]], content: tuple) -> None:
         gpu = self.gpu
-        if content and len(content) == self.bpc:
+        n = len(content) if content else 0
+        if n and n == self.bpc:
             # a whole chunk: each destination block takes the chunk's block at its own offset
             # (the offloading worker skips block_index % blocks_per_chunk blocks of the chunk)
             for i, b in blocks:
-                gpu[b] = content[i % self.bpc]
+                gpu[b] = content[i % n]
             return
         # a chunk whose store read only some blocks (windowed groups): its content lines up
         # with the tail of the destination blocks
