@@ -26,19 +26,28 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, Iterable
 
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
-from itertools import compress, count, islice, takewhile
+from itertools import compress, count, takewhile
 
-NULL = 0
+# (Final: compile-time constants for mypyc, not module-dict lookups)
+NULL: Final = 0
 # request states
-WAITING, RUNNING, WAITING_FOR_LOAD, FINISHED, ABORTED = range(5)
+WAITING: Final = 0
+RUNNING: Final = 1
+WAITING_FOR_LOAD: Final = 2
+FINISHED: Final = 3
+ABORTED: Final = 4
 _KIND_CODE = {"full": 0, "mla": 0, "cross_attention": 0, "sliding_window": 1,
               "sliding_window_mla": 1, "chunked_local": 2, "mamba": 3, "ring": 4}
-FULLISH, SLIDING, CHUNKED, MAMBA, RING = range(5)
+# rule codes (GroupRule.code)
+FULLISH: Final = 0
+SLIDING: Final = 1
+CHUNKED: Final = 2
+MAMBA: Final = 3
+RING: Final = 4
 
 
 class Request:
@@ -121,11 +130,19 @@ class Request:
 
 
 class BlockPool:
-    """``BlockPool``: refcounts, ordered free queue and the GPU prefix cache."""
+    """``BlockPool``: refcounts, ordered free queue and the GPU prefix cache.
+
+    The free queue (``FreeKVCacheBlockQueue``) is, as in vLLM, a doubly linked list over the
+    blocks, kept in two int lists: ``nxt[b]`` / ``prv[b]`` are the blocks after / before ``b``,
+    with the null block 0 (never free) as the sentinel closing the ring (``nxt[0]`` is the head,
+    ``prv[0]`` the tail); ``prv[b] == -1`` for a block not in the queue. ``free_queue()`` lists it
+    head first."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.nxt = list(range(1, num_blocks)) + [0]
+        self.prv = [num_blocks - 1] + list(range(num_blocks - 1))
+        self.n_free = num_blocks - 1
         self.ref = [0] * num_blocks
         self.key: list[tuple | None] = [None] * num_blocks
         self.cached: dict[tuple, int] = {}
@@ -136,51 +153,93 @@ class BlockPool:
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
-        return len(self.free)
+        return self.n_free
+
+    def is_free(self, b: int) -> bool:
+        return self.prv[b] >= 0
+
+    def free_queue(self) -> list[int]:
+        """The free blocks, head (next allocated) first."""
+        nxt, out = self.nxt, []
+        b = nxt[NULL]
+        while b != NULL:
+            out.append(b)
+            b = nxt[b]
+        return out
+
+    @property
+    def free(self) -> dict[int, None]:
+        """The free queue as an ordered dict of its blocks (a copy, for tests and checks)."""
+        return dict.fromkeys(self.free_queue())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        free, key, ref, cached, more = self.free, self.key, self.ref, self.cached, self.more
-        if n > len(free):
-            raise RuntimeError(f"{n} blocks asked of a free queue of {len(free)}")
-        out = list(islice(free, n))             # the head of the free queue, in order
-        deque(map(free.__delitem__, out), 0)    # (consumed in C: one deletion per block)
-        for b in out:
+        key, ref, cached, more = self.key, self.ref, self.cached, self.more
+        nxt, prv = self.nxt, self.prv
+        if n > self.n_free:
+            raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
+        out = []
+        b = nxt[NULL]
+        for _ in range(n):                      # the head of the free queue, in order
+            out.append(b)
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
-                if k in more or cached.get(k) != b:
+                if (more and k in more) or cached.get(k) != b:
                     self._uncache(b, k)
                 else:                   # the only block under its hash: _uncache, inlined
                     del cached[k]
                 key[b] = None
             ref[b] = 1
+            prv[b] = -1
+            b = nxt[b]
+        nxt[NULL] = b
+        prv[b] = NULL
+        self.n_free -= n
         return out
 
-    def free_blocks(self, blocks) -> None:
+    def free_blocks(self, blocks: Iterable[int]) -> None:
         """``BlockPool.free_blocks``: blocks without a hash are prepended to the free queue in
         the order given (LIFO reuse), blocks carrying a hash are appended (LRU eviction)."""
-        ref, free, key = self.ref, self.free, self.key
+        ref, key, nxt, prv = self.ref, self.key, self.nxt, self.prv
         first = []
+        n = 0
         for b in blocks:
             if b == NULL:
                 continue
             r = ref[b] - 1
             ref[b] = r
             if r == 0:
-                free[b] = None
+                n += 1
                 if key[b] is None:
                     first.append(b)
+                else:                   # to the tail
+                    t = prv[NULL]
+                    nxt[t] = b
+                    prv[b] = t
+                    nxt[b] = NULL
+                    prv[NULL] = b
             elif r < 0:
                 raise RuntimeError(f"block {b} freed twice")
-        for b in reversed(first):
-            free.move_to_end(b, last=False)
+        if first:                       # to the head, in the order given
+            h = nxt[NULL]
+            for b in reversed(first):
+                nxt[b] = h
+                prv[h] = b
+                h = b
+            nxt[NULL] = h
+            prv[h] = NULL
+        self.n_free += n
 
-    def touch(self, blocks) -> None:
-        ref, free = self.ref, self.free
+    def touch(self, blocks: Iterable[int]) -> None:
+        ref, nxt, prv = self.ref, self.nxt, self.prv
         for b in blocks:
             if b == NULL:
                 continue
-            if ref[b] == 0:
-                del free[b]
+            if ref[b] == 0:             # out of the free queue
+                p, q = prv[b], nxt[b]
+                nxt[p] = q
+                prv[q] = p
+                prv[b] = -1
+                self.n_free -= 1
             ref[b] += 1
 
     def _uncache(self, b: int, k: tuple) -> None:

@@ -27,6 +27,7 @@ import math
 import sys
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Final
 
 from simsched import events as ev
 from simsched import invariants as inv
@@ -39,8 +40,8 @@ from simsched.offload import ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
-MAX_STEPS = 100_000
-STALL_STEPS = 8
+MAX_STEPS: Final = 100_000
+STALL_STEPS: Final = 8
 
 
 def resolve_profile(profile: Profile | str | None) -> Profile:
