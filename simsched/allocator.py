@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Final, Iterable
 
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
-from itertools import compress, count, takewhile
+from itertools import takewhile
 
 # (Final: compile-time constants for mypyc, not module-dict lookups)
 NULL: Final = 0
@@ -81,7 +81,7 @@ class Request:
         self.num_cached_blocks = [0] * num_groups   # blocks already offered to the prefix cache
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
-        self.fast_blocks: list = []
+        self.fast_blocks: list[tuple[int, int]] = []   # see Model._fast_bound
         self.key_lists: dict[tuple[int, int], list[tuple]] = {}    # see keys()
         self._extend_ident()
 
@@ -459,8 +459,10 @@ class KVCacheManager:
                 continue
             keys = req.keys(r.gid, r.bs)
             m = min(n, len(keys))
-            for b, k in zip(table[i:m], keys[i:m]):
+            for j in range(i, m):
+                b = table[j]
                 if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
+                    k = keys[j]
                     key[b] = k
                     if k in cached:
                         more.setdefault(k, []).append(b)
@@ -594,39 +596,50 @@ class KVCacheManager:
                 return [[] for _ in self.rules]     # a decode step that changes nothing
         self.remove_skipped_blocks(req, computed if processed is None else processed)
         total = computed + num_new_tokens + lookahead
-        plan = []
+        tables = req.tables
+        plan: list[int] = []       # per rule: null placeholders, new blocks
         need = 0
         for r in self.rules:
-            have = len(req.tables[r.gid])
+            have = len(tables[r.gid])
             if r.code == RING:
                 n = 0 if have else 1
-                plan.append((0, n))
+                plan.append(0)
+                plan.append(n)
                 need += n
                 continue
             target = -(-total // r.bs)
             if target <= have:
-                plan.append((0, 0))
+                plan.append(0)
+                plan.append(0)
                 continue
             if r.align:
                 # MambaManager.allocate_new_blocks, align mode: nulls up to the last block, one
                 # new block there for the running state
-                plan.append((target - 1 - have, 1))
+                plan.append(target - 1 - have)
+                plan.append(1)
                 need += 1
                 continue
             nulls = max(0, min(r.skipped_tokens(computed) // r.bs, target) - have)
             n = target - have - nulls
-            plan.append((nulls, n))
+            plan.append(nulls)
+            plan.append(n)
             need += n
         # allocate_slots: ``reserved_blocks`` stay free for the in-flight prefills
-        if need > self.pool.num_free() - reserved:
+        pool = self.pool
+        if need > pool.n_free - reserved:
             return None
-        get = self.pool.get_new_blocks
-        out = []
-        for r, (nulls, n) in zip(self.rules, plan):
-            new = [NULL] * nulls
-            if n:
-                new += get(n)
-            req.tables[r.gid].extend(new)
+        out: list[list[int]] = []
+        for i, r in enumerate(self.rules):
+            nulls, n = plan[2 * i], plan[2 * i + 1]
+            if nulls:
+                new = [NULL] * nulls
+                if n:
+                    new += pool.get_new_blocks(n)
+            elif n:
+                new = pool.get_new_blocks(n)
+            else:
+                new = []
+            tables[r.gid].extend(new)
             out.append(new)
         if cache_upto is not None and self.cacheable_rules:
             self.cache_blocks(req, cache_upto)
@@ -651,8 +664,9 @@ class KVCacheManager:
             if b < bound:
                 bound = b
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                # the index of the first real block (block IDs are > 0, NULL is 0)
-                lead = next(compress(count(), table), have)
+                lead = 0                               # the index of the first real block
+                while lead < have and table[lead] == NULL:
+                    lead += 1
                 if lead < have:
                     m = (lead + 1) * bs                # skipped_tokens(c) < m
                     if code == SLIDING:

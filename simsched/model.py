@@ -36,11 +36,13 @@ from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                derive, effective_block_size, prefix_cacheable_groups)
-from simsched.offload import ModelCrash, OffloadScheduler
+from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
 MAX_STEPS: Final = 100_000
+# a scheduled request: (request, tokens, new block IDs per group; None for a quiet decode step)
+Sched = tuple[Request, int, list[list[int]] | None]
 STALL_STEPS: Final = 8
 
 
@@ -362,7 +364,7 @@ class Model:
         self._execute(t, self.step_no, sched_reqs, stores)
         self._after_step(self.step_no)
 
-    def _schedule(self, t: int) -> tuple[list, list]:
+    def _schedule(self, t: int) -> tuple[list[Sched], list[Job]]:
         """``Scheduler.schedule()`` with ``build_connector_meta``: the scheduled requests as
         ``(request, tokens, new blocks)`` and the store jobs created."""
         counters = self.counters
@@ -377,12 +379,11 @@ class Model:
             lines.append(f"step {step}")
         kv, off = self.kv, self.off
         kv.new_step()
-        allocate = kv.allocate
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list] = {}
         # (request, tokens, new blocks) in scheduling order; new blocks None for a quiet decode
-        sched_reqs: list[tuple] = []
+        sched_reqs: list[Sched] = []
         self.sched_drafts: dict[str, int] = {}    # scheduled_spec_decode_tokens (counts)
         self.padded: set[str] = set()             # ... of padding drafts (-1) only
         self.prefill_scheduled = False
@@ -429,8 +430,8 @@ class Model:
             if asy is not None:
                 processed = asy.processed(req)
             while True:
-                nb = allocate(req, n, cache_upto=upto, processed=processed,
-                              lookahead=self.lookahead)
+                nb = kv.allocate(req, n, cache_upto=upto, processed=processed,
+                                 lookahead=self.lookahead)
                 if nb is not None:
                     break
                 if asy is not None and not asy.can_free(running[-1]):
@@ -495,12 +496,12 @@ class Model:
             asy.after_schedule(sched_reqs)
         return sched_reqs, stores
 
-    def _execute(self, t: int, step: int, sched_reqs: list, stores: list) -> None:
+    def _execute(self, t: int, step: int, sched_reqs: list[Sched], stores: list[Job]) -> None:
         """The model runner: computed tokens written (the shadow), one token sampled per
         request whose prefill is complete; finished requests leave (``FINISH``)."""
-        kv = self.kv
-        write_computed, rules, pr = self.shadow.write_computed, kv.rules, self.pending_reads
-        gpu, unit, fast_bound = self.shadow.gpu, self.unit, self._fast_bound
+        kv, shadow = self.kv, self.shadow
+        rules, pr = kv.rules, self.pending_reads
+        gpu, unit = shadow.gpu, self.unit
         seed = self.case.seed
         inflight = self.inflight
         asy = self.async_
@@ -538,7 +539,7 @@ class Model:
                 base = len(req.tokens)
                 acc = [_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
-                written = write_computed(req, rules, start, end)
+                written = shadow.write_computed(req, rules, start, end)
                 if pr:
                     self._violation(inv.check_writes_by_job(step, written, pr,
                                                             f"request {req.rid}"))
@@ -559,7 +560,7 @@ class Model:
                 else:
                     self.drafts[req.rid] = self.num_spec
                 continue
-            written = write_computed(req, rules, start, end)
+            written = shadow.write_computed(req, rules, start, end)
             if pr:
                 self._violation(inv.check_writes_by_job(step, written, pr, f"request {req.rid}"))
             req.num_computed = end
@@ -581,7 +582,7 @@ class Model:
                     # the drafter proposes after a step that sampled (not a prefill chunk)
                     self.drafts[req.rid] = self.num_spec
             if fast:
-                fast_bound(req)
+                self._fast_bound(req)
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
             if not job.read and (job.deferred or job.fenced):
