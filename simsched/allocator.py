@@ -183,10 +183,12 @@ class BlockPool:
             out.append(b)
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
-                if (more and k in more) or cached.get(k) != b:
+                if more and k in more:
                     self._uncache(b, k)
-                else:                   # the only block under its hash: _uncache, inlined
-                    del cached[k]
+                else:                   # no other block under its hash: _uncache, inlined
+                    held = cached.pop(k, None)
+                    if held is not None and held != b:
+                        cached[k] = held        # not the block a hit takes: it stays
                 key[b] = None
             ref[b] = 1
             prv[b] = -1
@@ -464,10 +466,8 @@ class KVCacheManager:
                 if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
                     k = keys[j]
                     key[b] = k
-                    if k in cached:
+                    if cached.setdefault(k, b) != b:  # another block holds the hash
                         more.setdefault(k, []).append(b)
-                    else:
-                        cached[k] = b
             if r.align:
                 # MambaManager.cache_blocks: every state block cached now is offered to the
                 # connector with the boundary it summarises, and marked cached this step

@@ -518,8 +518,8 @@ class Model:
                                                             pr,
                                                      f"request {req.rid}"))
                 req.num_computed = end
-                if inflight:       # _update_after_schedule: no longer a prefill chunk
-                    inflight.pop(req.rid, None)
+                if inflight and req.rid in inflight:
+                    del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
                 tokens = req.tokens
                 tokens.append(_token(seed, req.index, end))     # never the last one
                 if len(tokens) % unit == 0:
@@ -565,8 +565,8 @@ class Model:
                 self._violation(inv.check_writes_by_job(step, written, pr, f"request {req.rid}"))
             req.num_computed = end
             if end >= len(req.tokens):
-                if inflight:       # _update_after_schedule: no longer a prefill chunk
-                    inflight.pop(req.rid, None)
+                if inflight and req.rid in inflight:
+                    del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
                 tok = _token(seed, req.index, len(req.tokens))
                 if asy is not None:
                     assert asy.batch is not None            # (after_schedule made it)
