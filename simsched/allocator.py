@@ -26,12 +26,10 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Iterable
 
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
-from itertools import compress, count, islice
 
 # (Final: constants mypyc inlines, no module-dict lookup at each use)
 NULL: Final = 0
@@ -43,6 +41,7 @@ FINISHED: Final = 3
 ABORTED: Final = 4
 _KIND_CODE = {"full": 0, "mla": 0, "cross_attention": 0, "sliding_window": 1,
               "sliding_window_mla": 1, "chunked_local": 2, "mamba": 3, "ring": 4}
+# rule codes (GroupRule.code)
 FULLISH: Final = 0
 SLIDING: Final = 1
 CHUNKED: Final = 2
@@ -86,7 +85,7 @@ class Request:
         self.num_cached_blocks = [0] * num_groups   # blocks already offered to the prefix cache
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
-        self.fast_blocks: list = []
+        self.fast_blocks: list[tuple[int, int]] = []   # see Model._fast_bound
         # see keys(): per group, stride -> the group's key list at that stride
         self.key_lists: list[dict[int, list[tuple]]] = [{} for _ in range(num_groups)]
         self._extend_ident()
@@ -152,11 +151,19 @@ class Request:
 
 
 class BlockPool:
-    """``BlockPool``: refcounts, ordered free queue and the GPU prefix cache."""
+    """``BlockPool``: refcounts, ordered free queue and the GPU prefix cache.
+
+    The free queue (``FreeKVCacheBlockQueue``) is, as in vLLM, a doubly linked list over the
+    blocks, kept in two int lists: ``nxt[b]`` / ``prv[b]`` are the blocks after / before ``b``,
+    with the null block 0 (never free) as the sentinel closing the ring (``nxt[0]`` is the head,
+    ``prv[0]`` the tail); ``prv[b] == -1`` for a block not in the queue. ``free_queue()`` lists it
+    head first."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.nxt = list(range(1, num_blocks)) + [0]
+        self.prv = [num_blocks - 1] + list(range(num_blocks - 1))
+        self.n_free = num_blocks - 1
         self.ref = [0] * num_blocks
         self.key: list[tuple | None] = [None] * num_blocks
         self.cached: dict[tuple, int] = {}
@@ -167,51 +174,95 @@ class BlockPool:
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
-        return len(self.free)
+        return self.n_free
 
-    def get_new_blocks(self, n: int) -> list[int]:
-        free, key, ref, cached, more = self.free, self.key, self.ref, self.cached, self.more
-        if n > len(free):
-            raise RuntimeError(f"{n} blocks asked of a free queue of {len(free)}")
-        out = list(islice(free, n))             # the head of the free queue, in order
-        deque(map(free.__delitem__, out), 0)    # (consumed in C: one deletion per block)
-        for b in out:
-            k = key[b]
-            if k is not None:           # evict from the GPU prefix cache
-                if k in more or cached.get(k) != b:
-                    self._uncache(b, k)
-                else:                   # the only block under its hash: _uncache, inlined
-                    del cached[k]
-                key[b] = None
-            ref[b] = 1
+    def is_free(self, b: int) -> bool:
+        return self.prv[b] >= 0
+
+    def free_queue(self) -> list[int]:
+        """The free blocks, head (next allocated) first."""
+        nxt, out = self.nxt, []
+        b = nxt[NULL]
+        while b != NULL:
+            out.append(b)
+            b = nxt[b]
         return out
 
-    def free_blocks(self, blocks) -> None:
+    @property
+    def free(self) -> dict[int, None]:
+        """The free queue as an ordered dict of its blocks (a copy, for tests and checks)."""
+        return dict.fromkeys(self.free_queue())
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        key, ref, cached, more = self.key, self.ref, self.cached, self.more
+        nxt, prv = self.nxt, self.prv
+        if n > self.n_free:
+            raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
+        out = []
+        b = nxt[NULL]
+        for _ in range(n):                      # the head of the free queue, in order
+            out.append(b)
+            k = key[b]
+            if k is not None:           # evict from the GPU prefix cache
+                if more and k in more:
+                    self._uncache(b, k)
+                else:                   # no other block under its hash: _uncache, inlined
+                    held = cached.pop(k, None)
+                    if held is not None and held != b:
+                        cached[k] = held        # not the block a hit takes: it stays
+                key[b] = None
+            ref[b] = 1
+            prv[b] = -1
+            b = nxt[b]
+        nxt[NULL] = b
+        prv[b] = NULL
+        self.n_free -= n
+        return out
+
+    def free_blocks(self, blocks: Iterable[int]) -> None:
         """``BlockPool.free_blocks``: blocks without a hash are prepended to the free queue in
         the order given (LIFO reuse), blocks carrying a hash are appended (LRU eviction)."""
-        ref, free, key = self.ref, self.free, self.key
+        ref, key, nxt, prv = self.ref, self.key, self.nxt, self.prv
         first = []
+        n = 0
         for b in blocks:
             if b == NULL:
                 continue
             r = ref[b] - 1
             ref[b] = r
             if r == 0:
-                free[b] = None
+                n += 1
                 if key[b] is None:
                     first.append(b)
+                else:                   # to the tail
+                    t = prv[NULL]
+                    nxt[t] = b
+                    prv[b] = t
+                    nxt[b] = NULL
+                    prv[NULL] = b
             elif r < 0:
                 raise RuntimeError(f"block {b} freed twice")
-        for b in reversed(first):
-            free.move_to_end(b, last=False)
+        if first:                       # to the head, in the order given
+            h = nxt[NULL]
+            for b in reversed(first):
+                nxt[b] = h
+                prv[h] = b
+                h = b
+            nxt[NULL] = h
+            prv[h] = NULL
+        self.n_free += n
 
-    def touch(self, blocks) -> None:
-        ref, free = self.ref, self.free
+    def touch(self, blocks: Iterable[int]) -> None:
+        ref, nxt, prv = self.ref, self.nxt, self.prv
         for b in blocks:
             if b == NULL:
                 continue
-            if ref[b] == 0:
-                del free[b]
+            if ref[b] == 0:             # out of the free queue
+                p, q = prv[b], nxt[b]
+                nxt[p] = q
+                prv[q] = p
+                prv[b] = -1
+                self.n_free -= 1
             ref[b] += 1
 
     def _uncache(self, b: int, k: tuple) -> None:
@@ -434,13 +485,13 @@ class KVCacheManager:
                 continue
             keys = req.keys(r.gid, r.bs)
             m = min(n, len(keys))
-            for b, k in zip(table[i:m], keys[i:m]):
+            for j in range(i, m):
+                b = table[j]
                 if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
+                    k = keys[j]
                     key[b] = k
-                    if k in cached:
+                    if cached.setdefault(k, b) != b:  # another block holds the hash
                         more.setdefault(k, []).append(b)
-                    else:
-                        cached[k] = b
             if r.align:
                 # MambaManager.cache_blocks: every state block cached now is offered to the
                 # connector with the boundary it summarises, and marked cached this step
@@ -571,39 +622,50 @@ class KVCacheManager:
                 return [[] for _ in self.rules]     # a decode step that changes nothing
         self.remove_skipped_blocks(req, computed if processed is None else processed)
         total = computed + num_new_tokens + lookahead
-        plan = []
+        tables = req.tables
+        plan: list[int] = []       # per rule: null placeholders, new blocks
         need = 0
         for r in self.rules:
-            have = len(req.tables[r.gid])
+            have = len(tables[r.gid])
             if r.code == RING:
                 n = 0 if have else 1
-                plan.append((0, n))
+                plan.append(0)
+                plan.append(n)
                 need += n
                 continue
             target = -(-total // r.bs)
             if target <= have:
-                plan.append((0, 0))
+                plan.append(0)
+                plan.append(0)
                 continue
             if r.align:
                 # MambaManager.allocate_new_blocks, align mode: nulls up to the last block, one
                 # new block there for the running state
-                plan.append((target - 1 - have, 1))
+                plan.append(target - 1 - have)
+                plan.append(1)
                 need += 1
                 continue
             nulls = max(0, min(r.skipped_tokens(computed) // r.bs, target) - have)
             n = target - have - nulls
-            plan.append((nulls, n))
+            plan.append(nulls)
+            plan.append(n)
             need += n
         # allocate_slots: ``reserved_blocks`` stay free for the in-flight prefills
-        if need > self.pool.num_free() - reserved:
+        pool = self.pool
+        if need > pool.n_free - reserved:
             return None
-        get = self.pool.get_new_blocks
-        out = []
-        for r, (nulls, n) in zip(self.rules, plan):
-            new = [NULL] * nulls
-            if n:
-                new += get(n)
-            req.tables[r.gid].extend(new)
+        out: list[list[int]] = []
+        for i, r in enumerate(self.rules):
+            nulls, n = plan[2 * i], plan[2 * i + 1]
+            if nulls:
+                new = [NULL] * nulls
+                if n:
+                    new += pool.get_new_blocks(n)
+            elif n:
+                new = pool.get_new_blocks(n)
+            else:
+                new = []
+            tables[r.gid].extend(new)
             out.append(new)
         if cache_upto is not None and self.cacheable_rules:
             self.cache_blocks(req, cache_upto)
@@ -628,8 +690,9 @@ class KVCacheManager:
             if b < bound:
                 bound = b
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                # the index of the first real block (block IDs are > 0, NULL is 0)
-                lead = next(compress(count(), table), have)
+                lead = 0                               # the index of the first real block
+                while lead < have and table[lead] == NULL:
+                    lead += 1
                 if lead < have:
                     m = (lead + 1) * bs                # skipped_tokens(c) < m
                     if code == SLIDING:

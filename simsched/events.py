@@ -10,10 +10,17 @@ so equal (time, priority) events keep their insertion order. ``run()``, ``step()
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from typing import Any, Callable
+from typing import Any, Callable, Final
 
 # Event kinds; the value is also the default priority (lower runs first at equal time).
-STORE_DONE, LOAD_DONE, ARRIVAL, ABORT, STEP, FINISH, PREEMPT = range(7)
+# (Final: compile-time constants for mypyc, not module-dict lookups)
+STORE_DONE: Final = 0
+LOAD_DONE: Final = 1
+ARRIVAL: Final = 2
+ABORT: Final = 3
+STEP: Final = 4
+FINISH: Final = 5
+PREEMPT: Final = 6
 KIND_NAMES = ("store_done", "load_done", "arrival", "abort", "step", "finish", "preempt")
 
 

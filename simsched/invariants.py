@@ -54,18 +54,19 @@ def check_pool(step: int, pool, reqs) -> InvariantViolation | None:
     if n_free + len(holders) != pool.num_blocks - 1:
         return InvariantViolation("INV-1", step, f"free {n_free} + held {len(holders)} != pool "
                                   f"{pool.num_blocks - 1}")
-    ref, key, free = pool.ref, pool.key, pool.free
-    if len(holders) > 1 and free.keys().isdisjoint(holders):
+    ref, key, prv = pool.ref, pool.key, pool.prv     # prv[b] >= 0: b is in the free queue
+    if len(holders) > 1:
         # the common case decided in C; any doubt falls through to the walk that names the block
         get = itemgetter(*holders)
         counts = tuple(holders.values())
-        if get(ref) == counts and max(compress(counts, map(is_, get(key), repeat(None))),
-                                      default=1) <= 1:
+        if max(get(prv)) < 0 and get(ref) == counts and max(
+                compress(counts, map(is_, get(key), repeat(None))), default=1) <= 1:
             return None
     for b, n in holders.items():
-        if b in free or ref[b] != n:
+        free = prv[b] >= 0
+        if free or ref[b] != n:
             return InvariantViolation("INV-1", step, f"block {b}: refcount {ref[b]} but held "
-                                      f"{n} times{' and free' if b in free else ''}")
+                                      f"{n} times{' and free' if free else ''}")
         if n > 1 and key[b] is None:
             return InvariantViolation("INV-2", step, f"block {b} held by {n} requests but not a "
                                       "prefix-cache block")

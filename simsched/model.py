@@ -27,6 +27,7 @@ import math
 import sys
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Final
 
 from simsched import events as ev
 from simsched import invariants as inv
@@ -35,12 +36,14 @@ from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                derive, effective_block_size, prefix_cacheable_groups)
-from simsched.offload import ModelCrash, OffloadScheduler
+from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
-MAX_STEPS = 100_000
-STALL_STEPS = 8
+MAX_STEPS: Final = 100_000
+# a scheduled request: (request, tokens, new block IDs per group; None for a quiet decode step)
+Sched = tuple[Request, int, list[list[int]] | None]
+STALL_STEPS: Final = 8
 
 
 def resolve_profile(profile: Profile | str | None) -> Profile:
@@ -390,7 +393,7 @@ class Model:
         self._execute(t, self.step_no, sched_reqs, stores)
         self._after_step(self.step_no)
 
-    def _schedule(self, t: int) -> tuple[list, list]:
+    def _schedule(self, t: int) -> tuple[list[Sched], list[Job]]:
         """``Scheduler.schedule()`` with ``build_connector_meta``: the scheduled requests as
         ``(request, tokens, new blocks)`` and the store jobs created."""
         counters = self.counters
@@ -405,12 +408,11 @@ class Model:
             lines.append(f"step {step}")
         kv, off = self.kv, self.off
         kv.new_step()
-        allocate = kv.allocate
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list] = {}
         # (request, tokens, new blocks) in scheduling order; new blocks None for a quiet decode
-        sched_reqs: list[tuple] = []
+        sched_reqs: list[Sched] = []
         self.sched_drafts: dict[str, int] = {}    # scheduled_spec_decode_tokens (counts)
         self.padded: set[str] = set()             # ... of padding drafts (-1) only
         self.prefill_scheduled = False
@@ -457,8 +459,8 @@ class Model:
             if asy is not None:
                 processed = asy.processed(req)
             while True:
-                nb = allocate(req, n, cache_upto=upto, processed=processed,
-                              lookahead=self.lookahead)
+                nb = kv.allocate(req, n, cache_upto=upto, processed=processed,
+                                 lookahead=self.lookahead)
                 if nb is not None:
                     break
                 if asy is not None and not asy.can_free(running[-1]):
@@ -523,12 +525,12 @@ class Model:
             asy.after_schedule(sched_reqs)
         return sched_reqs, stores
 
-    def _execute(self, t: int, step: int, sched_reqs: list, stores: list) -> None:
+    def _execute(self, t: int, step: int, sched_reqs: list[Sched], stores: list[Job]) -> None:
         """The model runner: computed tokens written (the shadow), one token sampled per
         request whose prefill is complete; finished requests leave (``FINISH``)."""
-        kv = self.kv
-        write_computed, rules, pr = self.shadow.write_computed, kv.rules, self.pending_reads
-        gpu, unit, fast_bound = self.shadow.gpu, self.unit, self._fast_bound
+        kv, shadow = self.kv, self.shadow
+        rules, pr = kv.rules, self.pending_reads
+        gpu, unit = shadow.gpu, self.unit
         seed = self.case.seed
         inflight = self.inflight
         asy = self.async_
@@ -545,8 +547,8 @@ class Model:
                                                             pr,
                                                      f"request {req.rid}"))
                 req.num_computed = end
-                if inflight:       # _update_after_schedule: no longer a prefill chunk
-                    inflight.pop(req.rid, None)
+                if inflight and req.rid in inflight:
+                    del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
                 tokens = req.tokens
                 tokens.append(_token(seed, req.index, end))     # never the last one
                 if len(tokens) % unit == 0:
@@ -566,7 +568,7 @@ class Model:
                 base = len(req.tokens)
                 acc = [_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
-                written = write_computed(req, rules, start, end)
+                written = shadow.write_computed(req, rules, start, end)
                 if pr:
                     self._violation(inv.check_writes_by_job(step, written, pr,
                                                             f"request {req.rid}"))
@@ -587,13 +589,13 @@ class Model:
                 else:
                     self.drafts[req.rid] = self.num_spec
                 continue
-            written = write_computed(req, rules, start, end)
+            written = shadow.write_computed(req, rules, start, end)
             if pr:
                 self._violation(inv.check_writes_by_job(step, written, pr, f"request {req.rid}"))
             req.num_computed = end
             if end >= len(req.tokens):
-                if inflight:       # _update_after_schedule: no longer a prefill chunk
-                    inflight.pop(req.rid, None)
+                if inflight and req.rid in inflight:
+                    del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
                 tok = _token(seed, req.index, len(req.tokens))
                 if asy is not None:
                     assert asy.batch is not None            # (after_schedule made it)
@@ -609,7 +611,7 @@ class Model:
                     # the drafter proposes after a step that sampled (not a prefill chunk)
                     self.drafts[req.rid] = self.num_spec
             if fast:
-                fast_bound(req)
+                self._fast_bound(req)
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
             if not job.read and (job.deferred or job.fenced):

@@ -900,32 +900,31 @@ class OffloadScheduler:
         """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush).
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
         # _update_req_states
-        sw_ends: dict[str, tuple] = {}
+        sw_groups = self.sw_groups
+        sw_ends: dict[str, list[int]] = {}
         rs = self.req_status
+        alloc = self.batch_allocated
         for rid in scheduled:
             st = rs[rid]
             self.update_offload_keys(st, "build_connector_meta")
             nb = new_blocks.get(rid)
             if nb and any(nb):     # (all groups empty: nothing to extend, no window end moves)
-                if self.sw_groups:
-                    sw_ends[rid] = tuple(len(st.groups[g].block_ids) for g in self.sw_groups)
+                if sw_groups:
+                    sw_ends[rid] = [len(st.groups[g].block_ids) for g in sw_groups]
                 for cfg, gs in zip(self.cfgs, st.groups):
                     new = nb[cfg.group_id]
                     gs.block_ids.extend(new)
-                    self.batch_allocated.update(new)
-        self.batch_allocated.discard(NULL)      # null placeholders are not allocations
-        if self.sw_groups and self.batch_allocated:
-            alloc, bpc = self.batch_allocated, self.bpc
+                    alloc.update(new)
+        alloc.discard(NULL)      # null placeholders are not allocations
+        if sw_groups and alloc:
+            bpc = self.bpc
             for rid, st in rs.items():
                 ends = sw_ends.get(rid)
-                for i, gi in enumerate(self.sw_groups):
+                for i, gi in enumerate(sw_groups):
                     gs = st.groups[gi]
                     bids = gs.block_ids
                     end = ends[i] if ends is not None else len(bids)
-                    lo = gs.next_stored * bpc
-                    if lo >= end or alloc.isdisjoint(bids[lo:end]):
-                        continue
-                    for j in range(lo, end):
+                    for j in range(gs.next_stored * bpc, end):
                         if bids[j] in alloc:
                             bids[j] = NULL
         for rid in preempted:

@@ -10,7 +10,7 @@ the blocks the store read.
 
 from __future__ import annotations
 
-from simsched.allocator import FULLISH, NULL, RING
+from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
 
 
 class Shadow:
@@ -18,11 +18,14 @@ class Shadow:
         self.gpu: list[tuple | None] = [None] * num_blocks
         self.bpc = blocks_per_chunk
 
-    def write_computed(self, req, rules, start: int, end: int) -> list[int]:
+    def write_computed(self, req: Request, rules: list[GroupRule], start: int,
+                       end: int) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
         block IDs written."""
-        gpu, written = self.gpu, []
+        gpu: list[tuple | None] = self.gpu
+        written: list[int] = []
         ident, unit, tables = req.ident, req.unit, req.tables
+        nid = len(ident)
         for r in rules:
             gid = r.gid
             table = tables[gid]
@@ -40,15 +43,14 @@ class Shadow:
             i0 = start // bs
             full = min(end // bs, last)          # blocks [i0, full) are complete at end
             if full > i0:
-                # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1]
+                # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1] (None when
+                # not known, as ident_at)
                 per = bs // unit
-                idents = ident[(i0 + 1) * per - 1:full * per:per]
-                if len(idents) < full - i0:      # not all known: pad as ident_at does
-                    idents += [None] * (full - i0 - len(idents))
-                for b, e, idt in zip(table[i0:full], range((i0 + 1) * bs, full * bs + 1, bs),
-                                     idents):
+                for i in range(i0, full):
+                    b = table[i]
                     if b != NULL:
-                        gpu[b] = (gid, e, idt)
+                        k = (i + 1) * per - 1
+                        gpu[b] = (gid, (i + 1) * bs, ident[k] if k < nid else None)
                         written.append(b)
             if last > full and last > i0:        # the partial block holding token end - 1
                 b = table[last - 1]
