@@ -95,9 +95,9 @@ class Request:
         return len(self.tokens)
 
     def _extend_ident(self) -> None:
-        """``ident[k] = hash((ident[k - 1], tuple(tokens[k * unit:(k + 1) * unit])))`` (``ident[-1]``
-        read as ``0x5EED``) for every whole unit of known tokens. The units' token tuples are
-        slices of one tuple of the new tokens: equal tuples, so the same hashes."""
+        """``ident[k] = hash((ident[k - 1], tuple(tokens[k * unit:(k + 1) * unit])))``
+        (``ident[-1]`` read as ``0x5EED``) for every whole unit of known tokens. The units' token
+        tuples are slices of one tuple of the new tokens: equal tuples, so the same hashes."""
         unit, tokens = self.unit, self.tokens
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
         k, n = len(ident), len(tokens) // unit

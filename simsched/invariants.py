@@ -153,9 +153,7 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
             # identity known; anything else goes to the walk below, which decides and names it
             e = (i + 1) * tpb
             k = e // unit - 1                       # req.ident_at(e), inlined
-            got = gpu[b]
-            if got is None or len(got) != 3 or not 0 <= k < nid or got[2] != ident[k] \
-                    or got[1] != e or got[0] != gid:
+            if not 0 <= k < nid or gpu[b] != (gid, e, ident[k]):
                 return _check_loaded_named(step, job, req, shadow, tpbs)
     return None
 

@@ -209,7 +209,7 @@ class Model:
 
     # --- event handlers -----------------------------------------------------------------------
     def _arrival(self, data) -> None:
-        i, spec = data
+        i, spec = data[0], data[1]
         self.future_events -= 1
         # requests whose prompts start with the same segment share its tokens (case.py): the
         # identities and keys of its whole units are made once, by the first such request
@@ -730,8 +730,11 @@ class Model:
                     n = self._mamba_split(req, n, L)
                     if n == 0:
                         break
-                reserved = (sum([kv.remaining_blocks(r) for r in inflight.values()])
-                             + self.spec_step_blocks) if ext else 0
+                reserved = 0
+                if ext:
+                    for r in inflight.values():
+                        reserved += kv.remaining_blocks(r)
+                    reserved += self.spec_step_blocks
                 la = 0 if ext else self.lookahead     # no lookahead slots for an async load
                 if (kv.admission_blocks(req, L, total, req.num_tokens, True) > pool.num_free()
                         or kv.admission_blocks(req, L, total, total + n + la, False)

@@ -861,7 +861,7 @@ class OffloadScheduler:
             n_local = n_gpu
             for i in range(n_gpu):
                 b = blocks[i]
-                if b != 0 and not is_cached(b):        # (0: NULL)
+                if b != NULL and not is_cached(b):
                     n_local = i
                     break
             if n_gpu - n_local:
