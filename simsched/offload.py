@@ -144,9 +144,10 @@ class _ReqAccess:
     (``ReqContext.get_offload_key_position``): ``codes`` maps each key of the request to
     ``2 * position code + accessed`` (see :meth:`RankedCPUTier._codes`), ``extra`` holds the keys
     accessed while their position was not known (counted in ``unknown``, as is a change of the
-    request state: then on_request_finished takes the general path)."""
+    request state or a key met twice: then on_request_finished takes the general path).
+    ``slots``: the keys entered in ``codes`` (more than its size if a key came twice)."""
 
-    __slots__ = ("st", "rank", "order", "codes", "extra", "unknown", "counts")
+    __slots__ = ("st", "rank", "order", "codes", "extra", "unknown", "counts", "slots")
 
     def __init__(self, st, n_groups: int):
         self.st = st
@@ -156,6 +157,7 @@ class _ReqAccess:
         self.extra: dict = {}
         self.unknown = 0
         self.counts: list[int] = [0] * n_groups
+        self.slots = 0
 
 
 class RankedCPUTier(CPUTier):
@@ -217,7 +219,7 @@ class RankedCPUTier(CPUTier):
         if a.st is not st:
             # another request state (the model keeps one per request): positions anew; every
             # key accessed so far is accessed without a known position until found again
-            a.st, a.codes, a.counts = st, {}, [0] * len(self.group)
+            a.st, a.codes, a.counts, a.slots = st, {}, [0] * len(self.group), 0
             a.extra = dict.fromkeys(a.order)
             a.unknown += 1
         counts, out, extra, ng = a.counts, a.codes, a.extra, self.n_groups
@@ -235,6 +237,14 @@ class RankedCPUTier(CPUTier):
                         if keys[i] in extra:
                             out[keys[i]] |= 1
                 counts[gi] = len(keys)
+                a.slots += len(keys) - n
+                if a.slots != len(out):
+                    # a key met twice (its later position holds, as in a position map; its
+                    # access mark is restored)
+                    a.unknown += 1
+                    for k in a.order:
+                        if k in out:
+                            out[k] |= 1
         return out
 
     def _first_unknown(self, a: _ReqAccess, k) -> None:
