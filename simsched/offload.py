@@ -767,8 +767,8 @@ class OffloadScheduler:
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and alloc:
             bpc = self.bpc
-            for rid, st in rs.items():
-                ends = sw_ends.get(rid)
+            for st in rs.values():
+                ends = sw_ends.get(st.req.rid) if sw_ends else None
                 for i, gi in enumerate(sw_groups):
                     gs = st.groups[gi]
                     bids = gs.block_ids
