@@ -773,7 +773,10 @@ class OffloadScheduler:
                     gs = st.groups[gi]
                     bids = gs.block_ids
                     end = ends[i] if ends is not None else len(bids)
-                    for j in range(gs.next_stored * bpc, end):
+                    lo = gs.next_stored * bpc
+                    if lo >= end or alloc.isdisjoint(bids[lo:end]):
+                        continue
+                    for j in range(lo, end):
                         if bids[j] in alloc:
                             bids[j] = NULL
         for rid in preempted:
