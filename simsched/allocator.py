@@ -296,16 +296,18 @@ class GroupRule:
     __slots__ = ("gid", "kind", "code", "bs", "window", "chunk", "cacheable", "drafter", "align")
 
     def __init__(self, gid: int, group, block_size: int, enable_prefix_caching: bool):
-        self.gid, self.kind, self.bs = gid, group.kind, block_size
-        self.code = _KIND_CODE[group.kind]
-        self.window = group.sliding_window or 0
-        self.chunk = group.attention_chunk_size or 0
-        self.drafter = group.drafter
-        self.cacheable = enable_prefix_caching and group.prefix_cacheable and not (
-            group.kind == "mamba" and group.mamba_cache_mode != "align")
+        # (typed attributes: native arithmetic and tests in the compiled build)
+        self.gid, self.bs = gid, block_size
+        self.kind: str = group.kind
+        self.code: int = _KIND_CODE[group.kind]
+        self.window: int = group.sliding_window or 0
+        self.chunk: int = group.attention_chunk_size or 0
+        self.drafter: bool = bool(group.drafter)
+        self.cacheable: bool = bool(enable_prefix_caching and group.prefix_cacheable and not (
+            group.kind == "mamba" and group.mamba_cache_mode != "align"))
         # MambaManager in ``mamba_cache_mode == "align"``: one running state block per request
         # (see KVCacheManager.allocate, remove_skipped_blocks, admission_blocks, cache_blocks)
-        self.align = group.kind == "mamba" and group.mamba_cache_mode == "align"
+        self.align: bool = group.kind == "mamba" and group.mamba_cache_mode == "align"
 
     def skipped_tokens(self, computed: int) -> int:
         """``get_num_skipped_tokens``: tokens out of this group's reach."""

@@ -928,13 +928,16 @@ class OffloadScheduler:
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and alloc:
             bpc = self.bpc
-            for rid, st in rs.items():
-                ends = sw_ends.get(rid)
+            for st in rs.values():
+                ends = sw_ends.get(st.req.rid) if sw_ends else None
                 for i, gi in enumerate(sw_groups):
                     gs = st.groups[gi]
                     bids = gs.block_ids
                     end = ends[i] if ends is not None else len(bids)
-                    for j in range(gs.next_stored * bpc, end):
+                    lo = gs.next_stored * bpc
+                    if lo >= end or alloc.isdisjoint(bids[lo:end]):
+                        continue
+                    for j in range(lo, end):
                         if bids[j] in alloc:
                             bids[j] = NULL
         for rid in preempted:
