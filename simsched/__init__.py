@@ -43,10 +43,19 @@ def compiled() -> bool:
 def _stale() -> bool:
     """Compiled modules beside the sources, but not all of them or older than a source."""
     here = Path(__file__).parent
+    # mypyc puts the compiled code of every module in one shared library beside the package
+    # (``<hash>__mypyc.<suffix>``); each module's own extension is a small shim that loads it.
+    # An in-place rebuild (``setup.py build_ext --inplace``) rewrites the library but may leave
+    # an unchanged shim with its old time: a module is built when its shim or the library is.
+    lib = max((p.stat().st_mtime for p in here.parent.glob("*__mypyc*")
+               if p.name.endswith(tuple(EXTENSION_SUFFIXES))), default=None)
     built = []
     for m in COMPILED:
-        ext = [p for p in (here / (m + s) for s in EXTENSION_SUFFIXES) if p.exists()]
-        built.append(max(p.stat().st_mtime for p in ext) if ext else None)
+        times = [p.stat().st_mtime for p in (here / (m + s) for s in EXTENSION_SUFFIXES)
+                 if p.exists()]
+        if times and lib is not None:
+            times.append(lib)
+        built.append(max(times) if times else None)
     if all(b is None for b in built):
         return False                               # not compiled: sources import anyway
     return any(b is None or (here / (m + ".py")).stat().st_mtime > b

@@ -53,6 +53,33 @@ def test_stale_build_runs_the_sources(tmp_path):
     assert "older than their sources" in r.stderr
 
 
+def test_in_place_rebuild_is_not_stale(tmp_path):
+    """``setup.py build_ext --inplace`` rewrites mypyc's shared library but can leave a module's
+    unchanged shim with its old time: the build counts as fresh when the library is newer than
+    the sources."""
+    if not simsched.compiled():
+        pytest.skip("nothing compiled here (no pip install -e .): the sources run anyway")
+    pkg = Path(simsched.__file__).parent
+    shutil.copytree(pkg, tmp_path / "simsched", ignore=shutil.ignore_patterns("__pycache__"))
+    libs = [shutil.copy2(lib, tmp_path) for lib in pkg.parent.glob("*__mypyc*")]
+    sources = tmp_path / "simsched"
+    t = max(p.stat().st_mtime for p in sources.glob("*.py"))
+    for src in sources.glob("*.py"):
+        os.utime(src, (t, t))                               # every source edited at t
+    for shim in sources.glob("*.so"):
+        os.utime(shim, (t - 100, t - 100))                  # shims older than the sources
+    for lib in libs:
+        os.utime(lib, (t + 100, t + 100))                   # the library rebuilt after them
+    r = python(SHOW, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("True "), (r.stdout, r.stderr)
+    assert "older than their sources" not in r.stderr
+    for lib in libs:
+        os.utime(lib, (t - 100, t - 100))                   # nothing rebuilt: stale
+    r = python(SHOW, cwd=tmp_path)
+    assert r.stdout.startswith("False ") and "older than their sources" in r.stderr, r
+
+
 def test_golden_corpus_on_the_sources_too():
     if not simsched.compiled():
         pytest.skip("nothing compiled here: test_model_equivalence.py ran on the sources")
