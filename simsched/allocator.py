@@ -48,6 +48,37 @@ CHUNKED: Final = 2
 MAMBA: Final = 3
 RING: Final = 4
 
+# --- keys ------------------------------------------------------------------------------------
+# A GPU prefix-cache key and an offload key name a group's KV for a token prefix: the group id
+# and the prefix's identity (``Request.ident``, a chained hash: a signed 64-bit int), as vLLM's
+# ``make_offload_key`` appends the group index to a block hash. The pair is kept as one int,
+#
+#     key = ident << KEY_GROUP_BITS | group_id        (0 <= group_id < 1 << KEY_GROUP_BITS)
+#
+# made by make_key and taken apart by key_group / key_ident only (a bijection: layout.py allows
+# at most 16 groups; Python's shift
+# and mask of a negative int work on its two's complement, so ``key >> KEY_GROUP_BITS`` is the
+# ident again). Within one group, keys order as their idents (the eviction heap of
+# offload.RankedCPUTier breaks ties by key, after the group id). An int hashes and compares
+# faster than a tuple and is not tracked by the garbage collector.
+KEY_GROUP_BITS: Final = 8
+KEY_GROUP_MASK: Final = (1 << KEY_GROUP_BITS) - 1
+
+
+def make_key(gid: int, ident: int) -> int:
+    """The key of group ``gid``'s KV for the prefix of identity ``ident``."""
+    return ident << KEY_GROUP_BITS | gid
+
+
+def key_group(key: int) -> int:
+    """The group id of ``key``."""
+    return key & KEY_GROUP_MASK
+
+
+def key_ident(key: int) -> int:
+    """The prefix identity of ``key``."""
+    return key >> KEY_GROUP_BITS
+
 
 class Request:
     """A request as the scheduler, the KV cache manager and the connector see it.
@@ -87,7 +118,7 @@ class Request:
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list[tuple[int, int]] = []   # see Model._fast_bound
         # see keys(): per group, stride -> the group's key list at that stride
-        self.key_lists: list[dict[int, list[tuple]]] = [{} for _ in range(num_groups)]
+        self.key_lists: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]
         self._extend_ident()
 
     @property
@@ -111,8 +142,8 @@ class Request:
             ident.append(prev)
             j += unit
 
-    def keys(self, gid: int, stride: int) -> list[tuple]:
-        """``[(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
+    def keys(self, gid: int, stride: int) -> list[int]:
+        """``[make_key(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
@@ -120,18 +151,17 @@ class Request:
         keys = per_group.get(stride)
         if keys is None:
             keys = per_group[stride] = []
-        ident: list = self.ident      # (untyped: the key tuples share the ident int objects)
+        ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
         per = stride // self.unit
         have, n = len(keys), len(ident) // per
         if have < n and self.prefix_of is not None and have < self.prefix_units // per:
-            # the keys of the shared prefix: the same tuples as prefix_of's (equal values)
+            # the keys of the shared prefix: the same ints as prefix_of's (equal values)
             shared = self.prefix_of.keys(gid, stride)[have:self.prefix_units // per]
             keys.extend(shared)
             have += len(shared)
         if have < n:
-            g: object = gid
-            keys.extend([(g, h) for h in (ident[have:n] if per == 1 else
-                                          ident[(have + 1) * per - 1:n * per:per])])
+            keys.extend([make_key(gid, h) for h in (ident[have:n] if per == 1 else
+                                                    ident[(have + 1) * per - 1:n * per:per])])
         return keys
 
     def append_tokens(self, new: list[int]) -> None:
@@ -165,12 +195,12 @@ class BlockPool:
         self.prv = [num_blocks - 1] + list(range(num_blocks - 1))
         self.n_free = num_blocks - 1
         self.ref = [0] * num_blocks
-        self.key: list[tuple | None] = [None] * num_blocks
-        self.cached: dict[tuple, int] = {}
+        self.key: list[int | None] = [None] * num_blocks     # see make_key
+        self.cached: dict[int, int] = {}
         # BlockHashToBlockMap keeps every block cached under a hash (a block computed twice,
         # e.g. by two requests admitted before either cached it): ``cached`` holds the one a hit
         # takes (get_one_block: the oldest), ``more`` the others in insertion order
-        self.more: dict[tuple, list[int]] = {}
+        self.more: dict[int, list[int]] = {}
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
@@ -265,7 +295,7 @@ class BlockPool:
                 self.n_free -= 1
             ref[b] += 1
 
-    def _uncache(self, b: int, k: tuple) -> None:
+    def _uncache(self, b: int, k: int) -> None:
         """``BlockHashToBlockMap.pop(k, b)``."""
         cached, more = self.cached, self.more
         m = more.get(k)
@@ -281,7 +311,7 @@ class BlockPool:
             if not m:
                 del more[k]
 
-    def cache_block(self, b: int, k: tuple) -> None:
+    def cache_block(self, b: int, k: int) -> None:
         """``_insert_block_hash``: the block gets the hash even when another block holds it."""
         if self.key[b] is None:
             self.key[b] = k
