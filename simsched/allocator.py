@@ -26,7 +26,7 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, Iterable
+from typing import TYPE_CHECKING, Any, Final, Iterable
 
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
@@ -63,19 +63,22 @@ RING: Final = 4
 # faster than a tuple and is not tracked by the garbage collector.
 KEY_GROUP_BITS: Final = 8
 KEY_GROUP_MASK: Final = (1 << KEY_GROUP_BITS) - 1
+# The type of a key: an int, annotated Any so that the compiled build keeps keys as the int
+# objects make_key made (never converted to and from its native ints: most keys exceed them)
+Key = Any
 
 
-def make_key(gid: int, ident: int) -> int:
+def make_key(gid: int, ident: Key) -> Key:
     """The key of group ``gid``'s KV for the prefix of identity ``ident``."""
     return ident << KEY_GROUP_BITS | gid
 
 
-def key_group(key: int) -> int:
+def key_group(key: Key) -> int:
     """The group id of ``key``."""
     return key & KEY_GROUP_MASK
 
 
-def key_ident(key: int) -> int:
+def key_ident(key: Key) -> Key:
     """The prefix identity of ``key``."""
     return key >> KEY_GROUP_BITS
 
@@ -118,7 +121,7 @@ class Request:
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list[tuple[int, int]] = []   # see Model._fast_bound
         # see keys(): per group, stride -> the group's key list at that stride
-        self.key_lists: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]
+        self.key_lists: list[dict[int, list[Key]]] = [{} for _ in range(num_groups)]
         self._extend_ident()
 
     @property
@@ -142,7 +145,7 @@ class Request:
             ident.append(prev)
             j += unit
 
-    def keys(self, gid: int, stride: int) -> list[int]:
+    def keys(self, gid: int, stride: int) -> list[Key]:
         """``[make_key(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
@@ -195,12 +198,12 @@ class BlockPool:
         self.prv = [num_blocks - 1] + list(range(num_blocks - 1))
         self.n_free = num_blocks - 1
         self.ref = [0] * num_blocks
-        self.key: list[int | None] = [None] * num_blocks     # see make_key
-        self.cached: dict[int, int] = {}
+        self.key: list[Key | None] = [None] * num_blocks     # see make_key
+        self.cached: dict[Key, int] = {}
         # BlockHashToBlockMap keeps every block cached under a hash (a block computed twice,
         # e.g. by two requests admitted before either cached it): ``cached`` holds the one a hit
         # takes (get_one_block: the oldest), ``more`` the others in insertion order
-        self.more: dict[int, list[int]] = {}
+        self.more: dict[Key, list[int]] = {}
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
@@ -295,7 +298,7 @@ class BlockPool:
                 self.n_free -= 1
             ref[b] += 1
 
-    def _uncache(self, b: int, k: int) -> None:
+    def _uncache(self, b: int, k: Key) -> None:
         """``BlockHashToBlockMap.pop(k, b)``."""
         cached, more = self.cached, self.more
         m = more.get(k)
@@ -311,7 +314,7 @@ class BlockPool:
             if not m:
                 del more[k]
 
-    def cache_block(self, b: int, k: int) -> None:
+    def cache_block(self, b: int, k: Key) -> None:
         """``_insert_block_hash``: the block gets the hash even when another block holds it."""
         if self.key[b] is None:
             self.key[b] = k

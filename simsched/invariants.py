@@ -12,7 +12,7 @@ from collections import Counter
 from itertools import chain, compress, repeat
 from operator import is_, itemgetter
 
-from simsched.allocator import NULL, key_ident
+from simsched.allocator import NULL, Key, key_ident
 
 INVARIANTS = {
     "INV-1": "blocks conserved: free + held = pool",
@@ -197,7 +197,7 @@ def check_writes_by_job(step: int, written, pending: dict, what: str
 def check_load_ready(step: int, tier, items) -> InvariantViolation | None:
     """INV-7: every chunk a load reads is ready (its store completed). ``items``: the load job's
     ``(gid, chunk_idx, hash_idx, key, blocks)``."""
-    entries: dict[int, list] = tier.entries
+    entries: dict[Key, list] = tier.entries
     for item in items:
         e = entries.get(item[3])
         if e is None or not e[0]:

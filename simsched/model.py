@@ -32,7 +32,7 @@ from typing import Final
 from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
-                                WAITING_FOR_LOAD, KVCacheManager, Request, key_ident)
+                                WAITING_FOR_LOAD, Key, KVCacheManager, Request, key_ident)
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                derive, effective_block_size, prefix_cacheable_groups)
@@ -292,7 +292,7 @@ class Model:
         for item in job.items:
             gid: int = item[0]
             hidx: int = item[2]
-            key: int = item[3]
+            key = item[3]
             key_id = key_ident(key)
             blocks: list = item[4]
             end = (hidx + 1) * tph
@@ -337,7 +337,7 @@ class Model:
     def _load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
-        entries: dict[int, list] = self.off.tier.entries
+        entries: dict[Key, list] = self.off.tier.entries
         shadow = self.shadow
         written: list[int] = []
         for item in job.items:

@@ -21,7 +21,7 @@ import heapq
 from collections import OrderedDict, deque
 from typing import Final
 
-from simsched.allocator import ABORTED, NULL, Request, key_group, key_ident, make_key
+from simsched.allocator import ABORTED, NULL, Key, Request, key_group, key_ident, make_key
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
@@ -50,8 +50,8 @@ class CPUTier:
         self.evictable_list = evictable_list
         # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used). ``lru`` is
         # the same mapping typed as ordered (RankedCPUTier keeps a plain dict and no LRU order)
-        self.lru: OrderedDict[int, list] = OrderedDict()
-        self.entries: dict[int, list] = self.lru
+        self.lru: OrderedDict[Key, list] = OrderedDict()
+        self.entries: dict[Key, list] = self.lru
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
         self.touches = True
         self.evictions = 0
@@ -154,7 +154,7 @@ class _ReqAccess:
         self.st = st
         self.rank = 0
         self.order: list = []
-        self.codes: dict[int, int] = {}
+        self.codes: dict[Key, int] = {}
         self.extra: dict = {}
         self.unknown = 0
         self.counts: list[int] = [0] * n_groups
@@ -211,7 +211,7 @@ class RankedCPUTier(CPUTier):
             a.rank = self.next_rank
         return a.rank
 
-    def _codes(self, a: _ReqAccess, st) -> dict[int, int]:
+    def _codes(self, a: _ReqAccess, st) -> dict[Key, int]:
         """``ReqContext.get_offload_key_position``: a key's chunk end token in the request, kept
         as the code ``position * n_groups + the group's index in group id order`` (the order in
         which on_request_finished walks a request's chunks, head to tail, ties by group id),
@@ -488,7 +488,7 @@ class GroupState:
     __slots__ = ("keys", "kidx", "block_ids", "next_stored", "num_hit_chunks")
 
     def __init__(self) -> None:
-        self.keys: list[int] = []          # offload keys (group_id, block hash): see make_key
+        self.keys: list[Key] = []          # offload keys (group_id, block hash): see make_key
         self.kidx: list[int] = []          # the hash index of each key, for traces
         self.block_ids: list[int] = []
         self.next_stored = 0
@@ -514,7 +514,7 @@ class ReqOffload:
         self.lookup_memo: tuple | None = None
 
 
-def tuple_set_order(keys) -> list[int]:
+def tuple_set_order(keys) -> list[Key]:
     """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
     the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
     order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
@@ -869,7 +869,7 @@ class OffloadScheduler:
         st = self.req_status[req.rid]
         num_local = st.num_local
         num_cached = num_local + num_external
-        keys: list[int] = []
+        keys: list[Key] = []
         items: list[tuple] = []
         for cfg, gs in zip(self.cfgs, st.groups):
             gid = cfg.group_id
