@@ -50,19 +50,21 @@ RING: Final = 4
 
 # --- keys ------------------------------------------------------------------------------------
 # A GPU prefix-cache key and an offload key name a group's KV for a token prefix: the group id
-# and the prefix's identity (``Request.ident``, a chained hash: a signed 64-bit int), as vLLM's
-# ``make_offload_key`` appends the group index to a block hash. The pair is kept as one int,
+# and the prefix's identity (``Request.ident``, a chained hash: a signed 64-bit int, in
+# [-2**63, 2**63)), as vLLM's ``make_offload_key`` appends the group index to a block hash. The
+# pair is kept as one int, made by make_key and taken apart by key_group / key_ident only:
 #
-#     key = ident << KEY_GROUP_BITS | group_id        (0 <= group_id < 1 << KEY_GROUP_BITS)
+#     key = ident + group_id * 2**64
 #
-# made by make_key and taken apart by key_group / key_ident only (a bijection: layout.py allows
-# at most 16 groups; Python's shift
-# and mask of a negative int work on its two's complement, so ``key >> KEY_GROUP_BITS`` is the
-# ident again). Within one group, keys order as their idents (the eviction heap of
-# offload.RankedCPUTier breaks ties by key, after the group id). An int hashes and compares
-# faster than a tuple and is not tracked by the garbage collector.
-KEY_GROUP_BITS: Final = 8
-KEY_GROUP_MASK: Final = (1 << KEY_GROUP_BITS) - 1
+# Each group's keys fill their own range [group_id * 2**64 - 2**63, group_id * 2**64 + 2**63),
+# the ranges in group order: a bijection, and keys order exactly as the ``(group_id, ident)``
+# pairs (the eviction heap of offload.RankedCPUTier breaks ties by key). Group 0's keys are
+# its idents themselves. An int hashes and compares faster than a tuple and is not tracked by
+# the garbage collector.
+KEY_GROUP_SHIFT: Final = 64
+_IDENT_BIAS: Final = 1 << 63          # ident + _IDENT_BIAS is in [0, 2**64)
+# group_id * 2**64 by group id (layout.py allows at most 16 groups)
+_GROUP_BASE = [g << KEY_GROUP_SHIFT for g in range(16)]
 # The type of a key: an int, annotated Any so that the compiled build keeps keys as the int
 # objects make_key made (never converted to and from its native ints: most keys exceed them)
 Key = Any
@@ -70,17 +72,21 @@ Key = Any
 
 def make_key(gid: int, ident: Key) -> Key:
     """The key of group ``gid``'s KV for the prefix of identity ``ident``."""
-    return ident << KEY_GROUP_BITS | gid
+    return ident + _GROUP_BASE[gid] if gid else ident
 
 
 def key_group(key: Key) -> int:
     """The group id of ``key``."""
-    return key & KEY_GROUP_MASK
+    if key < _IDENT_BIAS:
+        return 0
+    return (key + _IDENT_BIAS) >> KEY_GROUP_SHIFT
 
 
 def key_ident(key: Key) -> Key:
     """The prefix identity of ``key``."""
-    return key >> KEY_GROUP_BITS
+    if key < _IDENT_BIAS:
+        return key
+    return key - _GROUP_BASE[(key + _IDENT_BIAS) >> KEY_GROUP_SHIFT]
 
 
 class Request:

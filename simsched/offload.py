@@ -184,8 +184,9 @@ class RankedCPUTier(CPUTier):
         self.entries = {}
         self.touches = False
         self.request_ranks = request_ranks
-        # (rank, group id, key) for every rank given since the first eviction (see
-        # _lowest_evictable); None before it
+        # (rank, key) for every rank given since the first eviction (see _lowest_evictable);
+        # None before it. Keys order as their (group id, ident) pairs (see make_key): the
+        # heap's order is (rank, group id, ident)
         self.heap: list[tuple] | None = None
         self.next_rank = 0
         # per group: (index in the request's groups, tokens per chunk, index in group id order)
@@ -350,13 +351,13 @@ class RankedCPUTier(CPUTier):
                 r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
             entries[k] = [False, 0, None, r]
             if heap is not None:
-                heapq.heappush(heap, (r, key_group(k), k))
+                heapq.heappush(heap, (r, k))
         return to_store
 
     def _set_rank(self, k, e: list, r: int) -> None:
         e[3] = r
         if self.heap is not None:
-            heapq.heappush(self.heap, (r, key_group(k), k))
+            heapq.heappush(self.heap, (r, k))
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
@@ -366,7 +367,7 @@ class RankedCPUTier(CPUTier):
         back."""
         entries = self.entries
         if self.heap is None:                  # built at the first eviction, kept up after
-            self.heap = [(e[3], key_group(k), k) for k, e in entries.items()]
+            self.heap = [(e[3], k) for k, e in entries.items()]
             heapq.heapify(self.heap)
         heap = self.heap
         victims: list = []
@@ -374,7 +375,7 @@ class RankedCPUTier(CPUTier):
         seen: set = set()
         while heap and len(victims) < n:
             item = heapq.heappop(heap)
-            r, _, k = item
+            r, k = item
             e = entries.get(k)
             if e is None or e[3] != r or k in seen:
                 continue                       # stale (evicted or ranked again since) or twice
@@ -386,7 +387,7 @@ class RankedCPUTier(CPUTier):
             for item in victims:
                 heapq.heappush(heap, item)
             return None
-        return [k for _, _, k in victims]
+        return [k for _, k in victims]
 
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
@@ -435,7 +436,7 @@ class RankedCPUTier(CPUTier):
                 r += RANK_UNIT
                 e[3] = r
                 if heap is not None:
-                    heapq.heappush(heap, (r, key_group(k), k))
+                    heapq.heappush(heap, (r, k))
         self.next_rank = r // RANK_UNIT
 
 
