@@ -26,7 +26,7 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, Iterable
+from typing import TYPE_CHECKING, Any, Final, Iterable
 
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
@@ -47,6 +47,46 @@ SLIDING: Final = 1
 CHUNKED: Final = 2
 MAMBA: Final = 3
 RING: Final = 4
+
+# --- keys ------------------------------------------------------------------------------------
+# A GPU prefix-cache key and an offload key name a group's KV for a token prefix: the group id
+# and the prefix's identity (``Request.ident``, a chained hash: a signed 64-bit int, in
+# [-2**63, 2**63)), as vLLM's ``make_offload_key`` appends the group index to a block hash. The
+# pair is kept as one int, made by make_key and taken apart by key_group / key_ident only:
+#
+#     key = ident + group_id * 2**64
+#
+# Each group's keys fill their own range [group_id * 2**64 - 2**63, group_id * 2**64 + 2**63),
+# the ranges in group order: a bijection, and keys order exactly as the ``(group_id, ident)``
+# pairs (the eviction heap of offload.RankedCPUTier breaks ties by key). Group 0's keys are
+# its idents themselves. An int hashes and compares faster than a tuple and is not tracked by
+# the garbage collector.
+KEY_GROUP_SHIFT: Final = 64
+_IDENT_BIAS: Final = 1 << 63          # ident + _IDENT_BIAS is in [0, 2**64)
+# group_id * 2**64 by group id (layout.py allows at most 16 groups)
+_GROUP_BASE = [g << KEY_GROUP_SHIFT for g in range(16)]
+# The type of a key: an int, annotated Any so that the compiled build keeps keys as the int
+# objects make_key made (never converted to and from its native ints: most keys exceed them)
+Key = Any
+
+
+def make_key(gid: int, ident: Key) -> Key:
+    """The key of group ``gid``'s KV for the prefix of identity ``ident``."""
+    return ident + _GROUP_BASE[gid] if gid else ident
+
+
+def key_group(key: Key) -> int:
+    """The group id of ``key``."""
+    if key < _IDENT_BIAS:
+        return 0
+    return (key + _IDENT_BIAS) >> KEY_GROUP_SHIFT
+
+
+def key_ident(key: Key) -> Key:
+    """The prefix identity of ``key``."""
+    if key < _IDENT_BIAS:
+        return key
+    return key - _GROUP_BASE[(key + _IDENT_BIAS) >> KEY_GROUP_SHIFT]
 
 
 class Request:
@@ -87,7 +127,7 @@ class Request:
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list[tuple[int, int]] = []   # see Model._fast_bound
         # see keys(): per group, stride -> the group's key list at that stride
-        self.key_lists: list[dict[int, list[tuple]]] = [{} for _ in range(num_groups)]
+        self.key_lists: list[dict[int, list[Key]]] = [{} for _ in range(num_groups)]
         self._extend_ident()
 
     @property
@@ -111,8 +151,8 @@ class Request:
             ident.append(prev)
             j += unit
 
-    def keys(self, gid: int, stride: int) -> list[tuple]:
-        """``[(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
+    def keys(self, gid: int, stride: int) -> list[Key]:
+        """``[make_key(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
@@ -120,18 +160,17 @@ class Request:
         keys = per_group.get(stride)
         if keys is None:
             keys = per_group[stride] = []
-        ident: list = self.ident      # (untyped: the key tuples share the ident int objects)
+        ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
         per = stride // self.unit
         have, n = len(keys), len(ident) // per
         if have < n and self.prefix_of is not None and have < self.prefix_units // per:
-            # the keys of the shared prefix: the same tuples as prefix_of's (equal values)
+            # the keys of the shared prefix: the same ints as prefix_of's (equal values)
             shared = self.prefix_of.keys(gid, stride)[have:self.prefix_units // per]
             keys.extend(shared)
             have += len(shared)
         if have < n:
-            g: object = gid
-            keys.extend([(g, h) for h in (ident[have:n] if per == 1 else
-                                          ident[(have + 1) * per - 1:n * per:per])])
+            keys.extend([make_key(gid, h) for h in (ident[have:n] if per == 1 else
+                                                    ident[(have + 1) * per - 1:n * per:per])])
         return keys
 
     def append_tokens(self, new: list[int]) -> None:
@@ -165,12 +204,12 @@ class BlockPool:
         self.prv = [num_blocks - 1] + list(range(num_blocks - 1))
         self.n_free = num_blocks - 1
         self.ref = [0] * num_blocks
-        self.key: list[tuple | None] = [None] * num_blocks
-        self.cached: dict[tuple, int] = {}
+        self.key: list[Key | None] = [None] * num_blocks     # see make_key
+        self.cached: dict[Key, int] = {}
         # BlockHashToBlockMap keeps every block cached under a hash (a block computed twice,
         # e.g. by two requests admitted before either cached it): ``cached`` holds the one a hit
         # takes (get_one_block: the oldest), ``more`` the others in insertion order
-        self.more: dict[tuple, list[int]] = {}
+        self.more: dict[Key, list[int]] = {}
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
@@ -265,7 +304,7 @@ class BlockPool:
                 self.n_free -= 1
             ref[b] += 1
 
-    def _uncache(self, b: int, k: tuple) -> None:
+    def _uncache(self, b: int, k: Key) -> None:
         """``BlockHashToBlockMap.pop(k, b)``."""
         cached, more = self.cached, self.more
         m = more.get(k)
@@ -281,7 +320,7 @@ class BlockPool:
             if not m:
                 del more[k]
 
-    def cache_block(self, b: int, k: tuple) -> None:
+    def cache_block(self, b: int, k: Key) -> None:
         """``_insert_block_hash``: the block gets the hash even when another block holds it."""
         if self.key[b] is None:
             self.key[b] = k

@@ -12,7 +12,7 @@ from collections import Counter
 from itertools import chain, compress, repeat
 from operator import is_, itemgetter
 
-from simsched.allocator import NULL
+from simsched.allocator import NULL, Key, key_ident
 
 INVARIANTS = {
     "INV-1": "blocks conserved: free + held = pool",
@@ -120,7 +120,7 @@ def check_stored_chunk(step: int, job, item, content, req, geo,
     block by group id, when the caller has them."""
     gid, c, hidx, key, blocks = item
     end = (hidx + 1) * geo.tokens_per_hash
-    if not content or content[-1] is None or content[-1][1] != end or content[-1][2] != key[1] \
+    if not content or content[-1] is None or content[-1][1] != end or content[-1][2] != key_ident(key) \
             or content[-1][0] != gid:
         return InvariantViolation("INV-4", step, f"job {job.jid} chunk g{gid}:{hidx} (tokens up "
                                   f"to {end}) holds {content[-1] if content else None}")
@@ -197,7 +197,7 @@ def check_writes_by_job(step: int, written, pending: dict, what: str
 def check_load_ready(step: int, tier, items) -> InvariantViolation | None:
     """INV-7: every chunk a load reads is ready (its store completed). ``items``: the load job's
     ``(gid, chunk_idx, hash_idx, key, blocks)``."""
-    entries: dict[tuple, list] = tier.entries
+    entries: dict[Key, list] = tier.entries
     for item in items:
         e = entries.get(item[3])
         if e is None or not e[0]:

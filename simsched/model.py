@@ -32,7 +32,7 @@ from typing import Final
 from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
-                                WAITING_FOR_LOAD, KVCacheManager, Request)
+                                WAITING_FOR_LOAD, Key, KVCacheManager, Request, key_ident)
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                derive, effective_block_size, prefix_cacheable_groups)
@@ -292,11 +292,12 @@ class Model:
         for item in job.items:
             gid: int = item[0]
             hidx: int = item[2]
-            key: tuple = item[3]
+            key = item[3]
+            key_id = key_ident(key)
             blocks: list = item[4]
             end = (hidx + 1) * tph
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (its
-            # last block holds (gid, end, key ident), each block (gid, its end, ident there));
+            # last block holds (gid, end, key_id), each block (gid, its end, ident there));
             # anything else goes to check_stored_chunk, which decides and names the finding
             if len(blocks) == 1:
                 # one block (Shadow.read inlined): it is the last block, compared field by field
@@ -306,11 +307,11 @@ class Model:
                 e: int = (blk[0] + 1) * tpbs[gid]
                 k = e // unit - 1
                 ok = got is not None and len(got) == 3 and e == end and got[1] == end \
-                    and got[0] == gid and got[2] == key[1] and 0 <= k < nid \
+                    and got[0] == gid and got[2] == key_id and 0 <= k < nid \
                     and got[2] == ident[k]
             else:
                 content = tuple([gpu[b] for _, b in blocks])      # Shadow.read, inlined
-                ok = bool(content) and content[-1] == (gid, end, key[1])
+                ok = bool(content) and content[-1] == (gid, end, key_id)
                 if ok:
                     tpb = tpbs[gid]
                     for (i, _), got in zip(blocks, content):
@@ -336,7 +337,7 @@ class Model:
     def _load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
-        entries: dict[tuple, list] = self.off.tier.entries
+        entries: dict[Key, list] = self.off.tier.entries
         shadow = self.shadow
         written: list[int] = []
         for item in job.items:

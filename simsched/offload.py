@@ -9,7 +9,8 @@ of fenced blocks that get re-allocated), ``update_connector_output`` and ``reque
 and ``vllm/v1/kv_offload/cpu/manager.py`` with the LRU policy (chunks being written are not
 readable and not evictable; chunks being loaded are not evictable).
 
-An offload key is ``(group_id, block_hash)`` as in ``make_offload_key``; every key also has a
+An offload key is ``(group_id, block_hash)`` as in ``make_offload_key``, kept as one int
+(``allocator.make_key``, taken apart by ``key_group`` / ``key_ident``); every key also has a
 request-relative hash index (kept beside it) for traces. Where vLLM raises, the model raises
 :class:`ModelCrash` (a :class:`~simsched.geometry.ConfigError`) naming the vLLM function.
 """
@@ -20,7 +21,7 @@ import heapq
 from collections import OrderedDict, deque
 from typing import Final
 
-from simsched.allocator import ABORTED, NULL, Request
+from simsched.allocator import ABORTED, NULL, Key, Request, key_group, key_ident, make_key
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
@@ -49,8 +50,8 @@ class CPUTier:
         self.evictable_list = evictable_list
         # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used). ``lru`` is
         # the same mapping typed as ordered (RankedCPUTier keeps a plain dict and no LRU order)
-        self.lru: OrderedDict[tuple, list] = OrderedDict()
-        self.entries: dict[tuple, list] = self.lru
+        self.lru: OrderedDict[Key, list] = OrderedDict()
+        self.entries: dict[Key, list] = self.lru
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
         self.touches = True
         self.evictions = 0
@@ -153,7 +154,7 @@ class _ReqAccess:
         self.st = st
         self.rank = 0
         self.order: list = []
-        self.codes: dict[tuple, int] = {}
+        self.codes: dict[Key, int] = {}
         self.extra: dict = {}
         self.unknown = 0
         self.counts: list[int] = [0] * n_groups
@@ -183,8 +184,9 @@ class RankedCPUTier(CPUTier):
         self.entries = {}
         self.touches = False
         self.request_ranks = request_ranks
-        # (rank, group id, key) for every rank given since the first eviction (see
-        # _lowest_evictable); None before it
+        # (rank, key) for every rank given since the first eviction (see _lowest_evictable);
+        # None before it. Keys order as their (group id, ident) pairs (see make_key): the
+        # heap's order is (rank, group id, ident)
         self.heap: list[tuple] | None = None
         self.next_rank = 0
         # per group: (index in the request's groups, tokens per chunk, index in group id order)
@@ -210,7 +212,7 @@ class RankedCPUTier(CPUTier):
             a.rank = self.next_rank
         return a.rank
 
-    def _codes(self, a: _ReqAccess, st) -> dict[tuple, int]:
+    def _codes(self, a: _ReqAccess, st) -> dict[Key, int]:
         """``ReqContext.get_offload_key_position``: a key's chunk end token in the request, kept
         as the code ``position * n_groups + the group's index in group id order`` (the order in
         which on_request_finished walks a request's chunks, head to tail, ties by group id),
@@ -349,13 +351,13 @@ class RankedCPUTier(CPUTier):
                 r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
             entries[k] = [False, 0, None, r]
             if heap is not None:
-                heapq.heappush(heap, (r, k[0], k))
+                heapq.heappush(heap, (r, k))
         return to_store
 
     def _set_rank(self, k, e: list, r: int) -> None:
         e[3] = r
         if self.heap is not None:
-            heapq.heappush(self.heap, (r, k[0], k))
+            heapq.heappush(self.heap, (r, k))
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
@@ -365,7 +367,7 @@ class RankedCPUTier(CPUTier):
         back."""
         entries = self.entries
         if self.heap is None:                  # built at the first eviction, kept up after
-            self.heap = [(e[3], k[0], k) for k, e in entries.items()]
+            self.heap = [(e[3], k) for k, e in entries.items()]
             heapq.heapify(self.heap)
         heap = self.heap
         victims: list = []
@@ -373,7 +375,7 @@ class RankedCPUTier(CPUTier):
         seen: set = set()
         while heap and len(victims) < n:
             item = heapq.heappop(heap)
-            r, _, k = item
+            r, k = item
             e = entries.get(k)
             if e is None or e[3] != r or k in seen:
                 continue                       # stale (evicted or ranked again since) or twice
@@ -385,7 +387,7 @@ class RankedCPUTier(CPUTier):
             for item in victims:
                 heapq.heappush(heap, item)
             return None
-        return [k for _, _, k in victims]
+        return [k for _, k in victims]
 
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
@@ -419,7 +421,7 @@ class RankedCPUTier(CPUTier):
             else:
                 groups: dict = {}
                 for k in flat:
-                    groups.setdefault(k[0], []).append(k)
+                    groups.setdefault(key_group(k), []).append(k)
                 flat = []
                 for gid in sorted(groups):
                     keys = groups[gid]
@@ -434,7 +436,7 @@ class RankedCPUTier(CPUTier):
                 r += RANK_UNIT
                 e[3] = r
                 if heap is not None:
-                    heapq.heappush(heap, (r, k[0], k))
+                    heapq.heappush(heap, (r, k))
         self.next_rank = r // RANK_UNIT
 
 
@@ -487,7 +489,7 @@ class GroupState:
     __slots__ = ("keys", "kidx", "block_ids", "next_stored", "num_hit_chunks")
 
     def __init__(self) -> None:
-        self.keys: list[tuple] = []        # offload keys (group_id, block hash)
+        self.keys: list[Key] = []          # offload keys (group_id, block hash): see make_key
         self.kidx: list[int] = []          # the hash index of each key, for traces
         self.block_ids: list[int] = []
         self.next_stored = 0
@@ -511,6 +513,16 @@ class ReqOffload:
         # (tier.content_version, num_local, num_tokens, hit) of the last _lookup: the same
         # inputs give the same hit (see OffloadScheduler._lookup_memo)
         self.lookup_memo: tuple | None = None
+
+
+def tuple_set_order(keys) -> list[Key]:
+    """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
+    the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
+    order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
+    (each completed chunk joins its MRU end). vLLM's set holds bytes keys, whose hashes vary per
+    process; the model fixed that order as the one of the pair tuples (the representation of keys
+    before they became ints), and keeps it."""
+    return [make_key(g, h) for g, h in {(key_group(k), key_ident(k)) for k in keys}]
 
 
 class Job:
@@ -625,7 +637,7 @@ class OffloadScheduler:
             idx = offload_key_indices(cfg, num_hashes, len(gs.keys), profile)
             if idx:
                 # key m (hash index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
-                # (gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
+                # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
                 m = len(gs.keys)
                 gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + len(idx)])
                 gs.kidx.extend(idx)
@@ -844,8 +856,8 @@ class OffloadScheduler:
     def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
                                  is_cached) -> Job | None:
         """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
-        block tables (every KV cache group), ``is_cached(block)`` tells whether a block carries a
-        block hash (a GPU prefix hit)."""
+        block tables (every KV cache group), ``is_cached(block)`` is the block hash a block carries
+        (its GPU prefix-cache key: a GPU prefix hit), None if none."""
         alloc, bpc = self.batch_allocated, self.bpc
         # (NULL is never in batch_allocated outside these updates: null placeholders are not
         # allocations; adding the tables whole and dropping NULL after is the same set)
@@ -858,7 +870,7 @@ class OffloadScheduler:
         st = self.req_status[req.rid]
         num_local = st.num_local
         num_cached = num_local + num_external
-        keys: list[tuple] = []
+        keys: list[Key] = []
         items: list[tuple] = []
         for cfg, gs in zip(self.cfgs, st.groups):
             gid = cfg.group_id
@@ -871,7 +883,7 @@ class OffloadScheduler:
             n_local = n_gpu
             for i in range(n_gpu):
                 b = blocks[i]
-                if b != NULL and not is_cached(b):
+                if b != NULL and is_cached(b) is None:
                     n_local = i
                     break
             if n_gpu - n_local:
@@ -888,7 +900,8 @@ class OffloadScheduler:
                     keys.append(k)
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         self.tier.prepare_load(keys, st)
-        job = self._new_job(req.rid, False, set(keys), items)
+        job = self._new_job(req.rid, False,
+                            tuple_set_order(keys) if self.tier.evictable_list else set(keys), items)
         if self.asserts and st.jobs:
             raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
                              "assert not req_status.transfer_jobs")
@@ -997,7 +1010,9 @@ class OffloadScheduler:
                 if cfg is None or b == NULL or boundary > max_boundary \
                         or boundary % cfg.tokens_per_chunk:
                     continue
-                key = (gid, req.ident_at(boundary))
+                ident = req.ident_at(boundary)
+                assert ident is not None        # boundary <= num_tokens: a known identity
+                key = make_key(gid, ident)
                 to_store = self.tier.prepare_store([key], st)
                 if not to_store:
                     continue
@@ -1076,6 +1091,7 @@ class OffloadScheduler:
             deferred: list = []
             # the keys to store are a subsequence of new_keys, in the order of the walk below
             # (the same groups and chunks): each chunk's key is the next one to store or not one
+            # (a request's keys are distinct: compared by value)
             j, n_store = 0, len(to_store)
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
                 sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
@@ -1084,7 +1100,7 @@ class OffloadScheduler:
                 keys = gs.keys
                 for c in range(start, min(n, len(keys))):
                     k = keys[c]
-                    if j == n_store or k is not to_store[j]:
+                    if j == n_store or k != to_store[j]:
                         continue
                     j += 1
                     if bpc == 1:
@@ -1106,7 +1122,8 @@ class OffloadScheduler:
                 gs.next_stored = max(gs.next_stored, n)
             # the tier's complete_store walks the keys: in the order of their set where that
             # order matters (the evictable list's MRU end), else as listed
-            job = self._new_job(rid, True, set(to_store) if tier.evictable_list else to_store,
+            job = self._new_job(rid, True,
+                                tuple_set_order(to_store) if tier.evictable_list else to_store,
                                 items, fenced or None, deferred)
             st.jobs.add(job.jid)
             for b in fenced:

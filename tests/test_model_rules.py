@@ -144,9 +144,10 @@ def _tier_evicts(request_ranks: bool, finish_first: bool) -> list[int]:
     """Request a stores 4 chunks (positions 16..64 tokens), then request b stores 2 new chunks
     into a full 4-chunk tier: the indices of a's chunks evicted."""
     from types import SimpleNamespace as NS
+    from simsched.allocator import make_key
     from simsched.offload import RankedCPUTier
     cfgs = [NS(group_id=0, tokens_per_chunk=16)]
-    keys_a, keys_b = [(0, f"a{i}") for i in range(4)], [(0, f"b{i}") for i in range(2)]
+    keys_a, keys_b = [make_key(0, i) for i in range(4)], [make_key(0, 10 + i) for i in range(2)]
     a = NS(req=NS(rid="a"), groups=[NS(keys=keys_a)])
     b = NS(req=NS(rid="b"), groups=[NS(keys=keys_b)])
     tier = RankedCPUTier(4, request_ranks, cfgs)

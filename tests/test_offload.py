@@ -1,8 +1,9 @@
+from simsched.allocator import make_key
 from simsched.offload import HIT, HIT_PENDING, MISS, CPUTier
 
 
 def test_cpu_tier_states_and_lru():
-    a, b, c, d = ((0, h) for h in "abcd")          # offload keys (group_id, block hash)
+    a, b, c, d = (make_key(0, h) for h in range(4))    # offload keys (group_id, block hash)
     t = CPUTier(2)
     assert t.prepare_store([a, b]) == [a, b]
     assert t.lookup(a) == HIT_PENDING

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from simsched import invariants as inv
-from simsched.allocator import NULL, GroupRule, Request as IdentRequest
+from simsched.allocator import NULL, GroupRule, Request as IdentRequest, make_key
 from simsched.case import Case
 from simsched.layout import LayoutError
 from simsched.model import STALL_STEPS, _token
@@ -346,7 +346,7 @@ class _Run:
                     if c is None:
                         c = (hidx + 1) * self.tph // tpc - 1
                     take, blocks = blocks[:1], blocks[1:]
-                    items.append((gid, c, hidx, (gid, ident.ident_at((hidx + 1) * self.tph)),
+                    items.append((gid, c, hidx, make_key(gid, ident.ident_at((hidx + 1) * self.tph)),
                                   [(start, b) for b in take]))
             elif is_store:
                 # the source blocks of each chunk: its non-null blocks, in order
@@ -359,7 +359,7 @@ class _Run:
                     idxs = [i for i in range(c * self.bpc, (c + 1) * self.bpc)
                             if i < len(table) and table[i] != 0]
                     take, blocks = blocks[:len(idxs)], blocks[len(idxs):]
-                    items.append((gid, c, hidx, (gid, ident.ident_at((hidx + 1) * self.tph)),
+                    items.append((gid, c, hidx, make_key(gid, ident.ident_at((hidx + 1) * self.tph)),
                                   list(zip(idxs, take))))
             else:
                 start = starts[gi] if gi < len(starts) else 0
@@ -371,7 +371,7 @@ class _Run:
                     c = chunk_of.get(bytes(k))
                     if c is None:
                         c = (hidx + 1) * self.tph // tpc - 1
-                    items.append((gid, c, hidx, (gid, ident.ident_at((hidx + 1) * self.tph)),
+                    items.append((gid, c, hidx, make_key(gid, ident.ident_at((hidx + 1) * self.tph)),
                                   per_chunk.get(c, [])))
         return items
 
