@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from simsched.layout import Layout, LayoutError, _bool, _int, _take
 
 CASE_FORMAT = "simsched-case/1"
-VOCAB = 32000
+VOCAB: Final = 32000
 
 
 _STEP = 104729

@@ -207,6 +207,15 @@ class Model:
             self.step_scheduled = True
             self.q.schedule(t, ev.STEP)
 
+    def release(self) -> None:
+        """Break the model's reference cycles once its run is over (the event handlers are bound
+        methods of the model; a request and its connector state point at each other), so that
+        reference counting frees it at once: else all of it lives on until a full (oldest
+        generation) cyclic collection, which then walks every object of it."""
+        self.q.handlers = {}
+        for req in self.reqs.values():
+            req.off = None
+
     # --- event handlers -----------------------------------------------------------------------
     def _arrival(self, data) -> None:
         i, spec = data[0], data[1]
@@ -1072,6 +1081,7 @@ def run_case(case: Case, profile: Profile | str | None = None, *, checks: str = 
     model.counters["cpu_evictions"] = model.off.tier.evictions
     result.trace = model.lines
     result.counters = model.counters
+    model.release()
     return result
 
 

@@ -480,8 +480,11 @@ class _SlidingWindowStoreMask:
         for boundary in ((num_prompt - 1, junction) if junction else (num_prompt - 1,)):
             aligned = boundary // self.align * self.align
             e = aligned // bs + shift
-            for j in range(max(start, e - need), min(end_b, e)):
-                mask[j - start] = True
+            lo, hi = max(start, e - need), min(end_b, e)
+            if lo < hi:
+                mask[lo - start:hi - start] = [True] * (hi - lo)
+        if bpc == 1:
+            return mask                 # a chunk is one block
         return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
 
 
