@@ -389,16 +389,6 @@ class RankedCPUTier(CPUTier):
             return None
         return [k for _, k in victims]
 
-    def complete_store(self, keys, contents: dict) -> None:
-        self.version += 1
-        self.content_version += 1
-        entries = self.entries
-        for k in keys:
-            e = entries.get(k)
-            if e is not None and not e[0]:
-                e[0] = True
-                e[2] = contents.get(k)
-
     def prepare_load(self, keys, st=None) -> None:
         super().prepare_load(keys)
         if st is not None:
