@@ -13,6 +13,7 @@ from itertools import chain, compress, repeat
 from operator import is_, itemgetter
 
 from simsched.allocator import NULL, Key, key_ident
+from simsched.offload import Job
 
 INVARIANTS = {
     "INV-1": "blocks conserved: free + held = pool",
@@ -81,15 +82,23 @@ def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolatio
 
 
 def check_store_job(step: int, job, geo) -> InvariantViolation | None:
-    """INV-3: one key per chunk, each paired with its chunk's source blocks."""
+    """INV-3: one key per chunk, each paired with its chunk's source blocks. ``job``: the
+    model's :class:`~simsched.offload.Job` or any job with ``items`` (the real-vLLM harness)."""
+    if not isinstance(job, Job):
+        return _check_store_job_named(step, job, geo)
     tph: int = geo.tokens_per_hash
     tpc = {g.group_id: g.tokens_per_chunk for g in geo.groups}
     ok = True
-    item: tuple
-    for item in job.items:
-        c: int = item[1]
-        h: int = item[2]
-        if (h + 1) * tph != (c + 1) * tpc[item[0]] or not item[4]:
+    gids: list[int] = job.gids
+    cidx: list[int] = job.cidx
+    hidx: list[int] = job.hidx
+    bpos: list[int] = job.bpos      # chunk x's blocks: [bpos[x], bpos[x + 1])
+    last_gid, t = -1, 0
+    for x in range(len(gids)):
+        gid = gids[x]
+        if gid != last_gid:
+            last_gid, t = gid, tpc[gid]
+        if (hidx[x] + 1) * tph != (cidx[x] + 1) * t or bpos[x + 1] == bpos[x]:
             ok = False
     if ok:
         return None     # every key names its chunk and has source blocks: nothing to report
@@ -137,23 +146,29 @@ def check_stored_chunk(step: int, job, item, content, req, geo,
 def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
                  ) -> InvariantViolation | None:
     """INV-5: after a load, its destination blocks hold the request's own tokens. ``tpbs``:
-    tokens per block by group id, when the caller has them."""
+    tokens per block by group id, when the caller has them. ``job``: the model's
+    :class:`~simsched.offload.Job` or any job with ``items`` (the real-vLLM harness)."""
     if tpbs is None:
         tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
+    if not isinstance(job, Job):
+        return _check_loaded_named(step, job, req, shadow, tpbs)
     gpu: list = shadow.gpu
     unit: int = req.unit
     ident: list = req.ident        # (untyped: compared as the int objects they are)
     nid = len(ident)
-    for item in job.items:
-        gid: int = item[0]
-        blocks: list[tuple[int, int]] = item[4]
+    gids: list[int] = job.gids
+    bpos: list[int] = job.bpos
+    bidx: list[int] = job.bidx
+    bids: list[int] = job.bids
+    for x in range(len(gids)):
+        gid = gids[x]
         tpb: int = tpbs[gid]
-        for i, b in blocks:
+        for y in range(bpos[x], bpos[x + 1]):
             # the common case decided here: the block holds (gid, end, ident_at(end)) with the
             # identity known; anything else goes to the walk below, which decides and names it
-            e = (i + 1) * tpb
+            e = (bidx[y] + 1) * tpb
             k = e // unit - 1                       # req.ident_at(e), inlined
-            if not 0 <= k < nid or gpu[b] != (gid, e, ident[k]):
+            if not 0 <= k < nid or gpu[bids[y]] != (gid, e, ident[k]):
                 return _check_loaded_named(step, job, req, shadow, tpbs)
     return None
 
@@ -194,15 +209,15 @@ def check_writes_by_job(step: int, written, pending: dict, what: str
     return None
 
 
-def check_load_ready(step: int, tier, items) -> InvariantViolation | None:
-    """INV-7: every chunk a load reads is ready (its store completed). ``items``: the load job's
-    ``(gid, chunk_idx, hash_idx, key, blocks)``."""
+def check_load_ready(step: int, tier, job) -> InvariantViolation | None:
+    """INV-7: every chunk a load job reads is ready (its store completed)."""
     entries: dict[Key, list] = tier.entries
-    for item in items:
-        e = entries.get(item[3])
+    ckeys: list = job.ckeys
+    for x in range(len(ckeys)):
+        e = entries.get(ckeys[x])
         if e is None or not e[0]:
-            return InvariantViolation("INV-7", step, f"load of chunk g{item[0]}:{item[2]} whose "
-                                      "store has not completed")
+            return InvariantViolation("INV-7", step, f"load of chunk g{job.gids[x]}:"
+                                      f"{job.hidx[x]} whose store has not completed")
     return None
 
 

@@ -32,7 +32,8 @@ from typing import Final
 from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
-                                WAITING_FOR_LOAD, Key, KVCacheManager, Request, key_ident)
+                                WAITING_FOR_LOAD, Key, KVCacheManager, Request, key_ident,
+                                make_key)
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                derive, effective_block_size, prefix_cacheable_groups)
@@ -286,51 +287,64 @@ class Model:
         self.progress = True
         self._emit(f"finish {req.rid} {how}")
 
-    def _read_store(self, job) -> None:
+    def _read_store(self, job: Job) -> None:
         """The worker reads a store's source blocks (at flush or completion)."""
         if job.read:
             return
         job.read = True
         req = self.reqs[job.rid]
         gpu, contents = self.shadow.gpu, job.contents
-        geo, tpbs, step, check = self.geo, self.tpbs, self.step_no, inv.check_stored_chunk
+        geo, tpbs, step = self.geo, self.tpbs, self.step_no
         self.pending_reads.pop(job.jid, None)
-        ident, unit, tph = req.ident, req.unit, geo.tokens_per_hash
+        ident: list = req.ident         # (untyped: compared as the int objects they are)
+        unit, tph = req.unit, geo.tokens_per_hash
         nid = len(ident)
-        item: tuple
-        for item in job.items:
-            gid: int = item[0]
-            hidx: int = item[2]
-            key = item[3]
-            key_id = key_ident(key)
-            blocks: list = item[4]
-            end = (hidx + 1) * tph
+        gids, hidx, ckeys, bpos, bidx, bids = job.gids, job.hidx, job.ckeys, job.bpos, job.bidx, \
+            job.bids
+        last_gid, tpb = -1, 0
+        for x in range(len(ckeys)):
+            gid = gids[x]
+            if gid != last_gid:
+                last_gid, tpb = gid, tpbs[gid]
+            key = ckeys[x]
+            end = (hidx[x] + 1) * tph
+            lo, hi = bpos[x], bpos[x + 1]
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (its
-            # last block holds (gid, end, key_id), each block (gid, its end, ident there));
-            # anything else goes to check_stored_chunk, which decides and names the finding
-            if len(blocks) == 1:
+            # last block holds (gid, end, key_ident(key)), each block (gid, its end, ident
+            # there)); anything else goes to check_stored_chunk, which decides and names the
+            # finding. key_ident(key) == ident is decided as make_key(gid, ident) == key, ident
+            # being one of the request's identities (a key that differs only in its group goes
+            # to check_stored_chunk, which passes it)
+            if hi - lo == 1:
                 # one block (Shadow.read inlined): it is the last block, compared field by field
-                blk: tuple = blocks[0]
-                got = gpu[blk[1]]
+                b: int = bids[lo]
+                got = gpu[b]
                 content: tuple = (got,)
-                e: int = (blk[0] + 1) * tpbs[gid]
+                e = (bidx[lo] + 1) * tpb
                 k = e // unit - 1
-                ok = got is not None and len(got) == 3 and e == end and got[1] == end \
-                    and got[0] == gid and got[2] == key_id and 0 <= k < nid \
-                    and got[2] == ident[k]
+                ok = False
+                if got is not None and e == end and 0 <= k < nid:
+                    t: tuple = got
+                    idk = ident[k]
+                    ok = len(t) == 3 and t[1] == end and t[0] == gid and t[2] == idk \
+                        and make_key(gid, idk) == key
             else:
-                content = tuple([gpu[b] for _, b in blocks])      # Shadow.read, inlined
-                ok = bool(content) and content[-1] == (gid, end, key_id)
+                content = tuple([gpu[bids[y]] for y in range(lo, hi)])   # Shadow.read, inlined
+                ok = False
+                kl = end // unit - 1
+                if content and 0 <= kl < nid:
+                    idl = ident[kl]
+                    ok = content[-1] == (gid, end, idl) and make_key(gid, idl) == key
                 if ok:
-                    tpb = tpbs[gid]
-                    for (i, _), got in zip(blocks, content):
-                        k = (i + 1) * tpb // unit - 1                   # req.ident_at, inlined
-                        if not 0 <= k < nid or got != (gid, (i + 1) * tpb, ident[k]):
+                    for y in range(lo, hi):
+                        e = (bidx[y] + 1) * tpb
+                        k = e // unit - 1                           # req.ident_at, inlined
+                        if not 0 <= k < nid or content[y - lo] != (gid, e, ident[k]):
                             ok = False
                             break
             contents[key] = content
             if not ok:
-                v = check(step, job, item, content, req, geo, tpbs)
+                v = inv.check_stored_chunk(step, job, job.chunk(x), content, req, geo, tpbs)
                 if v is not None:
                     raise v
 
@@ -348,12 +362,10 @@ class Model:
         req = self.reqs[job.rid]
         entries: dict[Key, list] = self.off.tier.entries
         shadow = self.shadow
-        written: list[int] = []
-        for item in job.items:
-            blocks: list[tuple[int, int]] = item[4]
-            shadow.write(blocks, entries[item[3]][2])
-            for _, b in blocks:
-                written.append(b)
+        bpos, ckeys = job.bpos, job.ckeys
+        for x in range(len(ckeys)):
+            shadow.write_chunk(job.bidx, job.bids, bpos[x], bpos[x + 1], entries[ckeys[x]][2])
+        written = job.bids          # every destination block, in order
         self._violation(inv.check_writes_by_job(self.step_no, written, self.pending_reads,
                                                 f"load {jid}"))
         self.off.complete_job(jid)
@@ -624,9 +636,9 @@ class Model:
                 self._fast_bound(req)
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
-            if not job.read and (job.deferred or job.fenced):
-                # the job's source blocks: the blocks of its items, all in one of the two lists
-                pr[job.jid] = set(job.deferred).union(job.fenced or ())
+            if not job.read and job.bids:
+                # the job's source blocks (each also in job.deferred or job.fenced)
+                pr[job.jid] = set(job.bids)
         self.progress = self.progress or bool(sched_reqs)
 
     def _mamba_split(self, req: Request, n: int, start: int) -> int:
@@ -764,7 +776,7 @@ class Model:
                 # is_cached(block): the block's hash (a tuple, true) or None
                 job = off.update_state_after_alloc(req, req.tables, ext, pool.key.__getitem__)
                 assert job is not None             # ext > 0: a load job
-                self._violation(inv.check_load_ready(self.step_no, off.tier, job.items))
+                self._violation(inv.check_load_ready(self.step_no, off.tier, job))
                 if self.tracing:
                     self._emit(fmt_job(job))
                 req.status = WAITING_FOR_LOAD

@@ -519,19 +519,65 @@ def tuple_set_order(keys) -> list[Key]:
 
 
 class Job:
-    """A transfer job. ``items``: per chunk ``(group_id, chunk_idx, hash_idx, key, blocks)`` with
-    ``blocks`` a list of ``(block_index_in_request, block_id)``."""
+    """A transfer job. Its chunks, in order, are kept as parallel lists (no object per chunk):
+    chunk ``x`` is group ``gids[x]``'s chunk ``cidx[x]``, named by the key ``ckeys[x]`` made from
+    the request's block hash ``hidx[x]``; its blocks (a store's sources, a load's destinations)
+    are ``bids[bpos[x]:bpos[x + 1]]``, at the block indices ``bidx[bpos[x]:bpos[x + 1]]`` of the
+    request's table. :meth:`chunks` gives them as ``(group_id, chunk_idx, hash_idx, key,
+    [(block_index, block_id)])`` tuples. ``keys``: the keys the tier completes (a set, or a list
+    in the order it walks them)."""
 
-    __slots__ = ("jid", "rid", "is_store", "keys", "items", "fenced", "deferred", "read",
-                 "contents", "done")
+    __slots__ = ("jid", "rid", "is_store", "keys", "gids", "cidx", "hidx", "ckeys", "bpos",
+                 "bidx", "bids", "fenced", "deferred", "read", "contents", "done")
 
-    def __init__(self, jid, rid, is_store, keys, items, fenced=None, deferred=None):
+    def __init__(self, jid, rid, is_store, keys, fenced=None, deferred=None):
         self.jid, self.rid, self.is_store = jid, rid, is_store
-        self.keys, self.items = keys, items
+        self.keys = keys
+        self.gids: list[int] = []
+        self.cidx: list[int] = []
+        self.hidx: list[int] = []
+        self.ckeys: list = []           # (Key = Any: the key objects as made)
+        self.bpos: list[int] = [0]
+        self.bidx: list[int] = []
+        self.bids: list = []            # (the block ID objects of the tables: no re-boxing)
         self.fenced, self.deferred = fenced, deferred
         self.read = False            # a store has read its source blocks
         self.contents: dict = {}
         self.done = False
+
+    def add_chunk(self, gid: int, c: int, hidx: int, key: Key, blocks) -> None:
+        """Append a chunk; ``blocks``: its ``(block_index, block_id)`` pairs."""
+        self.gids.append(gid)
+        self.cidx.append(c)
+        self.hidx.append(hidx)
+        self.ckeys.append(key)
+        for i, b in blocks:
+            self.bidx.append(i)
+            self.bids.append(b)
+        self.bpos.append(len(self.bids))
+
+    def chunk(self, x: int) -> tuple:
+        """Chunk ``x`` as ``(group_id, chunk_idx, hash_idx, key, [(block_index, block_id)])``."""
+        lo, hi = self.bpos[x], self.bpos[x + 1]
+        return (self.gids[x], self.cidx[x], self.hidx[x], self.ckeys[x],
+                list(zip(self.bidx[lo:hi], self.bids[lo:hi])))
+
+    def chunks(self) -> list[tuple]:
+        """Every chunk, as :meth:`chunk` gives it."""
+        return [self.chunk(x) for x in range(len(self.gids))]
+
+    @property
+    def items(self) -> list[tuple]:
+        """:meth:`chunks`: the shape of the real-vLLM harness's jobs, which the trace and the
+        named invariant checks read (built on demand)."""
+        return self.chunks()
+
+    def set_chunks(self, items) -> None:
+        """Replace the chunks by ``items``, tuples as :meth:`chunk` gives them (tests)."""
+        self.gids, self.cidx, self.hidx, self.ckeys = [], [], [], []
+        self.bpos, self.bidx, self.bids = [0], [], []
+        for gid, c, hidx, key, blocks in items:
+            self.add_chunk(gid, c, hidx, key, blocks)
 
 
 class OffloadScheduler:
@@ -864,10 +910,13 @@ class OffloadScheduler:
         num_local = st.num_local
         num_cached = num_local + num_external
         keys: list[Key] = []
-        items: list[tuple] = []
+        job = Job(-1, req.rid, False, None)     # (its ID is given by _new_job, at the end)
+        gids, cidx, hidx, bpos, bidx, jbids = job.gids, job.cidx, job.hidx, job.bpos, job.bidx, \
+            job.bids
         for cfg, gs in zip(self.cfgs, st.groups):
             gid = cfg.group_id
             blocks = tables[gid]
+            bl: list = blocks       # (the same list, its block IDs read as the objects they are)
             tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
             if not self.alloc_all_groups:          # (else every table is in already)
                 alloc.update(blocks)
@@ -889,12 +938,19 @@ class OffloadScheduler:
                 for c in range(start, min(end, len(gkeys))):
                     lo, hi = max(c * bpc, n_local), min((c + 1) * bpc, n_gpu)
                     k = gkeys[c]
-                    items.append((gid, c, kidx[c], k, [(i, blocks[i]) for i in range(lo, hi)]))
-                    keys.append(k)
+                    gids.append(gid)
+                    cidx.append(c)
+                    hidx.append(kidx[c])
+                    keys.append(k)              # (the job's ckeys: the same list)
+                    for i in range(lo, hi):
+                        bidx.append(i)
+                        jbids.append(bl[i])
+                    bpos.append(len(jbids))
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         self.tier.prepare_load(keys, st)
-        job = self._new_job(req.rid, False,
-                            tuple_set_order(keys) if self.tier.evictable_list else set(keys), items)
+        job.ckeys = keys
+        job.keys = tuple_set_order(keys) if self.tier.evictable_list else set(keys)
+        self._new_job(job)
         if self.asserts and st.jobs:
             raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
                              "assert not req_status.transfer_jobs")
@@ -904,8 +960,9 @@ class OffloadScheduler:
             self.being_loaded.update(keys)
         return job
 
-    def _new_job(self, rid, is_store, keys, items, fenced=None, deferred=None) -> Job:
-        job = Job(self.job_counter, rid, is_store, keys, items, fenced, deferred)
+    def _new_job(self, job: Job) -> Job:
+        """Give ``job`` the next job ID and register it."""
+        job.jid = self.job_counter
         self.job_counter += 1
         self.jobs[job.jid] = job
         return job
@@ -1010,9 +1067,10 @@ class OffloadScheduler:
                 if not to_store:
                     continue
                 c = boundary // cfg.tokens_per_chunk - 1
-                item = (gid, c, boundary // tph - 1, key,
-                        [(boundary // cfg.tokens_per_block - 1, b)])
-                job = self._new_job(rid, True, {key}, [item], [b], [])
+                job = Job(-1, rid, True, {key}, [b], [])
+                job.add_chunk(gid, c, boundary // tph - 1, key,
+                              [(boundary // cfg.tokens_per_block - 1, b)])
+                self._new_job(job)
                 st.jobs.add(job.jid)
                 self.block_to_jobs.setdefault(b, set()).add(job.jid)
                 out.append(job)
@@ -1052,23 +1110,28 @@ class OffloadScheduler:
                 start = gs.next_stored
                 if n <= start or cfg.group_id in cow:
                     continue
-                keys = gs.keys[start:n]
-                bids = gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
-                if asserts and len(keys) != len(bids):
+                # the chunks' keys gs.keys[start:n] and their last blocks
+                # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc], read in place (no slices)
+                gkeys = gs.keys
+                bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
+                nk = max(0, min(n, len(gkeys)) - start)
+                b_lo, b_hi = start * bpc + bpc - 1, min(n * bpc, len(bl))
+                nb = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
+                if asserts and nk != nb:
                     raise ModelCrash(
                         "AssertionError", "_build_store_jobs", "build_store_jobs",
                         f"assert len(offload_keys) == len(offload_block_ids) "
-                        f"({len(keys)} != {len(bids)}, group {cfg.group_id})")
+                        f"({nk} != {nb}, group {cfg.group_id})")
                 mask = self.sw_store_mask.get(cfg.group_id) if self.sw_store_mask else None
                 if mask is not None:
                     reach = mask(start, n, req.num_prompt, self.junction.get(rid, 0))
-                    for k, b, ok in zip(keys, bids, reach):
-                        if b != NULL and ok:
-                            new_keys.append(k)
+                    for i in range(min(nk, nb, len(reach))):
+                        if bl[b_lo + i * bpc] and reach[i]:     # block not NULL (0), reachable
+                            new_keys.append(gkeys[start + i])
                     continue
-                for i in range(min(len(keys), len(bids))):
-                    if bids[i]:                         # the keys whose block is not NULL (0)
-                        new_keys.append(keys[i])
+                for i in range(min(nk, nb)):
+                    if bl[b_lo + i * bpc]:              # the keys whose block is not NULL (0)
+                        new_keys.append(gkeys[start + i])
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
@@ -1079,9 +1142,13 @@ class OffloadScheduler:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
             self._touch(st)
-            items: list = []
+            # the tier's complete_store walks the keys: in the order of their set where that
+            # order matters (the evictable list's MRU end), else as listed
+            job = Job(-1, rid, True, tuple_set_order(to_store) if tier.evictable_list else to_store)
             fenced: list = []
             deferred: list = []
+            gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
+            bpos, bidx, jbids = job.bpos, job.bidx, job.bids
             # the keys to store are a subsequence of new_keys, in the order of the walk below
             # (the same groups and chunks): each chunk's key is the next one to store or not one
             # (a request's keys are distinct: compared by value)
@@ -1089,35 +1156,29 @@ class OffloadScheduler:
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
                 sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
                 start = gs.next_stored
-                bids, kidx, gid = gs.block_ids, gs.kidx, cfg.group_id
+                bl = gs.block_ids
+                kidx, gid = gs.kidx, cfg.group_id
                 keys = gs.keys
                 for c in range(start, min(n, len(keys))):
                     k = keys[c]
                     if j == n_store or k != to_store[j]:
                         continue
                     j += 1
-                    if bpc == 1:
-                        b = bids[c]
-                        if b == NULL:
-                            blocks = []
-                        else:
-                            blocks = [(c, b)]
-                            sink.append(b)
-                    else:
-                        blocks = []
-                        for i in range(c * bpc, c * bpc + bpc):
-                            b = bids[i]
-                            if b == NULL:
-                                continue
-                            blocks.append((i, b))
-                            sink.append(b)
-                    items.append((gid, c, kidx[c], k, blocks))
+                    gids.append(gid)
+                    cidx.append(c)
+                    hidx.append(kidx[c])
+                    ckeys.append(k)
+                    for i in range(c * bpc, c * bpc + bpc):
+                        b = bl[i]
+                        if not b:                       # NULL (0): no source block
+                            continue
+                        bidx.append(i)
+                        jbids.append(b)
+                        sink.append(b)
+                    bpos.append(len(jbids))
                 gs.next_stored = max(gs.next_stored, n)
-            # the tier's complete_store walks the keys: in the order of their set where that
-            # order matters (the evictable list's MRU end), else as listed
-            job = self._new_job(rid, True,
-                                tuple_set_order(to_store) if tier.evictable_list else to_store,
-                                items, fenced or None, deferred)
+            job.fenced, job.deferred = fenced or None, deferred
+            self._new_job(job)
             st.jobs.add(job.jid)
             for b in fenced:
                 self.block_to_jobs.setdefault(b, set()).add(job.jid)

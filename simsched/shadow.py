@@ -78,6 +78,26 @@ class Shadow:
         for (_, b), c in zip(blocks, content):
             gpu[b] = c
 
+    def write_chunk(self, idx: list[int], bids: list[int], lo: int, hi: int,
+                    content: tuple) -> None:
+        """:meth:`write` of the blocks ``bids[lo:hi]`` at block indices ``idx[lo:hi]`` (one chunk
+        of a model ``Job``, whose blocks are parallel lists)."""
+        gpu = self.gpu
+        n = len(content) if content else 0
+        if n and n == self.bpc:
+            for y in range(lo, hi):
+                gpu[bids[y]] = content[idx[y] % n]
+            return
+        if not n:
+            return
+        # content[n - (hi - lo):] (a negative start counts from the end, as slices do), paired
+        # with the blocks in order
+        start = n - (hi - lo)
+        if start < 0:
+            start = max(0, n + start)
+        for y in range(lo, min(hi, lo + n - start)):
+            gpu[bids[y]] = content[start + y - lo]
+
     @staticmethod
     def expected(req, gid: int, tokens_per_block: int, index: int) -> tuple:
         e = (index + 1) * tokens_per_block

@@ -91,8 +91,10 @@ def test_inv3_key_count_mismatch(monkeypatch, src):
     def drop(self, *a):
         jobs = orig(self, *a)
         for j in jobs:
-            gid, c, h, k, blocks = j.items[0]
-            j.items[0] = (gid, c, h, k, [])
+            items = j.chunks()
+            gid, c, h, k, blocks = items[0]
+            items[0] = (gid, c, h, k, [])
+            j.set_chunks(items)
         return jobs
     monkeypatch.setattr(src.offload.OffloadScheduler, "_build_store_jobs", drop)
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-3"
@@ -105,9 +107,9 @@ def test_inv4_store_shifted_by_one_chunk(monkeypatch, src):
         jobs = orig(self, *a)
         for j in jobs:
             st = self.req_status[j.rid]
-            j.items = [(gid, c, h, k, [(i + 1, st.groups[0].block_ids[i + 1])
-                                       for i, _ in blocks])
-                       for gid, c, h, k, blocks in j.items[:-1]]
+            j.set_chunks([(gid, c, h, k, [(i + 1, st.groups[0].block_ids[i + 1])
+                                          for i, _ in blocks])
+                          for gid, c, h, k, blocks in j.chunks()[:-1]])
         return jobs
     monkeypatch.setattr(src.offload.OffloadScheduler, "_build_store_jobs", shift)
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-4"
@@ -118,11 +120,12 @@ def test_inv5_load_into_wrong_blocks(monkeypatch, src):
 
     def rot(self, *a):
         job = orig(self, *a)
-        if job is not None and len(job.items) > 1:
-            first = job.items[0]
-            job.items = job.items[1:] + [first]
-            job.items = [(g, c, h, k, b2) for (g, c, h, k, _), b2 in
-                         zip(job.items, [it[4] for it in [first] + job.items[:-1]])]
+        if job is not None and len(job.chunks()) > 1:
+            items = job.chunks()
+            first = items[0]
+            items = items[1:] + [first]
+            job.set_chunks([(g, c, h, k, b2) for (g, c, h, k, _), b2 in
+                            zip(items, [it[4] for it in [first] + items[:-1]])])
         return job
     monkeypatch.setattr(src.offload.OffloadScheduler, "update_state_after_alloc", rot)
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-5"
