@@ -323,11 +323,13 @@ class Model:
                 e = (bidx[lo] + 1) * tpb
                 k = e // unit - 1
                 ok = False
-                if got is not None and e == end and 0 <= k < nid:
+                if got is not None and e == end and 0 <= k < nid and len(got) == 3:
                     t: tuple = got
+                    # (group and end compared as native ints when they are ints: no boxing)
+                    g0, g1 = t[0], t[1]
                     idk = ident[k]
-                    ok = len(t) == 3 and t[1] == end and t[0] == gid and t[2] == idk \
-                        and make_key(gid, idk) == key
+                    ok = isinstance(g1, int) and g1 == end and isinstance(g0, int) \
+                        and g0 == gid and t[2] == idk and make_key(gid, idk) == key
             else:
                 content = tuple([gpu[bids[y]] for y in range(lo, hi)])   # Shadow.read, inlined
                 ok = False
@@ -354,7 +356,8 @@ class Model:
             return              # flushed and completed earlier
         self._read_store(job)
         self.off.complete_job(jid)
-        self._emit(f"done {jid} store")
+        if self.tracing:
+            self.lines.append(f"done {jid} store")
         self.progress = True
 
     def _load_done(self, jid: int) -> None:

@@ -995,12 +995,9 @@ class OffloadScheduler:
                 ends = sw_ends.get(st.req.rid) if sw_ends else None
                 for i, gi in enumerate(sw_groups):
                     gs = st.groups[gi]
-                    bids = gs.block_ids
+                    bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
                     end = ends[i] if ends is not None else len(bids)
-                    lo = gs.next_stored * bpc
-                    if lo >= end or alloc.isdisjoint(bids[lo:end]):
-                        continue
-                    for j in range(lo, end):
+                    for j in range(gs.next_stored * bpc, end):
                         if bids[j] in alloc:
                             bids[j] = NULL
         for rid in preempted:
