@@ -673,11 +673,24 @@ class OffloadScheduler:
             hpc = cfg.hashes_per_chunk
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
-            idx = offload_key_indices(cfg, num_hashes, len(gs.keys), profile)
+            m = len(gs.keys)
+            if hpc > 0:
+                # offload_key_indices(cfg, num_hashes, m, profile), inlined (hpc > 0: no error):
+                # the hash indices range(first, num_hashes, hpc), of which there are n_new
+                first = hpc * m + hpc - 1
+                n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
+                if n_new:
+                    gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
+                    kidx = gs.kidx
+                    j = first
+                    while j < num_hashes:
+                        kidx.append(j)
+                        j += hpc
+                continue
+            idx = offload_key_indices(cfg, num_hashes, m, profile)
             if idx:
                 # key m (hash index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
                 # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
-                m = len(gs.keys)
                 gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + len(idx)])
                 gs.kidx.extend(idx)
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
