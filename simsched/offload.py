@@ -491,7 +491,7 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled", "next_key_at", "lookup_memo")
+                 "finished_signaled", "next_key_at", "lookup_memo", "sw_ends")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -506,6 +506,9 @@ class ReqOffload:
         # (tier.content_version, num_local, num_tokens, hit) of the last _lookup: the same
         # inputs give the same hit (see OffloadScheduler._lookup_memo)
         self.lookup_memo: tuple | None = None
+        # in build_connector_meta, for a request given new blocks: its sliding-window groups'
+        # block counts before them (see there); None otherwise
+        self.sw_ends: list[int] | None = None
 
 
 def tuple_set_order(keys) -> list[Key]:
@@ -604,6 +607,10 @@ class OffloadScheduler:
         self.batch_loads: list[Job] = []
         self.batch_flush: set[int] = set()
         self.batch_allocated: set[int] = set()
+        # the request states (by request ID) given block IDs since they were made, while in
+        # req_status: every state whose sliding-window groups hold any (the others' are empty),
+        # so the only ones build_connector_meta's nulling of re-allocated blocks can change
+        self.sw_held: dict[str, ReqOffload] = {}
         self.being_loaded: set | None = set() if enable_prefix_caching else None
         full = [i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is None]
         sw = sorted((i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is not None),
@@ -987,8 +994,9 @@ class OffloadScheduler:
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
         # _update_req_states
         sw_groups = self.sw_groups
-        sw_ends: dict[str, list[int]] = {}
-        rs = self.req_status
+        # the states given new blocks now: each one's window ends before them (st.sw_ends)
+        ended: list[ReqOffload] = []
+        rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
         for rid in scheduled:
             st = rs[rid]
@@ -996,7 +1004,9 @@ class OffloadScheduler:
             nb = new_blocks.get(rid)
             if nb and any(nb):     # (all groups empty: nothing to extend, no window end moves)
                 if sw_groups:
-                    sw_ends[rid] = [len(st.groups[g].block_ids) for g in sw_groups]
+                    st.sw_ends = [len(st.groups[g].block_ids) for g in sw_groups]
+                    ended.append(st)
+                    held[rid] = st
                 for cfg, gs in zip(self.cfgs, st.groups):
                     new = nb[cfg.group_id]
                     gs.block_ids.extend(new)
@@ -1004,8 +1014,9 @@ class OffloadScheduler:
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and alloc:
             bpc = self.bpc
-            for st in rs.values():
-                ends = sw_ends.get(st.req.rid) if sw_ends else None
+            # every state in req_status, but those whose windows hold no block (not in held)
+            for st in held.values():
+                ends = st.sw_ends
                 for i, gi in enumerate(sw_groups):
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
@@ -1013,6 +1024,8 @@ class OffloadScheduler:
                     for j in range(gs.next_stored * bpc, end):
                         if bids[j] in alloc:
                             bids[j] = NULL
+        for st in ended:
+            st.sw_ends = None
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
@@ -1032,6 +1045,7 @@ class OffloadScheduler:
             self.tier.on_request_finished(fst)
             if not fst.jobs:
                 del rs[rid]
+                held.pop(rid, None)
         self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
         return stores, loads, flush
 
@@ -1227,6 +1241,7 @@ class OffloadScheduler:
         st.jobs.discard(jid)
         if st.finished_signaled and not st.jobs:
             del self.req_status[job.rid]
+            self.sw_held.pop(job.rid, None)
         job.done = True
         return job
 
