@@ -324,12 +324,12 @@ class Model:
                 k = e // unit - 1
                 ok = False
                 if got is not None and e == end and 0 <= k < nid and len(got) == 3:
-                    t: tuple = got
                     # (group and end compared as native ints when they are ints: no boxing)
-                    g0, g1 = t[0], t[1]
+                    g0 = got[0]
+                    g1 = got[1]
                     idk = ident[k]
                     ok = isinstance(g1, int) and g1 == end and isinstance(g0, int) \
-                        and g0 == gid and t[2] == idk and make_key(gid, idk) == key
+                        and g0 == gid and got[2] == idk and make_key(gid, idk) == key
             else:
                 content = tuple([gpu[bids[y]] for y in range(lo, hi)])   # Shadow.read, inlined
                 ok = False
