@@ -64,7 +64,10 @@ RING: Final = 4
 KEY_GROUP_SHIFT: Final = 64
 _IDENT_BIAS: Final = 1 << 63          # ident + _IDENT_BIAS is in [0, 2**64)
 # group_id * 2**64 by group id (layout.py allows at most 16 groups)
-_GROUP_BASE = [g << KEY_GROUP_SHIFT for g in range(16)]
+_GROUP_BASE: Final = [g << KEY_GROUP_SHIFT for g in range(16)]
+# the first key past group g's range, (2 * g + 1) * 2**63, by group id: a key's group is the
+# first g whose bound exceeds it (found by comparisons: no intermediate int is made)
+_GROUP_END: Final = [(2 * g + 1) << (KEY_GROUP_SHIFT - 1) for g in range(16)]
 # The type of a key: an int, annotated Any so that the compiled build keeps keys as the int
 # objects make_key made (never converted to and from its native ints: most keys exceed them)
 Key = Any
@@ -76,17 +79,23 @@ def make_key(gid: int, ident: Key) -> Key:
 
 
 def key_group(key: Key) -> int:
-    """The group id of ``key``."""
+    """The group id of ``key``: ``(key + 2**63) >> 64``."""
     if key < _IDENT_BIAS:
         return 0
-    return (key + _IDENT_BIAS) >> KEY_GROUP_SHIFT
+    g = 1
+    while key >= _GROUP_END[g]:
+        g += 1
+    return g
 
 
 def key_ident(key: Key) -> Key:
-    """The prefix identity of ``key``."""
+    """The prefix identity of ``key``: ``key - key_group(key) * 2**64``."""
     if key < _IDENT_BIAS:
         return key
-    return key - _GROUP_BASE[(key + _IDENT_BIAS) >> KEY_GROUP_SHIFT]
+    g = 1
+    while key >= _GROUP_END[g]:
+        g += 1
+    return key - _GROUP_BASE[g]
 
 
 class Request:
@@ -169,8 +178,12 @@ class Request:
             keys.extend(shared)
             have += len(shared)
         if have < n:
-            keys.extend([make_key(gid, h) for h in (ident[have:n] if per == 1 else
-                                                    ident[(have + 1) * per - 1:n * per:per])])
+            idents = ident[have:n] if per == 1 else ident[(have + 1) * per - 1:n * per:per]
+            if gid:             # make_key(gid, h), inlined
+                base = _GROUP_BASE[gid]
+                keys.extend([h + base for h in idents])
+            else:               # group 0's keys are its identities
+                keys.extend(idents)
         return keys
 
     def append_tokens(self, new: list[int]) -> None:

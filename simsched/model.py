@@ -256,9 +256,9 @@ class Model:
 
     def _free_request(self, req: Request, how: str, delay_free: bool = False,
                       computed: int | None = None) -> None:
-        if req in self.running:
+        if req in self.running:             # (in one of the two queues at most)
             self.running.remove(req)
-        if req in self.waiting:
+        elif req in self.waiting:
             if self.waiting.index(req) < self.n_held:
                 self.n_held -= 1
             self.waiting.remove(req)

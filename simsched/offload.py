@@ -599,6 +599,10 @@ class OffloadScheduler:
         # group (also groups not offloaded, GPU hits included) as allocated in this batch, with or
         # without a load: a pending store fencing one of them is flushed
         self.alloc_all_groups = profile.extra.get("alloc_all_groups", False)
+        # the KV cache groups not offloaded (None: the layout is not known), see
+        # update_state_after_alloc
+        self.other_gids: tuple | None = None if layout is None else tuple(
+            sorted(set(range(len(layout.groups))) - {g.group_id for g in self.cfgs}))
         self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
                           if layout is not None and layout.groups[g.group_id].kind in
                           ("sliding_window", "sliding_window_mla")}
@@ -850,13 +854,21 @@ class OffloadScheduler:
                                  is_cached) -> Job | None:
         """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
         block tables (every KV cache group), ``is_cached(block)`` is the block hash a block carries
-        (its GPU prefix-cache key: a GPU prefix hit), None if none."""
+        (its GPU prefix-cache key: a GPU prefix hit), None if none. Without a load the request
+        is scheduled in this step."""
         alloc, bpc = self.batch_allocated, self.bpc
         # (NULL is never in batch_allocated outside these updates: null placeholders are not
         # allocations; adding the tables whole and dropping NULL after is the same set)
         if self.alloc_all_groups:
-            for table in tables:
-                alloc.update(table)
+            if num_external == 0 and self.other_gids is not None:
+                # a request scheduled in this step: its new blocks are its whole tables, which
+                # build_connector_meta (_update_req_states) adds to the same set for the offloaded
+                # groups before any use of it; the other groups' blocks are added here
+                for gid in self.other_gids:
+                    alloc.update(tables[gid])
+            else:
+                for table in tables:
+                    alloc.update(table)
             alloc.discard(NULL)
         if num_external == 0:
             return None
