@@ -144,16 +144,23 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
     unit: int = req.unit
     ident: list = req.ident        # (untyped: compared as the int objects they are)
     nid = len(ident)
-    for item in job.items:
+    items: list = job.items
+    item: tuple
+    blk: tuple
+    got: tuple | None
+    last_gid, tpb = -1, 0           # (a job's items come group by group)
+    for item in items:
         gid: int = item[0]
-        blocks: list[tuple[int, int]] = item[4]
-        tpb: int = tpbs[gid]
-        for i, b in blocks:
+        if gid != last_gid:
+            last_gid, tpb = gid, tpbs[gid]
+        blocks: list = item[4]
+        for blk in blocks:
             # the common case decided here: the block holds (gid, end, ident_at(end)) with the
             # identity known; anything else goes to the walk below, which decides and names it
+            i: int = blk[0]
             e = (i + 1) * tpb
             k = e // unit - 1                       # req.ident_at(e), inlined
-            got = gpu[b]                            # == (gid, e, ident[k]), field by field
+            got = gpu[blk[1]]                       # == (gid, e, ident[k]), field by field
             if not 0 <= k < nid or got is None or len(got) != 3 or got[2] != ident[k] \
                     or got[1] != e or got[0] != gid:
                 return _check_loaded_named(step, job, req, shadow, tpbs)

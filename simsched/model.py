@@ -348,12 +348,15 @@ class Model:
         req = self.reqs[job.rid]
         entries: dict[Key, list] = self.off.tier.entries
         shadow = self.shadow
-        written: list[int] = []
-        for item in job.items:
-            blocks: list[tuple[int, int]] = item[4]
+        written: list = []
+        items: list = job.items
+        item: tuple
+        blk: tuple
+        for item in items:
+            blocks: list = item[4]
             shadow.write(blocks, entries[item[3]][2])
-            for _, b in blocks:
-                written.append(b)
+            for blk in blocks:
+                written.append(blk[1])      # (the block ID objects themselves: no re-boxing)
         self._violation(inv.check_writes_by_job(self.step_no, written, self.pending_reads,
                                                 f"load {jid}"))
         self.off.complete_job(jid)
@@ -826,15 +829,29 @@ class Model:
         up to 0.30.0 all of them to ``skipped_waiting``, from 0.31.0 those holding blocks to
         ``kv_holding_waiting`` and the others to ``waiting``."""
         waiting = self.waiting
-        skipped, rest = waiting[:i], waiting[i:]
         held_rest = max(0, self.n_held - i)      # unreached requests of the first queue
-        if self.kv_holding_first:
-            kvh = [r for r in skipped if r.status == WAITING_FOR_LOAD or r.num_computed]
-            other = [r for r in skipped if not (r.status == WAITING_FOR_LOAD or r.num_computed)]
-            self.waiting = kvh + rest[:held_rest] + other + rest[held_rest:]
-            self.n_held = len(kvh) + held_rest
-        else:
+        if not self.kv_holding_first:
             self.n_held = i + held_rest
+            return
+        # the common case: the skipped requests holding blocks already come first, and either
+        # all of them hold blocks or no unreached request of the first queue has to pass
+        # between them and the others: the queue stays as it is
+        nk, ordered = 0, True
+        for j in range(i):
+            r = waiting[j]
+            if r.status == WAITING_FOR_LOAD or r.num_computed:
+                if nk != j:
+                    ordered = False
+                    break
+                nk += 1
+        if ordered and (held_rest == 0 or nk == i):
+            self.n_held = nk + held_rest
+            return
+        skipped, rest = waiting[:i], waiting[i:]
+        kvh = [r for r in skipped if r.status == WAITING_FOR_LOAD or r.num_computed]
+        other = [r for r in skipped if not (r.status == WAITING_FOR_LOAD or r.num_computed)]
+        self.waiting = kvh + rest[:held_rest] + other + rest[held_rest:]
+        self.n_held = len(kvh) + held_rest
 
     def _after_step(self, step: int) -> None:
         if self.checks == "full":

@@ -879,7 +879,7 @@ class OffloadScheduler:
         items: list[tuple] = []
         for cfg, gs in zip(self.cfgs, st.groups):
             gid = cfg.group_id
-            blocks = tables[gid]
+            blocks: list = tables[gid]     # (untyped: the block ID objects go into the items)
             tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
             if not self.alloc_all_groups:          # (else every table is in already)
                 alloc.update(blocks)
