@@ -160,7 +160,8 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
             i: int = blk[0]
             e = (i + 1) * tpb
             k = e // unit - 1                       # req.ident_at(e), inlined
-            got = gpu[blk[1]]                       # == (gid, e, ident[k]), field by field
+            b: int = blk[1]
+            got = gpu[b]                            # == (gid, e, ident[k]), field by field
             if not 0 <= k < nid or got is None or len(got) != 3 or got[2] != ident[k] \
                     or got[1] != e or got[0] != gid:
                 return _check_loaded_named(step, job, req, shadow, tpbs)

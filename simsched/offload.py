@@ -755,15 +755,16 @@ class OffloadScheduler:
         lookup_groups = self.lookup_groups
         # EAGLE drafter groups (is_eagle_group): each looks up one chunk more and pops it (its
         # trailing chunk is volatile), once per convergence pass; the pass restarts the pops when
-        # a target group tightens the hit
-        eagle_verified: set[int] = set()
+        # a target group tightens the hit. ``eagle_verified``: the set of the groups popped in
+        # this pass, as a bit mask (bit gi; no set made per lookup)
+        eagle_verified = 0
         while lookup_groups:
             looked_up_sw = False
             groups, lookup_groups = lookup_groups, ()
             for gi in groups:
                 cfg, gs = self.cfgs[gi], st.groups[gi]
                 tpc, keys = cfg.tokens_per_chunk, gs.keys
-                eagle = cfg.drafter and gi not in eagle_verified
+                eagle = cfg.drafter and not (eagle_verified >> gi) & 1
                 if self.asserts and len(keys) < req.num_tokens // tpc:
                     raise ModelCrash("AssertionError", "_lookup_complete_chunks", "lookup",
                                      "assert len(offload_keys) >= "
@@ -821,14 +822,14 @@ class OffloadScheduler:
                 if n_hit is not None:
                     if eagle:
                         n_hit -= 1
-                        eagle_verified.add(gi)
+                        eagle_verified |= 1 << gi
                     max_hit = min(max_hit, tpc * (start + n_hit))
                 new_hit = max_hit - num_computed
                 if new_hit < tpc:
                     return 0
                 if new_hit < num_hit:
                     if not cfg.drafter:
-                        eagle_verified.clear()
+                        eagle_verified = 0
                     if defer:
                         defer = False
                         lookup_groups = self.lookup_groups
