@@ -208,6 +208,7 @@ def check_load_ready(step: int, tier, items) -> InvariantViolation | None:
     """INV-7: every chunk a load reads is ready (its store completed). ``items``: the load job's
     ``(gid, chunk_idx, hash_idx, key, blocks)``."""
     entries: dict[Key, list] = tier.entries
+    item: tuple
     for item in items:
         e = entries.get(item[3])
         if e is None or not e[0]:
