@@ -10,6 +10,8 @@ the blocks the store read.
 
 from __future__ import annotations
 
+from typing import Any
+
 from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
 
 
@@ -24,17 +26,21 @@ class Shadow:
         block IDs written."""
         gpu: list[tuple | None] = self.gpu
         written: list[int] = []
-        ident, unit, tables = req.ident, req.unit, req.tables
+        unit, tables = req.unit, req.tables
+        ident: list[Any] = req.ident    # (the hashes stay the int objects hash() made)
         nid = len(ident)
         for r in rules:
             gid = r.gid
-            table = tables[gid]
+            # (the table's items read as the int objects they are, stored as is into written:
+            # see allocator.BlockPool.ids)
+            table: list[Any] = tables[gid]
             if not table:
                 continue
             if r.code == RING:
-                b = table[0]
+                bo = table[0]
+                b: int = bo
                 gpu[b] = (gid, end, None)
-                written.append(b)
+                written.append(bo)
                 continue
             bs = r.bs
             last = (end - 1) // bs + 1
@@ -47,16 +53,18 @@ class Shadow:
                 # not known, as ident_at)
                 per = bs // unit
                 for i in range(i0, full):
-                    b = table[i]
+                    bo = table[i]
+                    b = bo
                     if b != NULL:
                         k = (i + 1) * per - 1
                         gpu[b] = (gid, (i + 1) * bs, ident[k] if k < nid else None)
-                        written.append(b)
+                        written.append(bo)
             if last > full and last > i0:        # the partial block holding token end - 1
-                b = table[last - 1]
+                bo = table[last - 1]
+                b = bo
                 if b != NULL:
                     gpu[b] = (gid, end, None)
-                    written.append(b)
+                    written.append(bo)
         return written
 
     def read(self, blocks) -> tuple:
