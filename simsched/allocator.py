@@ -254,7 +254,7 @@ class BlockPool:
             if k is not None:           # evict from the GPU prefix cache
                 if more and k in more:
                     self._uncache(b, k)
-                elif cached.get(k) == b:        # no other block under its hash: _uncache,
+                elif cached.get(k, -1) == b:    # no other block under its hash: _uncache,
                     del cached[k]               # inlined (another block under k stays)
                 key[b] = None
             ref[b] = 1
@@ -272,8 +272,8 @@ class BlockPool:
         ref, key, nxt, prv = self.ref, self.key, self.nxt, self.prv
         first: list[Any] = []
         n = 0
-        bo: Any                         # the block's int object, stored as is (see ids)
-        for bo in blocks:
+        given: Iterable[Any] = blocks   # (items read as the int objects they are: see ids)
+        for bo in given:
             b: int = bo
             if b == NULL:
                 continue
@@ -326,16 +326,16 @@ class BlockPool:
     def _uncache(self, b: int, k: Key) -> None:
         """``BlockHashToBlockMap.pop(k, b)``."""
         cached, more = self.cached, self.more
-        m = more.get(k)
-        if cached.get(k) == b:
+        m: list[Any] | None = more.get(k)
+        if cached.get(k, -1) == b:
             if m:
                 cached[k] = m.pop(0)
                 if not m:
                     del more[k]
             else:
                 del cached[k]
-        elif m and b in m:
-            m.remove(b)
+        elif m and self.ids[b] in m:
+            m.remove(self.ids[b])
             if not m:
                 del more[k]
 
