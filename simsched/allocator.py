@@ -217,6 +217,9 @@ class BlockPool:
         # e.g. by two requests admitted before either cached it): ``cached`` holds the one a hit
         # takes (get_one_block: the oldest), ``more`` the others in insertion order
         self.more: dict[Key, list[int]] = {}
+        # dup[b]: another block holds b's hash too (``more`` has it); kept with ``more``, so
+        # that evicting a block decides without looking its hash up in ``more``
+        self.dup = [False] * num_blocks
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
@@ -241,7 +244,7 @@ class BlockPool:
         return dict.fromkeys(self.free_queue())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        key, ref, cached, more = self.key, self.ref, self.cached, self.more
+        key, ref, cached, dup = self.key, self.ref, self.cached, self.dup
         nxt, prv, ids = self.nxt, self.prv, self.ids
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
@@ -252,10 +255,10 @@ class BlockPool:
             out.append(ids[b])
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
-                if more and k in more:
+                if dup[b]:
                     self._uncache(b, k)
-                elif cached.get(k, -1) == b:    # no other block under its hash: _uncache,
-                    del cached[k]               # inlined (another block under k stays)
+                else:                   # the one block under its hash: _uncache, inlined
+                    del cached[k]
                 key[b] = None
             ref[b] = 1
             prv[b] = -1
@@ -325,19 +328,22 @@ class BlockPool:
 
     def _uncache(self, b: int, k: Key) -> None:
         """``BlockHashToBlockMap.pop(k, b)``."""
-        cached, more = self.cached, self.more
+        cached, more, dup = self.cached, self.more, self.dup
         m: list[Any] | None = more.get(k)
+        dup[b] = False
         if cached.get(k, -1) == b:
             if m:
                 cached[k] = m.pop(0)
                 if not m:
                     del more[k]
+                    dup[cached[k]] = False
             else:
                 del cached[k]
         elif m and self.ids[b] in m:
             m.remove(self.ids[b])
             if not m:
                 del more[k]
+                dup[cached[k]] = False
 
     def cache_block(self, b: int, k: Key) -> None:
         """``_insert_block_hash``: the block gets the hash even when another block holds it."""
@@ -346,6 +352,7 @@ class BlockPool:
             cached = self.cached
             if k in cached:
                 self.more.setdefault(k, []).append(self.ids[b])
+                self.dup[b] = self.dup[cached[k]] = True
             else:
                 cached[k] = self.ids[b]
 
@@ -520,7 +527,7 @@ class KVCacheManager:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
-        key, cached, more = pool.key, pool.cached, pool.more
+        key, cached, more, dup = pool.key, pool.cached, pool.more, pool.dup
         done = req.num_cached_blocks
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
@@ -552,8 +559,10 @@ class KVCacheManager:
                 if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
                     k = keys[j]
                     key[b] = k
-                    if cached.setdefault(k, bo) != b:  # another block holds the hash
+                    held = cached.setdefault(k, bo)
+                    if held != b:                     # another block holds the hash
                         more.setdefault(k, []).append(bo)
+                        dup[b] = dup[held] = True
             if r.align:
                 # MambaManager.cache_blocks: every state block cached now is offered to the
                 # connector with the boundary it summarises, and marked cached this step

@@ -497,7 +497,10 @@ class Model:
                     self.sched_drafts[req.rid] = min(d, c + n - len(req.tokens))
         if not preempted:
             self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
-        counters["scheduled_tokens"] += sum([n for _, n, _ in sched_reqs])
+        total = 0
+        for _, n, _ in sched_reqs:
+            total += n
+        counters["scheduled_tokens"] += total
         if tracing:
             empty = self.no_blocks_text       # fmt_alloc of no new block in any group
             for req, n, nb in sched_reqs:
