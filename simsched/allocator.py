@@ -275,7 +275,8 @@ class BlockPool:
         ref, key, nxt, prv = self.ref, self.key, self.nxt, self.prv
         first: list[Any] = []
         n = 0
-        given: Iterable[Any] = blocks   # (items read as the int objects they are: see ids)
+        # (items read as the int objects they are, see ids; a list walked by index)
+        given: list[Any] = blocks if isinstance(blocks, list) else list(blocks)
         for bo in given:
             b: int = bo
             if b == NULL:
