@@ -795,9 +795,9 @@ class KVCacheManager:
         if self.align_rules:
             self.forget(req)
         for table in req.tables:
-            tail_first = table[::-1]
-            self.pool.free_blocks(tail_first)
-            freed.extend(tail_first)
+            table.reverse()                     # tail first (the table is emptied below)
+            self.pool.free_blocks(table)
+            freed.extend(table)
             table.clear()
         return freed
 
