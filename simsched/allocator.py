@@ -257,7 +257,8 @@ class BlockPool:
             if k is not None:           # evict from the GPU prefix cache
                 if dup[b]:
                     self._uncache(b, k)
-                else:                   # the one block under its hash: _uncache, inlined
+                else:                   # the one block under its hash (cached[k] is b):
+                    # _uncache, inlined
                     del cached[k]
                 key[b] = None
             ref[b] = 1
