@@ -64,7 +64,10 @@ RING: Final = 4
 KEY_GROUP_SHIFT: Final = 64
 _IDENT_BIAS: Final = 1 << 63          # ident + _IDENT_BIAS is in [0, 2**64)
 # group_id * 2**64 by group id (layout.py allows at most 16 groups)
-_GROUP_BASE = [g << KEY_GROUP_SHIFT for g in range(16)]
+_GROUP_BASE: Final = [g << KEY_GROUP_SHIFT for g in range(16)]
+# the first key past group g's range, (2 * g + 1) * 2**63, by group id: a key's group is the
+# first g whose bound exceeds it (found by comparisons: no intermediate int is made)
+_GROUP_END: Final = [(2 * g + 1) << (KEY_GROUP_SHIFT - 1) for g in range(16)]
 # The type of a key: an int, annotated Any so that the compiled build keeps keys as the int
 # objects make_key made (never converted to and from its native ints: most keys exceed them)
 Key = Any
@@ -76,17 +79,23 @@ def make_key(gid: int, ident: Key) -> Key:
 
 
 def key_group(key: Key) -> int:
-    """The group id of ``key``."""
+    """The group id of ``key``: ``(key + 2**63) >> 64``."""
     if key < _IDENT_BIAS:
         return 0
-    return (key + _IDENT_BIAS) >> KEY_GROUP_SHIFT
+    g = 1
+    while key >= _GROUP_END[g]:
+        g += 1
+    return g
 
 
 def key_ident(key: Key) -> Key:
-    """The prefix identity of ``key``."""
+    """The prefix identity of ``key``: ``key - key_group(key) * 2**64``."""
     if key < _IDENT_BIAS:
         return key
-    return key - _GROUP_BASE[(key + _IDENT_BIAS) >> KEY_GROUP_SHIFT]
+    g = 1
+    while key >= _GROUP_END[g]:
+        g += 1
+    return key - _GROUP_BASE[g]
 
 
 class Request:
@@ -169,8 +178,12 @@ class Request:
             keys.extend(shared)
             have += len(shared)
         if have < n:
-            keys.extend([make_key(gid, h) for h in (ident[have:n] if per == 1 else
-                                                    ident[(have + 1) * per - 1:n * per:per])])
+            idents = ident[have:n] if per == 1 else ident[(have + 1) * per - 1:n * per:per]
+            if gid:             # make_key(gid, h), inlined
+                base = _GROUP_BASE[gid]
+                keys.extend([h + base for h in idents])
+            else:               # group 0's keys are its identities
+                keys.extend(idents)
         return keys
 
     def append_tokens(self, new: list[int]) -> None:
@@ -200,8 +213,15 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.nxt = list(range(1, num_blocks)) + [0]
-        self.prv = [num_blocks - 1] + list(range(num_blocks - 1))
+        # ids[b] is the int b, one object per block made here. The compiled build keeps an
+        # ``int`` variable as a native int and makes a new int object each time it puts one
+        # above 256 in a list (block IDs reach the pool size): where a block ID goes into a list
+        # (nxt, prv, the blocks handed out, the prefix cache) the pool stores ids[b] instead, an
+        # object read back as is (typed Any). Equal values: only the int objects differ.
+        ids: list[Any] = list(range(num_blocks))
+        self.ids = ids
+        self.nxt: list[Any] = ids[1:] + [0]
+        self.prv: list[Any] = [num_blocks - 1] + ids[:-1]
         self.n_free = num_blocks - 1
         self.ref = [0] * num_blocks
         self.key: list[Key | None] = [None] * num_blocks     # see make_key
@@ -210,18 +230,22 @@ class BlockPool:
         # e.g. by two requests admitted before either cached it): ``cached`` holds the one a hit
         # takes (get_one_block: the oldest), ``more`` the others in insertion order
         self.more: dict[Key, list[int]] = {}
+        # dup[b]: another block holds b's hash too (``more`` has it); kept with ``more``, so
+        # that evicting a block decides without looking its hash up in ``more``
+        self.dup = [False] * num_blocks
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
         return self.n_free
 
     def is_free(self, b: int) -> bool:
-        return self.prv[b] >= 0
+        p: int = self.prv[b]
+        return p >= 0
 
     def free_queue(self) -> list[int]:
         """The free blocks, head (next allocated) first."""
         nxt, out = self.nxt, []
-        b = nxt[NULL]
+        b: int = nxt[NULL]
         while b != NULL:
             out.append(b)
             b = nxt[b]
@@ -233,27 +257,28 @@ class BlockPool:
         return dict.fromkeys(self.free_queue())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        key, ref, cached, more = self.key, self.ref, self.cached, self.more
-        nxt, prv = self.nxt, self.prv
+        key, ref, cached, dup = self.key, self.ref, self.cached, self.dup
+        nxt, prv, ids = self.nxt, self.prv, self.ids
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
-        out = []
-        b = nxt[NULL]
-        for _ in range(n):                      # the head of the free queue, in order
-            out.append(b)
+        out: list[int] = []
+        b: int = nxt[NULL]
+        j = 0
+        while j < n:                            # the head of the free queue, in order
+            out.append(ids[b])
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
-                if more and k in more:
+                if dup[b]:
                     self._uncache(b, k)
-                else:                   # no other block under its hash: _uncache, inlined
-                    held = cached.pop(k, None)
-                    if held is not None and held != b:
-                        cached[k] = held        # not the block a hit takes: it stays
+                else:                   # the one block under its hash (cached[k] is b):
+                    # _uncache, inlined
+                    del cached[k]
                 key[b] = None
             ref[b] = 1
             prv[b] = -1
             b = nxt[b]
-        nxt[NULL] = b
+            j += 1
+        nxt[NULL] = ids[b]
         prv[b] = NULL
         self.n_free -= n
         return out
@@ -262,9 +287,12 @@ class BlockPool:
         """``BlockPool.free_blocks``: blocks without a hash are prepended to the free queue in
         the order given (LIFO reuse), blocks carrying a hash are appended (LRU eviction)."""
         ref, key, nxt, prv = self.ref, self.key, self.nxt, self.prv
-        first = []
+        first: list[Any] = []
         n = 0
-        for b in blocks:
+        # (items read as the int objects they are, see ids; a list walked by index)
+        given: list[Any] = blocks if isinstance(blocks, list) else list(blocks)
+        for bo in given:
+            b: int = bo
             if b == NULL:
                 continue
             r = ref[b] - 1
@@ -272,22 +300,28 @@ class BlockPool:
             if r == 0:
                 n += 1
                 if key[b] is None:
-                    first.append(b)
+                    first.append(bo)
                 else:                   # to the tail
-                    t = prv[NULL]
-                    nxt[t] = b
-                    prv[b] = t
+                    to: Any = prv[NULL]
+                    t: int = to
+                    nxt[t] = bo
+                    prv[b] = to
                     nxt[b] = NULL
-                    prv[NULL] = b
+                    prv[NULL] = bo
             elif r < 0:
                 raise RuntimeError(f"block {b} freed twice")
         if first:                       # to the head, in the order given
-            h = nxt[NULL]
-            for b in reversed(first):
-                nxt[b] = h
-                prv[h] = b
-                h = b
-            nxt[NULL] = h
+            ho: Any = nxt[NULL]
+            h: int = ho
+            i = len(first) - 1
+            while i >= 0:
+                bo = first[i]
+                b = bo
+                nxt[b] = ho
+                prv[h] = bo
+                ho, h = bo, b
+                i -= 1
+            nxt[NULL] = ho
             prv[h] = NULL
         self.n_free += n
 
@@ -297,28 +331,34 @@ class BlockPool:
             if b == NULL:
                 continue
             if ref[b] == 0:             # out of the free queue
-                p, q = prv[b], nxt[b]
-                nxt[p] = q
-                prv[q] = p
+                po: Any = prv[b]
+                qo: Any = nxt[b]
+                p: int = po
+                q: int = qo
+                nxt[p] = qo
+                prv[q] = po
                 prv[b] = -1
                 self.n_free -= 1
             ref[b] += 1
 
     def _uncache(self, b: int, k: Key) -> None:
         """``BlockHashToBlockMap.pop(k, b)``."""
-        cached, more = self.cached, self.more
-        m = more.get(k)
-        if cached.get(k) == b:
+        cached, more, dup = self.cached, self.more, self.dup
+        m: list[Any] | None = more.get(k)
+        dup[b] = False
+        if cached.get(k, -1) == b:
             if m:
                 cached[k] = m.pop(0)
                 if not m:
                     del more[k]
+                    dup[cached[k]] = False
             else:
                 del cached[k]
-        elif m and b in m:
-            m.remove(b)
+        elif m and self.ids[b] in m:
+            m.remove(self.ids[b])
             if not m:
                 del more[k]
+                dup[cached[k]] = False
 
     def cache_block(self, b: int, k: Key) -> None:
         """``_insert_block_hash``: the block gets the hash even when another block holds it."""
@@ -326,9 +366,10 @@ class BlockPool:
             self.key[b] = k
             cached = self.cached
             if k in cached:
-                self.more.setdefault(k, []).append(b)
+                self.more.setdefault(k, []).append(self.ids[b])
+                self.dup[b] = self.dup[cached[k]] = True
             else:
-                cached[k] = b
+                cached[k] = self.ids[b]
 
 
 class GroupRule:
@@ -501,7 +542,7 @@ class KVCacheManager:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
-        key, cached, more = pool.key, pool.cached, pool.more
+        key, cached, more, dup = pool.key, pool.cached, pool.more, pool.dup
         done = req.num_cached_blocks
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
@@ -526,13 +567,17 @@ class KVCacheManager:
                 continue
             keys = req.keys(r.gid, r.bs)
             m = min(n, len(keys))
+            row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
             for j in range(i, m):
-                b = table[j]
+                bo = row[j]
+                b: int = bo
                 if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
                     k = keys[j]
                     key[b] = k
-                    if cached.setdefault(k, b) != b:  # another block holds the hash
-                        more.setdefault(k, []).append(b)
+                    held = cached.setdefault(k, bo)
+                    if held != b:                     # another block holds the hash
+                        more.setdefault(k, []).append(bo)
+                        dup[b] = dup[held] = True
             if r.align:
                 # MambaManager.cache_blocks: every state block cached now is offered to the
                 # connector with the boundary it summarises, and marked cached this step
@@ -631,12 +676,16 @@ class KVCacheManager:
                 self.retired[rk] = n
                 continue
             group = []
-            for i in range(n - 1, -1, -1):
-                b = table[i]
+            row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
+            i = n - 1
+            while i >= 0:
+                bo = row[i]
+                b: int = bo
                 if b == NULL:
                     break
-                group.append(b)
+                group.append(bo)
                 table[i] = NULL
+                i -= 1
             if group:
                 # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
                 # blocks of a later group go in front of an earlier group's
@@ -760,9 +809,9 @@ class KVCacheManager:
         if self.align_rules:
             self.forget(req)
         for table in req.tables:
-            tail_first = table[::-1]
-            self.pool.free_blocks(tail_first)
-            freed.extend(tail_first)
+            table.reverse()                     # tail first (the table is emptied below)
+            self.pool.free_blocks(table)
+            freed.extend(table)
             table.clear()
         return freed
 

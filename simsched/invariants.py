@@ -160,15 +160,21 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
     bpos: list[int] = job.bpos
     bidx: list[int] = job.bidx
     bids: list[int] = job.bids
+    got: tuple | None
+    last_gid, tpb = -1, 0           # (a job's chunks come group by group)
     for x in range(len(gids)):
         gid = gids[x]
-        tpb: int = tpbs[gid]
+        if gid != last_gid:
+            last_gid, tpb = gid, tpbs[gid]
         for y in range(bpos[x], bpos[x + 1]):
             # the common case decided here: the block holds (gid, end, ident_at(end)) with the
             # identity known; anything else goes to the walk below, which decides and names it
             e = (bidx[y] + 1) * tpb
             k = e // unit - 1                       # req.ident_at(e), inlined
-            if not 0 <= k < nid or gpu[bids[y]] != (gid, e, ident[k]):
+            b: int = bids[y]
+            got = gpu[b]                            # == (gid, e, ident[k]), field by field
+            if not 0 <= k < nid or got is None or len(got) != 3 or got[2] != ident[k] \
+                    or got[1] != e or got[0] != gid:
                 return _check_loaded_named(step, job, req, shadow, tpbs)
     return None
 

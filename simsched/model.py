@@ -27,7 +27,7 @@ import math
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from simsched import events as ev
 from simsched import invariants as inv
@@ -257,9 +257,9 @@ class Model:
 
     def _free_request(self, req: Request, how: str, delay_free: bool = False,
                       computed: int | None = None) -> None:
-        if req in self.running:
+        if req in self.running:             # (in one of the two queues at most)
             self.running.remove(req)
-        if req in self.waiting:
+        elif req in self.waiting:
             if self.waiting.index(req) < self.n_held:
                 self.n_held -= 1
             self.waiting.remove(req)
@@ -512,7 +512,10 @@ class Model:
                     self.sched_drafts[req.rid] = min(d, c + n - len(req.tokens))
         if not preempted:
             self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
-        counters["scheduled_tokens"] += sum([n for _, n, _ in sched_reqs])
+        total = 0
+        for _, n, _ in sched_reqs:
+            total += n
+        counters["scheduled_tokens"] += total
         if tracing:
             empty = self.no_blocks_text       # fmt_alloc of no new block in any group
             for req, n, nb in sched_reqs:
@@ -565,12 +568,15 @@ class Model:
             end = start + n
             if nb is None:
                 # quiet decode: write_computed of one token that completes no block, inlined
-                for gid, b in req.fast_blocks:
-                    gpu[b] = (gid, end, None)
+                # (the content's ints as the shadow's objects, see Shadow.nums)
+                eo = shadow.num(end)
+                fb: list[tuple[Any, Any]] = req.fast_blocks
+                for go, bo in fb:
+                    b: int = bo
+                    gpu[b] = (go, eo, None)
                 if pr:
-                    self._violation(inv.check_writes_by_job(step, [b for _, b in req.fast_blocks],
-                                                            pr,
-                                                     f"request {req.rid}"))
+                    self._violation(inv.check_writes_by_job(step, [bo for _, bo in fb], pr,
+                                                            f"request {req.rid}"))
                 req.num_computed = end
                 if inflight and req.rid in inflight:
                     del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
@@ -693,30 +699,43 @@ class Model:
                 self.off.req_status.get(req.rid) is st:
             bound = min(req.max_tokens - 3, st.next_key_at - 2)
             cfgs = self.off.cfgs
-            if any(cfg.tokens_per_chunk <= 0 for cfg in cfgs):
-                bound = -1
-            elif cfgs:                                       # (no group offloaded: no store)
-                store_at = min([(gs.next_stored + 1) * cfg.tokens_per_chunk
-                                for cfg, gs in zip(cfgs, st.groups)])
+            # the first chunk end past what some group stored; -1: no store to bound it (no
+            # group offloaded), or a group whose tokens_per_chunk <= 0 (then bound -1)
+            store_at = -1
+            for cfg, gs in zip(cfgs, st.groups):         # (a state per group of cfgs)
+                tpc: int = cfg.tokens_per_chunk
+                if tpc <= 0:
+                    bound = store_at = -1
+                    break
+                e: int = (gs.next_stored + 1) * tpc
+                if store_at < 0 or e < store_at:
+                    store_at = e
+            if store_at >= 0:
                 cap = st.max_offload_tokens                 # as OffloadScheduler._offloadable
                 if self.off.prompt_only:
                     cap = req.num_prompt if cap is None else min(cap, req.num_prompt)
                 if cap is None or cap >= store_at:
                     bound = min(bound, store_at - 2)        # c + 1 < store_at
-            blocks = []
+            # (group id, block) of the blocks such a step writes, as the int objects the
+            # shadow's contents (Shadow.nums) and the tables (BlockPool.ids) hold
+            nums = self.shadow.nums
+            blocks: list[tuple[Any, Any]] = []
             for r in self.kv.rules:
-                table = req.tables[r.gid]
+                table: list[Any] = req.tables[r.gid]
                 if not table:
                     continue
                 if r.code == RING:
-                    blocks.append((r.gid, table[0]))
+                    blocks.append((nums[r.gid], table[0]))
                     continue
                 i = c // r.bs
                 b = (i + 1) * r.bs - 2
                 if b < bound:
                     bound = b
-                if i < len(table) and table[i] != NULL:
-                    blocks.append((r.gid, table[i]))
+                if i < len(table):
+                    bo = table[i]
+                    bi: int = bo
+                    if bi != NULL:
+                        blocks.append((nums[r.gid], bo))
             req.fast_blocks = blocks
         req.fast_until = bound
 
@@ -841,15 +860,29 @@ class Model:
         up to 0.30.0 all of them to ``skipped_waiting``, from 0.31.0 those holding blocks to
         ``kv_holding_waiting`` and the others to ``waiting``."""
         waiting = self.waiting
-        skipped, rest = waiting[:i], waiting[i:]
         held_rest = max(0, self.n_held - i)      # unreached requests of the first queue
-        if self.kv_holding_first:
-            kvh = [r for r in skipped if r.status == WAITING_FOR_LOAD or r.num_computed]
-            other = [r for r in skipped if not (r.status == WAITING_FOR_LOAD or r.num_computed)]
-            self.waiting = kvh + rest[:held_rest] + other + rest[held_rest:]
-            self.n_held = len(kvh) + held_rest
-        else:
+        if not self.kv_holding_first:
             self.n_held = i + held_rest
+            return
+        # the common case: the skipped requests holding blocks already come first, and either
+        # all of them hold blocks or no unreached request of the first queue has to pass
+        # between them and the others: the queue stays as it is
+        nk, ordered = 0, True
+        for j in range(i):
+            r = waiting[j]
+            if r.status == WAITING_FOR_LOAD or r.num_computed:
+                if nk != j:
+                    ordered = False
+                    break
+                nk += 1
+        if ordered and (held_rest == 0 or nk == i):
+            self.n_held = nk + held_rest
+            return
+        skipped, rest = waiting[:i], waiting[i:]
+        kvh = [r for r in skipped if r.status == WAITING_FOR_LOAD or r.num_computed]
+        other = [r for r in skipped if not (r.status == WAITING_FOR_LOAD or r.num_computed)]
+        self.waiting = kvh + rest[:held_rest] + other + rest[held_rest:]
+        self.n_held = len(kvh) + held_rest
 
     def _after_step(self, step: int) -> None:
         if self.checks == "full":

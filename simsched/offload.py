@@ -652,6 +652,10 @@ class OffloadScheduler:
         # group (also groups not offloaded, GPU hits included) as allocated in this batch, with or
         # without a load: a pending store fencing one of them is flushed
         self.alloc_all_groups = profile.extra.get("alloc_all_groups", False)
+        # the KV cache groups not offloaded (None: the layout is not known), see
+        # update_state_after_alloc
+        self.other_gids: tuple | None = None if layout is None else tuple(
+            sorted(set(range(len(layout.groups))) - {g.group_id for g in self.cfgs}))
         self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
                           if layout is not None and layout.groups[g.group_id].kind in
                           ("sliding_window", "sliding_window_mla")}
@@ -817,15 +821,16 @@ class OffloadScheduler:
         lookup_groups = self.lookup_groups
         # EAGLE drafter groups (is_eagle_group): each looks up one chunk more and pops it (its
         # trailing chunk is volatile), once per convergence pass; the pass restarts the pops when
-        # a target group tightens the hit
-        eagle_verified: set[int] = set()
+        # a target group tightens the hit. ``eagle_verified``: the set of the groups popped in
+        # this pass, as a bit mask (bit gi; no set made per lookup)
+        eagle_verified = 0
         while lookup_groups:
             looked_up_sw = False
             groups, lookup_groups = lookup_groups, ()
             for gi in groups:
                 cfg, gs = self.cfgs[gi], st.groups[gi]
                 tpc, keys = cfg.tokens_per_chunk, gs.keys
-                eagle = cfg.drafter and gi not in eagle_verified
+                eagle = cfg.drafter and not (eagle_verified >> gi) & 1
                 if self.asserts and len(keys) < req.num_tokens // tpc:
                     raise ModelCrash("AssertionError", "_lookup_complete_chunks", "lookup",
                                      "assert len(offload_keys) >= "
@@ -883,14 +888,14 @@ class OffloadScheduler:
                 if n_hit is not None:
                     if eagle:
                         n_hit -= 1
-                        eagle_verified.add(gi)
+                        eagle_verified |= 1 << gi
                     max_hit = min(max_hit, tpc * (start + n_hit))
                 new_hit = max_hit - num_computed
                 if new_hit < tpc:
                     return 0
                 if new_hit < num_hit:
                     if not cfg.drafter:
-                        eagle_verified.clear()
+                        eagle_verified = 0
                     if defer:
                         defer = False
                         lookup_groups = self.lookup_groups
@@ -916,13 +921,21 @@ class OffloadScheduler:
                                  is_cached) -> Job | None:
         """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
         block tables (every KV cache group), ``is_cached(block)`` is the block hash a block carries
-        (its GPU prefix-cache key: a GPU prefix hit), None if none."""
+        (its GPU prefix-cache key: a GPU prefix hit), None if none. Without a load the request
+        is scheduled in this step."""
         alloc, bpc = self.batch_allocated, self.bpc
         # (NULL is never in batch_allocated outside these updates: null placeholders are not
         # allocations; adding the tables whole and dropping NULL after is the same set)
         if self.alloc_all_groups:
-            for table in tables:
-                alloc.update(table)
+            if num_external == 0 and self.other_gids is not None:
+                # a request scheduled in this step: its new blocks are its whole tables, which
+                # build_connector_meta (_update_req_states) adds to the same set for the offloaded
+                # groups before any use of it; the other groups' blocks are added here
+                for gid in self.other_gids:
+                    alloc.update(tables[gid])
+            else:
+                for table in tables:
+                    alloc.update(table)
             alloc.discard(NULL)
         if num_external == 0:
             return None
@@ -935,8 +948,7 @@ class OffloadScheduler:
             job.bids
         for cfg, gs in zip(self.cfgs, st.groups):
             gid = cfg.group_id
-            blocks = tables[gid]
-            bl: list = blocks       # (the same list, its block IDs read as the objects they are)
+            blocks: list = tables[gid]     # (untyped: the block ID objects go into the job)
             tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
             if not self.alloc_all_groups:          # (else every table is in already)
                 alloc.update(blocks)
@@ -964,7 +976,7 @@ class OffloadScheduler:
                     keys.append(k)              # (the job's ckeys: the same list)
                     for i in range(lo, hi):
                         bidx.append(i)
-                        jbids.append(bl[i])
+                        jbids.append(blocks[i])
                     bpos.append(len(jbids))
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         self.tier.prepare_load(keys, st)

@@ -10,6 +10,8 @@ the blocks the store read.
 
 from __future__ import annotations
 
+from typing import Any
+
 from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
 
 
@@ -17,6 +19,18 @@ class Shadow:
     def __init__(self, num_blocks: int, blocks_per_chunk: int | None = None):
         self.gpu: list[tuple | None] = [None] * num_blocks
         self.bpc = blocks_per_chunk
+        # nums[e] is the int e, one object each (grown on demand by num()): the group ids and
+        # ends of slot contents go into the content tuples as these objects. (The compiled build
+        # makes a new int object each time it puts a native int above 256 in a tuple or a list;
+        # see also allocator.BlockPool.ids.)
+        self.nums: list[Any] = list(range(257))
+
+    def num(self, e: int) -> Any:
+        """The int ``e`` (0 <= e), as the one object ``nums[e]``."""
+        nums = self.nums
+        if e >= len(nums):
+            nums.extend(range(len(nums), e + 1))
+        return nums[e]
 
     def write_computed(self, req: Request, rules: list[GroupRule], start: int,
                        end: int) -> list[int]:
@@ -24,17 +38,24 @@ class Shadow:
         block IDs written."""
         gpu: list[tuple | None] = self.gpu
         written: list[int] = []
-        ident, unit, tables = req.ident, req.unit, req.tables
+        eo = self.num(end)              # (nums grows to end: every end written is in it)
+        nums = self.nums
+        unit, tables = req.unit, req.tables
+        ident: list[Any] = req.ident    # (the hashes stay the int objects hash() made)
         nid = len(ident)
         for r in rules:
             gid = r.gid
-            table = tables[gid]
+            go = nums[gid]
+            # (the table's items read as the int objects they are, stored as is into written:
+            # see allocator.BlockPool.ids)
+            table: list[Any] = tables[gid]
             if not table:
                 continue
             if r.code == RING:
-                b = table[0]
-                gpu[b] = (gid, end, None)
-                written.append(b)
+                bo = table[0]
+                b: int = bo
+                gpu[b] = (go, eo, None)
+                written.append(bo)
                 continue
             bs = r.bs
             last = (end - 1) // bs + 1
@@ -47,16 +68,18 @@ class Shadow:
                 # not known, as ident_at)
                 per = bs // unit
                 for i in range(i0, full):
-                    b = table[i]
+                    bo = table[i]
+                    b = bo
                     if b != NULL:
                         k = (i + 1) * per - 1
-                        gpu[b] = (gid, (i + 1) * bs, ident[k] if k < nid else None)
-                        written.append(b)
+                        gpu[b] = (go, nums[(i + 1) * bs], ident[k] if k < nid else None)
+                        written.append(bo)
             if last > full and last > i0:        # the partial block holding token end - 1
-                b = table[last - 1]
+                bo = table[last - 1]
+                b = bo
                 if b != NULL:
-                    gpu[b] = (gid, end, None)
-                    written.append(b)
+                    gpu[b] = (go, eo, None)
+                    written.append(bo)
         return written
 
     def read(self, blocks) -> tuple:
