@@ -152,7 +152,9 @@ class Request:
         k, n = len(ident), len(tokens) // unit
         if k >= n:
             return
-        prev: object = ident[-1] if ident else 0x5EED
+        # (Any, not object: mypy does not narrow an Any variable to int on assignment, so the
+        # compiled build appends the int object hash() made instead of unboxing and re-boxing it)
+        prev: Any = ident[-1] if ident else 0x5EED
         new = tuple(tokens[k * unit:n * unit])
         j, end = 0, (n - k) * unit
         while j < end:
