@@ -108,7 +108,8 @@ class Request:
     __slots__ = ("rid", "index", "spec", "tokens", "num_prompt", "max_tokens", "num_computed",
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
-                 "fast_blocks", "key_lists", "prefix_of", "prefix_units")
+                 "fast_blocks", "key_lists", "prefix_of", "prefix_units",
+                 "key_strides")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
                  num_groups: int, prefix_of: Request | None = None, prefix_units: int = 0):
@@ -135,9 +136,11 @@ class Request:
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list[tuple[int, int]] = []   # see Model._fast_bound
-        # see keys(): per group, stride -> the group's key list at that stride
-        self.key_lists: list[dict[int, list[Key]]] = [{} for _ in range(num_groups)]
+        # see keys(): per group, the group's key lists, one per stride in key_strides[gid] (a
+        # group asks for one or two strides: a scan of native ints, no dict lookup of a stride)
+        self.key_lists: list[list[list[Key]]] = [[] for _ in range(num_groups)]
         self._extend_ident()
+        self.key_strides: list[list[int]] = [[] for _ in range(num_groups)]
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +155,9 @@ class Request:
         k, n = len(ident), len(tokens) // unit
         if k >= n:
             return
-        prev: object = ident[-1] if ident else 0x5EED
+        # (Any, not object: mypy does not narrow an Any variable to int on assignment, so the
+        # compiled build appends the int object hash() made instead of unboxing and re-boxing it)
+        prev: Any = ident[-1] if ident else 0x5EED
         new = tuple(tokens[k * unit:n * unit])
         j, end = 0, (n - k) * unit
         while j < end:
@@ -165,10 +170,16 @@ class Request:
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
-        per_group = self.key_lists[gid]
-        keys = per_group.get(stride)
-        if keys is None:
-            keys = per_group[stride] = []
+        strides = self.key_strides[gid]
+        s, ns = 0, len(strides)
+        while s < ns and strides[s] != stride:
+            s += 1
+        if s < ns:
+            keys = self.key_lists[gid][s]
+        else:
+            keys = []
+            strides.append(stride)
+            self.key_lists[gid].append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
         per = stride // self.unit
         have, n = len(keys), len(ident) // per
