@@ -184,9 +184,13 @@ class RankedCPUTier(CPUTier):
         self.entries = {}
         self.touches = False
         self.request_ranks = request_ranks
-        # (rank, key) for every rank given since the first eviction (see _lowest_evictable);
-        # None before it. Keys order as their (group id, ident) pairs (see make_key): the
-        # heap's order is (rank, group id, ident)
+        # eviction candidates, (rank, key), from the first eviction on (None before it; see
+        # _lowest_evictable). Every evictable chunk (ready, ref_cnt 0) has its current
+        # (rank, key) in it: a chunk is pushed when it becomes evictable (complete_store,
+        # complete_load) and when it takes a new rank while evictable; the heap may also hold
+        # items of chunks gone, ranked again or no longer evictable (dropped as they surface).
+        # Keys order as their (group id, ident) pairs (see make_key): the heap's order is
+        # (rank, group id, ident)
         self.heap: list[tuple] | None = None
         self.next_rank = 0
         # per group: (index in the request's groups, tokens per chunk, index in group id order)
@@ -340,7 +344,7 @@ class RankedCPUTier(CPUTier):
             for k in victims:
                 del entries[k]
             self.evictions += n_evict
-        heap, ng = self.heap, self.n_groups
+        ng = self.n_groups
         for i, k in enumerate(to_store):
             v = to_codes[i] if to_codes is not None else -1
             if v < 0:
@@ -349,38 +353,43 @@ class RankedCPUTier(CPUTier):
             else:
                 assert a is not None
                 r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
-            entries[k] = [False, 0, None, r]
-            if heap is not None:
-                heapq.heappush(heap, (r, k))
+            entries[k] = [False, 0, None, r]     # not evictable (not ready): not in the heap
         return to_store
 
     def _set_rank(self, k, e: list, r: int) -> None:
         e[3] = r
-        if self.heap is not None:
+        if self.heap is not None and e[0] and not e[1]:
             heapq.heappush(self.heap, (r, k))
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
         ``(rank, group)``, lowest first, or None if there are fewer (nothing changes then).
-        ``heap`` holds every rank a chunk was given (from the first eviction on); an entry whose
-        chunk is gone or has another rank since is dropped as it surfaces, chunks passed over go
-        back."""
+        ``heap`` holds the current (rank, key) of every evictable chunk (see __init__): items
+        surface in (rank, key) order; one whose chunk is gone, has another rank since or is not
+        evictable (a store or a load in flight: pushed again when that completes) is dropped, as
+        is a copy of the item just seen (equal items surface one after the other); protected
+        chunks go back."""
         entries = self.entries
         if self.heap is None:                  # built at the first eviction, kept up after
-            self.heap = [(e[3], k) for k, e in entries.items()]
+            self.heap = [(e[3], k) for k, e in entries.items() if e[0] and not e[1]]
             heapq.heapify(self.heap)
         heap = self.heap
+        if len(heap) > 2 * len(entries):
+            # mostly items to drop: drop them at once (cheaper than popping each)
+            heap[:] = [item for item in heap if (e := entries.get(item[1])) is not None
+                       and e[3] == item[0] and e[0] and not e[1]]
+            heapq.heapify(heap)
         victims: list = []
         passed: list = []
-        seen: set = set()
+        last: tuple | None = None
         while heap and len(victims) < n:
             item = heapq.heappop(heap)
             r, k = item
             e = entries.get(k)
-            if e is None or e[3] != r or k in seen:
-                continue                       # stale (evicted or ranked again since) or twice
-            seen.add(k)
-            (victims if e[0] and e[1] == 0 and k not in protected else passed).append(item)
+            if e is None or e[3] != r or not e[0] or e[1] or item == last:
+                continue                       # stale, not evictable, or a copy
+            last = item
+            (passed if k in protected else victims).append(item)
         for item in passed:
             heapq.heappush(heap, item)
         if len(victims) < n:
@@ -425,9 +434,31 @@ class RankedCPUTier(CPUTier):
             if e is not None:
                 r += RANK_UNIT
                 e[3] = r
-                if heap is not None:
+                if heap is not None and e[0] and not e[1]:
                     heapq.heappush(heap, (r, k))
         self.next_rank = r // RANK_UNIT
+
+    def complete_store(self, keys, contents: dict) -> None:
+        self.version += 1
+        self.content_version += 1
+        entries, heap = self.entries, self.heap
+        for k in keys:
+            e = entries.get(k)
+            if e is not None and not e[0]:
+                e[0] = True
+                e[2] = contents.get(k)
+                if heap is not None and not e[1]:
+                    heapq.heappush(heap, (e[3], k))     # evictable now
+
+    def complete_load(self, keys) -> None:
+        self.version += 1
+        self.content_version += 1
+        entries, heap = self.entries, self.heap
+        for k in keys:
+            e = entries[k]
+            e[1] -= 1
+            if heap is not None and not e[1] and e[0]:
+                heapq.heappush(heap, (e[3], k))         # evictable now
 
 
 class _SlidingWindowStoreMask:
