@@ -184,14 +184,18 @@ class RankedCPUTier(CPUTier):
         self.entries = {}
         self.touches = False
         self.request_ranks = request_ranks
-        # eviction candidates, (rank, key), from the first eviction on (None before it; see
-        # _lowest_evictable). Every evictable chunk (ready, ref_cnt 0) has its current
-        # (rank, key) in it: a chunk is pushed when it becomes evictable (complete_store,
-        # complete_load) and when it takes a new rank while evictable; the heap may also hold
-        # items of chunks gone, ranked again or no longer evictable (dropped as they surface).
-        # Keys order as their (group id, ident) pairs (see make_key): the heap's order is
-        # (rank, group id, ident)
+        # eviction candidates, (rank, key), from the first eviction on (``heap`` None before
+        # it; see _lowest_evictable), in two parts: ``fresh[head:]``, a sorted queue (an item
+        # joins it when it is not below its last item, as the new ranks of on_request_finished,
+        # above all, do; ``fresh[:head]`` is taken), and ``heap``, a heap (the other items).
+        # Every evictable chunk (ready, ref_cnt 0) has its current (rank, key) in one of them: a
+        # chunk is pushed when it becomes evictable (complete_store, complete_load) and when it
+        # takes a new rank while evictable; they may also hold items of chunks gone, ranked
+        # again or no longer evictable (dropped as they surface). Keys order as their
+        # (group id, ident) pairs (see make_key): the order is (rank, group id, ident)
         self.heap: list[tuple] | None = None
+        self.fresh: list[tuple] = []
+        self.head = 0
         self.next_rank = 0
         # per group: (index in the request's groups, tokens per chunk, index in group id order)
         by_id = sorted(cfg.group_id for cfg in cfgs)
@@ -359,7 +363,18 @@ class RankedCPUTier(CPUTier):
     def _set_rank(self, k, e: list, r: int) -> None:
         e[3] = r
         if self.heap is not None and e[0] and not e[1]:
-            heapq.heappush(self.heap, (r, k))
+            self._push((r, k))
+
+    def _push(self, item: tuple) -> None:
+        """An eviction candidate (rank, key) into ``fresh`` if it keeps it sorted, else into
+        ``heap``."""
+        fresh = self.fresh
+        if len(fresh) == self.head or not item < fresh[-1]:
+            fresh.append(item)
+        else:
+            heap = self.heap
+            assert heap is not None
+            heapq.heappush(heap, item)
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
@@ -369,32 +384,49 @@ class RankedCPUTier(CPUTier):
         evictable (a store or a load in flight: pushed again when that completes) is dropped, as
         is a copy of the item just seen (equal items surface one after the other); protected
         chunks go back."""
-        entries = self.entries
+        entries, fresh, head = self.entries, self.fresh, self.head
         if self.heap is None:                  # built at the first eviction, kept up after
-            self.heap = [(e[3], k) for k, e in entries.items() if e[0] and not e[1]]
-            heapq.heapify(self.heap)
+            self.heap = []
+            fresh += sorted([(e[3], k) for k, e in entries.items() if e[0] and not e[1]])
         heap = self.heap
-        if len(heap) > 2 * len(entries):
-            # mostly items to drop: drop them at once (cheaper than popping each)
-            heap[:] = [item for item in heap if (e := entries.get(item[1])) is not None
-                       and e[3] == item[0] and e[0] and not e[1]]
-            heapq.heapify(heap)
+        if len(heap) + len(fresh) - head > 2 * len(entries):
+            # mostly items to drop: drop them at once (cheaper than popping each), the rest
+            # sorted into ``fresh``
+            kept = [item for item in fresh[head:] if (e := entries.get(item[1])) is not None
+                    and e[3] == item[0] and e[0] and not e[1]]
+            kept += [item for item in heap if (e := entries.get(item[1])) is not None
+                     and e[3] == item[0] and e[0] and not e[1]]
+            kept.sort()
+            heap.clear()
+            fresh[:] = kept
+            head = 0
         victims: list = []
         passed: list = []
         last: tuple | None = None
-        while heap and len(victims) < n:
-            item = heapq.heappop(heap)
+        while len(victims) < n:
+            # the lowest item of the two (equal items surface one after the other)
+            if head < len(fresh) and (not heap or fresh[head] < heap[0]):
+                item = fresh[head]
+                head += 1
+            elif heap:
+                item = heapq.heappop(heap)
+            else:
+                break
             r, k = item
             e = entries.get(k)
             if e is None or e[3] != r or not e[0] or e[1] or item == last:
                 continue                       # stale, not evictable, or a copy
             last = item
             (passed if k in protected else victims).append(item)
+        if 2 * head > len(fresh):
+            del fresh[:head]                   # (the taken items: amortized O(1) each)
+            head = 0
+        self.head = head
         for item in passed:
-            heapq.heappush(heap, item)
+            self._push(item)
         if len(victims) < n:
             for item in victims:
-                heapq.heappush(heap, item)
+                self._push(item)
             return None
         return [k for _, k in victims]
 
@@ -435,7 +467,7 @@ class RankedCPUTier(CPUTier):
                 r += RANK_UNIT
                 e[3] = r
                 if heap is not None and e[0] and not e[1]:
-                    heapq.heappush(heap, (r, k))
+                    self._push((r, k))
         self.next_rank = r // RANK_UNIT
 
     def complete_store(self, keys, contents: dict) -> None:
@@ -448,7 +480,7 @@ class RankedCPUTier(CPUTier):
                 e[0] = True
                 e[2] = contents.get(k)
                 if heap is not None and not e[1]:
-                    heapq.heappush(heap, (e[3], k))     # evictable now
+                    self._push((e[3], k))     # evictable now
 
     def complete_load(self, keys) -> None:
         self.version += 1
@@ -458,7 +490,7 @@ class RankedCPUTier(CPUTier):
             e = entries[k]
             e[1] -= 1
             if heap is not None and not e[1] and e[0]:
-                heapq.heappush(heap, (e[3], k))         # evictable now
+                self._push((e[3], k))         # evictable now
 
 
 class _SlidingWindowStoreMask:
