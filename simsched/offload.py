@@ -17,7 +17,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush
 from collections import OrderedDict, deque
 from typing import Final
 
@@ -374,7 +374,7 @@ class RankedCPUTier(CPUTier):
         else:
             heap = self.heap
             assert heap is not None
-            heapq.heappush(heap, item)
+            heappush(heap, item)
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
@@ -409,7 +409,7 @@ class RankedCPUTier(CPUTier):
                 item = fresh[head]
                 head += 1
             elif heap:
-                item = heapq.heappop(heap)
+                item = heappop(heap)
             else:
                 break
             r, k = item
