@@ -48,10 +48,13 @@ class CPUTier:
         # it becomes evictable (store or last load completes) and touches move only evictable
         # chunks; 0.31.0+ rank chunks instead (RankedCPUTier)
         self.evictable_list = evictable_list
-        # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used). ``lru`` is
-        # the same mapping typed as ordered (RankedCPUTier keeps a plain dict and no LRU order)
+        # key -> [ready, ref_cnt, content]. ``lru``: the LRU order (first = least recently
+        # used): with the evictable list, the evictable chunks only (ready, ref_cnt 0; the
+        # positions of the others never matter: they join the MRU end when they become
+        # evictable), else the same mapping as ``entries``, ordered (RankedCPUTier keeps a plain
+        # dict and no LRU order)
         self.lru: OrderedDict[Key, list] = OrderedDict()
-        self.entries: dict[Key, list] = self.lru
+        self.entries: dict[Key, list] = {} if evictable_list else self.lru
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
         self.touches = True
         self.evictions = 0
@@ -70,14 +73,12 @@ class CPUTier:
     def touch(self, keys) -> None:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
         reversed(list(keys))``), so the first key ends most recent (the loop runs in C)."""
-        entries = self.lru
+        lru = self.lru
         self.version += 1
-        if self.evictable_list:
-            keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
-        deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
+        deque(map(lru.move_to_end, filter(lru.__contains__, reversed(keys))), 0)
 
     def prepare_store(self, keys, st=None) -> list | None:
-        entries = self.lru
+        entries, lru = self.entries, self.lru
         to_store = [k for k in keys if k not in entries]
         if not to_store:
             return []
@@ -87,15 +88,24 @@ class CPUTier:
         if n_evict > 0:
             protected = set(keys)
             victims = []
-            for k, e in entries.items():
-                if e[0] and e[1] == 0 and k not in protected:
-                    victims.append(k)
-                    if len(victims) == n_evict:
-                        break
+            if self.evictable_list:
+                for k in lru:                   # (evictable chunks only)
+                    if k not in protected:
+                        victims.append(k)
+                        if len(victims) == n_evict:
+                            break
+            else:
+                for k, e in lru.items():
+                    if e[0] and e[1] == 0 and k not in protected:
+                        victims.append(k)
+                        if len(victims) == n_evict:
+                            break
             if len(victims) < n_evict:
                 return None
             for k in victims:
                 del entries[k]
+                if self.evictable_list:
+                    del lru[k]
             self.evictions += len(victims)
         for k in to_store:
             entries[k] = [False, 0, None]
@@ -110,15 +120,18 @@ class CPUTier:
             if e is not None and not e[0]:
                 e[0] = True
                 e[2] = contents.get(k)
-                if self.evictable_list:
-                    self.lru.move_to_end(k)
+                if self.evictable_list and not e[1]:
+                    self.lru[k] = e             # evictable now: the MRU end
 
     def prepare_load(self, keys, st=None) -> None:
         self.version += 1
         self.content_version += 1
         entries = self.entries
         for k in keys:
-            entries[k][1] += 1
+            e = entries[k]
+            e[1] += 1
+            if self.evictable_list and e[1] == 1 and e[0]:
+                del self.lru[k]                 # not evictable while loaded
 
     def on_request_finished(self, st) -> None:
         """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
@@ -129,8 +142,8 @@ class CPUTier:
         for k in keys:
             e = self.entries[k]
             e[1] -= 1
-            if not e[1] and self.evictable_list:
-                self.lru.move_to_end(k)
+            if not e[1] and e[0] and self.evictable_list:
+                self.lru[k] = e                 # evictable now: the MRU end
 
 
 # a rank ``(rank, -position)`` is kept as one int, ``rank * RANK_UNIT - position`` (a token
