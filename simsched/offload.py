@@ -584,14 +584,19 @@ class ReqOffload:
         self.lookup_memo: tuple | None = None
 
 
+_GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
+
+
 def tuple_set_order(keys) -> list[Key]:
     """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
     the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
     order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
     (each completed chunk joins its MRU end). vLLM's set holds bytes keys, whose hashes vary per
     process; the model fixed that order as the one of the pair tuples (the representation of keys
-    before they became ints), and keeps it."""
-    return [make_key(g, h) for g, h in {(key_group(k), key_ident(k)) for k in keys}]
+    before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
+    2**63: see allocator.make_key; they are not taken apart.)"""
+    pairs = {(0, k) if k < _GROUP0_END else (key_group(k), key_ident(k)) for k in keys}
+    return [make_key(g, h) if g else h for g, h in pairs]
 
 
 class Job:
