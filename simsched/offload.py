@@ -17,7 +17,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush
 from collections import OrderedDict, deque
 from typing import Final
 
@@ -48,10 +48,13 @@ class CPUTier:
         # it becomes evictable (store or last load completes) and touches move only evictable
         # chunks; 0.31.0+ rank chunks instead (RankedCPUTier)
         self.evictable_list = evictable_list
-        # key -> [ready, ref_cnt, content]; order = LRU (first = least recently used). ``lru`` is
-        # the same mapping typed as ordered (RankedCPUTier keeps a plain dict and no LRU order)
+        # key -> [ready, ref_cnt, content]. ``lru``: the LRU order (first = least recently
+        # used): with the evictable list, the evictable chunks only (ready, ref_cnt 0; the
+        # positions of the others never matter: they join the MRU end when they become
+        # evictable), else the same mapping as ``entries``, ordered (RankedCPUTier keeps a plain
+        # dict and no LRU order)
         self.lru: OrderedDict[Key, list] = OrderedDict()
-        self.entries: dict[Key, list] = self.lru
+        self.entries: dict[Key, list] = {} if evictable_list else self.lru
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
         self.touches = True
         self.evictions = 0
@@ -70,14 +73,12 @@ class CPUTier:
     def touch(self, keys) -> None:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
         reversed(list(keys))``), so the first key ends most recent (the loop runs in C)."""
-        entries = self.lru
+        lru = self.lru
         self.version += 1
-        if self.evictable_list:
-            keys = [k for k in keys if (e := entries.get(k)) is not None and e[0] and not e[1]]
-        deque(map(entries.move_to_end, filter(entries.__contains__, reversed(keys))), 0)
+        deque(map(lru.move_to_end, filter(lru.__contains__, reversed(keys))), 0)
 
     def prepare_store(self, keys, st=None) -> list | None:
-        entries = self.lru
+        entries, lru = self.entries, self.lru
         to_store = [k for k in keys if k not in entries]
         if not to_store:
             return []
@@ -87,15 +88,24 @@ class CPUTier:
         if n_evict > 0:
             protected = set(keys)
             victims = []
-            for k, e in entries.items():
-                if e[0] and e[1] == 0 and k not in protected:
-                    victims.append(k)
-                    if len(victims) == n_evict:
-                        break
+            if self.evictable_list:
+                for k in lru:                   # (evictable chunks only)
+                    if k not in protected:
+                        victims.append(k)
+                        if len(victims) == n_evict:
+                            break
+            else:
+                for k, e in lru.items():
+                    if e[0] and e[1] == 0 and k not in protected:
+                        victims.append(k)
+                        if len(victims) == n_evict:
+                            break
             if len(victims) < n_evict:
                 return None
             for k in victims:
                 del entries[k]
+                if self.evictable_list:
+                    del lru[k]
             self.evictions += len(victims)
         for k in to_store:
             entries[k] = [False, 0, None]
@@ -110,15 +120,18 @@ class CPUTier:
             if e is not None and not e[0]:
                 e[0] = True
                 e[2] = contents.get(k)
-                if self.evictable_list:
-                    self.lru.move_to_end(k)
+                if self.evictable_list and not e[1]:
+                    self.lru[k] = e             # evictable now: the MRU end
 
     def prepare_load(self, keys, st=None) -> None:
         self.version += 1
         self.content_version += 1
         entries = self.entries
         for k in keys:
-            entries[k][1] += 1
+            e = entries[k]
+            e[1] += 1
+            if self.evictable_list and e[1] == 1 and e[0]:
+                del self.lru[k]                 # not evictable while loaded
 
     def on_request_finished(self, st) -> None:
         """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
@@ -129,8 +142,8 @@ class CPUTier:
         for k in keys:
             e = self.entries[k]
             e[1] -= 1
-            if not e[1] and self.evictable_list:
-                self.lru.move_to_end(k)
+            if not e[1] and e[0] and self.evictable_list:
+                self.lru[k] = e                 # evictable now: the MRU end
 
 
 # a rank ``(rank, -position)`` is kept as one int, ``rank * RANK_UNIT - position`` (a token
@@ -184,10 +197,18 @@ class RankedCPUTier(CPUTier):
         self.entries = {}
         self.touches = False
         self.request_ranks = request_ranks
-        # (rank, key) for every rank given since the first eviction (see _lowest_evictable);
-        # None before it. Keys order as their (group id, ident) pairs (see make_key): the
-        # heap's order is (rank, group id, ident)
+        # eviction candidates, (rank, key), from the first eviction on (``heap`` None before
+        # it; see _lowest_evictable), in two parts: ``fresh[head:]``, a sorted queue (an item
+        # joins it when it is not below its last item, as the new ranks of on_request_finished,
+        # above all, do; ``fresh[:head]`` is taken), and ``heap``, a heap (the other items).
+        # Every evictable chunk (ready, ref_cnt 0) has its current (rank, key) in one of them: a
+        # chunk is pushed when it becomes evictable (complete_store, complete_load) and when it
+        # takes a new rank while evictable; they may also hold items of chunks gone, ranked
+        # again or no longer evictable (dropped as they surface). Keys order as their
+        # (group id, ident) pairs (see make_key): the order is (rank, group id, ident)
         self.heap: list[tuple] | None = None
+        self.fresh: list[tuple] = []
+        self.head = 0
         self.next_rank = 0
         # per group: (index in the request's groups, tokens per chunk, index in group id order)
         by_id = sorted(cfg.group_id for cfg in cfgs)
@@ -340,7 +361,7 @@ class RankedCPUTier(CPUTier):
             for k in victims:
                 del entries[k]
             self.evictions += n_evict
-        heap, ng = self.heap, self.n_groups
+        ng = self.n_groups
         for i, k in enumerate(to_store):
             v = to_codes[i] if to_codes is not None else -1
             if v < 0:
@@ -349,43 +370,76 @@ class RankedCPUTier(CPUTier):
             else:
                 assert a is not None
                 r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
-            entries[k] = [False, 0, None, r]
-            if heap is not None:
-                heapq.heappush(heap, (r, k))
+            entries[k] = [False, 0, None, r]     # not evictable (not ready): not in the heap
         return to_store
 
     def _set_rank(self, k, e: list, r: int) -> None:
         e[3] = r
-        if self.heap is not None:
-            heapq.heappush(self.heap, (r, k))
+        if self.heap is not None and e[0] and not e[1]:
+            self._push((r, k))
+
+    def _push(self, item: tuple) -> None:
+        """An eviction candidate (rank, key) into ``fresh`` if it keeps it sorted, else into
+        ``heap``."""
+        fresh = self.fresh
+        if len(fresh) == self.head or not item < fresh[-1]:
+            fresh.append(item)
+        else:
+            heap = self.heap
+            assert heap is not None
+            heappush(heap, item)
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
         ``(rank, group)``, lowest first, or None if there are fewer (nothing changes then).
-        ``heap`` holds every rank a chunk was given (from the first eviction on); an entry whose
-        chunk is gone or has another rank since is dropped as it surfaces, chunks passed over go
-        back."""
-        entries = self.entries
+        ``heap`` holds the current (rank, key) of every evictable chunk (see __init__): items
+        surface in (rank, key) order; one whose chunk is gone, has another rank since or is not
+        evictable (a store or a load in flight: pushed again when that completes) is dropped, as
+        is a copy of the item just seen (equal items surface one after the other); protected
+        chunks go back."""
+        entries, fresh, head = self.entries, self.fresh, self.head
         if self.heap is None:                  # built at the first eviction, kept up after
-            self.heap = [(e[3], k) for k, e in entries.items()]
-            heapq.heapify(self.heap)
+            self.heap = []
+            fresh += sorted([(e[3], k) for k, e in entries.items() if e[0] and not e[1]])
         heap = self.heap
+        if len(heap) + len(fresh) - head > 2 * len(entries):
+            # mostly items to drop: drop them at once (cheaper than popping each), the rest
+            # sorted into ``fresh``
+            kept = [item for item in fresh[head:] if (e := entries.get(item[1])) is not None
+                    and e[3] == item[0] and e[0] and not e[1]]
+            kept += [item for item in heap if (e := entries.get(item[1])) is not None
+                     and e[3] == item[0] and e[0] and not e[1]]
+            kept.sort()
+            heap.clear()
+            fresh[:] = kept
+            head = 0
         victims: list = []
         passed: list = []
-        seen: set = set()
-        while heap and len(victims) < n:
-            item = heapq.heappop(heap)
+        last: tuple | None = None
+        while len(victims) < n:
+            # the lowest item of the two (equal items surface one after the other)
+            if head < len(fresh) and (not heap or fresh[head] < heap[0]):
+                item = fresh[head]
+                head += 1
+            elif heap:
+                item = heappop(heap)
+            else:
+                break
             r, k = item
             e = entries.get(k)
-            if e is None or e[3] != r or k in seen:
-                continue                       # stale (evicted or ranked again since) or twice
-            seen.add(k)
-            (victims if e[0] and e[1] == 0 and k not in protected else passed).append(item)
+            if e is None or e[3] != r or not e[0] or e[1] or item == last:
+                continue                       # stale, not evictable, or a copy
+            last = item
+            (passed if k in protected else victims).append(item)
+        if 2 * head > len(fresh):
+            del fresh[:head]                   # (the taken items: amortized O(1) each)
+            head = 0
+        self.head = head
         for item in passed:
-            heapq.heappush(heap, item)
+            self._push(item)
         if len(victims) < n:
             for item in victims:
-                heapq.heappush(heap, item)
+                self._push(item)
             return None
         return [k for _, k in victims]
 
@@ -425,9 +479,31 @@ class RankedCPUTier(CPUTier):
             if e is not None:
                 r += RANK_UNIT
                 e[3] = r
-                if heap is not None:
-                    heapq.heappush(heap, (r, k))
+                if heap is not None and e[0] and not e[1]:
+                    self._push((r, k))
         self.next_rank = r // RANK_UNIT
+
+    def complete_store(self, keys, contents: dict) -> None:
+        self.version += 1
+        self.content_version += 1
+        entries, heap = self.entries, self.heap
+        for k in keys:
+            e = entries.get(k)
+            if e is not None and not e[0]:
+                e[0] = True
+                e[2] = contents.get(k)
+                if heap is not None and not e[1]:
+                    self._push((e[3], k))     # evictable now
+
+    def complete_load(self, keys) -> None:
+        self.version += 1
+        self.content_version += 1
+        entries, heap = self.entries, self.heap
+        for k in keys:
+            e = entries[k]
+            e[1] -= 1
+            if heap is not None and not e[1] and e[0]:
+                self._push((e[3], k))         # evictable now
 
 
 class _SlidingWindowStoreMask:
@@ -511,14 +587,19 @@ class ReqOffload:
         self.sw_ends: list[int] | None = None
 
 
+_GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
+
+
 def tuple_set_order(keys) -> list[Key]:
     """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
     the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
     order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
     (each completed chunk joins its MRU end). vLLM's set holds bytes keys, whose hashes vary per
     process; the model fixed that order as the one of the pair tuples (the representation of keys
-    before they became ints), and keeps it."""
-    return [make_key(g, h) for g, h in {(key_group(k), key_ident(k)) for k in keys}]
+    before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
+    2**63: see allocator.make_key; they are not taken apart.)"""
+    pairs = {(0, k) if k < _GROUP0_END else (key_group(k), key_ident(k)) for k in keys}
+    return [make_key(g, h) if g else h for g, h in pairs]
 
 
 class Job:
