@@ -1276,10 +1276,31 @@ class OffloadScheduler:
                 bl = gs.block_ids
                 kidx, gid = gs.kidx, cfg.group_id
                 keys = gs.keys
-                for c in range(start, min(n, len(keys))):
+                end = min(n, len(keys))
+                bulk = True             # the run test below is tried once per group
+                for c in range(start, end):
                     k = keys[c]
                     if j == n_store or k != to_store[j]:
                         continue
+                    if bulk:
+                        bulk = False
+                        # the common case: chunks c..end-1 are all stored, each with all its
+                        # blocks (none NULL); appended by slices, as the loop would append them
+                        m = end - c
+                        lo, hi = c * bpc, end * bpc
+                        run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
+                        if run is not None and NULL not in run:
+                            j += m
+                            b0 = len(jbids)
+                            gids.extend([gid] * m)
+                            cidx.extend(range(c, end))
+                            hidx.extend(kidx[c:end])
+                            ckeys.extend(keys[c:end])
+                            bidx.extend(range(lo, hi))
+                            jbids.extend(run)
+                            sink.extend(run)
+                            bpos.extend(range(b0 + bpc, b0 + m * bpc + 1, bpc))
+                            break
                     j += 1
                     gids.append(gid)
                     cidx.append(c)
