@@ -32,8 +32,7 @@ from typing import Any, Final
 from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
-                                WAITING_FOR_LOAD, Key, KVCacheManager, Request, key_ident,
-                                make_key)
+                                WAITING_FOR_LOAD, Key, KVCacheManager, Request, make_key)
 from simsched.case import VOCAB, Case, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                derive, effective_block_size, prefix_cacheable_groups)

@@ -87,34 +87,27 @@ class Shadow:
         return tuple(gpu[b] for _, b in blocks)
 
     def write(self, blocks: list[tuple[int, int]], content: tuple) -> None:
+        """A chunk's ``content`` into its ``(block_index, block_id)`` destination blocks (see
+        :meth:`write_chunk`)."""
+        self.write_chunk([i for i, _ in blocks], [b for _, b in blocks], 0, len(blocks), content)
+
+    def write_chunk(self, idx: list[int], bids: list[int], lo: int, hi: int,
+                    content: tuple) -> None:
+        """A chunk's ``content`` into the blocks ``bids[lo:hi]``, at block indices ``idx[lo:hi]`` of
+        the request's table (a model ``Job`` keeps its blocks as such parallel lists)."""
         gpu = self.gpu
         n = len(content) if content else 0
         if n and n == self.bpc:
             # a whole chunk: each destination block takes the chunk's block at its own offset
             # (the offloading worker skips block_index % blocks_per_chunk blocks of the chunk)
-            for i, b in blocks:
-                gpu[b] = content[i % n]
-            return
-        # a chunk whose store read only some blocks (windowed groups): its content lines up
-        # with the tail of the destination blocks
-        content = content[len(content) - len(blocks):] if content else ()
-        for (_, b), c in zip(blocks, content):
-            gpu[b] = c
-
-    def write_chunk(self, idx: list[int], bids: list[int], lo: int, hi: int,
-                    content: tuple) -> None:
-        """:meth:`write` of the blocks ``bids[lo:hi]`` at block indices ``idx[lo:hi]`` (one chunk
-        of a model ``Job``, whose blocks are parallel lists)."""
-        gpu = self.gpu
-        n = len(content) if content else 0
-        if n and n == self.bpc:
             for y in range(lo, hi):
                 gpu[bids[y]] = content[idx[y] % n]
             return
         if not n:
             return
-        # content[n - (hi - lo):] (a negative start counts from the end, as slices do), paired
-        # with the blocks in order
+        # a chunk whose store read only some blocks (windowed groups): its content lines up
+        # with the tail of the destination blocks, content[n - (hi - lo):] (a negative start
+        # counts from the end, as slices do), paired with the blocks in order
         start = n - (hi - lo)
         if start < 0:
             start = max(0, n + start)
