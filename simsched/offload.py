@@ -77,6 +77,10 @@ class CPUTier:
         self.version += 1
         deque(map(lru.move_to_end, filter(lru.__contains__, reversed(keys))), 0)
 
+    def touch_range(self, keys: list, lo: int, hi: int) -> None:
+        """``touch(keys[lo:hi])``."""
+        self.touch(keys if lo == 0 and hi == len(keys) else keys[lo:hi])
+
     def prepare_store(self, keys, st=None) -> list | None:
         entries, lru = self.entries, self.lru
         to_store = [k for k in keys if k not in entries]
@@ -506,6 +510,153 @@ class RankedCPUTier(CPUTier):
                 self._push((e[3], k))         # evictable now
 
 
+class ListCPUTier(RankedCPUTier):
+    """0.25.1-0.30.0 ``LRUCachePolicy`` with its evictable list: a chunk joins the MRU end when it
+    becomes evictable (its store completes, or its last load), ``touch`` moves the evictable ones
+    of the keys given to the MRU end (last key first, so the first key ends most recent), and
+    eviction takes the evictable chunks from the LRU end (skipping the keys being stored).
+
+    The list is kept as stamps: ``clock`` counts every move (join or touch) ever made, and a chunk's
+    place in the list is the stamp of its last move, the fourth element of its entry ``[ready,
+    ref_cnt, content, stamp]`` (the rank slot of :class:`RankedCPUTier`, whose eviction heap
+    then takes the lowest stamps first: the LRU end). Touches and store completions are the
+    bulk of the moves and the order only matters when a store must evict, so those two are not
+    applied at once but logged (``log``, with the stamps they take) and applied, in order, when
+    an eviction needs the order (or the log grows long): a touch event ``(keys, lo, hi, t)``
+    gives ``keys[i]`` (lo <= i < hi) the stamp ``t + hi - 1 - i`` if it is evictable then and its
+    stamp is lower (it joined the list before the touch: a chunk that is evictable at the time
+    of the application and was then has been so since, a later join gives it a higher stamp);
+    a store completion ``(keys, -1, n, s)`` joined its keys at the stamp ``s``, a placeholder,
+    and gives each one still there ``s`` + its index in the order of the set vLLM holds
+    (:func:`tuple_set_order`, computed then). A touch whose keys a later touch of the same list
+    covers does nothing (the later stamps are higher) and is skipped."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity, False, ())
+        self.evictable_list = True
+        self.touches = True
+        self.clock = 0
+        self.log: list[tuple] = []
+
+    def touch(self, keys) -> None:
+        self.touch_range(keys, 0, len(keys))
+
+    def touch_range(self, keys: list, lo: int, hi: int) -> None:
+        """``touch(keys[lo:hi])``, logged (``keys`` may grow after: only ``[lo, hi)`` counts)."""
+        self.version += 1
+        if hi > lo:
+            self.log.append((keys, lo, hi, self.clock))
+            self.clock += hi - lo
+            if len(self.log) > 256 + len(self.entries):
+                self._apply_log()
+
+    def _apply_log(self) -> None:
+        """Apply the logged moves, in order (see the class docstring)."""
+        log = self.log
+        if not log:
+            return
+        self.log = []
+        # the touches that a later touch of the same key list covers: skipped
+        skip: list[bool] = [False] * len(log)
+        last: dict[int, tuple[int, int]] = {}
+        for x in range(len(log) - 1, -1, -1):
+            keys, lo, hi, t = log[x]
+            if lo < 0:
+                continue
+            cover = last.get(id(keys))
+            if cover is not None and cover[0] <= lo and hi <= cover[1]:
+                skip[x] = True
+            else:
+                last[id(keys)] = (lo, hi)
+        entries, heap = self.entries, self.heap
+        for x in range(len(log)):
+            if skip[x]:
+                continue
+            keys, lo, hi, t = log[x]
+            if lo < 0:
+                # a store completion: its keys joined at the stamp t, in set order
+                s = t
+                for k in tuple_set_order(keys):
+                    e = entries.get(k)
+                    if e is not None and e[3] == t and e[0] and not e[1]:
+                        e[3] = s
+                        if heap is not None:
+                            self._push((s, k))
+                    s += 1
+                continue
+            s = t
+            for i in range(hi - 1, lo - 1, -1):
+                k = keys[i]
+                e = entries.get(k)
+                if e is not None and e[0] and not e[1] and e[3] < s:
+                    e[3] = s
+                    if heap is not None:
+                        self._push((s, k))
+                s += 1
+
+    def prepare_store(self, keys, st=None) -> list | None:
+        entries = self.entries
+        to_store = [k for k in keys if k not in entries]
+        if not to_store:
+            return []
+        self.version += 1
+        self.content_version += 1
+        n_evict = len(to_store) - (self.capacity - len(entries))
+        if n_evict > 0:
+            victims = self._lowest_evictable(n_evict, set(keys))
+            if victims is None:
+                return None
+            for k in victims:
+                del entries[k]
+            self.evictions += n_evict
+        for k in to_store:
+            entries[k] = [False, 0, None, 0]     # not evictable (not ready): no stamp yet
+        return to_store
+
+    def _lowest_evictable(self, n: int, protected: set) -> list | None:
+        self._apply_log()
+        return super()._lowest_evictable(n, protected)
+
+    def complete_store(self, keys, contents: dict) -> None:
+        """The chunks join the MRU end in the order of the job's key set: logged (``keys``: the
+        job's keys as listed)."""
+        self.version += 1
+        self.content_version += 1
+        entries, t = self.entries, self.clock
+        for k in keys:
+            e = entries.get(k)
+            if e is not None and not e[0]:
+                e[0] = True
+                e[2] = contents.get(k)
+                if not e[1]:
+                    e[3] = t                    # evictable now: placed when the log is applied
+        self.log.append((keys, -1, len(keys), t))
+        self.clock += len(keys)
+
+    def prepare_load(self, keys, st=None) -> None:
+        self.version += 1
+        self.content_version += 1
+        entries = self.entries
+        for k in keys:
+            entries[k][1] += 1                  # not evictable while loaded
+
+    def on_request_finished(self, st) -> None:
+        return
+
+    def complete_load(self, keys) -> None:
+        self.version += 1
+        self.content_version += 1
+        entries, heap = self.entries, self.heap
+        for k in keys:
+            e = entries[k]
+            e[1] -= 1
+            if not e[1] and e[0]:
+                e[3] = self.clock               # evictable now: the MRU end
+                self.clock += 1
+                if heap is not None:
+                    self._push((e[3], k))
+
+
 class _SlidingWindowStoreMask:
     """``_reachable_store_block_mask`` for a sliding-window group (0.30.0-0.33.0), per chunk.
 
@@ -676,8 +827,11 @@ class OffloadScheduler:
         # by request and token position from 0.33.0 (profile.extra["cpu_lru"])
         lru = profile.extra.get("cpu_lru", "ranks" if profile.offloaded_groups is
                                 prefix_cacheable_groups else "list")
-        if lru in ("list", "plain"):        # "plain": insertion and touch order only
-            self.tier = CPUTier(cpu_chunks, lru == "list")
+        self.tier: CPUTier
+        if lru == "list":
+            self.tier = ListCPUTier(cpu_chunks)
+        elif lru == "plain":                # "plain": insertion and touch order only
+            self.tier = CPUTier(cpu_chunks)
         else:
             self.tier = RankedCPUTier(cpu_chunks, lru == "request-ranks", self.cfgs)
         self.req_status: dict[str, ReqOffload] = {}
@@ -870,10 +1024,8 @@ class OffloadScheduler:
             return
         for cfg, gs in zip(self.cfgs, st.groups):
             w = cfg.sliding_window_in_chunks
-            if w is None:
-                tier.touch(gs.keys)
-            else:
-                tier.touch(gs.keys[max(0, gs.num_hit_chunks - w):])
+            keys = gs.keys
+            tier.touch_range(keys, 0 if w is None else max(0, gs.num_hit_chunks - w), len(keys))
         self._touched = (tier.version, sig)
 
     def _load_window(self, cfg, num_tokens: int) -> int:
@@ -1259,9 +1411,9 @@ class OffloadScheduler:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
             self._touch(st)
-            # the tier's complete_store walks the keys: in the order of their set where that
-            # order matters (the evictable list's MRU end), else as listed
-            job = Job(-1, rid, True, tuple_set_order(to_store) if tier.evictable_list else to_store)
+            # (the evictable list's complete_store puts the keys in the order of their set,
+            # tuple_set_order, itself: when that order is needed)
+            job = Job(-1, rid, True, to_store)
             fenced: list = []
             deferred: list = []
             gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys

@@ -1,5 +1,5 @@
 from simsched.allocator import make_key
-from simsched.offload import HIT, HIT_PENDING, MISS, CPUTier
+from simsched.offload import HIT, HIT_PENDING, MISS, CPUTier, tuple_set_order
 
 
 def test_cpu_tier_states_and_lru():
@@ -128,3 +128,62 @@ def test_ranked_tier_evicts_the_lowest_evictable_chunks():
     (rank, key) evictable chunks not protected by the store."""
     checked = sum(_random_tier_run(seed, rr) for seed in range(150) for rr in (False, True))
     assert checked > 500        # the runs do reach full tiers
+
+
+def test_list_tier_evicts_as_the_evictable_list():
+    """ListCPUTier (0.25.1-0.30.0's evictable list kept as stamps, touches and store completions
+    applied when an eviction needs them) evicts exactly what the OrderedDict evictable list
+    (CPUTier with evictable_list) evicts, under random stores, completions (keys in list order:
+    both walk them in set order), loads, touches of whole key lists and of windows, as the
+    connector makes them (fails with the touch or the store-completion log not applied, or a
+    covered touch that is not covered skipped)."""
+    import random
+    from simsched.offload import ListCPUTier
+
+    checked = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        ref, tier = CPUTier(8, True), ListCPUTier(8)
+        lists = []
+        for r in range(4):
+            idents = [100 * r + rng.randrange(3) * 1000 + i for i in range(8)]   # some shared
+            lists.append([make_key(rng.randrange(3), h) for h in idents])
+        writing, loading = [], []
+        for _ in range(120):
+            op = rng.randrange(6)
+            keys = rng.choice(lists)
+            if op <= 1:
+                lo = rng.randrange(8)
+                sub = keys[lo:lo + rng.randint(1, 4)]
+                before = set(ref.entries)
+                got = ref.prepare_store(sub)
+                assert tier.prepare_store(sub) == got
+                assert set(tier.entries) == set(ref.entries)
+                checked += len(before - set(ref.entries)) > 0
+                if got:
+                    writing.append(got)
+            elif op == 2 and writing:
+                done = writing.pop(rng.randrange(len(writing)))
+                ref.complete_store(tuple_set_order(done), {})
+                tier.complete_store(done, {})
+            elif op == 3:
+                ready = [k for k in keys if (e := ref.entries.get(k)) is not None and e[0]]
+                if ready:
+                    sub = ready[:rng.randint(1, 3)]
+                    ref.prepare_load(sub)
+                    tier.prepare_load(sub)
+                    loading.append(sub)
+                elif loading:
+                    done = loading.pop(0)
+                    ref.complete_load(tuple_set_order(done))
+                    tier.complete_load(tuple_set_order(done))
+            elif op == 4 and loading:
+                done = loading.pop(0)
+                ref.complete_load(tuple_set_order(done))
+                tier.complete_load(tuple_set_order(done))
+            else:
+                lo = rng.randrange(3)
+                hi = rng.randint(lo, len(keys))
+                ref.touch_range(keys, lo, hi)
+                tier.touch_range(keys, lo, hi)
+    assert checked > 300
