@@ -109,7 +109,8 @@ class Request:
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
                  "fast_blocks", "key_lists", "prefix_of", "prefix_units",
-                 "key_strides")
+                 "key_strides",
+                 "hit_blocks")
 
     def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
                  num_groups: int, prefix_of: Request | None = None, prefix_units: int = 0):
@@ -141,6 +142,8 @@ class Request:
         self.key_lists: list[list[list[Key]]] = [[] for _ in range(num_groups)]
         self._extend_ident()
         self.key_strides: list[list[int]] = [[] for _ in range(num_groups)]
+        # per group, blocks KVCacheManager.find_hit found cached at its last search (see there)
+        self.hit_blocks: list[list[Any]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -439,6 +442,8 @@ class KVCacheManager:
         self.hits_possible = enable_prefix_caching and not any(
             r.code == MAMBA and not r.cacheable for r in self.rules)
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
+        # the cacheable groups other than full attention (find_hit checks their reach at a hit)
+        self.rest_rules = [r for r in self.cacheable_rules if r.code != FULLISH]
         self.junction = 0          # the last find_hit's shared_prefix_boundary
         # use_eagle_block_drop (EAGLE-style speculative decoding): the last block of a GPU
         # prefix hit is dropped, the drafter needs the tokens before the generation point
@@ -486,11 +491,20 @@ class KVCacheManager:
         self.junction = 0
         if not self.hits_possible or not self.cacheable_rules:
             return 0
-        cached, align = self.pool.cached, self.align
+        pool = self.pool
+        cached, pkey, align = pool.cached, pool.key, self.align
         L = (req.num_tokens - 1) // align * align
         if self.eagle_drop and self.eagle_margin and L >= 0:
             # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
             L += min(r.bs for r in self.cacheable_rules)
+        # req.hit_blocks[gid]: the blocks this search found cached under the group's first keys
+        # (a waiting request that cannot be admitted searches again at every step). A block
+        # still carrying its key proves the key still cached (BlockPool: a key stays in
+        # ``cached`` while a block carries it), for a list read instead of a dict lookup; the
+        # first block that lost its key ends the run (it is looked up again)
+        memo = req.hit_blocks
+        if not memo:
+            memo = req.hit_blocks = [[] for _ in self.rules]
         for r in self.cacheable_rules:        # full-attention prefix bound first
             if r.code != FULLISH:
                 continue
@@ -498,30 +512,63 @@ class KVCacheManager:
             # known has no key: the run stops there)
             keys = req.keys(r.gid, r.bs)
             m = min(L // r.bs, len(keys))
+            known = memo[r.gid]
             n = 0
-            while n < m and keys[n] in cached:
+            nk = min(m, len(known))
+            while n < nk:
+                bi: int = known[n]
+                kb = pkey[bi]
+                k = keys[n]
+                if kb is not k and kb != k:
+                    del known[n:]
+                    break
+                n += 1
+            while n < m:
+                bo: Any = cached.get(keys[n])
+                if bo is None:
+                    break
+                if n == len(known):
+                    known.append(bo)
                 n += 1
             L = min(L, n * r.bs) // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
         # check below only needs the other groups. Where a group misses block j of its reach
         # at L, it misses it at every smaller L whose reach still covers j (the reach's start,
         # skipped_tokens, only grows with L): the search resumes at the largest L that ends at
-        # or before block j (the same first L that succeeds as trying every multiple of align)
-        rest = [(r, req.keys(r.gid, r.bs)) for r in self.cacheable_rules if r.code != FULLISH]
+        # or before block j (the same first L that succeeds as trying every multiple of align).
+        # Any missing block of the reach will do: the lowest one skips the most candidates, so
+        # the reach is searched from its start; the run of blocks found cached ([ok_lo[x],
+        # ok_hi[x]) for the x-th group) is not looked up again at a smaller L
+        rest = self.rest_rules
         full_hit = L
-        while L > 0:
-            for r, keys in rest:
-                bs = r.bs
-                hi, lo = L // bs, r.skipped_tokens(L) // bs
-                j = hi - 1                    # the last missing block in [lo, hi), if any
-                n = len(keys)
-                while j >= lo and j < n and keys[j] in cached:
-                    j -= 1
-                if j >= lo:
-                    L = ((j + 1) * bs - 1) // align * align
-                    break
-            else:
-                break                         # every group hits at L
+        if rest:
+            ok_lo = [0] * len(rest)
+            ok_hi = [0] * len(rest)
+            rest_keys = [req.keys(r.gid, r.bs) for r in rest]
+            while L > 0:
+                x = 0
+                for r in rest:
+                    bs = r.bs
+                    hi, lo = L // bs, r.skipped_tokens(L) // bs
+                    keys = rest_keys[x]
+                    n = len(keys)
+                    a, z = ok_lo[x], ok_hi[x]
+                    j = lo
+                    while j < hi:
+                        if a <= j < z:
+                            j = z
+                            continue
+                        if j >= n or keys[j] not in cached:
+                            break
+                        j += 1
+                    if j < hi:                    # block j is missing
+                        if j > lo:
+                            ok_lo[x], ok_hi[x] = lo, j
+                        L = ((j + 1) * bs - 1) // align * align
+                        break
+                    x += 1
+                else:
+                    break                         # every group hits at L
         if rest and full_hit > L and len(rest) < len(self.cacheable_rules):
             self.junction = full_hit
         if self.eagle_drop and L > 0:

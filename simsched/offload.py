@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from heapq import heappop, heappush
 from collections import OrderedDict, deque
-from typing import Final
+from typing import Any, Final
 
 from simsched.allocator import ABORTED, NULL, Key, Request, key_group, key_ident, make_key
-from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
+from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
 # CPUTier.lookup results (Final: constants mypyc inlines, no module-dict lookup at each use)
@@ -982,7 +982,8 @@ class OffloadScheduler:
         st = self.req_status[req.rid]
         restart = self.restart_store_idx
         for gs in st.groups:
-            gs.block_ids.clear()
+            if gs.block_ids:
+                gs.block_ids.clear()
             if restart:     # 0.33.0: "Restarting at token 0: offer every chunk again."
                 gs.next_stored = 0
         if st.jobs:
@@ -1028,15 +1029,17 @@ class OffloadScheduler:
             tier.touch_range(keys, 0 if w is None else max(0, gs.num_hit_chunks - w), len(keys))
         self._touched = (tier.version, sig)
 
-    def _load_window(self, cfg, num_tokens: int) -> int:
+    def _load_window(self, cfg: GroupGeometry, num_tokens: int) -> int:
         """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
         chunks grows to cover a partial rightmost chunk (``-num_tokens % tokens_per_chunk``)."""
-        w = cfg.sliding_window_in_chunks
+        w: Any = cfg.sliding_window_in_chunks
         win = self.sw_tokens.get(cfg.group_id)
         if win is None:
             return w
         tpc = cfg.tokens_per_chunk
-        return max(w, -(-(win - 1 + (-num_tokens % tpc)) // tpc))
+        n = -(-(win - 1 + (-num_tokens % tpc)) // tpc)
+        wi: int = w
+        return wi if wi >= n else n
 
     def _lookup(self, st: ReqOffload) -> int | None:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops."""
@@ -1200,17 +1203,25 @@ class OffloadScheduler:
                 if self.asserts and len(gkeys) < end:
                     raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
                                      "assert len(offload_keys) >= end_chunk_idx")
-                for c in range(start, min(end, len(gkeys))):
-                    lo, hi = max(c * bpc, n_local), min((c + 1) * bpc, n_gpu)
-                    k = gkeys[c]
-                    gids.append(gid)
-                    cidx.append(c)
-                    hidx.append(kidx[c])
-                    keys.append(k)              # (the job's ckeys: the same list)
-                    for i in range(lo, hi):
-                        bidx.append(i)
-                        jbids.append(blocks[i])
-                    bpos.append(len(jbids))
+                # chunks [start, cend), chunk c loading the blocks [max(c * bpc, n_local),
+                # min((c + 1) * bpc, n_gpu)) (tokens_per_chunk = bpc * tokens_per_block): together
+                # the blocks [n_local, min(cend * bpc, n_gpu)); the lists of the chunks' keys,
+                # hash indices and blocks are slices, added at once
+                cend = min(end, len(gkeys))
+                if start < cend:
+                    gids.extend([gid] * (cend - start))
+                    hidx.extend(kidx[start:cend])
+                    keys.extend(gkeys[start:cend])      # (the job's ckeys: the same list)
+                    base = len(jbids)
+                    jbids.extend(blocks[n_local:min(cend * bpc, n_gpu)])
+                    i = n_local
+                    for c in range(start, cend):
+                        cidx.append(c)
+                        hi = min((c + 1) * bpc, n_gpu)
+                        while i < hi:
+                            bidx.append(i)
+                            i += 1
+                        bpos.append(base + hi - n_local)
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         self.tier.prepare_load(keys, st)
         job.ckeys = keys
