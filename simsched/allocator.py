@@ -269,14 +269,15 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[int]:
         key, ref, cached, dup = self.key, self.ref, self.cached, self.dup
-        nxt, prv, ids = self.nxt, self.prv, self.ids
+        nxt, prv = self.nxt, self.prv
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
         out: list[int] = []
-        b: int = nxt[NULL]
+        bo: Any = nxt[NULL]             # (the queue holds the ids objects: appended as they are)
+        b: int = bo
         j = 0
         while j < n:                            # the head of the free queue, in order
-            out.append(ids[b])
+            out.append(bo)
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
                 if dup[b]:
@@ -287,9 +288,10 @@ class BlockPool:
                 key[b] = None
             ref[b] = 1
             prv[b] = -1
-            b = nxt[b]
+            bo = nxt[b]
+            b = bo
             j += 1
-        nxt[NULL] = ids[b]
+        nxt[NULL] = bo
         prv[b] = NULL
         self.n_free -= n
         return out
@@ -302,6 +304,11 @@ class BlockPool:
         n = 0
         # (items read as the int objects they are, see ids; a list walked by index)
         given: list[Any] = blocks if isinstance(blocks, list) else list(blocks)
+        # the blocks going to the tail are chained after the tail as they come; the chain is
+        # closed (nxt[last] = NULL, prv[NULL] = last) once, after the loop
+        to: Any = prv[NULL]             # the tail (the null block: an empty queue)
+        t: int = to
+        tail = t
         for bo in given:
             b: int = bo
             if b == NULL:
@@ -313,14 +320,17 @@ class BlockPool:
                 if key[b] is None:
                     first.append(bo)
                 else:                   # to the tail
-                    to: Any = prv[NULL]
-                    t: int = to
                     nxt[t] = bo
                     prv[b] = to
-                    nxt[b] = NULL
-                    prv[NULL] = bo
+                    to, t = bo, b
             elif r < 0:
+                if t != tail:
+                    nxt[t] = NULL
+                    prv[NULL] = to
                 raise RuntimeError(f"block {b} freed twice")
+        if t != tail:
+            nxt[t] = NULL
+            prv[NULL] = to
         if first:                       # to the head, in the order given
             ho: Any = nxt[NULL]
             h: int = ho
@@ -350,7 +360,7 @@ class BlockPool:
                 prv[q] = po
                 prv[b] = -1
                 self.n_free -= 1
-            ref[b] += 1
+            ref[b] = ref[b] + 1         # (not +=: a generic in-place add when compiled)
 
     def _uncache(self, b: int, k: Key) -> None:
         """``BlockHashToBlockMap.pop(k, b)``."""
@@ -686,12 +696,18 @@ class KVCacheManager:
                     freed += group
                 self.retired[rk] = n
                 continue
-            group = []
             row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
             i = n - 1
+            if i < 0:
+                continue
+            bo = row[i]
+            b: int = bo
+            if b == NULL:
+                continue                # nothing (more) out of reach: no list made
+            group = []
             while i >= 0:
                 bo = row[i]
-                b: int = bo
+                b = bo
                 if b == NULL:
                     break
                 group.append(bo)
