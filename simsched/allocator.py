@@ -367,19 +367,21 @@ class BlockPool:
         cached, more, dup = self.cached, self.more, self.dup
         m: list[Any] | None = more.get(k)
         dup[b] = False
-        if cached.get(k, -1) == b:
+        held = cached.get(k, -1)
+        if held == b:
             if m:
-                cached[k] = m.pop(0)
+                h = m.pop(0)
+                cached[k] = h
                 if not m:
                     del more[k]
-                    dup[cached[k]] = False
+                    dup[h] = False          # (cached[k], just set)
             else:
                 del cached[k]
         elif m and self.ids[b] in m:
             m.remove(self.ids[b])
             if not m:
                 del more[k]
-                dup[cached[k]] = False
+                dup[held if held >= 0 else cached[k]] = False     # (cached[k])
 
     def cache_block(self, b: int, k: Key) -> None:
         """``_insert_block_hash``: the block gets the hash even when another block holds it."""

@@ -601,9 +601,11 @@ class Model:
                 base = len(req.tokens)
                 acc = [_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
-                written = shadow.write_computed(req, rules, start, end)
                 if fences.jobs:
+                    written = shadow.write_computed(req, rules, start, end)
                     self._violation(fences.check(step, written, "request", req.rid))
+                else:
+                    shadow.write_computed(req, rules, start, end, False)
                 req.num_computed = end - (d - a)
                 if inflight:
                     inflight.pop(req.rid, None)
@@ -621,9 +623,11 @@ class Model:
                 else:
                     self.drafts[req.rid] = self.num_spec
                 continue
-            written = shadow.write_computed(req, rules, start, end)
             if fences.jobs:
+                written = shadow.write_computed(req, rules, start, end)
                 self._violation(fences.check(step, written, "request", req.rid))
+            else:
+                shadow.write_computed(req, rules, start, end, False)
             req.num_computed = end
             if end >= len(req.tokens):
                 if inflight and req.rid in inflight:
@@ -703,7 +707,9 @@ class Model:
             # the first chunk end past what some group stored; -1: no store to bound it (no
             # group offloaded), or a group whose tokens_per_chunk <= 0 (then bound -1)
             store_at = -1
-            for cfg, gs in zip(cfgs, st.groups):         # (a state per group of cfgs)
+            gstates = st.groups                         # (a state per group of cfgs)
+            for x in range(min(len(cfgs), len(gstates))):
+                cfg, gs = cfgs[x], gstates[x]
                 tpc: int = cfg.tokens_per_chunk
                 if tpc <= 0:
                     bound = store_at = -1
