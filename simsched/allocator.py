@@ -272,14 +272,15 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[int]:
         key, ref, cached, dup = self.key, self.ref, self.cached, self.dup
-        nxt, prv, ids = self.nxt, self.prv, self.ids
+        nxt, prv = self.nxt, self.prv
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
         out: list[int] = []
-        b: int = nxt[NULL]
+        bo: Any = nxt[NULL]             # (the queue holds the ids objects: appended as they are)
+        b: int = bo
         j = 0
         while j < n:                            # the head of the free queue, in order
-            out.append(ids[b])
+            out.append(bo)
             k = key[b]
             if k is not None:           # evict from the GPU prefix cache
                 if dup[b]:
@@ -290,9 +291,10 @@ class BlockPool:
                 key[b] = None
             ref[b] = 1
             prv[b] = -1
-            b = nxt[b]
+            bo = nxt[b]
+            b = bo
             j += 1
-        nxt[NULL] = ids[b]
+        nxt[NULL] = bo
         prv[b] = NULL
         self.n_free -= n
         return out
@@ -305,6 +307,11 @@ class BlockPool:
         n = 0
         # (items read as the int objects they are, see ids; a list walked by index)
         given: list[Any] = blocks if isinstance(blocks, list) else list(blocks)
+        # the blocks going to the tail are chained after the tail as they come; the chain is
+        # closed (nxt[last] = NULL, prv[NULL] = last) once, after the loop
+        to: Any = prv[NULL]             # the tail (the null block: an empty queue)
+        t: int = to
+        tail = t
         for bo in given:
             b: int = bo
             if b == NULL:
@@ -316,14 +323,17 @@ class BlockPool:
                 if key[b] is None:
                     first.append(bo)
                 else:                   # to the tail
-                    to: Any = prv[NULL]
-                    t: int = to
                     nxt[t] = bo
                     prv[b] = to
-                    nxt[b] = NULL
-                    prv[NULL] = bo
+                    to, t = bo, b
             elif r < 0:
+                if t != tail:
+                    nxt[t] = NULL
+                    prv[NULL] = to
                 raise RuntimeError(f"block {b} freed twice")
+        if t != tail:
+            nxt[t] = NULL
+            prv[NULL] = to
         if first:                       # to the head, in the order given
             ho: Any = nxt[NULL]
             h: int = ho
@@ -353,26 +363,28 @@ class BlockPool:
                 prv[q] = po
                 prv[b] = -1
                 self.n_free -= 1
-            ref[b] += 1
+            ref[b] = ref[b] + 1         # (not +=: a generic in-place add when compiled)
 
     def _uncache(self, b: int, k: Key) -> None:
         """``BlockHashToBlockMap.pop(k, b)``."""
         cached, more, dup = self.cached, self.more, self.dup
         m: list[Any] | None = more.get(k)
         dup[b] = False
-        if cached.get(k, -1) == b:
+        held = cached.get(k, -1)
+        if held == b:
             if m:
-                cached[k] = m.pop(0)
+                h = m.pop(0)
+                cached[k] = h
                 if not m:
                     del more[k]
-                    dup[cached[k]] = False
+                    dup[h] = False          # (cached[k], just set)
             else:
                 del cached[k]
         elif m and self.ids[b] in m:
             m.remove(self.ids[b])
             if not m:
                 del more[k]
-                dup[cached[k]] = False
+                dup[held if held >= 0 else cached[k]] = False     # (cached[k])
 
     def cache_block(self, b: int, k: Key) -> None:
         """``_insert_block_hash``: the block gets the hash even when another block holds it."""
@@ -733,12 +745,18 @@ class KVCacheManager:
                     freed += group
                 self.retired[rk] = n
                 continue
-            group = []
             row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
             i = n - 1
+            if i < 0:
+                continue
+            bo = row[i]
+            b: int = bo
+            if b == NULL:
+                continue                # nothing (more) out of reach: no list made
+            group = []
             while i >= 0:
                 bo = row[i]
-                b: int = bo
+                b = bo
                 if b == NULL:
                     break
                 group.append(bo)

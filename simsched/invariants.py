@@ -11,6 +11,7 @@ import math
 from collections import Counter
 from itertools import chain, compress, repeat
 from operator import is_, itemgetter
+from typing import Any
 
 from simsched.allocator import NULL, Key, key_ident
 from simsched.offload import Job
@@ -224,6 +225,56 @@ def check_writes_by_job(step: int, written, pending: dict, what: str
                 return InvariantViolation("INV-6", step, f"block {b} written by {what} while "
                                           f"store job {min(jids)} still reads it")
     return None
+
+
+class ReadFences:
+    """INV-6's fences as the model keeps them: per store job (job ID) the GPU blocks it has yet
+    to read, and per block the number of such jobs holding it (``count``, one entry per block
+    ID: a write is decided by one list lookup per block, no set per job). ``check`` gives the
+    finding :func:`check_writes_by_job` gives for the same jobs."""
+
+    __slots__ = ("jobs", "count")
+
+    def __init__(self, num_blocks: int):
+        self.jobs: dict[int, list] = {}
+        self.count: list[int] = [0] * num_blocks
+
+    def add(self, jid: int, bids: list) -> None:
+        """Job ``jid`` reads the blocks ``bids`` (replacing its earlier blocks, as a dict
+        assignment would)."""
+        self.pop(jid)
+        blocks = list(bids)
+        self.jobs[jid] = blocks
+        count = self.count
+        for bo in blocks:
+            b: int = bo
+            count[b] = count[b] + 1      # (not +=: a generic in-place add when compiled)
+
+    def pop(self, jid: int, default: Any = None) -> Any:
+        """Job ``jid`` has read its blocks (or never had any): its blocks, else ``default``."""
+        blocks = self.jobs.pop(jid, None)
+        if blocks is None:
+            return default
+        count = self.count
+        for bo in blocks:
+            b: int = bo
+            count[b] = count[b] - 1
+        return blocks
+
+    def check(self, step: int, written: list, what: str, who: str
+              ) -> InvariantViolation | None:
+        """INV-6 for the blocks ``written`` by ``what who`` (e.g. ``request r3``): the first
+        written block a pending job still reads, named with the lowest such job."""
+        if not self.jobs:
+            return None
+        count = self.count
+        for bo in written:
+            b: int = bo
+            if count[b]:
+                jids = [j for j, s in self.jobs.items() if b in s]
+                return InvariantViolation("INV-6", step, f"block {b} written by {what} {who} "
+                                          f"while store job {min(jids)} still reads it")
+        return None
 
 
 def check_load_ready(step: int, tier, job) -> InvariantViolation | None:

@@ -173,7 +173,7 @@ class Model:
         # with an async load; their remaining blocks are reserved when a load is admitted
         self.inflight: dict[str, Request] = {}
         # INV-6 fences: store job ID -> the GPU blocks it has yet to read (jobs with blocks only)
-        self.pending_reads: dict[int, set[int]] = {}
+        self.pending_reads = inv.ReadFences(layout.engine.num_gpu_blocks)
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
         self.step_no = 0
@@ -368,8 +368,7 @@ class Model:
         for x in range(len(ckeys)):
             shadow.write_chunk(job.bidx, job.bids, bpos[x], bpos[x + 1], entries[ckeys[x]][2])
         written = job.bids          # every destination block, in order
-        self._violation(inv.check_writes_by_job(self.step_no, written, self.pending_reads,
-                                                f"load {jid}"))
+        self._violation(self.pending_reads.check(self.step_no, written, "load", str(jid)))
         self.off.complete_job(jid)
         self._emit(f"done {jid} load")
         self.progress = True
@@ -556,7 +555,8 @@ class Model:
         """The model runner: computed tokens written (the shadow), one token sampled per
         request whose prefill is complete; finished requests leave (``FINISH``)."""
         kv, shadow = self.kv, self.shadow
-        rules, pr = kv.rules, self.pending_reads
+        rules, fences = kv.rules, self.pending_reads
+        fenced = fences.count           # per block: the pending store jobs that read it
         gpu, unit = shadow.gpu, self.unit
         seed = self.case.seed
         inflight = self.inflight
@@ -573,9 +573,12 @@ class Model:
                 for go, bo in fb:
                     b: int = bo
                     gpu[b] = (go, eo, None)
-                if pr:
-                    self._violation(inv.check_writes_by_job(step, [bo for _, bo in fb], pr,
-                                                            f"request {req.rid}"))
+                if fences.jobs:
+                    for _, bo in fb:
+                        b = bo
+                        if fenced[b]:
+                            self._violation(fences.check(step, [x for _, x in fb], "request",
+                                                         req.rid))
                 req.num_computed = end
                 if inflight and req.rid in inflight:
                     del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
@@ -598,10 +601,11 @@ class Model:
                 base = len(req.tokens)
                 acc = [_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
-                written = shadow.write_computed(req, rules, start, end)
-                if pr:
-                    self._violation(inv.check_writes_by_job(step, written, pr,
-                                                            f"request {req.rid}"))
+                if fences.jobs:
+                    written = shadow.write_computed(req, rules, start, end)
+                    self._violation(fences.check(step, written, "request", req.rid))
+                else:
+                    shadow.write_computed(req, rules, start, end, False)
                 req.num_computed = end - (d - a)
                 if inflight:
                     inflight.pop(req.rid, None)
@@ -619,9 +623,11 @@ class Model:
                 else:
                     self.drafts[req.rid] = self.num_spec
                 continue
-            written = shadow.write_computed(req, rules, start, end)
-            if pr:
-                self._violation(inv.check_writes_by_job(step, written, pr, f"request {req.rid}"))
+            if fences.jobs:
+                written = shadow.write_computed(req, rules, start, end)
+                self._violation(fences.check(step, written, "request", req.rid))
+            else:
+                shadow.write_computed(req, rules, start, end, False)
             req.num_computed = end
             if end >= len(req.tokens):
                 if inflight and req.rid in inflight:
@@ -646,7 +652,7 @@ class Model:
         for job in stores:
             if not job.read and job.bids:
                 # the job's source blocks (each also in job.deferred or job.fenced)
-                pr[job.jid] = set(job.bids)
+                fences.add(job.jid, job.bids)
         self.progress = self.progress or bool(sched_reqs)
 
     def _mamba_split(self, req: Request, n: int, start: int) -> int:
@@ -701,7 +707,9 @@ class Model:
             # the first chunk end past what some group stored; -1: no store to bound it (no
             # group offloaded), or a group whose tokens_per_chunk <= 0 (then bound -1)
             store_at = -1
-            for cfg, gs in zip(cfgs, st.groups):         # (a state per group of cfgs)
+            gstates = st.groups                         # (a state per group of cfgs)
+            for x in range(min(len(cfgs), len(gstates))):
+                cfg, gs = cfgs[x], gstates[x]
                 tpc: int = cfg.tokens_per_chunk
                 if tpc <= 0:
                     bound = store_at = -1

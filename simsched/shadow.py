@@ -33,9 +33,9 @@ class Shadow:
         return nums[e]
 
     def write_computed(self, req: Request, rules: list[GroupRule], start: int,
-                       end: int) -> list[int]:
+                       end: int, collect: bool = True) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
-        block IDs written."""
+        block IDs written (``collect`` False: an empty list, nothing collected)."""
         gpu: list[tuple | None] = self.gpu
         written: list[int] = []
         eo = self.num(end)              # (nums grows to end: every end written is in it)
@@ -55,7 +55,8 @@ class Shadow:
                 bo = table[0]
                 b: int = bo
                 gpu[b] = (go, eo, None)
-                written.append(bo)
+                if collect:
+                    written.append(bo)
                 continue
             bs = r.bs
             last = (end - 1) // bs + 1
@@ -73,13 +74,15 @@ class Shadow:
                     if b != NULL:
                         k = (i + 1) * per - 1
                         gpu[b] = (go, nums[(i + 1) * bs], ident[k] if k < nid else None)
-                        written.append(bo)
+                        if collect:
+                            written.append(bo)
             if last > full and last > i0:        # the partial block holding token end - 1
                 bo = table[last - 1]
                 b = bo
                 if b != NULL:
                     gpu[b] = (go, eo, None)
-                    written.append(bo)
+                    if collect:
+                        written.append(bo)
         return written
 
     def read(self, blocks) -> tuple:

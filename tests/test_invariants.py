@@ -188,3 +188,22 @@ def test_inv6_check_per_job_names_what_the_per_block_check_names():
         assert (a and a.to_json()) == (b and b.to_json()), written
     v = inv.check_writes_by_job(3, [5, 12, 10], by_job, "request r")
     assert v.detail == "block 12 written by request r while store job 2 still reads it"
+
+
+def test_read_fences_name_what_the_per_job_check_names():
+    """The model's ReadFences (a count per block) give check_writes_by_job's findings."""
+    from simsched import invariants as inv
+    fences = inv.ReadFences(64)
+    for jid, blocks in {4: [10, 11, 12], 2: [12, 30, 30], 7: [3], 9: [40]}.items():
+        fences.add(jid, blocks)
+    fences.add(9, [41])                     # a job's blocks replaced
+    assert fences.pop(7) == [3] and fences.pop(99) is None
+    by_job = {4: {10, 11, 12}, 2: {12, 30}, 9: {41}}
+    for _ in range(2):
+        for written in ([1, 2, 3], [5, 12, 10], [30, 11], [11, 30], [], [0, 40, 41], [3]):
+            a = inv.check_writes_by_job(3, written, by_job, "request r")
+            b = fences.check(3, written, "request", "r")
+            assert (a and a.to_json()) == (b and b.to_json()), written
+        fences.pop(2)
+        by_job.pop(2, None)
+    assert fences.count == [1 if b in (10, 11, 12, 41) else 0 for b in range(64)]
