@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from typing import Final
 
 from simsched.allocator import ABORTED, NULL, Key, Request, key_group, key_ident, make_key
-from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, Profile,
+from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
 # CPUTier.lookup results (Final: constants mypyc inlines, no module-dict lookup at each use)
@@ -694,7 +694,7 @@ class OffloadScheduler:
         # marks in ``alloc_mark`` (block ID -> the number of the batch that last allocated it; no
         # set of every new block, rebuilt each step): see _allocated_now
         self.batch_allocated: set[int] = set()
-        self.alloc_mark: list[int] | None = (
+        self.alloc_mark: list | None = (
             [0] * layout.engine.num_gpu_blocks if layout is not None else None)
         self.alloc_batch = 1
         # the request states (by request ID) given block IDs since they were made, while in
@@ -806,7 +806,8 @@ class OffloadScheduler:
                 nxt = at
         st.next_key_at = nxt or 0
 
-    def storable_chunks(self, st: ReqOffload, cfg, gs: GroupState, num_tokens: int) -> int:
+    def storable_chunks(self, st: ReqOffload, cfg: GroupGeometry, gs: GroupState,
+                        num_tokens: int) -> int:
         """Never more than ``num_tokens // tokens_per_chunk`` (``_build_store_jobs``'s quick exit
         relies on it)."""
         n = num_tokens // cfg.tokens_per_chunk
@@ -1100,30 +1101,38 @@ class OffloadScheduler:
         ended: list[ReqOffload] = []
         rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
-        mark, batch = self.alloc_mark, self.alloc_batch
+        mark = self.alloc_mark
+        batch: object = self.alloc_batch       # (one int object, stored in every mark)
         marked = False          # any block marked allocated in this batch
         for rid in scheduled:
             st = rs[rid]
             self.update_offload_keys(st, "build_connector_meta")
             nb = new_blocks.get(rid)
-            if nb and any(nb):     # (all groups empty: nothing to extend, no window end moves)
-                if sw_groups:
-                    st.sw_ends = [len(st.groups[g].block_ids) for g in sw_groups]
-                    ended.append(st)
-                    held[rid] = st
-                for cfg, gs in zip(self.cfgs, st.groups):
-                    new: list[int] = nb[cfg.group_id]
-                    gs.block_ids.extend(new)
-                    if mark is None:
-                        alloc.update(new)
-                        continue
-                    for b in new:
-                        if b != NULL:    # null placeholders are not allocations
-                            mark[b] = batch
-                            marked = True
+            if not nb:
+                continue
+            for blocks in nb:
+                if blocks:
+                    break
+            else:
+                continue        # all groups empty: nothing to extend, no window end moves
+            if sw_groups:
+                st.sw_ends = [len(st.groups[g].block_ids) for g in sw_groups]
+                ended.append(st)
+                held[rid] = st
+            for cfg, gs in zip(self.cfgs, st.groups):
+                new: list[int] = nb[cfg.group_id]
+                gs.block_ids.extend(new)
+                if mark is None:
+                    alloc.update(new)
+                    continue
+                for blk in new:
+                    if blk != NULL:    # null placeholders are not allocations
+                        mark[blk] = batch
+                        marked = True
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and (alloc or marked):
             bpc = self.bpc
+            now, in_set = self.alloc_batch, bool(alloc)
             # every state in req_status, but those whose windows hold no block (not in held)
             for st in held.values():
                 ends = st.sw_ends
@@ -1132,7 +1141,15 @@ class OffloadScheduler:
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
                     end = ends[i] if ends is not None else len(bids)
                     for j in range(gs.next_stored * bpc, end):
-                        if self._allocated_now(bids[j]):
+                        # _allocated_now(bids[j]), inlined (a NULL block is never marked)
+                        bo = bids[j]
+                        b: int = bo
+                        if mark is not None:
+                            m: int = mark[b]
+                            if m == now:
+                                bids[j] = NULL
+                                continue
+                        if in_set and bo in alloc:
                             bids[j] = NULL
         for st in ended:
             st.sw_ends = None
@@ -1169,7 +1186,11 @@ class OffloadScheduler:
         if b == NULL:
             return False
         mark = self.alloc_mark
-        return (mark is not None and mark[b] == self.alloc_batch) or b in self.batch_allocated
+        if mark is not None:
+            m: int = mark[b]
+            if m == self.alloc_batch:
+                return True
+        return bool(self.batch_allocated) and b in self.batch_allocated
 
     def _offloadable(self, st: ReqOffload, n: int) -> int:
         """``_calc_num_offloadable_tokens``; ``offload_prompt_only`` defaults to True in every
