@@ -87,7 +87,7 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     if not isinstance(job, Job):
         return _check_store_job_named(step, job, geo)
     tph: int = geo.tokens_per_hash
-    groups = geo.groups
+    groups: tuple = geo.groups      # (the model's Geometry: a tuple)
     ok = True
     gids: list[int] = job.gids
     cidx: list[int] = job.cidx

@@ -697,6 +697,9 @@ class OffloadScheduler:
         self.alloc_mark: list | None = (
             [0] * layout.engine.num_gpu_blocks if layout is not None else None)
         self.alloc_batch = 1
+        # the ints 0, 1, 2, ... (grown on demand by _ints): a job's chunk and block indices are
+        # appended as slices of it (cheaper than iterating a range)
+        self.ints: list[int] = list(range(256))
         # the request states (by request ID) given block IDs since they were made, while in
         # req_status: every state whose sliding-window groups hold any (the others' are empty),
         # so the only ones build_connector_meta's nulling of re-allocated blocks can change
@@ -1353,13 +1356,13 @@ class OffloadScheduler:
                         j += m
                         b0 = len(jbids)
                         gids.extend([gid] * m)
-                        cidx.extend(range(start, end))
+                        cidx.extend(self._ints(start, end))
                         hidx.extend(kidx[start:end])
                         ckeys.extend(keys[start:end])
-                        bidx.extend(range(lo, hi))
+                        bidx.extend(self._ints(lo, hi))
                         jbids.extend(sources)
                         sink.extend(sources)
-                        bpos.extend(range(b0 + bpc, b0 + m * bpc + 1, bpc))
+                        bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
                         gs.next_stored = max(gs.next_stored, n)
                         continue
                 bulk = True             # the run test below is tried once per group
@@ -1378,13 +1381,13 @@ class OffloadScheduler:
                             j += m
                             b0 = len(jbids)
                             gids.extend([gid] * m)
-                            cidx.extend(range(c, end))
+                            cidx.extend(self._ints(c, end))
                             hidx.extend(kidx[c:end])
                             ckeys.extend(keys[c:end])
-                            bidx.extend(range(lo, hi))
+                            bidx.extend(self._ints(lo, hi))
                             jbids.extend(run)
                             sink.extend(run)
-                            bpos.extend(range(b0 + bpc, b0 + m * bpc + 1, bpc))
+                            bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
                             break
                     j += 1
                     gids.append(gid)
@@ -1415,6 +1418,13 @@ class OffloadScheduler:
                         self.batch_flush.add(jid)
             out.append(job)
         return out
+
+    def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
+        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``ints``."""
+        ints = self.ints
+        if hi > len(ints):
+            ints.extend(range(len(ints), hi))
+        return ints[lo:hi] if step == 1 else ints[lo:hi:step]
 
     def _fence(self, b: int, jid: int) -> None:
         """Record that job ``jid`` reads block ``b`` (``_block_id_to_pending_jobs``, see
