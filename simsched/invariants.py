@@ -88,7 +88,7 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     if not isinstance(job, Job):
         return _check_store_job_named(step, job, geo)
     tph: int = geo.tokens_per_hash
-    tpc = {g.group_id: g.tokens_per_chunk for g in geo.groups}
+    groups: tuple = geo.groups      # (the model's Geometry: a tuple)
     ok = True
     gids: list[int] = job.gids
     cidx: list[int] = job.cidx
@@ -98,7 +98,13 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     for x in range(len(gids)):
         gid = gids[x]
         if gid != last_gid:
-            last_gid, t = gid, tpc[gid]
+            last_gid = gid
+            for g in groups:            # the group's tokens per chunk
+                if g.group_id == gid:
+                    t = g.tokens_per_chunk
+                    break
+            else:
+                raise KeyError(gid)
         if (hidx[x] + 1) * tph != (cidx[x] + 1) * t or bpos[x + 1] == bpos[x]:
             ok = False
     if ok:

@@ -838,10 +838,22 @@ class OffloadScheduler:
         self.jobs: dict[int, Job] = {}
         self._touched: tuple | None = None       # see _touch
         self.job_counter = 0
-        self.block_to_jobs: dict[int, set[int]] = {}   # _block_id_to_pending_jobs
+        # _block_id_to_pending_jobs: block ID -> the ID of the one pending job that reads it,
+        # or a set of their IDs where several do (mostly one: no set per block)
+        self.block_to_jobs: dict[int, int | set[int]] = {}
         self.batch_loads: list[Job] = []
         self.batch_flush: set[int] = set()
+        # _current_batch_allocated_block_ids, in two parts: the blocks update_state_after_alloc
+        # records (a set), and the new blocks of the scheduled requests, which build_connector_meta
+        # marks in ``alloc_mark`` (block ID -> the number of the batch that last allocated it; no
+        # set of every new block, rebuilt each step): see _allocated_now
         self.batch_allocated: set[int] = set()
+        self.alloc_mark: list | None = (
+            [0] * layout.engine.num_gpu_blocks if layout is not None else None)
+        self.alloc_batch = 1
+        # the ints 0, 1, 2, ... (grown on demand by _ints): a job's chunk and block indices are
+        # appended as slices of it (cheaper than iterating a range)
+        self.ints: list[int] = list(range(256))
         # the request states (by request ID) given block IDs since they were made, while in
         # req_status: every state whose sliding-window groups hold any (the others' are empty),
         # so the only ones build_connector_meta's nulling of re-allocated blocks can change
@@ -951,7 +963,8 @@ class OffloadScheduler:
                 nxt = at
         st.next_key_at = nxt or 0
 
-    def storable_chunks(self, st: ReqOffload, cfg, gs: GroupState, num_tokens: int) -> int:
+    def storable_chunks(self, st: ReqOffload, cfg: GroupGeometry, gs: GroupState,
+                        num_tokens: int) -> int:
         """Never more than ``num_tokens // tokens_per_chunk`` (``_build_store_jobs``'s quick exit
         relies on it)."""
         n = num_tokens // cfg.tokens_per_chunk
@@ -1254,22 +1267,38 @@ class OffloadScheduler:
         ended: list[ReqOffload] = []
         rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
+        mark = self.alloc_mark
+        batch: object = self.alloc_batch       # (one int object, stored in every mark)
+        marked = False          # any block marked allocated in this batch
         for rid in scheduled:
             st = rs[rid]
             self.update_offload_keys(st, "build_connector_meta")
             nb = new_blocks.get(rid)
-            if nb and any(nb):     # (all groups empty: nothing to extend, no window end moves)
-                if sw_groups:
-                    st.sw_ends = [len(st.groups[g].block_ids) for g in sw_groups]
-                    ended.append(st)
-                    held[rid] = st
-                for cfg, gs in zip(self.cfgs, st.groups):
-                    new = nb[cfg.group_id]
-                    gs.block_ids.extend(new)
+            if not nb:
+                continue
+            for blocks in nb:
+                if blocks:
+                    break
+            else:
+                continue        # all groups empty: nothing to extend, no window end moves
+            if sw_groups:
+                st.sw_ends = [len(st.groups[g].block_ids) for g in sw_groups]
+                ended.append(st)
+                held[rid] = st
+            for cfg, gs in zip(self.cfgs, st.groups):
+                new: list[int] = nb[cfg.group_id]
+                gs.block_ids.extend(new)
+                if mark is None:
                     alloc.update(new)
+                    continue
+                for blk in new:
+                    if blk != NULL:    # null placeholders are not allocations
+                        mark[blk] = batch
+                        marked = True
         alloc.discard(NULL)      # null placeholders are not allocations
-        if sw_groups and alloc:
+        if sw_groups and (alloc or marked):
             bpc = self.bpc
+            now, in_set = self.alloc_batch, bool(alloc)
             # every state in req_status, but those whose windows hold no block (not in held)
             for st in held.values():
                 ends = st.sw_ends
@@ -1278,7 +1307,15 @@ class OffloadScheduler:
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
                     end = ends[i] if ends is not None else len(bids)
                     for j in range(gs.next_stored * bpc, end):
-                        if bids[j] in alloc:
+                        # _allocated_now(bids[j]), inlined (a NULL block is never marked)
+                        bo = bids[j]
+                        b: int = bo
+                        if mark is not None:
+                            m: int = mark[b]
+                            if m == now:
+                                bids[j] = NULL
+                                continue
+                        if in_set and bo in alloc:
                             bids[j] = NULL
         for st in ended:
             st.sw_ends = None
@@ -1286,10 +1323,14 @@ class OffloadScheduler:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
                 self.batch_flush.update(pst.jobs)
-        if self.block_to_jobs and not self.block_to_jobs.keys().isdisjoint(self.batch_allocated):
-            for b in self.batch_allocated:
-                if b in self.block_to_jobs:
-                    self.batch_flush.update(self.block_to_jobs[b])
+        if self.block_to_jobs and (alloc or marked):
+            for b, pending in self.block_to_jobs.items():
+                if not self._allocated_now(b):
+                    continue
+                if isinstance(pending, int):
+                    self.batch_flush.add(pending)
+                else:
+                    self.batch_flush.update(pending)
         stores = self._build_boundary_store_jobs(offers) if offers else []
         stores += self._build_store_jobs(scheduled, finished, reqs)
         loads, flush = self.batch_loads, self.batch_flush
@@ -1303,7 +1344,19 @@ class OffloadScheduler:
                 del rs[rid]
                 held.pop(rid, None)
         self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
+        self.alloc_batch += 1
         return stores, loads, flush
+
+    def _allocated_now(self, b: int) -> bool:
+        """Whether block ``b`` is in this batch's allocated block IDs (see ``alloc_mark``)."""
+        if b == NULL:
+            return False
+        mark = self.alloc_mark
+        if mark is not None:
+            m: int = mark[b]
+            if m == self.alloc_batch:
+                return True
+        return bool(self.batch_allocated) and b in self.batch_allocated
 
     def _offloadable(self, st: ReqOffload, n: int) -> int:
         """``_calc_num_offloadable_tokens``; ``offload_prompt_only`` defaults to True in every
@@ -1352,14 +1405,15 @@ class OffloadScheduler:
                               [(boundary // cfg.tokens_per_block - 1, b)])
                 self._new_job(job)
                 st.jobs.add(job.jid)
-                self.block_to_jobs.setdefault(b, set()).add(job.jid)
+                self._fence(b, job.jid)
                 out.append(job)
         return out
 
     def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str], reqs: dict
                           ) -> list[Job]:
         bpc, asserts, tier = self.bpc, self.asserts, self.tier
-        cfgs, storable = self.cfgs, self.storable_chunks
+        cfgs = self.cfgs
+        masks: dict[int, _SlidingWindowStoreMask] = self.sw_store_mask
         out = []
         order = list(scheduled) + [r for r in finished if r not in scheduled]
         for rid in order:
@@ -1383,11 +1437,15 @@ class OffloadScheduler:
                     break
             else:
                 continue        # no group can store a chunk: advance_stored_idx is a no-op too
-            new_keys = []
-            ns = [storable(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
+            new_keys: list = []
+            ns = [self.storable_chunks(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
+            # per group: where its keys start in new_keys when they are all of its chunks
+            # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1
+            whole: list[int] = []
             cow = self.cow_groups
             for cfg, gs, n in zip(cfgs, groups, ns):
                 start = gs.next_stored
+                whole.append(-1)
                 if n <= start or cfg.group_id in cow:
                     continue
                 # the chunks' keys gs.keys[start:n] and their last blocks
@@ -1402,16 +1460,20 @@ class OffloadScheduler:
                         "AssertionError", "_build_store_jobs", "build_store_jobs",
                         f"assert len(offload_keys) == len(offload_block_ids) "
                         f"({nk} != {nb}, group {cfg.group_id})")
-                mask = self.sw_store_mask.get(cfg.group_id) if self.sw_store_mask else None
+                k0, cnt = len(new_keys), min(nk, nb)
+                mask = masks.get(cfg.group_id) if masks else None
                 if mask is not None:
                     reach = mask(start, n, req.num_prompt, self.junction.get(rid, 0))
-                    for i in range(min(nk, nb, len(reach))):
+                    cnt = min(cnt, len(reach))
+                    for i in range(cnt):
                         if bl[b_lo + i * bpc] and reach[i]:     # block not NULL (0), reachable
                             new_keys.append(gkeys[start + i])
-                    continue
-                for i in range(min(nk, nb)):
-                    if bl[b_lo + i * bpc]:              # the keys whose block is not NULL (0)
-                        new_keys.append(gkeys[start + i])
+                else:
+                    for i in range(cnt):
+                        if bl[b_lo + i * bpc]:          # the keys whose block is not NULL (0)
+                            new_keys.append(gkeys[start + i])
+                if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
+                    whole[-1] = k0
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
@@ -1431,8 +1493,12 @@ class OffloadScheduler:
             bpos, bidx, jbids = job.bpos, job.bidx, job.bids
             # the keys to store are a subsequence of new_keys, in the order of the walk below
             # (the same groups and chunks): each chunk's key is the next one to store or not one
-            # (a request's keys are distinct: compared by value)
+            # (a request's keys are distinct: compared by value). When they are all of new_keys
+            # (the same length: the same list), a group whose chunks all went into new_keys
+            # (whole) is stored whole when the walk reaches it at its first key
+            all_new = len(to_store) == len(new_keys)
             j, n_store = 0, len(to_store)
+            gi = 0
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
                 sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
                 start = gs.next_stored
@@ -1440,6 +1506,28 @@ class OffloadScheduler:
                 kidx, gid = gs.kidx, cfg.group_id
                 keys = gs.keys
                 end = min(n, len(keys))
+                w = whole[gi]
+                gi += 1
+                if all_new and w == j:
+                    # chunks start..end-1 are the next keys to store (the same objects), each
+                    # with all its blocks (none NULL: checked above when a chunk is one block);
+                    # appended by slices, as the loop below would append them
+                    m = end - start
+                    lo, hi = start * bpc, end * bpc
+                    sources = bl[lo:hi]
+                    if bpc == 1 or NULL not in sources:
+                        j += m
+                        b0 = len(jbids)
+                        gids.extend([gid] * m)
+                        cidx.extend(self._ints(start, end))
+                        hidx.extend(kidx[start:end])
+                        ckeys.extend(keys[start:end])
+                        bidx.extend(self._ints(lo, hi))
+                        jbids.extend(sources)
+                        sink.extend(sources)
+                        bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
+                        gs.next_stored = max(gs.next_stored, n)
+                        continue
                 bulk = True             # the run test below is tried once per group
                 for c in range(start, end):
                     k = keys[c]
@@ -1456,13 +1544,13 @@ class OffloadScheduler:
                             j += m
                             b0 = len(jbids)
                             gids.extend([gid] * m)
-                            cidx.extend(range(c, end))
+                            cidx.extend(self._ints(c, end))
                             hidx.extend(kidx[c:end])
                             ckeys.extend(keys[c:end])
-                            bidx.extend(range(lo, hi))
+                            bidx.extend(self._ints(lo, hi))
                             jbids.extend(run)
                             sink.extend(run)
-                            bpos.extend(range(b0 + bpc, b0 + m * bpc + 1, bpc))
+                            bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
                             break
                     j += 1
                     gids.append(gid)
@@ -1480,26 +1568,53 @@ class OffloadScheduler:
                 gs.next_stored = max(gs.next_stored, n)
             job.fenced, job.deferred = fenced or None, deferred
             self._new_job(job)
-            st.jobs.add(job.jid)
+            jid = job.jid
+            st.jobs.add(jid)
             for b in fenced:
-                self.block_to_jobs.setdefault(b, set()).add(job.jid)
+                self._fence(b, jid)
             if req.finished:
                 # register the deferred fences; a block re-allocated in this very batch flushes
                 # the new job at once (as _build_store_jobs does for finished requests)
                 for b in deferred:
-                    self.block_to_jobs.setdefault(b, set()).add(job.jid)
-                    if b in self.batch_allocated:
-                        self.batch_flush.add(job.jid)
+                    self._fence(b, jid)
+                    if self._allocated_now(b):
+                        self.batch_flush.add(jid)
             out.append(job)
         return out
 
+    def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
+        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``ints``."""
+        ints = self.ints
+        if hi > len(ints):
+            ints.extend(range(len(ints), hi))
+        return ints[lo:hi] if step == 1 else ints[lo:hi:step]
+
+    def _fence(self, b: int, jid: int) -> None:
+        """Record that job ``jid`` reads block ``b`` (``_block_id_to_pending_jobs``, see
+        ``block_to_jobs``)."""
+        btj = self.block_to_jobs
+        cur = btj.get(b)
+        if cur is None:
+            btj[b] = jid
+        elif isinstance(cur, int):
+            if cur != jid:
+                btj[b] = {cur, jid}
+        else:
+            cur.add(jid)
+
     def _remove_pending(self, jid: int, blocks) -> None:
+        btj = self.block_to_jobs
         for b in blocks or ():
-            s = self.block_to_jobs.get(b)
-            if s is not None:
+            s = btj.get(b)
+            if s is None:
+                continue
+            if isinstance(s, int):
+                if s == jid:
+                    del btj[b]
+            else:
                 s.discard(jid)
                 if not s:
-                    del self.block_to_jobs[b]
+                    del btj[b]
 
     def complete_job(self, jid: int) -> Job:
         """``update_connector_output`` for one completed job."""
@@ -1529,7 +1644,7 @@ class OffloadScheduler:
         self.update_offload_keys(st, "request_finished")
         for jid in st.jobs:
             for b in self.jobs[jid].deferred or ():
-                self.block_to_jobs.setdefault(b, set()).add(jid)
+                self._fence(b, jid)
 
     def quiet(self) -> bool:
         return not self.jobs
