@@ -26,7 +26,8 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final, Iterable
+from array import array
+from typing import TYPE_CHECKING, Any, Final, Iterable, Sequence
 
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
@@ -112,13 +113,18 @@ class Request:
                  "key_strides",
                  "hit_blocks")
 
-    def __init__(self, rid: str, index: int, spec, prompt: list[int], max_tokens: int, unit: int,
-                 num_groups: int, prefix_of: Request | None = None, prefix_units: int = 0):
+    def __init__(self, rid: str, index: int, spec, prompt: Sequence[int], max_tokens: int,
+                 unit: int, num_groups: int, prefix_of: Request | None = None,
+                 prefix_units: int = 0):
         """``prefix_of``: an earlier request whose prompt starts with the same tokens as this one
         for ``prefix_units`` whole units: their identities (and keys) are its own, not hashed
         again."""
         self.rid, self.index, self.spec = rid, index, spec
-        self.tokens = list(prompt)
+        # the token ids (>= 0), in an array of unsigned 64-bit ints, not a list: the garbage
+        # collector walks every item of a list at each collection that sees it (several hundred
+        # per request), never an array's. Read back as equal ints (the same hashes: see
+        # _extend_ident). ("Q": its append converts an int as fast as a list appends it.)
+        self.tokens: array[int] = array("Q", prompt)
         self.num_prompt = len(prompt)
         self.max_tokens = max_tokens
         self.num_computed = 0
@@ -161,7 +167,7 @@ class Request:
         # (Any, not object: mypy does not narrow an Any variable to int on assignment, so the
         # compiled build appends the int object hash() made instead of unboxing and re-boxing it)
         prev: Any = ident[-1] if ident else 0x5EED
-        new = tuple(tokens[k * unit:n * unit])
+        new = tuple(tokens[k * unit:n * unit].tolist())    # (tolist: the array's ints at once)
         j, end = 0, (n - k) * unit
         while j < end:
             prev = hash((prev, new[j:j + unit]))
@@ -201,7 +207,10 @@ class Request:
         return keys
 
     def append_tokens(self, new: list[int]) -> None:
-        self.tokens.extend(new)
+        if len(new) == 1:
+            self.tokens.append(new[0])      # (one token: no iterator)
+        else:
+            self.tokens.extend(new)
         self._extend_ident()
 
     def ident_at(self, end: int) -> int | None:

@@ -33,7 +33,7 @@ from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
                                 WAITING_FOR_LOAD, Key, KVCacheManager, Request, make_key)
-from simsched.case import VOCAB, Case, load_case
+from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                derive, effective_block_size, prefix_cacheable_groups)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
@@ -154,8 +154,14 @@ class Model:
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
-        # a prompt's first segment (seed, length) -> the first request that had it (_arrival)
-        self.segment_first: dict[tuple, Request] = {}
+        # the prompt-only requests of the case's prompts (see _prompt), kept in the case's memo
+        # per hash unit and number of groups: a prompt -> its request; a prompt's first segment
+        # (seed, length) -> the first prompt-only request made with it
+        n_groups = len(layout.groups)
+        self.prompts: dict[tuple, Request] = case.memo.setdefault(
+            ("prompts", self.unit, n_groups), {})
+        self.segment_first: dict[tuple, Request] = case.memo.setdefault(
+            ("segment_first", self.unit, n_groups), {})
         # Scheduler.schedule drains a first waiting queue before ``waiting``: up to 0.30.0
         # ``skipped_waiting`` (every request skipped at an earlier step: a load in flight, no
         # lookup result), from 0.31.0 ``kv_holding_waiting`` (requests holding blocks: loading or
@@ -217,17 +223,31 @@ class Model:
             req.off = None
 
     # --- event handlers -----------------------------------------------------------------------
+    def _prompt(self, spec: RequestSpec) -> Request:
+        """The prompt-only request of ``spec``'s prompt: its tokens and the identities (and,
+        once asked, keys) of its whole units, which every request with that prompt takes as its
+        own (``prefix_of``) instead of hashing them again. They are pure functions of the prompt
+        and the hash unit, so it is made once per case (``Case.memo``), is never scheduled and
+        never gets a token. Prompts that start with the same segment share its tokens (case.py):
+        the identities and keys of its whole units are made once, by the first such prompt."""
+        proto = self.prompts.get(spec.prompt)
+        if proto is None:
+            first = spec.prompt[0]
+            prefix_of = self.segment_first.get(first)
+            tokens = spec.prompt_tokens()
+            proto = Request(spec.id, -1, None, tokens, len(tokens), self.unit,
+                            len(self.case.layout.groups), prefix_of, first[1] // self.unit)
+            if prefix_of is None:
+                self.segment_first[first] = proto
+            self.prompts[spec.prompt] = proto
+        return proto
+
     def _arrival(self, data) -> None:
         i, spec = data[0], data[1]
         self.future_events -= 1
-        # requests whose prompts start with the same segment share its tokens (case.py): the
-        # identities and keys of its whole units are made once, by the first such request
-        first = spec.prompt[0]
-        prefix_of = self.segment_first.get(first)
-        req = Request(spec.id, i, spec, spec.prompt_tokens(), spec.prompt_len + spec.decode,
-                      self.unit, len(self.case.layout.groups), prefix_of, first[1] // self.unit)
-        if prefix_of is None:
-            self.segment_first[first] = req
+        proto = self._prompt(spec)
+        req = Request(spec.id, i, spec, proto.tokens, spec.prompt_len + spec.decode, self.unit,
+                      len(self.case.layout.groups), proto, len(proto.ident))
         self.reqs[spec.id] = req
         self.off.on_new_request(req)
         self.waiting.append(req)
