@@ -465,6 +465,11 @@ class KVCacheManager:
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
         # the cacheable groups other than full attention (find_hit checks their reach at a hit)
         self.rest_rules = [r for r in self.cacheable_rules if r.code != FULLISH]
+        # find_hit's per rest group state during a search: the run of blocks found cached
+        # [reach_lo[x], reach_hi[x]) and the group's key list
+        self.reach_lo = [0] * len(self.rest_rules)
+        self.reach_hi = [0] * len(self.rest_rules)
+        self.reach_keys: list[list[Key]] = [[] for _ in self.rest_rules]
         self.junction = 0          # the last find_hit's shared_prefix_boundary
         # use_eagle_block_drop (EAGLE-style speculative decoding): the last block of a GPU
         # prefix hit is dropped, the drafter needs the tokens before the generation point
@@ -559,13 +564,17 @@ class KVCacheManager:
         # or before block j (the same first L that succeeds as trying every multiple of align).
         # Any missing block of the reach will do: the lowest one skips the most candidates, so
         # the reach is searched from its start; the run of blocks found cached ([ok_lo[x],
-        # ok_hi[x]) for the x-th group) is not looked up again at a smaller L
+        # ok_hi[x]) for the x-th rest group) is not looked up again at a smaller L
         rest = self.rest_rules
         full_hit = L
         if rest:
-            ok_lo = [0] * len(rest)
-            ok_hi = [0] * len(rest)
-            rest_keys = [req.keys(r.gid, r.bs) for r in rest]
+            # (scratch lists of this manager, reset here: no lists made per search)
+            ok_lo, ok_hi, rest_keys = self.reach_lo, self.reach_hi, self.reach_keys
+            x = 0
+            for r in rest:
+                ok_lo[x] = ok_hi[x] = 0
+                rest_keys[x] = req.keys(r.gid, r.bs)
+                x += 1
             while L > 0:
                 x = 0
                 for r in rest:

@@ -825,8 +825,8 @@ class Model:
                 if nb is None:
                     kv.free(req)
                     break
-                # is_cached(block): the block's hash (a tuple, true) or None
-                job = off.update_state_after_alloc(req, req.tables, ext, pool.key.__getitem__)
+                # is_cached(block): the block's hash (BlockPool.key) or None
+                job = off.update_state_after_alloc(req, req.tables, ext, pool.key)
                 assert job is not None             # ext > 0: a load job
                 self._violation(inv.check_load_ready(self.step_no, off.tier, job))
                 if self.tracing:

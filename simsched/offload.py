@@ -1167,11 +1167,11 @@ class OffloadScheduler:
         return num_hit
 
     def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
-                                 is_cached) -> Job | None:
+                                 block_keys: list | None) -> Job | None:
         """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
-        block tables (every KV cache group), ``is_cached(block)`` is the block hash a block carries
-        (its GPU prefix-cache key: a GPU prefix hit), None if none. Without a load the request
-        is scheduled in this step."""
+        block tables (every KV cache group), ``block_keys[block]`` is the block hash a block
+        carries (its GPU prefix-cache key, ``BlockPool.key``: a GPU prefix hit), None if none
+        (``is_cached``). Without a load the request is scheduled in this step."""
         alloc, bpc = self.batch_allocated, self.bpc
         # (NULL is never in batch_allocated outside these updates: null placeholders are not
         # allocations; adding the tables whole and dropping NULL after is the same set)
@@ -1204,9 +1204,10 @@ class OffloadScheduler:
                 alloc.discard(NULL)
             n_gpu = -(-num_cached // tpb)
             n_local = n_gpu
+            assert block_keys is not None         # (num_external > 0: given)
             for i in range(n_gpu):
-                b = blocks[i]
-                if b != NULL and is_cached(b) is None:
+                bi: int = blocks[i]
+                if bi != NULL and block_keys[bi] is None:
                     n_local = i
                     break
             if n_gpu - n_local:
