@@ -861,7 +861,8 @@ class KVCacheManager:
         1)`` is a no-op given the current tables (no skipped block to free, no block to add, no
         block to offer to the prefix cache); -1 if none. Freeing blocks, a hit or caching only
         make the real bound larger, so a stale bound is safe; ``free``/``apply_hit`` reset it."""
-        bound = 1 << 62
+        bound = -1
+        unset = True        # no bound yet (1 << 62, past the compiled build's native ints)
         tables, done = req.tables, req.num_cached_blocks
         for r in self.rules:
             table = tables[r.gid]
@@ -871,8 +872,9 @@ class KVCacheManager:
                     return -1
                 continue
             b = have * bs - 1                          # ceil((c + 1) / bs) <= have
-            if b < bound:
+            if unset or b < bound:
                 bound = b
+                unset = False
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
                 lead = 0                               # the index of the first real block
                 while lead < have and table[lead] == NULL:
@@ -893,7 +895,7 @@ class KVCacheManager:
                     b = (d + 1) * bs - 2
                     if b < bound:
                         bound = b
-        return bound
+        return (1 << 62) if unset else bound
 
     def free(self, req: Request) -> list[int]:
         """Free every block of ``req``, tail first; returns the freed block IDs."""
@@ -906,7 +908,7 @@ class KVCacheManager:
             table.reverse()                     # tail first (the table is emptied below)
             self.pool.free_blocks(table)
             freed.extend(table)
-            table.clear()
+            del table[:]                        # (clear(): a method call when compiled)
         return freed
 
     def forget(self, req: Request) -> None:

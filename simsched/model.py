@@ -581,6 +581,7 @@ class Model:
         rules, fences = kv.rules, self.pending_reads
         fenced = fences.count           # per block: the pending store jobs that read it
         gpu, unit = shadow.gpu, self.unit
+        nums: list[Any] = shadow.nums
         seed = self.case.seed
         inflight = self.inflight
         asy = self.async_
@@ -591,7 +592,7 @@ class Model:
             if nb is None:
                 # quiet decode: write_computed of one token that completes no block, inlined
                 # (the content's ints as the shadow's objects, see Shadow.nums)
-                eo = shadow.num(end)
+                eo = nums[end] if end < len(nums) else shadow.num(end)
                 fb: list[tuple[Any, Any]] = req.fast_blocks
                 for go, bo in fb:
                     b: int = bo
