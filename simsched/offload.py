@@ -668,20 +668,22 @@ class _SlidingWindowStoreMask:
     reachable when any of its blocks is.
     """
 
-    def __init__(self, cfg, window: int, geometry, retention: int):
-        self.bpc = geometry.blocks_per_chunk
-        self.align = geometry.alignment_tokens
-        self.bs = bs = cfg.tokens_per_block
+    def __init__(self, cfg: GroupGeometry, window: int, geometry: Geometry, retention: int):
+        self.bpc: int = geometry.blocks_per_chunk
+        self.align: int = geometry.alignment_tokens or 0      # (0: None, then dense)
+        self.bs: int = cfg.tokens_per_block
+        bs = self.bs
         eagle = cfg.drafter
-        self.need = -(-(window - 1) // bs) + (1 if eagle else 0)
-        self.shift = 1 if eagle else 0
-        self.retention = retention
-        # None: every block reachable (no alignment, a sub-block alignment, or a dense segment)
-        self.dense = self.align is None or self.align % bs != 0 or (
+        self.need: int = -(-(window - 1) // bs) + (1 if eagle else 0)
+        self.shift: int = 1 if eagle else 0
+        self.retention: int = retention
+        # every block reachable (no alignment, a sub-block alignment, or a dense segment)
+        self.dense: bool = geometry.alignment_tokens is None or self.align % bs != 0 or (
             retention > 0 and self.need >= retention // bs)
 
-    def __call__(self, start_chunk: int, end_chunk: int, num_prompt: int,
-                 junction: int = 0) -> list[bool]:
+    def reachable(self, start_chunk: int, end_chunk: int, num_prompt: int,
+                  junction: int = 0) -> list[bool]:
+        """Whether each chunk ``start_chunk..end_chunk-1`` is reachable."""
         bpc, need, shift, bs = self.bpc, self.need, self.shift, self.bs
         n = end_chunk - start_chunk
         if self.dense:
@@ -939,11 +941,7 @@ class OffloadScheduler:
                 n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
                 if n_new:
                     gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
-                    kidx = gs.kidx
-                    j = first
-                    while j < num_hashes:
-                        kidx.append(j)
-                        j += hpc
+                    gs.kidx.extend(self._ints(first, num_hashes, hpc))
                 continue
             idx = offload_key_indices(cfg, num_hashes, m, profile)
             if idx:
@@ -1464,7 +1462,7 @@ class OffloadScheduler:
                 k0, cnt = len(new_keys), min(nk, nb)
                 mask = masks.get(cfg.group_id) if masks else None
                 if mask is not None:
-                    reach = mask(start, n, req.num_prompt, self.junction.get(rid, 0))
+                    reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
                     cnt = min(cnt, len(reach))
                     for i in range(cnt):
                         if bl[b_lo + i * bpc] and reach[i]:     # block not NULL (0), reachable
