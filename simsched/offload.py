@@ -46,7 +46,7 @@ class CPUTier:
     slot, an index into the parallel lists ``ready`` (its store completed), ``refs`` (loads in
     flight: vLLM's ``ref_cnt``), ``content`` (what it holds, once ready) and ``rank`` (its
     recency rank, :class:`RankedCPUTier`, or stamp, :class:`ListCPUTier`). The slots of evicted
-    chunks are reused (``free``)."""
+    chunks are reused (``free``); a slot not in use is not ready and holds no load or content."""
 
     def __init__(self, capacity: int, evictable_list: bool = False):
         self.capacity = capacity
@@ -65,6 +65,7 @@ class CPUTier:
         self.content: list = []
         self.rank: list[int] = []
         self.free: list[int] = []
+        self.n_slots = 0                    # slots ever used (the lists may be longer)
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
         self.touches = True
         self.evictions = 0
@@ -79,13 +80,17 @@ class CPUTier:
         free = self.free
         if free:
             s = free.pop()
-            self.rank[s] = rank
         else:
-            s = len(self.ready)
-            self.ready.append(False)
-            self.refs.append(0)
-            self.content.append(None)
-            self.rank.append(rank)
+            s = self.n_slots
+            self.n_slots = s + 1
+            if s == len(self.ready):
+                # (the lists grow by blocks of fresh slots: not ready, no load, no content)
+                n = max(64, s)
+                self.ready.extend([False] * n)
+                self.refs.extend([0] * n)
+                self.content.extend([None] * n)
+                self.rank.extend([0] * n)
+        self.rank[s] = rank
         self.entries[key] = s
 
     def _drop(self, key) -> None:
