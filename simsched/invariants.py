@@ -13,7 +13,7 @@ from itertools import chain, compress, repeat
 from operator import is_, itemgetter
 from typing import Any
 
-from simsched.allocator import NULL, Key, key_ident
+from simsched.allocator import NULL, key_ident
 from simsched.offload import Job
 
 INVARIANTS = {
@@ -285,11 +285,12 @@ class ReadFences:
 
 def check_load_ready(step: int, tier, job) -> InvariantViolation | None:
     """INV-7: every chunk a load job reads is ready (its store completed)."""
-    entries: dict[Key, list] = tier.entries
+    entries: dict = tier.entries      # (key -> slot; see offload.CPUTier)
+    ready: list[bool] = tier.ready
     ckeys: list = job.ckeys
     for x in range(len(ckeys)):
-        e = entries.get(ckeys[x])
-        if e is None or not e[0]:
+        s = entries.get(ckeys[x])
+        if s is None or not ready[s]:
             return InvariantViolation("INV-7", step, f"load of chunk g{job.gids[x]}:"
                                       f"{job.hidx[x]} whose store has not completed")
     return None
@@ -316,7 +317,8 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
     # reach's start only grows with T): the search resumes at the largest T ending before it
     # (T only shrinks: per group, the chunks [v0, v1) known ready from an earlier T are not
     # looked up again)
-    entries = tier.entries
+    entries: dict = tier.entries      # (key -> slot; see offload.CPUTier)
+    ready: list[bool] = tier.ready
     known = [(0, 0)] * len(st.groups)
     while T - local >= 1:
         for g, (cfg, gs) in enumerate(zip(off.cfgs, st.groups)):
@@ -335,7 +337,7 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
             else:
                 v0, v1 = known[g]
                 c = (v0 if v0 < top <= v1 else top) - 1
-                while c >= lo and (e := entries.get(keys[c])) is not None and e[0]:
+                while c >= lo and (s := entries.get(keys[c])) is not None and ready[s]:
                     c -= 1                         # c: the last chunk in reach not ready
                 known[g] = (c + 1, top)
             if c >= lo:

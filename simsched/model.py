@@ -32,7 +32,7 @@ from typing import Any, Final
 from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
-                                WAITING_FOR_LOAD, Key, KVCacheManager, Request, make_key)
+                                WAITING_FOR_LOAD, KVCacheManager, Request, make_key)
 from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                derive, effective_block_size, prefix_cacheable_groups)
@@ -385,11 +385,12 @@ class Model:
     def _load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
-        entries: dict[Key, list] = self.off.tier.entries
+        tier = self.off.tier
         shadow = self.shadow
         bpos, ckeys = job.bpos, job.ckeys
         for x in range(len(ckeys)):
-            shadow.write_chunk(job.bidx, job.bids, bpos[x], bpos[x + 1], entries[ckeys[x]][2])
+            shadow.write_chunk(job.bidx, job.bids, bpos[x], bpos[x + 1],
+                               tier.content_of(ckeys[x]))
         written = job.bids          # every destination block, in order
         self._violation(self.pending_reads.check(self.step_no, written, "load", str(jid)))
         self.off.complete_job(jid)

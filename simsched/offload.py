@@ -21,7 +21,7 @@ from heapq import heappop, heappush
 from collections import OrderedDict, deque
 from typing import Any, Final
 
-from simsched.allocator import ABORTED, NULL, Key, Request, key_group, key_ident, make_key
+from simsched.allocator import ABORTED, NULL, Key, Request, key_group, make_key
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
@@ -40,7 +40,13 @@ class ModelCrash(ConfigError):
 
 
 class CPUTier:
-    """``CPUOffloadingManager`` with the LRU policy; capacity in chunks."""
+    """``CPUOffloadingManager`` with the LRU policy; capacity in chunks.
+
+    A chunk's state is kept by slot, with no object per chunk: ``entries`` maps its key to its
+    slot, an index into the parallel lists ``ready`` (its store completed), ``refs`` (loads in
+    flight: vLLM's ``ref_cnt``), ``content`` (what it holds, once ready) and ``rank`` (its
+    recency rank, :class:`RankedCPUTier`, or stamp, :class:`ListCPUTier`). The slots of evicted
+    chunks are reused (``free``); a slot not in use is not ready and holds no load or content."""
 
     def __init__(self, capacity: int, evictable_list: bool = False):
         self.capacity = capacity
@@ -48,13 +54,18 @@ class CPUTier:
         # it becomes evictable (store or last load completes) and touches move only evictable
         # chunks; 0.31.0+ rank chunks instead (RankedCPUTier)
         self.evictable_list = evictable_list
-        # key -> [ready, ref_cnt, content]. ``lru``: the LRU order (first = least recently
-        # used): with the evictable list, the evictable chunks only (ready, ref_cnt 0; the
-        # positions of the others never matter: they join the MRU end when they become
-        # evictable), else the same mapping as ``entries``, ordered (RankedCPUTier keeps a plain
-        # dict and no LRU order)
-        self.lru: OrderedDict[Key, list] = OrderedDict()
-        self.entries: dict[Key, list] = {} if evictable_list else self.lru
+        # key -> slot. ``lru``: the LRU order (first = least recently used): with the evictable
+        # list, the evictable chunks only (ready, ref_cnt 0; the positions of the others never
+        # matter: they join the MRU end when they become evictable), else the same mapping as
+        # ``entries``, ordered (RankedCPUTier keeps a plain dict and no LRU order)
+        self.lru: OrderedDict[Key, int] = OrderedDict()
+        self.entries: dict[Key, int] = {} if evictable_list else self.lru
+        self.ready: list[bool] = []
+        self.refs: list[int] = []
+        self.content: list = []
+        self.rank: list[int] = []
+        self.free: list[int] = []
+        self.n_slots = 0                    # slots ever used (the lists may be longer)
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
         self.touches = True
         self.evictions = 0
@@ -64,11 +75,45 @@ class CPUTier:
         self.version = 0
         self.content_version = 0
 
+    def _add(self, key, rank: int) -> None:
+        """A new chunk (not ready, no load in flight) under ``key``, at a free slot."""
+        free = self.free
+        if free:
+            s = free.pop()
+        else:
+            s = self.n_slots
+            self.n_slots = s + 1
+            if s == len(self.ready):
+                # (the lists grow by blocks of fresh slots: not ready, no load, no content)
+                n = max(64, s)
+                self.ready.extend([False] * n)
+                self.refs.extend([0] * n)
+                self.content.extend([None] * n)
+                self.rank.extend([0] * n)
+        self.rank[s] = rank
+        self.entries[key] = s
+
+    def _drop(self, key) -> None:
+        """Evict the chunk of ``key`` (ready, no load in flight): its slot is free."""
+        s = self.entries.pop(key)
+        self.ready[s] = False
+        self.content[s] = None
+        self.free.append(s)
+
     def lookup(self, key) -> int:
-        e = self.entries.get(key)
-        if e is None:
+        s = self.entries.get(key)
+        if s is None:
             return MISS
-        return HIT if e[0] else HIT_PENDING
+        return HIT if self.ready[s] else HIT_PENDING
+
+    def is_ready(self, key) -> bool:
+        """The chunk of ``key`` is there and its store completed."""
+        s = self.entries.get(key)
+        return s is not None and self.ready[s]
+
+    def content_of(self, key):
+        """What the chunk of ``key`` holds (it is there and ready)."""
+        return self.content[self.entries[key]]
 
     def touch(self, keys) -> None:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
@@ -99,42 +144,43 @@ class CPUTier:
                         if len(victims) == n_evict:
                             break
             else:
-                for k, e in lru.items():
-                    if e[0] and e[1] == 0 and k not in protected:
+                ready, refs = self.ready, self.refs
+                for k, s in lru.items():
+                    if ready[s] and refs[s] == 0 and k not in protected:
                         victims.append(k)
                         if len(victims) == n_evict:
                             break
             if len(victims) < n_evict:
                 return None
             for k in victims:
-                del entries[k]
+                self._drop(k)
                 if self.evictable_list:
                     del lru[k]
             self.evictions += len(victims)
         for k in to_store:
-            entries[k] = [False, 0, None]
+            self._add(k, 0)
         return to_store
 
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
         self.content_version += 1
-        entries = self.entries
+        entries, ready = self.entries, self.ready
         for k in keys:
-            e = entries.get(k)
-            if e is not None and not e[0]:
-                e[0] = True
-                e[2] = contents.get(k)
-                if self.evictable_list and not e[1]:
-                    self.lru[k] = e             # evictable now: the MRU end
+            s = entries.get(k)
+            if s is not None and not ready[s]:
+                ready[s] = True
+                self.content[s] = contents.get(k)
+                if self.evictable_list and not self.refs[s]:
+                    self.lru[k] = s             # evictable now: the MRU end
 
     def prepare_load(self, keys, st=None) -> None:
         self.version += 1
         self.content_version += 1
-        entries = self.entries
+        entries, refs = self.entries, self.refs
         for k in keys:
-            e = entries[k]
-            e[1] += 1
-            if self.evictable_list and e[1] == 1 and e[0]:
+            s = entries[k]
+            refs[s] += 1
+            if self.evictable_list and refs[s] == 1 and self.ready[s]:
                 del self.lru[k]                 # not evictable while loaded
 
     def on_request_finished(self, st) -> None:
@@ -143,11 +189,12 @@ class CPUTier:
     def complete_load(self, keys) -> None:
         self.version += 1
         self.content_version += 1
+        entries, refs = self.entries, self.refs
         for k in keys:
-            e = self.entries[k]
-            e[1] -= 1
-            if not e[1] and e[0] and self.evictable_list:
-                self.lru[k] = e                 # evictable now: the MRU end
+            s = entries[k]
+            refs[s] -= 1
+            if not refs[s] and self.ready[s] and self.evictable_list:
+                self.lru[k] = s                 # evictable now: the MRU end
 
 
 # a rank ``(rank, -position)`` is kept as one int, ``rank * RANK_UNIT - position`` (a token
@@ -192,8 +239,8 @@ class RankedCPUTier(CPUTier):
     store jobs) every chunk it accessed takes a fresh rank, tail first, so that its head is the
     most recent. The connector never calls ``touch`` from 0.31.0 on.
 
-    A chunk's rank is the fourth element of its entry, ``[ready, ref_cnt, content, rank]``, an int
-    (see ``RANK_UNIT``); ``entries`` is a plain dict (eviction follows the ranks, not its order).
+    A chunk's rank is ``rank[slot]``, an int (see ``RANK_UNIT``); ``entries`` is a plain dict
+    (eviction follows the ranks, not its order).
     """
 
     def __init__(self, capacity: int, request_ranks: bool, cfgs):
@@ -292,6 +339,7 @@ class RankedCPUTier(CPUTier):
                 self._first_unknown(a, k)       # positions only matter at finish
             return
         codes, order, entries, ng = self._codes(a, st), a.order, self.entries, self.n_groups
+        rank = self.rank
         for k in keys:
             v = codes.get(k, -1)
             if v < 0:
@@ -300,11 +348,11 @@ class RankedCPUTier(CPUTier):
                 codes[k] = v | 1
                 order.append(k)
                 rr = self._request_rank(a)
-                e = entries.get(k)
-                if e is not None:
+                s = entries.get(k)
+                if s is not None:
                     r = rr * RANK_UNIT - (v >> 1) // ng
-                    if e[3] < r:
-                        self._set_rank(k, e, r)
+                    if rank[s] < r:
+                        self._set_rank(k, s, r)
 
     def prepare_store(self, keys, st=None) -> list | None:
         entries = self.entries
@@ -313,20 +361,21 @@ class RankedCPUTier(CPUTier):
         # _access of the new and the ready keys, in one pass with the keys to store
         a = self._state(st)
         to_store: list = []
+        ready = self.ready
         if not self.request_ranks:
             for k in keys:
-                e = entries.get(k)
-                if e is None:
+                s = entries.get(k)
+                if s is None:
                     to_store.append(k)
-                elif not e[0]:
+                elif not ready[s]:
                     continue
                 self._first_unknown(a, k)       # positions only matter at finish
             return self._insert(to_store, keys, None, None)
         codes, order, ng = self._codes(a, st), a.order, self.n_groups
         to_codes: list[int] = []
         for k in keys:
-            e = entries.get(k)
-            if e is None:
+            s = entries.get(k)
+            if s is None:
                 to_store.append(k)
                 v = codes.get(k, -1)
                 to_codes.append(v)
@@ -336,7 +385,7 @@ class RankedCPUTier(CPUTier):
                     codes[k] = v | 1
                     order.append(k)
                     self._request_rank(a)
-            elif e[0]:
+            elif ready[s]:
                 v = codes.get(k, -1)
                 if v < 0:
                     self._first_unknown(a, k)
@@ -344,8 +393,8 @@ class RankedCPUTier(CPUTier):
                     codes[k] = v | 1
                     order.append(k)
                     r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
-                    if e[3] < r:
-                        self._set_rank(k, e, r)
+                    if self.rank[s] < r:
+                        self._set_rank(k, s, r)
         return self._insert(to_store, keys, a, to_codes)
 
     def _insert(self, to_store: list, keys, a: _ReqAccess | None, to_codes: list[int] | None
@@ -363,7 +412,7 @@ class RankedCPUTier(CPUTier):
             if victims is None:
                 return None
             for k in victims:
-                del entries[k]
+                self._drop(k)
             self.evictions += n_evict
         ng = self.n_groups
         for i, k in enumerate(to_store):
@@ -374,12 +423,12 @@ class RankedCPUTier(CPUTier):
             else:
                 assert a is not None
                 r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
-            entries[k] = [False, 0, None, r]     # not evictable (not ready): not in the heap
+            self._add(k, r)                     # not evictable (not ready): not in the heap
         return to_store
 
-    def _set_rank(self, k, e: list, r: int) -> None:
-        e[3] = r
-        if self.heap is not None and e[0] and not e[1]:
+    def _set_rank(self, k, s: int, r: int) -> None:
+        self.rank[s] = r
+        if self.heap is not None and self.ready[s] and not self.refs[s]:
             self._push((r, k))
 
     def _push(self, item: tuple) -> None:
@@ -402,17 +451,18 @@ class RankedCPUTier(CPUTier):
         is a copy of the item just seen (equal items surface one after the other); protected
         chunks go back."""
         entries, fresh, head = self.entries, self.fresh, self.head
+        ready, refs, rank = self.ready, self.refs, self.rank
         if self.heap is None:                  # built at the first eviction, kept up after
             self.heap = []
-            fresh += sorted([(e[3], k) for k, e in entries.items() if e[0] and not e[1]])
+            fresh += sorted([(rank[s], k) for k, s in entries.items() if ready[s] and not refs[s]])
         heap = self.heap
         if len(heap) + len(fresh) - head > 2 * len(entries):
             # mostly items to drop: drop them at once (cheaper than popping each), the rest
             # sorted into ``fresh``
-            kept = [item for item in fresh[head:] if (e := entries.get(item[1])) is not None
-                    and e[3] == item[0] and e[0] and not e[1]]
-            kept += [item for item in heap if (e := entries.get(item[1])) is not None
-                     and e[3] == item[0] and e[0] and not e[1]]
+            kept = [item for item in fresh[head:] if (s := entries.get(item[1])) is not None
+                    and rank[s] == item[0] and ready[s] and not refs[s]]
+            kept += [item for item in heap if (s := entries.get(item[1])) is not None
+                     and rank[s] == item[0] and ready[s] and not refs[s]]
             kept.sort()
             heap.clear()
             fresh[:] = kept
@@ -430,8 +480,8 @@ class RankedCPUTier(CPUTier):
             else:
                 break
             r, k = item
-            e = entries.get(k)
-            if e is None or e[3] != r or not e[0] or e[1] or item == last:
+            s = entries.get(k)
+            if s is None or rank[s] != r or not ready[s] or refs[s] or item == last:
                 continue                       # stale, not evictable, or a copy
             last = item
             (passed if k in protected else victims).append(item)
@@ -476,65 +526,65 @@ class RankedCPUTier(CPUTier):
                     if all(k in codes for k in keys):
                         keys = sorted(keys, key=codes.__getitem__)
                     flat += keys
-        entries, heap = self.entries, self.heap
+        entries, heap, rank = self.entries, self.heap, self.rank
         r = self.next_rank * RANK_UNIT
         for k in reversed(flat):
-            e = entries.get(k)
-            if e is not None:
+            s = entries.get(k)
+            if s is not None:
                 r += RANK_UNIT
-                e[3] = r
-                if heap is not None and e[0] and not e[1]:
+                rank[s] = r
+                if heap is not None and self.ready[s] and not self.refs[s]:
                     self._push((r, k))
         self.next_rank = r // RANK_UNIT
 
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
         self.content_version += 1
-        entries, heap = self.entries, self.heap
+        entries, heap, ready = self.entries, self.heap, self.ready
         for k in keys:
-            e = entries.get(k)
-            if e is not None and not e[0]:
-                e[0] = True
-                e[2] = contents.get(k)
-                if heap is not None and not e[1]:
-                    self._push((e[3], k))     # evictable now
+            s = entries.get(k)
+            if s is not None and not ready[s]:
+                ready[s] = True
+                self.content[s] = contents.get(k)
+                if heap is not None and not self.refs[s]:
+                    self._push((self.rank[s], k))     # evictable now
 
     def complete_load(self, keys) -> None:
         self.version += 1
         self.content_version += 1
-        entries, heap = self.entries, self.heap
+        entries, heap, refs = self.entries, self.heap, self.refs
         for k in keys:
-            e = entries[k]
-            e[1] -= 1
-            if heap is not None and not e[1] and e[0]:
-                self._push((e[3], k))         # evictable now
+            s = entries[k]
+            refs[s] -= 1
+            if heap is not None and not refs[s] and self.ready[s]:
+                self._push((self.rank[s], k))     # evictable now
 
 
-class ListCPUTier(RankedCPUTier):
-    """0.25.1-0.30.0 ``LRUCachePolicy`` with its evictable list: a chunk joins the MRU end when it
-    becomes evictable (its store completes, or its last load), ``touch`` moves the evictable ones
-    of the keys given to the MRU end (last key first, so the first key ends most recent), and
-    eviction takes the evictable chunks from the LRU end (skipping the keys being stored).
+class ListCPUTier(CPUTier):
+    """0.25.1-0.30.0 ``LRUCachePolicy`` with its evictable list (:class:`CPUTier` with
+    ``evictable_list``: a chunk joins the MRU end when it becomes evictable, its store or its last
+    load completing; ``touch`` moves the evictable ones of the keys given to the MRU end, last key
+    first; eviction takes the evictable chunks from the LRU end), built lazily: the order only
+    matters once a store must evict, and until then most of the work on it would be touches (of
+    keys mostly not there) and store completions (in the order of vLLM's key set,
+    :func:`tuple_set_order`).
 
-    The list is kept as stamps: ``clock`` counts every move (join or touch) ever made, and a chunk's
-    place in the list is the stamp of its last move, the fourth element of its entry ``[ready,
-    ref_cnt, content, stamp]`` (the rank slot of :class:`RankedCPUTier`, whose eviction heap
-    then takes the lowest stamps first: the LRU end). Touches and store completions are the
-    bulk of the moves and the order only matters when a store must evict, so those two are not
-    applied at once but logged (``log``, with the stamps they take) and applied, in order, when
-    an eviction needs the order (or the log grows long): a touch event ``(keys, lo, hi, t)``
-    gives ``keys[i]`` (lo <= i < hi) the stamp ``t + hi - 1 - i`` if it is evictable then and its
-    stamp is lower (it joined the list before the touch: a chunk that is evictable at the time
-    of the application and was then has been so since, a later join gives it a higher stamp);
-    a store completion ``(keys, -1, n, s)`` joined its keys at the stamp ``s``, a placeholder,
-    and gives each one still there ``s`` + its index in the order of the set vLLM holds
-    (:func:`tuple_set_order`, computed then). A touch whose keys a later touch of the same list
-    covers does nothing (the later stamps are higher) and is skipped."""
+    Until the first eviction (``lazy``) the order is kept as stamps: ``clock`` counts the moves
+    (joins, touched keys), and a chunk's place in the list is the stamp of its last move, kept
+    in ``rank[slot]``. A load completion stamps its chunks at once; touches and store completions are logged (``log``, with the stamps they
+    take) and applied, in order, at the first eviction (or when the log grows long): a touch
+    ``(keys, lo, hi, t)`` gives ``keys[i]`` (lo <= i < hi) the stamp ``t + hi - 1 - i`` if the
+    chunk is evictable then and its stamp is lower (a chunk evictable then has been so since it
+    last joined: it was there at the touch if it joined before, which its lower stamp says); a
+    store completion ``(keys, -1, n, t)`` joined its keys at the placeholder stamp ``t`` and
+    gives each one still there ``t`` + its index in set order. A touch whose keys a later touch
+    of the same list covers is skipped (the later stamps are higher). At the first eviction the
+    evictable chunks go into the ``lru`` in stamp order, and the tier works as the evictable list
+    from then on."""
 
     def __init__(self, capacity: int):
-        super().__init__(capacity, False, ())
-        self.evictable_list = True
-        self.touches = True
+        super().__init__(capacity, True)
+        self.lazy = True
         self.clock = 0
         self.log: list[tuple] = []
 
@@ -542,7 +592,11 @@ class ListCPUTier(RankedCPUTier):
         self.touch_range(keys, 0, len(keys))
 
     def touch_range(self, keys: list, lo: int, hi: int) -> None:
-        """``touch(keys[lo:hi])``, logged (``keys`` may grow after: only ``[lo, hi)`` counts)."""
+        """``touch(keys[lo:hi])``; logged while lazy (``keys`` may grow after: ``[lo, hi)``
+        counts)."""
+        if not self.lazy:
+            super().touch(keys[lo:hi] if lo or hi != len(keys) else keys)
+            return
         self.version += 1
         if hi > lo:
             self.log.append((keys, lo, hi, self.clock))
@@ -568,93 +622,89 @@ class ListCPUTier(RankedCPUTier):
                 skip[x] = True
             else:
                 last[id(keys)] = (lo, hi)
-        entries, heap = self.entries, self.heap
+        entries, ready, refs, rank = self.entries, self.ready, self.refs, self.rank
         for x in range(len(log)):
             if skip[x]:
                 continue
             keys, lo, hi, t = log[x]
             if lo < 0:
                 # a store completion: its keys joined at the stamp t, in set order
-                s = t
+                stamp = t
                 for k in tuple_set_order(keys):
-                    e = entries.get(k)
-                    if e is not None and e[3] == t and e[0] and not e[1]:
-                        e[3] = s
-                        if heap is not None:
-                            self._push((s, k))
-                    s += 1
+                    s = entries.get(k)
+                    if s is not None and rank[s] == t and ready[s] and not refs[s]:
+                        rank[s] = stamp
+                    stamp += 1
                 continue
-            s = t
+            stamp = t
             for i in range(hi - 1, lo - 1, -1):
-                k = keys[i]
-                e = entries.get(k)
-                if e is not None and e[0] and not e[1] and e[3] < s:
-                    e[3] = s
-                    if heap is not None:
-                        self._push((s, k))
-                s += 1
+                s = entries.get(keys[i])
+                if s is not None and ready[s] and not refs[s] and rank[s] < stamp:
+                    rank[s] = stamp
+                stamp += 1
 
     def prepare_store(self, keys, st=None) -> list | None:
-        entries = self.entries
-        to_store = [k for k in keys if k not in entries]
-        if not to_store:
-            return []
-        self.version += 1
-        self.content_version += 1
-        n_evict = len(to_store) - (self.capacity - len(entries))
-        if n_evict > 0:
-            victims = self._lowest_evictable(n_evict, set(keys))
-            if victims is None:
-                return None
-            for k in victims:
-                del entries[k]
-            self.evictions += n_evict
-        for k in to_store:
-            entries[k] = [False, 0, None, 0]     # not evictable (not ready): no stamp yet
-        return to_store
-
-    def _lowest_evictable(self, n: int, protected: set) -> list | None:
-        self._apply_log()
-        return super()._lowest_evictable(n, protected)
+        if self.lazy:
+            entries = self.entries
+            to_store = [k for k in keys if k not in entries]
+            if not to_store:
+                return []
+            if len(to_store) <= self.capacity - len(entries):
+                self.version += 1
+                self.content_version += 1
+                for k in to_store:
+                    self._add(k, 0)             # not evictable (not ready): no stamp yet
+                return to_store
+            # the first eviction: the evictable list, in stamp order, from now on
+            self._apply_log()
+            lru, ready, refs, rank = self.lru, self.ready, self.refs, self.rank
+            for _, k in sorted([(rank[s], k) for k, s in entries.items()
+                                if ready[s] and not refs[s]]):
+                lru[k] = entries[k]
+            self.lazy = False
+        return super().prepare_store(keys, st)
 
     def complete_store(self, keys, contents: dict) -> None:
-        """The chunks join the MRU end in the order of the job's key set: logged (``keys``: the
-        job's keys as listed)."""
+        """``keys``: the job's keys as listed; they join in the order of their set."""
+        if not self.lazy:
+            super().complete_store(tuple_set_order(keys), contents)
+            return
         self.version += 1
         self.content_version += 1
-        entries, t = self.entries, self.clock
+        entries, t, ready = self.entries, self.clock, self.ready
         for k in keys:
-            e = entries.get(k)
-            if e is not None and not e[0]:
-                e[0] = True
-                e[2] = contents.get(k)
-                if not e[1]:
-                    e[3] = t                    # evictable now: placed when the log is applied
+            s = entries.get(k)
+            if s is not None and not ready[s]:
+                ready[s] = True
+                self.content[s] = contents.get(k)
+                if not self.refs[s]:
+                    self.rank[s] = t            # evictable now: placed when the log is applied
         self.log.append((keys, -1, len(keys), t))
         self.clock += len(keys)
 
     def prepare_load(self, keys, st=None) -> None:
+        if not self.lazy:
+            super().prepare_load(keys, st)
+            return
         self.version += 1
         self.content_version += 1
-        entries = self.entries
+        entries, refs = self.entries, self.refs
         for k in keys:
-            entries[k][1] += 1                  # not evictable while loaded
-
-    def on_request_finished(self, st) -> None:
-        return
+            refs[entries[k]] += 1               # not evictable while loaded
 
     def complete_load(self, keys) -> None:
+        if not self.lazy:
+            super().complete_load(keys)
+            return
         self.version += 1
         self.content_version += 1
-        entries, heap = self.entries, self.heap
+        entries, refs = self.entries, self.refs
         for k in keys:
-            e = entries[k]
-            e[1] -= 1
-            if not e[1] and e[0]:
-                e[3] = self.clock               # evictable now: the MRU end
+            s = entries[k]
+            refs[s] -= 1
+            if not refs[s] and self.ready[s]:
+                self.rank[s] = self.clock       # evictable now: the MRU end
                 self.clock += 1
-                if heap is not None:
-                    self._push((e[3], k))
 
 
 class _SlidingWindowStoreMask:
@@ -751,7 +801,13 @@ def tuple_set_order(keys) -> list[Key]:
     process; the model fixed that order as the one of the pair tuples (the representation of keys
     before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
     2**63: see allocator.make_key; they are not taken apart.)"""
-    pairs = {(0, k) if k < _GROUP0_END else (key_group(k), key_ident(k)) for k in keys}
+    pairs: set = set()
+    for k in keys:
+        if k < _GROUP0_END:
+            pairs.add((0, k))
+        else:
+            g = key_group(k)
+            pairs.add((g, k - make_key(g, 0)))      # (key_ident(k), without a second walk)
     return [make_key(g, h) if g else h for g, h in pairs]
 
 

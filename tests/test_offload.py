@@ -91,8 +91,8 @@ def _random_tier_run(seed: int, request_ranks: bool) -> int:
             entries = tier.entries
             new = [k for k in keys if k not in entries]
             n_evict = len(new) - (tier.capacity - len(entries))
-            candidates = sorted((e[3], k) for k, e in entries.items()
-                                if e[0] and not e[1] and k not in keys)
+            candidates = sorted((tier.rank[s], k) for k, s in entries.items()
+                                if tier.ready[s] and not tier.refs[s] and k not in keys)
             before = set(entries)
             got = tier.prepare_store(keys, st)
             if n_evict > 0:
@@ -106,8 +106,7 @@ def _random_tier_run(seed: int, request_ranks: bool) -> int:
         elif op == 2 and writing:
             tier.complete_store(writing.pop(rng.randrange(len(writing))), {})
         elif op == 3:
-            ready = [k for g in st.groups for k in g.keys
-                     if (e := tier.entries.get(k)) is not None and e[0]]
+            ready = [k for g in st.groups for k in g.keys if tier.is_ready(k)]
             if ready:
                 keys = ready[:rng.randint(1, 2)]
                 tier.prepare_load(keys, st)
@@ -167,7 +166,7 @@ def test_list_tier_evicts_as_the_evictable_list():
                 ref.complete_store(tuple_set_order(done), {})
                 tier.complete_store(done, {})
             elif op == 3:
-                ready = [k for k in keys if (e := ref.entries.get(k)) is not None and e[0]]
+                ready = [k for k in keys if ref.is_ready(k)]
                 if ready:
                     sub = ready[:rng.randint(1, 3)]
                     ref.prepare_load(sub)
