@@ -110,7 +110,7 @@ class Request:
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
                  "fast_blocks", "key_lists", "prefix_of", "prefix_units",
-                 "key_strides",
+                 "key_tags",
                  "hit_blocks")
 
     def __init__(self, rid: str, index: int, spec, prompt: Sequence[int], max_tokens: int,
@@ -143,11 +143,12 @@ class Request:
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list[tuple[int, int]] = []   # see Model._fast_bound
-        # see keys(): per group, the group's key lists, one per stride in key_strides[gid] (a
-        # group asks for one or two strides: a scan of native ints, no dict lookup of a stride)
-        self.key_lists: list[list[list[Key]]] = [[] for _ in range(num_groups)]
+        # see keys(): the key lists made so far, one per (group, stride), that of key_tags[i]
+        # in key_lists[i] (a tag is stride * 16 + group id, layout.py allowing 16 groups: a
+        # request asks for a few, found by a scan of native ints, no dict lookup)
+        self.key_lists: list[list[Key]] = []
         self._extend_ident()
-        self.key_strides: list[list[int]] = [[] for _ in range(num_groups)]
+        self.key_tags: list[int] = []
         # per group, blocks KVCacheManager.find_hit found cached at its last search (see there)
         self.hit_blocks: list[list[Any]] = []
 
@@ -179,16 +180,16 @@ class Request:
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
-        strides = self.key_strides[gid]
-        s, ns = 0, len(strides)
-        while s < ns and strides[s] != stride:
+        tag, tags = stride * 16 + gid, self.key_tags
+        s, ns = 0, len(tags)
+        while s < ns and tags[s] != tag:
             s += 1
         if s < ns:
-            keys = self.key_lists[gid][s]
+            keys = self.key_lists[s]
         else:
             keys = []
-            strides.append(stride)
-            self.key_lists[gid].append(keys)
+            tags.append(tag)
+            self.key_lists.append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
         per = stride // self.unit
         have, n = len(keys), len(ident) // per
