@@ -1470,7 +1470,10 @@ class OffloadScheduler:
         cfgs = self.cfgs
         masks: dict[int, _SlidingWindowStoreMask] = self.sw_store_mask
         out = []
-        order = list(scheduled) + [r for r in finished if r not in scheduled]
+        order = list(scheduled)
+        for r in finished:
+            if r not in scheduled:
+                order.append(r)
         for rid in order:
             st = self.req_status.get(rid)
             if st is None:
@@ -1644,10 +1647,10 @@ class OffloadScheduler:
             ints.extend(range(len(ints), hi))
         return ints[lo:hi] if step == 1 else ints[lo:hi:step]
 
-    def _fence(self, b: int, jid: int) -> None:
+    def _fence(self, b: Any, jid: Any) -> None:
         """Record that job ``jid`` reads block ``b`` (``_block_id_to_pending_jobs``, see
-        ``block_to_jobs``)."""
-        btj = self.block_to_jobs
+        ``block_to_jobs``). (Untyped: the int objects as given go into the dict, not re-boxed.)"""
+        btj: dict = self.block_to_jobs
         cur = btj.get(b)
         if cur is None:
             btj[b] = jid
