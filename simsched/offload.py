@@ -1209,15 +1209,26 @@ class OffloadScheduler:
                 num_hit = new_hit
         if defer:
             return None
-        if self.being_loaded:
+        bl = self.being_loaded
+        if bl:
             for cfg, gs in zip(self.cfgs, st.groups):
                 tpc = cfg.tokens_per_chunk
-                sub = gs.keys[num_computed // tpc:-(-(num_computed + num_hit) // tpc)]
+                gkeys = gs.keys
+                lo, hi = num_computed // tpc, -(-(num_computed + num_hit) // tpc)
                 if cfg.sliding_window_in_chunks is not None:
+                    sub = gkeys[lo:hi]
                     sub = sub[-(self._load_window(cfg, num_computed + num_hit)
                                 if self.window_v2 else cfg.sliding_window_in_chunks):]
-                if not self.being_loaded.isdisjoint(sub):
-                    return None
+                    if not bl.isdisjoint(sub):
+                        return None
+                    continue
+                # (gkeys[lo:hi] and bl disjoint, without the slice)
+                if hi > len(gkeys):
+                    hi = len(gkeys)
+                while lo < hi:
+                    if gkeys[lo] in bl:
+                        return None
+                    lo += 1
         return num_hit
 
     def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
