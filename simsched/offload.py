@@ -901,14 +901,15 @@ class OffloadScheduler:
         self.block_to_jobs: dict[int, int | set[int]] = {}
         self.batch_loads: list[Job] = []
         self.batch_flush: set[int] = set()
-        # _current_batch_allocated_block_ids, in two parts: the blocks update_state_after_alloc
-        # records (a set), and the new blocks of the scheduled requests, which build_connector_meta
-        # marks in ``alloc_mark`` (block ID -> the number of the batch that last allocated it; no
-        # set of every new block, rebuilt each step): see _allocated_now
+        # _current_batch_allocated_block_ids: the blocks update_state_after_alloc and
+        # build_connector_meta mark in ``alloc_mark`` (block ID -> the number of the batch that
+        # last allocated it; no set of every new block, rebuilt each step; ``alloc_marked``: any
+        # block marked in this batch), or, without a layout to size it, a set: see _allocated_now
         self.batch_allocated: set[int] = set()
         self.alloc_mark: list | None = (
             [0] * layout.engine.num_gpu_blocks if layout is not None else None)
         self.alloc_batch = 1
+        self.alloc_marked = False
         # the ints 0, 1, 2, ... (grown on demand by _ints): a job's chunk and block indices are
         # appended as slices of it (cheaper than iterating a range)
         self.ints: list[int] = list(range(256))
@@ -1238,19 +1239,26 @@ class OffloadScheduler:
         carries (its GPU prefix-cache key, ``BlockPool.key``: a GPU prefix hit), None if none
         (``is_cached``). Without a load the request is scheduled in this step."""
         alloc, bpc = self.batch_allocated, self.bpc
-        # (NULL is never in batch_allocated outside these updates: null placeholders are not
-        # allocations; adding the tables whole and dropping NULL after is the same set)
         if self.alloc_all_groups:
-            if num_external == 0 and self.other_gids is not None:
-                # a request scheduled in this step: its new blocks are its whole tables, which
-                # build_connector_meta (_update_req_states) adds to the same set for the offloaded
-                # groups before any use of it; the other groups' blocks are added here
-                for gid in self.other_gids:
-                    alloc.update(tables[gid])
+            # a request scheduled in this step: its new blocks are its whole tables, which
+            # build_connector_meta (_update_req_states) marks for the offloaded groups before any
+            # use of them; the other groups' blocks are marked here
+            marked = ([tables[gid] for gid in self.other_gids]
+                      if num_external == 0 and self.other_gids is not None else tables)
+            mark = self.alloc_mark
+            if mark is not None:
+                batch: object = self.alloc_batch    # (one int object, stored in every mark)
+                for table in marked:
+                    for blk in table:
+                        if blk != NULL:             # null placeholders are not allocations
+                            mark[blk] = batch
+                            self.alloc_marked = True
             else:
-                for table in tables:
+                # (NULL is never in batch_allocated outside these updates: adding the tables
+                # whole and dropping NULL after is the same set)
+                for table in marked:
                     alloc.update(table)
-            alloc.discard(NULL)
+                alloc.discard(NULL)
         if num_external == 0:
             return None
         st = self.req_status[req.rid]
@@ -1335,7 +1343,7 @@ class OffloadScheduler:
         alloc = self.batch_allocated
         mark = self.alloc_mark
         batch: object = self.alloc_batch       # (one int object, stored in every mark)
-        marked = False          # any block marked allocated in this batch
+        marked = self.alloc_marked              # any block marked allocated in this batch
         for rid in scheduled:
             st = rs[rid]
             self.update_offload_keys(st, "build_connector_meta")
@@ -1411,6 +1419,7 @@ class OffloadScheduler:
                 held.pop(rid, None)
         self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
         self.alloc_batch += 1
+        self.alloc_marked = False
         return stores, loads, flush
 
     def _allocated_now(self, b: int) -> bool:
