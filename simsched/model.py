@@ -190,7 +190,7 @@ class Model:
         self.step_scheduled = False
         for i, spec_ in enumerate(case.requests):
             if not spec_.withdrawn:     # aborted before it arrives: never sent (_abort counts it)
-                self.q.schedule(spec_.arrival, ev.ARRIVAL, (i, spec_))
+                self.q.schedule(spec_.arrival, ev.ARRIVAL, i)     # (the request's index)
                 self.future_events += 1
             if spec_.abort_at is not None:
                 self.q.schedule(spec_.abort_at, ev.ABORT, spec_.id)
@@ -242,8 +242,8 @@ class Model:
             self.prompts[spec.prompt] = proto
         return proto
 
-    def _arrival(self, data) -> None:
-        i, spec = data[0], data[1]
+    def _arrival(self, i: int) -> None:
+        spec = self.case.requests[i]
         self.future_events -= 1
         proto = self._prompt(spec)
         req = Request(spec.id, i, spec, proto.tokens, spec.prompt_len + spec.decode, self.unit,
