@@ -63,7 +63,7 @@ class CPUTier:
         self.ready: list[bool] = []
         self.refs: list[int] = []
         self.content: list = []
-        self.rank: list[int] = []
+        self.rank: list = []                # (rank objects: compared and queued as they are)
         self.free: list[int] = []
         self.n_slots = 0                    # slots ever used (the lists may be longer)
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
