@@ -18,7 +18,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any, Final
 
 from simsched.allocator import ABORTED, NULL, Key, Request, key_group, make_key
@@ -63,7 +63,7 @@ class CPUTier:
         self.ready: list[bool] = []
         self.refs: list[int] = []
         self.content: list = []
-        self.rank: list[int] = []
+        self.rank: list = []                # (rank objects: compared and queued as they are)
         self.free: list[int] = []
         self.n_slots = 0                    # slots ever used (the lists may be longer)
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
@@ -117,14 +117,18 @@ class CPUTier:
 
     def touch(self, keys) -> None:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
-        reversed(list(keys))``), so the first key ends most recent (the loop runs in C)."""
-        lru = self.lru
-        self.version += 1
-        deque(map(lru.move_to_end, filter(lru.__contains__, reversed(keys))), 0)
+        reversed(list(keys))``), so the first key ends most recent."""
+        self.touch_range(list(keys), 0, len(keys))
 
     def touch_range(self, keys: list, lo: int, hi: int) -> None:
         """``touch(keys[lo:hi])``."""
-        self.touch(keys if lo == 0 and hi == len(keys) else keys[lo:hi])
+        lru = self.lru
+        self.version += 1
+        move = lru.move_to_end
+        for i in range(min(hi, len(keys)) - 1, lo - 1, -1):
+            k = keys[i]
+            if k in lru:
+                move(k)
 
     def prepare_store(self, keys, st=None) -> list | None:
         entries, lru = self.entries, self.lru
@@ -595,7 +599,7 @@ class ListCPUTier(CPUTier):
         """``touch(keys[lo:hi])``; logged while lazy (``keys`` may grow after: ``[lo, hi)``
         counts)."""
         if not self.lazy:
-            super().touch(keys[lo:hi] if lo or hi != len(keys) else keys)
+            super().touch_range(keys, lo, hi)
             return
         self.version += 1
         if hi > lo:
