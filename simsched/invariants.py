@@ -207,37 +207,12 @@ def check_writes(step: int, written, pending_reads: dict, what: str) -> Invarian
     return None
 
 
-def check_writes_by_job(step: int, written, pending: dict, what: str
-                        ) -> InvariantViolation | None:
-    """INV-6 as :func:`check_writes`, the pending reads kept per store job (job ID -> the blocks
-    it has yet to read): the same finding, decided with one set operation per pending job (a
-    lookup per block and job when a few blocks are written: a decode step's)."""
-    if pending:
-        if len(written) <= 4:
-            clear = True
-            for b in written:
-                for s in pending.values():
-                    reads: set[int] = s
-                    if b in reads:
-                        clear = False
-                        break
-            if clear:
-                return None
-        elif all(s.isdisjoint(written) for s in pending.values()):
-            return None
-        for b in written:
-            jids = [j for j, s in pending.items() if b in s]
-            if jids:
-                return InvariantViolation("INV-6", step, f"block {b} written by {what} while "
-                                          f"store job {min(jids)} still reads it")
-    return None
-
-
 class ReadFences:
     """INV-6's fences as the model keeps them: per store job (job ID) the GPU blocks it has yet
     to read, and per block the number of such jobs holding it (``count``, one entry per block
     ID: a write is decided by one list lookup per block, no set per job). ``check`` gives the
-    finding :func:`check_writes_by_job` gives for the same jobs."""
+    finding :func:`check_writes` (the fences kept per block, as the engine keeps them) gives for
+    the same jobs."""
 
     __slots__ = ("jobs", "count")
 

@@ -174,24 +174,9 @@ def test_inv9_lookup_misses_ready_prefix(monkeypatch, src):
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-9"
 
 
-def test_inv6_check_per_job_names_what_the_per_block_check_names():
-    """The model keeps pending reads per store job; the engine per block: same findings."""
-    from simsched import invariants as inv
-    by_job = {4: {10, 11, 12}, 2: {12, 30}, 7: set()}
-    by_block: dict = {}
-    for jid, blocks in by_job.items():
-        for b in blocks:
-            by_block.setdefault(b, set()).add(jid)
-    for written in ([1, 2, 3], [5, 12, 10], [30, 11], [11, 30], [], [0, 99]):
-        a = inv.check_writes(3, written, by_block, "request r")
-        b = inv.check_writes_by_job(3, written, by_job, "request r")
-        assert (a and a.to_json()) == (b and b.to_json()), written
-    v = inv.check_writes_by_job(3, [5, 12, 10], by_job, "request r")
-    assert v.detail == "block 12 written by request r while store job 2 still reads it"
-
-
-def test_read_fences_name_what_the_per_job_check_names():
-    """The model's ReadFences (a count per block) give check_writes_by_job's findings."""
+def test_inv6_read_fences_name_what_the_per_block_check_names():
+    """The model keeps INV-6's pending reads per store job with a count per block (ReadFences);
+    the engine per block (check_writes): the same findings."""
     from simsched import invariants as inv
     fences = inv.ReadFences(64)
     for jid, blocks in {4: [10, 11, 12], 2: [12, 30, 30], 7: [3], 9: [40]}.items():
@@ -199,9 +184,15 @@ def test_read_fences_name_what_the_per_job_check_names():
     fences.add(9, [41])                     # a job's blocks replaced
     assert fences.pop(7) == [3] and fences.pop(99) is None
     by_job = {4: {10, 11, 12}, 2: {12, 30}, 9: {41}}
+    v = fences.check(3, [5, 12, 10], "request", "r")
+    assert v.detail == "block 12 written by request r while store job 2 still reads it"
     for _ in range(2):
+        by_block: dict = {}
+        for jid, blocks in by_job.items():
+            for b in blocks:
+                by_block.setdefault(b, set()).add(jid)
         for written in ([1, 2, 3], [5, 12, 10], [30, 11], [11, 30], [], [0, 40, 41], [3]):
-            a = inv.check_writes_by_job(3, written, by_job, "request r")
+            a = inv.check_writes(3, written, by_block, "request r")
             b = fences.check(3, written, "request", "r")
             assert (a and a.to_json()) == (b and b.to_json()), written
         fences.pop(2)
