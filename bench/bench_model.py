@@ -10,7 +10,8 @@ with full checks and the trace, for 16/64/256 requests, and the ratio to the rea
 ``python bench/bench_model.py --real 0.30.0,0.33.0 [--runs N] [--sizes 64]``: side by side in one
 run, the model in fast mode and the bare real Scheduler + KVCacheManager + OffloadingConnector of
 each release on the same workload (release worker op ``run_case`` with ``bare=True``: the
-scheduler loop only, no trace, shadow or checks; boot and request construction excluded),
+scheduler loop only, no trace, shadow or checks; boot and request construction excluded; the
+start-up heap frozen as EngineCore freezes it, and so is this process's),
 alternating one model run and one real run N times; CPU-time medians and their ratio.
 
 The model runs compiled when the checkout was installed with ``pip install -e .`` (mypyc, see
@@ -20,6 +21,7 @@ line of the output says which.
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import sys
@@ -88,6 +90,10 @@ def side_by_side(versions: list[str], sizes: list[int], runs: int) -> None:
           " model steps/s (CPU) | real steps/s (CPU) | real steps/s (wall) | model / real "
           "(ratio of medians) | model / real (median of per-run ratios) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    # both sides run with their start-up heaps frozen, as vLLM's EngineCore serves
+    # (``freeze_gc_heap`` once the engine is built; the worker's bare run does the same)
+    gc.collect()
+    gc.freeze()
     with Releases.installed(versions, timeout=600) as pool:
         for v in versions:
             prof = profile_for_release(v)
