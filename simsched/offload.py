@@ -1599,15 +1599,7 @@ class OffloadScheduler:
                     sources = bl[lo:hi]
                     if bpc == 1 or NULL not in sources:
                         j += m
-                        b0 = len(jbids)
-                        gids.extend([gid] * m)
-                        cidx.extend(self._ints(start, end))
-                        hidx.extend(kidx[start:end])
-                        ckeys.extend(keys[start:end])
-                        bidx.extend(self._ints(lo, hi))
-                        jbids.extend(sources)
-                        sink.extend(sources)
-                        bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
+                        self._add_run(job, sink, gid, kidx, keys, sources, start, end, bpc)
                         gs.next_stored = max(gs.next_stored, n)
                         continue
                 bulk = True             # the run test below is tried once per group
@@ -1624,15 +1616,7 @@ class OffloadScheduler:
                         run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
                         if run is not None and NULL not in run:
                             j += m
-                            b0 = len(jbids)
-                            gids.extend([gid] * m)
-                            cidx.extend(self._ints(c, end))
-                            hidx.extend(kidx[c:end])
-                            ckeys.extend(keys[c:end])
-                            bidx.extend(self._ints(lo, hi))
-                            jbids.extend(run)
-                            sink.extend(run)
-                            bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
+                            self._add_run(job, sink, gid, kidx, keys, run, c, end, bpc)
                             break
                     j += 1
                     gids.append(gid)
@@ -1663,6 +1647,23 @@ class OffloadScheduler:
                         self.batch_flush.add(jid)
             out.append(job)
         return out
+
+    def _add_run(self, job: Job, sink: list, gid: int, kidx: list[int], keys: list,
+                 sources: list, c: int, end: int, bpc: int) -> None:
+        """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
+        would: each chunk's key from ``keys``, its hash index from ``kidx`` and its ``bpc``
+        source blocks, none NULL, from ``sources`` (the blocks of the run, in order), which
+        also go to the fence list ``sink``."""
+        m = end - c
+        b0 = len(job.bids)
+        job.gids.extend([gid] * m)
+        job.cidx.extend(self._ints(c, end))
+        job.hidx.extend(kidx[c:end])
+        job.ckeys.extend(keys[c:end])
+        job.bidx.extend(self._ints(c * bpc, end * bpc))
+        job.bids.extend(sources)
+        sink.extend(sources)
+        job.bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
 
     def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
         """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``ints``."""
