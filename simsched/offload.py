@@ -201,10 +201,11 @@ class CPUTier:
                 self.lru[k] = s                 # evictable now: the MRU end
 
 
-# a rank ``(rank, -position)`` is kept as one int, ``rank * RANK_UNIT - position`` (a token
-# position stays far below RANK_UNIT, so the order is the tuples' order): comparisons and the
-# eviction heap need no tuples
-RANK_UNIT: Final = 1 << 40
+# a rank ``(rank, -position)`` is kept as one int, ``(rank << RANK_SHIFT) - position`` (a token
+# position stays far below 2**RANK_SHIFT, so the order is the tuples' order): comparisons and the
+# eviction heap need no tuples. (A shift, not a product: mypyc multiplies ints inline only when
+# both are below 2**30, and shifts them inline while the result stays below 2**62.)
+RANK_SHIFT: Final = 40
 
 
 class _ReqAccess:
@@ -243,7 +244,7 @@ class RankedCPUTier(CPUTier):
     store jobs) every chunk it accessed takes a fresh rank, tail first, so that its head is the
     most recent. The connector never calls ``touch`` from 0.31.0 on.
 
-    A chunk's rank is ``rank[slot]``, an int (see ``RANK_UNIT``); ``entries`` is a plain dict
+    A chunk's rank is ``rank[slot]``, an int (see ``RANK_SHIFT``); ``entries`` is a plain dict
     (eviction follows the ranks, not its order).
     """
 
@@ -354,7 +355,7 @@ class RankedCPUTier(CPUTier):
                 rr = self._request_rank(a)
                 s = entries.get(k)
                 if s is not None:
-                    r = rr * RANK_UNIT - (v >> 1) // ng
+                    r = (rr << RANK_SHIFT) - (v >> 1) // ng
                     if rank[s] < r:
                         self._set_rank(k, s, r)
 
@@ -396,7 +397,7 @@ class RankedCPUTier(CPUTier):
                 elif not v & 1:
                     codes[k] = v | 1
                     order.append(k)
-                    r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
+                    r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
                     if self.rank[s] < r:
                         self._set_rank(k, s, r)
         return self._insert(to_store, keys, a, to_codes)
@@ -423,10 +424,10 @@ class RankedCPUTier(CPUTier):
             v = to_codes[i] if to_codes is not None else -1
             if v < 0:
                 self.next_rank += 1
-                r = self.next_rank * RANK_UNIT
+                r = self.next_rank << RANK_SHIFT
             else:
                 assert a is not None
-                r = self._request_rank(a) * RANK_UNIT - (v >> 1) // ng
+                r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
             self._add(k, r)                     # not evictable (not ready): not in the heap
         return to_store
 
@@ -531,15 +532,16 @@ class RankedCPUTier(CPUTier):
                         keys = sorted(keys, key=codes.__getitem__)
                     flat += keys
         entries, heap, rank = self.entries, self.heap, self.rank
-        r = self.next_rank * RANK_UNIT
+        nr = self.next_rank
         for k in reversed(flat):
             s = entries.get(k)
             if s is not None:
-                r += RANK_UNIT
+                nr += 1
+                r = nr << RANK_SHIFT
                 rank[s] = r
                 if heap is not None and self.ready[s] and not self.refs[s]:
                     self._push((r, k))
-        self.next_rank = r // RANK_UNIT
+        self.next_rank = nr
 
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
