@@ -377,19 +377,23 @@ class RankedCPUTier(CPUTier):
                 self._first_unknown(a, k)       # positions only matter at finish
             return self._insert(to_store, keys, None, None)
         codes, order, ng = self._codes(a, st), a.order, self.n_groups
-        to_codes: list[int] = []
+        # (the codes as the dict holds them, None if unknown: no int boxed again)
+        to_codes: list[int | None] = []
         for k in keys:
             s = entries.get(k)
             if s is None:
                 to_store.append(k)
-                v = codes.get(k, -1)
-                to_codes.append(v)
-                if v < 0:
+                c = codes.get(k)
+                to_codes.append(c)
+                if c is None:
                     self._first_unknown(a, k)
-                elif not v & 1:
-                    codes[k] = v | 1
-                    order.append(k)
-                    self._request_rank(a)
+                    continue
+                v = c
+                if v & 1:
+                    continue
+                codes[k] = v | 1
+                order.append(k)
+                self._request_rank(a)
             elif ready[s]:
                 v = codes.get(k, -1)
                 if v < 0:
@@ -402,8 +406,8 @@ class RankedCPUTier(CPUTier):
                         self._set_rank(k, s, r)
         return self._insert(to_store, keys, a, to_codes)
 
-    def _insert(self, to_store: list, keys, a: _ReqAccess | None, to_codes: list[int] | None
-                ) -> list | None:
+    def _insert(self, to_store: list, keys, a: _ReqAccess | None,
+                to_codes: list[int | None] | None) -> list | None:
         """The rest of prepare_store: evict for the new chunks, insert them (``a``: the request's
         state if it ranks them, 0.33.0, with the keys' position codes)."""
         if not to_store:
@@ -421,8 +425,8 @@ class RankedCPUTier(CPUTier):
             self.evictions += n_evict
         ng = self.n_groups
         for i, k in enumerate(to_store):
-            v = to_codes[i] if to_codes is not None else -1
-            if v < 0:
+            v = to_codes[i] if to_codes is not None else None
+            if v is None:
                 self.next_rank += 1
                 r = self.next_rank << RANK_SHIFT
             else:
@@ -432,9 +436,10 @@ class RankedCPUTier(CPUTier):
         return to_store
 
     def _set_rank(self, k, s: int, r: int) -> None:
-        self.rank[s] = r
+        ro: object = r                          # (boxed once: list and heap share it)
+        self.rank[s] = ro
         if self.heap is not None and self.ready[s] and not self.refs[s]:
-            self._push((r, k))
+            self._push((ro, k))
 
     def _push(self, item: tuple) -> None:
         """An eviction candidate (rank, key) into ``fresh`` if it keeps it sorted, else into
@@ -537,7 +542,7 @@ class RankedCPUTier(CPUTier):
             s = entries.get(k)
             if s is not None:
                 nr += 1
-                r = nr << RANK_SHIFT
+                r: object = nr << RANK_SHIFT       # (boxed once: list and heap share it)
                 rank[s] = r
                 if heap is not None and self.ready[s] and not self.refs[s]:
                     self._push((r, k))
