@@ -335,35 +335,12 @@ class RankedCPUTier(CPUTier):
             if self.request_ranks:
                 self._request_rank(a)
 
-    def _access(self, st, keys) -> None:
-        """The first access of the request to each of ``keys`` (0.33.0: raises a resident chunk
-        to the request's rank, ``(request rank, -position)``, if that is higher)."""
-        a = self._state(st)
-        if not self.request_ranks:
-            for k in keys:
-                self._first_unknown(a, k)       # positions only matter at finish
-            return
-        codes, order, entries, ng = self._codes(a, st), a.order, self.entries, self.n_groups
-        rank = self.rank
-        for k in keys:
-            v = codes.get(k, -1)
-            if v < 0:
-                self._first_unknown(a, k)
-            elif not v & 1:
-                codes[k] = v | 1
-                order.append(k)
-                rr = self._request_rank(a)
-                s = entries.get(k)
-                if s is not None:
-                    r = (rr << RANK_SHIFT) - (v >> 1) // ng
-                    if rank[s] < r:
-                        self._set_rank(k, s, r)
-
     def prepare_store(self, keys, st=None) -> list | None:
         entries = self.entries
         if st is None:
             return self._insert([k for k in keys if k not in entries], keys, None, None)
-        # _access of the new and the ready keys, in one pass with the keys to store
+        # the first accesses to the new and the ready keys (as in prepare_load), in one pass
+        # with the keys to store
         a = self._state(st)
         to_store: list = []
         ready = self.ready
@@ -508,9 +485,35 @@ class RankedCPUTier(CPUTier):
         return [k for _, k in victims]
 
     def prepare_load(self, keys, st=None) -> None:
-        super().prepare_load(keys)
-        if st is not None:
-            self._access(st, keys)
+        """A load in flight on each chunk of ``keys`` and, given the request, its first access to
+        each (0.33.0: raises the chunk to the request's rank, ``(request rank, -position)``, if
+        that is higher), in one pass."""
+        self.version += 1
+        self.content_version += 1
+        entries, refs = self.entries, self.refs
+        if st is None:
+            for k in keys:
+                refs[entries[k]] += 1
+            return
+        a = self._state(st)
+        if not self.request_ranks:
+            for k in keys:
+                refs[entries[k]] += 1
+                self._first_unknown(a, k)       # positions only matter at finish
+            return
+        codes, order, ng, rank = self._codes(a, st), a.order, self.n_groups, self.rank
+        for k in keys:
+            s = entries[k]
+            refs[s] += 1
+            v = codes.get(k, -1)
+            if v < 0:
+                self._first_unknown(a, k)
+            elif not v & 1:
+                codes[k] = v | 1
+                order.append(k)
+                r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
+                if rank[s] < r:
+                    self._set_rank(k, s, r)     # (not evictable now: not pushed)
 
     def on_request_finished(self, st) -> None:
         a = self.req_state.pop(st.req.rid, None)
@@ -682,7 +685,8 @@ class ListCPUTier(CPUTier):
             return
         self.version += 1
         self.content_version += 1
-        entries, t, ready = self.entries, self.clock, self.ready
+        entries, ready = self.entries, self.ready
+        t: object = self.clock                  # (boxed once for all the keys)
         for k in keys:
             s = entries.get(k)
             if s is not None and not ready[s]:
