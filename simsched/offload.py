@@ -17,7 +17,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
-from heapq import heappop, heappush
+import heapq
 from collections import OrderedDict
 from typing import Any, Final
 
@@ -29,6 +29,10 @@ from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometr
 MISS: Final = 0
 HIT: Final = 1
 HIT_PENDING: Final = 2
+# the heap operations of RankedCPUTier's eviction heap (Final: mypyc keeps them in C statics, no
+# module-dict lookup at each call)
+HEAPPUSH: Final = heapq.heappush
+HEAPPOP: Final = heapq.heappop
 
 
 class ModelCrash(ConfigError):
@@ -427,7 +431,7 @@ class RankedCPUTier(CPUTier):
         else:
             heap = self.heap
             assert heap is not None
-            heappush(heap, item)
+            HEAPPUSH(heap, item)
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
@@ -463,7 +467,7 @@ class RankedCPUTier(CPUTier):
                 item = fresh[head]
                 head += 1
             elif heap:
-                item = heappop(heap)
+                item = HEAPPOP(heap)
             else:
                 break
             r, k = item
