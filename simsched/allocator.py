@@ -249,14 +249,22 @@ class BlockPool:
         self.n_free = num_blocks - 1
         self.ref = [0] * num_blocks
         self.key: list[Key | None] = [None] * num_blocks     # see make_key
-        self.cached: dict[Key, int] = {}
-        # BlockHashToBlockMap keeps every block cached under a hash (a block computed twice,
-        # e.g. by two requests admitted before either cached it): ``cached`` holds the one a hit
-        # takes (get_one_block: the oldest), ``more`` the others in insertion order
-        self.more: dict[Key, list[int]] = {}
-        # dup[b]: another block holds b's hash too (``more`` has it); kept with ``more``, so
-        # that evicting a block decides without looking its hash up in ``more``
-        self.dup = [False] * num_blocks
+        # The GPU prefix cache (BlockHashToBlockMap): ``cached[k]`` is the block a hit on key
+        # ``k`` takes (get_one_block: the oldest block cached under ``k``). An entry is valid
+        # only while that block still carries the key (``key[cached[k]] == k``): evicting a
+        # block (clearing its key) leaves the entry behind, stale, so that the many evictions
+        # of blocks alone under their key cost no dict operation (a dict operation hashes the
+        # key, an int of up to 68 bits, afresh each time); a stale entry is overwritten when a
+        # block is next cached under its key, and lookups check the block (``holder``). While
+        # any block carries ``k``, ``cached[k]`` is valid.
+        self.cached: dict[Key, Any] = {}
+        # BlockHashToBlockMap keeps every block cached under a key (a block computed twice,
+        # e.g. by two requests admitted before either cached it), in insertion order: the
+        # blocks carrying one key form a chain from cached[k], ``later[b]`` / ``earlier[b]``
+        # the block cached after / before ``b`` under its key (NULL: none). A block alone under
+        # its key has neither, so that evicting it decides on two list reads
+        self.later: list[Any] = [NULL] * num_blocks
+        self.earlier: list[Any] = [NULL] * num_blocks
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
@@ -281,7 +289,7 @@ class BlockPool:
         return dict.fromkeys(self.free_queue())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        key, ref, cached, dup = self.key, self.ref, self.cached, self.dup
+        key, ref, later, earlier = self.key, self.ref, self.later, self.earlier
         nxt, prv = self.nxt, self.prv
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
@@ -291,13 +299,12 @@ class BlockPool:
         j = 0
         while j < n:                            # the head of the free queue, in order
             out.append(bo)
-            k = key[b]
-            if k is not None:           # evict from the GPU prefix cache
-                if dup[b]:
-                    self._uncache(b, k)
-                else:                   # the one block under its hash (cached[k] is b):
-                    # _uncache, inlined
-                    del cached[k]
+            if key[b] is not None:      # evict from the GPU prefix cache (uncache, inlined
+                # for a block alone under its key: its entry in ``cached`` goes stale)
+                lb: int = later[b]
+                eb: int = earlier[b]
+                if lb != NULL or eb != NULL:
+                    self._unchain(b)
                 key[b] = None
             ref[b] = 1
             prv[b] = -1
@@ -375,37 +382,65 @@ class BlockPool:
                 self.n_free -= 1
             ref[b] = ref[b] + 1         # (not +=: a generic in-place add when compiled)
 
-    def _uncache(self, b: int, k: Key) -> None:
-        """``BlockHashToBlockMap.pop(k, b)``."""
-        cached, more, dup = self.cached, self.more, self.dup
-        m: list[Any] | None = more.get(k)
-        dup[b] = False
-        held = cached.get(k, -1)
-        if held == b:
-            if m:
-                h = m.pop(0)
-                cached[k] = h
-                if not m:
-                    del more[k]
-                    dup[h] = False          # (cached[k], just set)
-            else:
-                del cached[k]
-        elif m and self.ids[b] in m:
-            m.remove(self.ids[b])
-            if not m:
-                del more[k]
-                dup[held if held >= 0 else cached[k]] = False     # (cached[k])
+    def holder(self, k: Key) -> Any:
+        """The block a hit on key ``k`` takes, None if no block carries ``k``."""
+        bo = self.cached.get(k)
+        if bo is None:
+            return None
+        b: int = bo
+        kb = self.key[b]
+        return bo if kb is k or kb == k else None       # (else a stale entry)
 
-    def cache_block(self, b: int, k: Key) -> None:
-        """``_insert_block_hash``: the block gets the hash even when another block holds it."""
+    def cache(self, b: int, k: Key) -> None:
+        """``_insert_block_hash``: block ``b`` (no key yet) gets key ``k``, even when another
+        block carries it (then b comes last among its blocks)."""
+        self.key[b] = k
+        bo: Any = self.ids[b]
+        held: int = self.cached.setdefault(k, bo)
+        if held != b:
+            self._join(b, k, held)
+
+    def _join(self, b: int, k: Key, held: int) -> None:
+        """``cache``'s rest, where ``cached[k]`` was ``held``, not b: b joins the blocks
+        carrying ``k``, or holds ``k`` if the entry was stale."""
+        kh = self.key[held]
+        if kh is k or kh == k:          # b comes last in held's chain
+            later = self.later
+            t: int = held
+            lt: int = later[t]
+            while lt != NULL:
+                t = lt
+                lt = later[t]
+            later[t] = self.ids[b]
+            self.earlier[b] = self.ids[t]
+        else:
+            self.cached[k] = self.ids[b]
+
+    def uncache(self, b: int) -> None:
+        """``_maybe_evict_cached_block``: block ``b`` loses its key (``BlockHashToBlockMap.pop``);
+        the next block cached under it, if any, holds it."""
         if self.key[b] is None:
-            self.key[b] = k
-            cached = self.cached
-            if k in cached:
-                self.more.setdefault(k, []).append(self.ids[b])
-                self.dup[b] = self.dup[cached[k]] = True
-            else:
-                cached[k] = self.ids[b]
+            return
+        lb: int = self.later[b]
+        eb: int = self.earlier[b]
+        if lb != NULL or eb != NULL:
+            self._unchain(b)
+        self.key[b] = None          # (alone under its key: the entry goes stale)
+
+    def _unchain(self, b: int) -> None:
+        """Take ``b`` out of the chain of blocks carrying its key (two or more blocks)."""
+        later, earlier = self.later, self.earlier
+        lo: Any = later[b]
+        eo: Any = earlier[b]
+        lb: int = lo
+        eb: int = eo
+        if eb == NULL:                  # b held the key: the next block holds it
+            self.cached[self.key[b]] = lo
+        else:
+            later[eb] = lo
+        if lb != NULL:
+            earlier[lb] = eo
+        later[b] = earlier[b] = NULL
 
 
 class GroupRule:
@@ -551,8 +586,13 @@ class KVCacheManager:
                     break
                 n += 1
             while n < m:
-                bo: Any = cached.get(keys[n])
+                k = keys[n]
+                bo: Any = cached.get(k)
                 if bo is None:
+                    break
+                bi = bo
+                kb = pkey[bi]
+                if kb is not k and kb != k:   # a stale entry (BlockPool.holder, inlined)
                     break
                 if n == len(known):
                     known.append(bo)
@@ -589,7 +629,15 @@ class KVCacheManager:
                         if a <= j < z:
                             j = z
                             continue
-                        if j >= n or keys[j] not in cached:
+                        if j >= n:
+                            break
+                        k = keys[j]
+                        bo = cached.get(k)
+                        if bo is None:
+                            break
+                        bi = bo
+                        kb = pkey[bi]
+                        if kb is not k and kb != k:     # stale (BlockPool.holder, inlined)
                             break
                         j += 1
                     if j < hi:                    # block j is missing
@@ -623,6 +671,7 @@ class KVCacheManager:
             n = L // r.bs
             first = min(r.skipped_tokens(total) // r.bs, n)
             table.extend([NULL] * first)
+            # (cached[k]: the hit's blocks carry their keys, so their entries are valid)
             blocks = [cached[k] for k in req.keys(r.gid, r.bs)[first:n]]
             pool.touch(blocks)
             table.extend(blocks)
@@ -631,7 +680,7 @@ class KVCacheManager:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
-        key, cached, more, dup = pool.key, pool.cached, pool.more, pool.dup
+        key, cached = pool.key, pool.cached
         done = req.num_cached_blocks
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
@@ -660,13 +709,12 @@ class KVCacheManager:
             for j in range(i, m):
                 bo = row[j]
                 b: int = bo
-                if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
+                if b != NULL and key[b] is None:      # BlockPool.cache, inlined
                     k = keys[j]
                     key[b] = k
-                    held = cached.setdefault(k, bo)
-                    if held != b:                     # another block holds the hash
-                        more.setdefault(k, []).append(bo)
-                        dup[b] = dup[held] = True
+                    held: int = cached.setdefault(k, bo)
+                    if held != b:
+                        pool._join(b, k, held)
             if r.align:
                 # MambaManager.cache_blocks: every state block cached now is offered to the
                 # connector with the boundary it summarises, and marked cached this step
