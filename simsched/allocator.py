@@ -788,8 +788,9 @@ class KVCacheManager:
         return self.admission_blocks(req, 0, req.num_computed, req.num_tokens, True)
 
     # --- allocation ------------------------------------------------------------------------
-    def remove_skipped_blocks(self, req: Request, computed: int) -> list[int]:
-        freed = []
+    def remove_skipped_blocks(self, req: Request, computed: int) -> None:
+        """``remove_skipped_blocks``: every group frees its blocks out of reach at ``computed``
+        tokens (the null block takes their place)."""
         for r in self.rules:
             if r.code in (FULLISH, RING):
                 continue
@@ -809,7 +810,6 @@ class KVCacheManager:
                     table[i] = NULL
                 if group:
                     self.pool.free_blocks(group)
-                    freed += group
                 self.retired[rk] = n
                 continue
             row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
@@ -833,8 +833,6 @@ class KVCacheManager:
                 # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
                 # blocks of a later group go in front of an earlier group's
                 self.pool.free_blocks(group)
-                freed += group
-        return freed
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
                  cache_upto: int | None = None, reserved: int = 0,
@@ -946,9 +944,8 @@ class KVCacheManager:
                         bound = b
         return (1 << 62) if unset else bound
 
-    def free(self, req: Request) -> list[int]:
-        """Free every block of ``req``, tail first; returns the freed block IDs."""
-        freed = []
+    def free(self, req: Request) -> None:
+        """Free every block of ``req``, tail first."""
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
         if self.align_rules:
@@ -956,9 +953,7 @@ class KVCacheManager:
         for table in req.tables:
             table.reverse()                     # tail first (the table is emptied below)
             self.pool.free_blocks(table)
-            freed.extend(table)
             del table[:]                        # (clear(): a method call when compiled)
-        return freed
 
     def forget(self, req: Request) -> None:
         """``MambaManager.pop_blocks_for_free``: the request's align-mode Mamba state (retired
