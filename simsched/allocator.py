@@ -389,7 +389,7 @@ class BlockPool:
             return None
         b: int = bo
         kb = self.key[b]
-        return bo if kb is k or kb == k else None       # (else a stale entry)
+        return bo if kb is not None and (kb is k or kb == k) else None   # (else stale)
 
     def cache(self, b: int, k: Key) -> None:
         """``_insert_block_hash``: block ``b`` (no key yet) gets key ``k``, even when another
@@ -404,7 +404,7 @@ class BlockPool:
         """``cache``'s rest, where ``cached[k]`` was ``held``, not b: b joins the blocks
         carrying ``k``, or holds ``k`` if the entry was stale."""
         kh = self.key[held]
-        if kh is k or kh == k:          # b comes last in held's chain
+        if kh is not None and (kh is k or kh == k):     # b comes last in held's chain
             later = self.later
             t: int = held
             lt: int = later[t]
@@ -581,7 +581,7 @@ class KVCacheManager:
                 bi: int = known[n]
                 kb = pkey[bi]
                 k = keys[n]
-                if kb is not k and kb != k:
+                if kb is None or (kb is not k and kb != k):
                     del known[n:]
                     break
                 n += 1
@@ -592,7 +592,7 @@ class KVCacheManager:
                     break
                 bi = bo
                 kb = pkey[bi]
-                if kb is not k and kb != k:   # a stale entry (BlockPool.holder, inlined)
+                if kb is None or (kb is not k and kb != k):   # stale (BlockPool.holder)
                     break
                 if n == len(known):
                     known.append(bo)
@@ -637,7 +637,7 @@ class KVCacheManager:
                             break
                         bi = bo
                         kb = pkey[bi]
-                        if kb is not k and kb != k:     # stale (BlockPool.holder, inlined)
+                        if kb is None or (kb is not k and kb != k):     # stale (holder)
                             break
                         j += 1
                     if j < hi:                    # block j is missing
@@ -761,7 +761,8 @@ class KVCacheManager:
                     k = req.keys(r.gid, r.bs)[n_hit - 1]
                     if k in self.cached_this_step:
                         return pool.num_blocks + 1
-                    if pool.ref[pool.cached[k]] == 0:
+                    hb: int = pool.cached[k]
+                    if pool.ref[hb] == 0:
                         need += 1
                 need += 1 if n > 0 else n
                 continue
@@ -778,7 +779,8 @@ class KVCacheManager:
                 # the evictable hit blocks (refcount 0): every hit block is cached under its key
                 ref, cached = pool.ref, pool.cached
                 for k in req.keys(r.gid, r.bs)[skipped:n_hit]:
-                    if ref[cached[k]] == 0:
+                    hb = cached[k]
+                    if ref[hb] == 0:
                         need += 1
         return need
 
