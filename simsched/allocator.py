@@ -334,8 +334,8 @@ class BlockPool:
             if b == NULL:
                 continue
             r = ref[b] - 1
-            ref[b] = r
             if r == 0:
+                ref[b] = 0              # (a constant: no int object made from r)
                 n += 1
                 if key[b] is None:
                     first.append(bo)
@@ -343,7 +343,9 @@ class BlockPool:
                     nxt[t] = bo
                     prv[b] = to
                     to, t = bo, b
-            elif r < 0:
+                continue
+            ref[b] = r
+            if r < 0:
                 if t != tail:
                     nxt[t] = NULL
                     prv[NULL] = to
@@ -380,7 +382,9 @@ class BlockPool:
                 prv[q] = po
                 prv[b] = -1
                 self.n_free -= 1
-            ref[b] = ref[b] + 1         # (not +=: a generic in-place add when compiled)
+                ref[b] = 1              # (a constant: no int object made)
+            else:
+                ref[b] = ref[b] + 1     # (not +=: a generic in-place add when compiled)
 
     def holder(self, k: Key) -> Any:
         """The block a hit on key ``k`` takes, None if no block carries ``k``."""
