@@ -511,6 +511,9 @@ class KVCacheManager:
         self.reach_hi = [0] * len(self.rest_rules)
         self.reach_keys: list[list[Key]] = [[] for _ in self.rest_rules]
         self.junction = 0          # the last find_hit's shared_prefix_boundary
+        # allocate's plan, per rule: null placeholders, new blocks (a scratch list of this
+        # manager, overwritten at each call: no list made per allocation)
+        self.plan = [0] * (2 * len(self.rules))
         # use_eagle_block_drop (EAGLE-style speculative decoding): the last block of a GPU
         # prefix hit is dropped, the drafter needs the tokens before the generation point
         # recomputed (find_longest_cache_hit(drop_eagle_block)); set by the model
@@ -860,33 +863,38 @@ class KVCacheManager:
         self.remove_skipped_blocks(req, computed if processed is None else processed)
         total = computed + num_new_tokens + lookahead
         tables = req.tables
-        plan: list[int] = []       # per rule: null placeholders, new blocks
+        plan = self.plan           # per rule: null placeholders, new blocks
         need = 0
+        x = 0
         for r in self.rules:
             have = len(tables[r.gid])
             if r.code == RING:
                 n = 0 if have else 1
-                plan.append(0)
-                plan.append(n)
+                plan[x] = 0
+                plan[x + 1] = n
                 need += n
+                x += 2
                 continue
             target = -(-total // r.bs)
             if target <= have:
-                plan.append(0)
-                plan.append(0)
+                plan[x] = 0
+                plan[x + 1] = 0
+                x += 2
                 continue
             if r.align:
                 # MambaManager.allocate_new_blocks, align mode: nulls up to the last block, one
                 # new block there for the running state
-                plan.append(target - 1 - have)
-                plan.append(1)
+                plan[x] = target - 1 - have
+                plan[x + 1] = 1
                 need += 1
+                x += 2
                 continue
             nulls = max(0, min(r.skipped_tokens(computed) // r.bs, target) - have)
             n = target - have - nulls
-            plan.append(nulls)
-            plan.append(n)
+            plan[x] = nulls
+            plan[x + 1] = n
             need += n
+            x += 2
         # allocate_slots: ``reserved_blocks`` stay free for the in-flight prefills
         pool = self.pool
         if need > pool.n_free - reserved:
