@@ -249,14 +249,22 @@ class BlockPool:
         self.n_free = num_blocks - 1
         self.ref = [0] * num_blocks
         self.key: list[Key | None] = [None] * num_blocks     # see make_key
-        self.cached: dict[Key, int] = {}
-        # BlockHashToBlockMap keeps every block cached under a hash (a block computed twice,
-        # e.g. by two requests admitted before either cached it): ``cached`` holds the one a hit
-        # takes (get_one_block: the oldest), ``more`` the others in insertion order
-        self.more: dict[Key, list[int]] = {}
-        # dup[b]: another block holds b's hash too (``more`` has it); kept with ``more``, so
-        # that evicting a block decides without looking its hash up in ``more``
-        self.dup = [False] * num_blocks
+        # The GPU prefix cache (BlockHashToBlockMap): ``cached[k]`` is the block a hit on key
+        # ``k`` takes (get_one_block: the oldest block cached under ``k``). An entry is valid
+        # only while that block still carries the key (``key[cached[k]] == k``): evicting a
+        # block (clearing its key) leaves the entry behind, stale, so that the many evictions
+        # of blocks alone under their key cost no dict operation (a dict operation hashes the
+        # key, an int of up to 68 bits, afresh each time); a stale entry is overwritten when a
+        # block is next cached under its key, and lookups check the block (``holder``). While
+        # any block carries ``k``, ``cached[k]`` is valid.
+        self.cached: dict[Key, Any] = {}
+        # BlockHashToBlockMap keeps every block cached under a key (a block computed twice,
+        # e.g. by two requests admitted before either cached it), in insertion order: the
+        # blocks carrying one key form a chain from cached[k], ``later[b]`` / ``earlier[b]``
+        # the block cached after / before ``b`` under its key (NULL: none). A block alone under
+        # its key has neither, so that evicting it decides on two list reads
+        self.later: list[Any] = [NULL] * num_blocks
+        self.earlier: list[Any] = [NULL] * num_blocks
         self.ref[NULL] = 1   # the null block is held by the pool itself
 
     def num_free(self) -> int:
@@ -281,7 +289,7 @@ class BlockPool:
         return dict.fromkeys(self.free_queue())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        key, ref, cached, dup = self.key, self.ref, self.cached, self.dup
+        key, ref, later, earlier = self.key, self.ref, self.later, self.earlier
         nxt, prv = self.nxt, self.prv
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
@@ -291,13 +299,12 @@ class BlockPool:
         j = 0
         while j < n:                            # the head of the free queue, in order
             out.append(bo)
-            k = key[b]
-            if k is not None:           # evict from the GPU prefix cache
-                if dup[b]:
-                    self._uncache(b, k)
-                else:                   # the one block under its hash (cached[k] is b):
-                    # _uncache, inlined
-                    del cached[k]
+            if key[b] is not None:      # evict from the GPU prefix cache (uncache, inlined
+                # for a block alone under its key: its entry in ``cached`` goes stale)
+                lb: int = later[b]
+                eb: int = earlier[b]
+                if lb != NULL or eb != NULL:
+                    self._unchain(b)
                 key[b] = None
             ref[b] = 1
             prv[b] = -1
@@ -327,8 +334,8 @@ class BlockPool:
             if b == NULL:
                 continue
             r = ref[b] - 1
-            ref[b] = r
             if r == 0:
+                ref[b] = 0              # (a constant: no int object made from r)
                 n += 1
                 if key[b] is None:
                     first.append(bo)
@@ -336,7 +343,9 @@ class BlockPool:
                     nxt[t] = bo
                     prv[b] = to
                     to, t = bo, b
-            elif r < 0:
+                continue
+            ref[b] = r
+            if r < 0:
                 if t != tail:
                     nxt[t] = NULL
                     prv[NULL] = to
@@ -373,39 +382,69 @@ class BlockPool:
                 prv[q] = po
                 prv[b] = -1
                 self.n_free -= 1
-            ref[b] = ref[b] + 1         # (not +=: a generic in-place add when compiled)
-
-    def _uncache(self, b: int, k: Key) -> None:
-        """``BlockHashToBlockMap.pop(k, b)``."""
-        cached, more, dup = self.cached, self.more, self.dup
-        m: list[Any] | None = more.get(k)
-        dup[b] = False
-        held = cached.get(k, -1)
-        if held == b:
-            if m:
-                h = m.pop(0)
-                cached[k] = h
-                if not m:
-                    del more[k]
-                    dup[h] = False          # (cached[k], just set)
+                ref[b] = 1              # (a constant: no int object made)
             else:
-                del cached[k]
-        elif m and self.ids[b] in m:
-            m.remove(self.ids[b])
-            if not m:
-                del more[k]
-                dup[held if held >= 0 else cached[k]] = False     # (cached[k])
+                ref[b] = ref[b] + 1     # (not +=: a generic in-place add when compiled)
 
-    def cache_block(self, b: int, k: Key) -> None:
-        """``_insert_block_hash``: the block gets the hash even when another block holds it."""
+    def holder(self, k: Key) -> Any:
+        """The block a hit on key ``k`` takes, None if no block carries ``k``."""
+        bo = self.cached.get(k)
+        if bo is None:
+            return None
+        b: int = bo
+        kb = self.key[b]
+        return bo if kb is not None and (kb is k or kb == k) else None   # (else stale)
+
+    def cache(self, b: int, k: Key) -> None:
+        """``_insert_block_hash``: block ``b`` (no key yet) gets key ``k``, even when another
+        block carries it (then b comes last among its blocks)."""
+        self.key[b] = k
+        bo: Any = self.ids[b]
+        held: int = self.cached.setdefault(k, bo)
+        if held != b:
+            self._join(b, k, held)
+
+    def _join(self, b: int, k: Key, held: int) -> None:
+        """``cache``'s rest, where ``cached[k]`` was ``held``, not b: b joins the blocks
+        carrying ``k``, or holds ``k`` if the entry was stale."""
+        kh = self.key[held]
+        if kh is not None and (kh is k or kh == k):     # b comes last in held's chain
+            later = self.later
+            t: int = held
+            lt: int = later[t]
+            while lt != NULL:
+                t = lt
+                lt = later[t]
+            later[t] = self.ids[b]
+            self.earlier[b] = self.ids[t]
+        else:
+            self.cached[k] = self.ids[b]
+
+    def uncache(self, b: int) -> None:
+        """``_maybe_evict_cached_block``: block ``b`` loses its key (``BlockHashToBlockMap.pop``);
+        the next block cached under it, if any, holds it."""
         if self.key[b] is None:
-            self.key[b] = k
-            cached = self.cached
-            if k in cached:
-                self.more.setdefault(k, []).append(self.ids[b])
-                self.dup[b] = self.dup[cached[k]] = True
-            else:
-                cached[k] = self.ids[b]
+            return
+        lb: int = self.later[b]
+        eb: int = self.earlier[b]
+        if lb != NULL or eb != NULL:
+            self._unchain(b)
+        self.key[b] = None          # (alone under its key: the entry goes stale)
+
+    def _unchain(self, b: int) -> None:
+        """Take ``b`` out of the chain of blocks carrying its key (two or more blocks)."""
+        later, earlier = self.later, self.earlier
+        lo: Any = later[b]
+        eo: Any = earlier[b]
+        lb: int = lo
+        eb: int = eo
+        if eb == NULL:                  # b held the key: the next block holds it
+            self.cached[self.key[b]] = lo
+        else:
+            later[eb] = lo
+        if lb != NULL:
+            earlier[lb] = eo
+        later[b] = earlier[b] = NULL
 
 
 class GroupRule:
@@ -472,6 +511,9 @@ class KVCacheManager:
         self.reach_hi = [0] * len(self.rest_rules)
         self.reach_keys: list[list[Key]] = [[] for _ in self.rest_rules]
         self.junction = 0          # the last find_hit's shared_prefix_boundary
+        # allocate's plan, per rule: null placeholders, new blocks (a scratch list of this
+        # manager, overwritten at each call: no list made per allocation)
+        self.plan = [0] * (2 * len(self.rules))
         # use_eagle_block_drop (EAGLE-style speculative decoding): the last block of a GPU
         # prefix hit is dropped, the drafter needs the tokens before the generation point
         # recomputed (find_longest_cache_hit(drop_eagle_block)); set by the model
@@ -546,13 +588,18 @@ class KVCacheManager:
                 bi: int = known[n]
                 kb = pkey[bi]
                 k = keys[n]
-                if kb is not k and kb != k:
+                if kb is None or (kb is not k and kb != k):
                     del known[n:]
                     break
                 n += 1
             while n < m:
-                bo: Any = cached.get(keys[n])
+                k = keys[n]
+                bo: Any = cached.get(k)
                 if bo is None:
+                    break
+                bi = bo
+                kb = pkey[bi]
+                if kb is None or (kb is not k and kb != k):   # stale (BlockPool.holder)
                     break
                 if n == len(known):
                     known.append(bo)
@@ -589,7 +636,15 @@ class KVCacheManager:
                         if a <= j < z:
                             j = z
                             continue
-                        if j >= n or keys[j] not in cached:
+                        if j >= n:
+                            break
+                        k = keys[j]
+                        bo = cached.get(k)
+                        if bo is None:
+                            break
+                        bi = bo
+                        kb = pkey[bi]
+                        if kb is None or (kb is not k and kb != k):     # stale (holder)
                             break
                         j += 1
                     if j < hi:                    # block j is missing
@@ -623,6 +678,7 @@ class KVCacheManager:
             n = L // r.bs
             first = min(r.skipped_tokens(total) // r.bs, n)
             table.extend([NULL] * first)
+            # (cached[k]: the hit's blocks carry their keys, so their entries are valid)
             blocks = [cached[k] for k in req.keys(r.gid, r.bs)[first:n]]
             pool.touch(blocks)
             table.extend(blocks)
@@ -631,7 +687,7 @@ class KVCacheManager:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
-        key, cached, more, dup = pool.key, pool.cached, pool.more, pool.dup
+        key, cached = pool.key, pool.cached
         done = req.num_cached_blocks
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
@@ -660,13 +716,12 @@ class KVCacheManager:
             for j in range(i, m):
                 bo = row[j]
                 b: int = bo
-                if b != NULL and key[b] is None:      # BlockPool.cache_block, inlined
+                if b != NULL and key[b] is None:      # BlockPool.cache, inlined
                     k = keys[j]
                     key[b] = k
-                    held = cached.setdefault(k, bo)
-                    if held != b:                     # another block holds the hash
-                        more.setdefault(k, []).append(bo)
-                        dup[b] = dup[held] = True
+                    held: int = cached.setdefault(k, bo)
+                    if held != b:
+                        pool._join(b, k, held)
             if r.align:
                 # MambaManager.cache_blocks: every state block cached now is offered to the
                 # connector with the boundary it summarises, and marked cached this step
@@ -713,7 +768,8 @@ class KVCacheManager:
                     k = req.keys(r.gid, r.bs)[n_hit - 1]
                     if k in self.cached_this_step:
                         return pool.num_blocks + 1
-                    if pool.ref[pool.cached[k]] == 0:
+                    hb: int = pool.cached[k]
+                    if pool.ref[hb] == 0:
                         need += 1
                 need += 1 if n > 0 else n
                 continue
@@ -730,7 +786,8 @@ class KVCacheManager:
                 # the evictable hit blocks (refcount 0): every hit block is cached under its key
                 ref, cached = pool.ref, pool.cached
                 for k in req.keys(r.gid, r.bs)[skipped:n_hit]:
-                    if ref[cached[k]] == 0:
+                    hb = cached[k]
+                    if ref[hb] == 0:
                         need += 1
         return need
 
@@ -740,8 +797,9 @@ class KVCacheManager:
         return self.admission_blocks(req, 0, req.num_computed, req.num_tokens, True)
 
     # --- allocation ------------------------------------------------------------------------
-    def remove_skipped_blocks(self, req: Request, computed: int) -> list[int]:
-        freed = []
+    def remove_skipped_blocks(self, req: Request, computed: int) -> None:
+        """``remove_skipped_blocks``: every group frees its blocks out of reach at ``computed``
+        tokens (the null block takes their place)."""
         for r in self.rules:
             if r.code in (FULLISH, RING):
                 continue
@@ -761,7 +819,6 @@ class KVCacheManager:
                     table[i] = NULL
                 if group:
                     self.pool.free_blocks(group)
-                    freed += group
                 self.retired[rk] = n
                 continue
             row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
@@ -785,8 +842,6 @@ class KVCacheManager:
                 # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
                 # blocks of a later group go in front of an earlier group's
                 self.pool.free_blocks(group)
-                freed += group
-        return freed
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
                  cache_upto: int | None = None, reserved: int = 0,
@@ -808,33 +863,38 @@ class KVCacheManager:
         self.remove_skipped_blocks(req, computed if processed is None else processed)
         total = computed + num_new_tokens + lookahead
         tables = req.tables
-        plan: list[int] = []       # per rule: null placeholders, new blocks
+        plan = self.plan           # per rule: null placeholders, new blocks
         need = 0
+        x = 0
         for r in self.rules:
             have = len(tables[r.gid])
             if r.code == RING:
                 n = 0 if have else 1
-                plan.append(0)
-                plan.append(n)
+                plan[x] = 0
+                plan[x + 1] = n
                 need += n
+                x += 2
                 continue
             target = -(-total // r.bs)
             if target <= have:
-                plan.append(0)
-                plan.append(0)
+                plan[x] = 0
+                plan[x + 1] = 0
+                x += 2
                 continue
             if r.align:
                 # MambaManager.allocate_new_blocks, align mode: nulls up to the last block, one
                 # new block there for the running state
-                plan.append(target - 1 - have)
-                plan.append(1)
+                plan[x] = target - 1 - have
+                plan[x + 1] = 1
                 need += 1
+                x += 2
                 continue
             nulls = max(0, min(r.skipped_tokens(computed) // r.bs, target) - have)
             n = target - have - nulls
-            plan.append(nulls)
-            plan.append(n)
+            plan[x] = nulls
+            plan[x + 1] = n
             need += n
+            x += 2
         # allocate_slots: ``reserved_blocks`` stay free for the in-flight prefills
         pool = self.pool
         if need > pool.n_free - reserved:
@@ -898,9 +958,8 @@ class KVCacheManager:
                         bound = b
         return (1 << 62) if unset else bound
 
-    def free(self, req: Request) -> list[int]:
-        """Free every block of ``req``, tail first; returns the freed block IDs."""
-        freed = []
+    def free(self, req: Request) -> None:
+        """Free every block of ``req``, tail first."""
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
         if self.align_rules:
@@ -908,9 +967,7 @@ class KVCacheManager:
         for table in req.tables:
             table.reverse()                     # tail first (the table is emptied below)
             self.pool.free_blocks(table)
-            freed.extend(table)
             del table[:]                        # (clear(): a method call when compiled)
-        return freed
 
     def forget(self, req: Request) -> None:
         """``MambaManager.pop_blocks_for_free``: the request's align-mode Mamba state (retired

@@ -106,8 +106,7 @@ def test_shared_prefix_boundary_is_the_longer_full_attention_hit():
     a = req(80, groups=2)
     kv.allocate(a, 80, cache_upto=80)
     for b in a.tables[1]:                  # forget the window group's blocks
-        kv.pool._uncache(b, kv.pool.key[b])
-        kv.pool.key[b] = None
+        kv.pool.uncache(b)
     b = req(80, rid="b", groups=2)
     assert kv.find_hit(b) == 0 and kv.junction == 64
     assert kv.find_hit(req(80, rid="c", groups=2, seed=2)) == 0 and kv.junction == 0
@@ -255,3 +254,101 @@ def test_mamba_align_prompt_tail_recached_on_0320_only():
         assert kv.find_hit(b) == 64
         waits = kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.num_free()
         assert waits is deferred, recache
+
+
+# --- the GPU prefix cache against a straightforward BlockHashToBlockMap ----------------------
+
+class _RefPool:
+    """The reference: vLLM's BlockPool as written there (a free list, refcounts, and per key
+    the blocks cached under it in insertion order, a hit taking the first)."""
+
+    def __init__(self, n):
+        self.free, self.ref, self.key, self.map = list(range(1, n)), [1] + [0] * (n - 1), [None] * n, {}
+
+    def get_new_blocks(self, n):
+        out, self.free = self.free[:n], self.free[n:]
+        for b in out:
+            self.uncache(b)
+            self.ref[b] = 1
+        return out
+
+    def uncache(self, b):
+        k = self.key[b]
+        if k is not None:
+            self.map[k].remove(b)
+            if not self.map[k]:
+                del self.map[k]
+            self.key[b] = None
+
+    def cache(self, b, k):
+        self.key[b] = k
+        self.map.setdefault(k, []).append(b)
+
+    def free_blocks(self, blocks):
+        head, tail = [], []
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                (head if self.key[b] is None else tail).append(b)
+        self.free = head + self.free + tail
+
+    def touch(self, blocks):
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.free.remove(b)
+            self.ref[b] += 1
+
+
+def test_prefix_cache_chains_and_stale_entries_match_the_reference():
+    """BlockPool keeps a block's key in ``key``, the holder of a key in ``cached`` (entries of
+    evicted blocks left stale) and the other blocks under one key in ``later``/``earlier``
+    chains: random allocations, cachings (many blocks under few keys, equal keys as distinct
+    int objects, keys past 64 bits), frees, hits and uncachings behave as the reference."""
+    import random
+    from simsched.allocator import BlockPool, make_key
+    for seed in range(40):
+        rng = random.Random(seed)
+        n = rng.choice([6, 12, 24])
+        pool, ref = BlockPool(n), _RefPool(n)
+        idents = [rng.randrange(-2**63, 2**63) for _ in range(rng.choice([2, 5, 12]))]
+        held: list[int] = []
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.3 and pool.num_free():
+                m = rng.randint(1, pool.num_free())
+                got = pool.get_new_blocks(m)
+                assert got == ref.get_new_blocks(m)
+                held += got
+            elif op < 0.55 and held:
+                b = rng.choice(held)
+                if pool.key[b] is None:
+                    k = make_key(rng.randrange(3), rng.choice(idents))
+                    pool.cache(b, int(str(k)) if rng.random() < 0.5 else k)   # equal, not same
+                    ref.cache(b, k)
+            elif op < 0.75 and held:
+                gone = rng.sample(held, rng.randint(1, len(held)))
+                for b in gone:
+                    held.remove(b)
+                pool.free_blocks(gone)
+                ref.free_blocks(gone)
+            elif op < 0.9:
+                # a hit: the holders of some keys taken (BlockPool.holder, as find_hit finds them)
+                ks = [make_key(g, h) for g in range(3) for h in idents]
+                hit = [b for b in map(pool.holder, rng.sample(ks, 3)) if b is not None]
+                pool.touch(hit)
+                ref.touch(hit)
+                held += hit
+            elif held:
+                b = rng.choice(held)
+                pool.uncache(b)
+                ref.uncache(b)
+            assert pool.free_queue() == ref.free and pool.num_free() == len(ref.free)
+            assert pool.ref == ref.ref and pool.key == ref.key
+            for g in range(3):
+                for h in idents:
+                    k = make_key(g, h)
+                    chain, b = [], pool.holder(k)
+                    while b is not None and b != NULL:
+                        chain.append(b)
+                        b = pool.later[b]
+                    assert chain == ref.map.get(k, [])
