@@ -14,6 +14,7 @@ from operator import is_, itemgetter
 from typing import Any
 
 from simsched.allocator import NULL, key_ident
+from simsched.geometry import GroupGeometry
 from simsched.offload import Job
 from simsched.shadow import chunk_block
 
@@ -89,7 +90,8 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     if not isinstance(job, Job):
         return _check_store_job_named(step, job, geo)
     tph: int = geo.tokens_per_hash
-    groups: tuple = geo.groups      # (the model's Geometry: a tuple)
+    groups: tuple = geo.groups      # (the model's Geometry: a tuple of GroupGeometry)
+    g: GroupGeometry                # (typed: its fields read natively)
     ok = True
     gids: list[int] = job.gids
     cidx: list[int] = job.cidx
