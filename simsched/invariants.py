@@ -14,7 +14,9 @@ from operator import is_, itemgetter
 from typing import Any
 
 from simsched.allocator import NULL, key_ident
+from simsched.geometry import GroupGeometry
 from simsched.offload import Job
+from simsched.shadow import chunk_block
 
 INVARIANTS = {
     "INV-1": "blocks conserved: free + held = pool",
@@ -88,7 +90,8 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     if not isinstance(job, Job):
         return _check_store_job_named(step, job, geo)
     tph: int = geo.tokens_per_hash
-    groups: tuple = geo.groups      # (the model's Geometry: a tuple)
+    groups: tuple = geo.groups      # (the model's Geometry: a tuple of GroupGeometry)
+    g: GroupGeometry                # (typed: its fields read natively)
     ok = True
     gids: list[int] = job.gids
     cidx: list[int] = job.cidx
@@ -132,17 +135,19 @@ def _check_store_job_named(step: int, job, geo) -> InvariantViolation | None:
 
 def check_stored_chunk(step: int, job, item, content, req, geo,
                        tpbs: dict | None = None) -> InvariantViolation | None:
-    """INV-4: the chunk read for ``item`` holds the tokens its key names. ``tpbs``: tokens per
+    """INV-4: the chunk read for ``item`` holds the tokens its key names. ``content``: the
+    chunk's, as :meth:`~simsched.shadow.Shadow.read` gives it (flat). ``tpbs``: tokens per
     block by group id, when the caller has them."""
     gid, c, hidx, key, blocks = item
     end = (hidx + 1) * geo.tokens_per_hash
-    if not content or content[-1] is None or content[-1][1] != end or content[-1][2] != key_ident(key) \
-            or content[-1][0] != gid:
+    last = chunk_block(content, len(content) // 3 - 1) if content else None
+    if last is None or last[1] != end or last[2] != key_ident(key) or last[0] != gid:
         return InvariantViolation("INV-4", step, f"job {job.jid} chunk g{gid}:{hidx} (tokens up "
-                                  f"to {end}) holds {content[-1] if content else None}")
+                                  f"to {end}) holds {last}")
     tpb = tpbs[gid] if tpbs is not None else next(g.tokens_per_block for g in geo.groups
                                                   if g.group_id == gid)
-    for (i, _), got in zip(blocks, content):
+    for j, (i, _) in enumerate(blocks[:len(content) // 3]):
+        got = chunk_block(content, j)
         want = (gid, (i + 1) * tpb, req.ident_at((i + 1) * tpb))
         if got != want:
             return InvariantViolation("INV-4", step, f"job {job.jid} chunk g{gid}:{hidx} block "
@@ -159,29 +164,37 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
         tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
     if not isinstance(job, Job):
         return _check_loaded_named(step, job, req, shadow, tpbs)
-    gpu: list = shadow.gpu
+    # (the shadow's fields untyped: compared as the objects they are)
+    gids: list = shadow.gids
+    ends: list = shadow.ends
+    idents: list = shadow.idents
     unit: int = req.unit
     ident: list = req.ident        # (untyped: compared as the int objects they are)
     nid = len(ident)
-    gids: list[int] = job.gids
+    jgids: list[int] = job.gids
     bpos: list[int] = job.bpos
     bidx: list[int] = job.bidx
     bids: list[int] = job.bids
-    got: tuple | None
     last_gid, tpb = -1, 0           # (a job's chunks come group by group)
-    for x in range(len(gids)):
-        gid = gids[x]
+    for x in range(len(jgids)):
+        gid = jgids[x]
         if gid != last_gid:
             last_gid, tpb = gid, tpbs[gid]
         for y in range(bpos[x], bpos[x + 1]):
-            # the common case decided here: the block holds (gid, end, ident_at(end)) with the
+            # the common case decided here: the block holds (gid, e, ident_at(e)) with the
             # identity known; anything else goes to the walk below, which decides and names it
             e = (bidx[y] + 1) * tpb
             k = e // unit - 1                       # req.ident_at(e), inlined
             b: int = bids[y]
-            got = gpu[b]                            # == (gid, e, ident[k]), field by field
-            if not 0 <= k < nid or got is None or len(got) != 3 or got[2] != ident[k] \
-                    or got[1] != e or got[0] != gid:
+            if not 0 <= k < nid:
+                return _check_loaded_named(step, job, req, shadow, tpbs)
+            g0 = gids[b]
+            g1 = ends[b]
+            g2 = idents[b]
+            idk = ident[k]
+            # (group and end compared as native ints when they are ints: no boxing)
+            if not (isinstance(g1, int) and g1 == e and isinstance(g0, int) and g0 == gid
+                    and (g2 is idk or g2 == idk)):
                 return _check_loaded_named(step, job, req, shadow, tpbs)
     return None
 
@@ -191,9 +204,10 @@ def _check_loaded_named(step: int, job, req, shadow, tpbs: dict) -> InvariantVio
     for gid, c, hidx, key, blocks in job.items:
         for i, b in blocks:
             want = (gid, (i + 1) * tpbs[gid], req.ident_at((i + 1) * tpbs[gid]))
-            if shadow.gpu[b] != want:
+            got = shadow.content(b)
+            if got != want:
                 return InvariantViolation("INV-5", step, f"load {job.jid} g{gid}:{hidx} block "
-                                          f"{b} (index {i}) holds {shadow.gpu[b]}, want {want}")
+                                          f"{b} (index {i}) holds {got}, want {want}")
     return None
 
 

@@ -313,7 +313,8 @@ class Model:
             return
         job.read = True
         req = self.reqs[job.rid]
-        gpu, contents = self.shadow.gpu, job.contents
+        shadow, contents = self.shadow, job.contents
+        sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
         geo, tpbs, step = self.geo, self.tpbs, self.step_no
         self.pending_reads.pop(job.jid, None)
         ident: list = req.ident         # (untyped: compared as the int objects they are)
@@ -329,45 +330,36 @@ class Model:
             key = ckeys[x]
             end = (hidx[x] + 1) * tph
             lo, hi = bpos[x], bpos[x + 1]
-            # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (its
-            # last block holds (gid, end, key_ident(key)), each block (gid, its end, ident
-            # there)); anything else goes to check_stored_chunk, which decides and names the
-            # finding. key_ident(key) == ident is decided as make_key(gid, ident) == key, ident
-            # being one of the request's identities (a key that differs only in its group goes
-            # to check_stored_chunk, which passes it)
-            if hi - lo == 1:
-                # one block (Shadow.read inlined): it is the last block, compared field by field
-                b: int = bids[lo]
-                got = gpu[b]
-                content: tuple = (got,)
-                e = (bidx[lo] + 1) * tpb
-                k = e // unit - 1
-                ok = False
-                if got is not None and e == end and 0 <= k < nid and len(got) == 3:
-                    # (group and end compared as native ints when they are ints: no boxing)
-                    g0 = got[0]
-                    g1 = got[1]
-                    g2 = got[2]
-                    idk = ident[k]
-                    # (the identities and group 0's keys are mostly the very objects compared)
-                    ok = isinstance(g1, int) and g1 == end and isinstance(g0, int) \
-                        and g0 == gid and (g2 is idk or g2 == idk) \
-                        and (key is idk or make_key(gid, idk) == key)
-            else:
-                content = tuple([gpu[bids[y]] for y in range(lo, hi)])   # Shadow.read, inlined
-                ok = False
-                kl = end // unit - 1
-                if content and 0 <= kl < nid:
-                    idl = ident[kl]
-                    ok = content[-1] == (gid, end, idl) and make_key(gid, idl) == key
-                if ok:
-                    for y in range(lo, hi):
-                        e = (bidx[y] + 1) * tpb
-                        k = e // unit - 1                           # req.ident_at, inlined
-                        if not 0 <= k < nid or content[y - lo] != (gid, e, ident[k]):
-                            ok = False
-                            break
+            content = shadow.read_chunk(bids, lo, hi)
             contents[key] = content
+            # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
+            # block holds (gid, its end, ident there), the last one ending at the key's end,
+            # whose identity is key_ident(key)); anything else goes to check_stored_chunk, which
+            # decides and names the finding. key_ident(key) == ident is decided as
+            # make_key(gid, ident) == key, ident being one of the request's identities (a key
+            # that differs only in its group goes to check_stored_chunk, which passes it)
+            ok = hi > lo and (bidx[hi - 1] + 1) * tpb == end
+            idk: Any = None
+            if ok:
+                for y in range(lo, hi):         # (the blocks just read, as the chunk holds them)
+                    e = (bidx[y] + 1) * tpb
+                    k = e // unit - 1                       # req.ident_at, inlined
+                    if not 0 <= k < nid:
+                        ok = False
+                        break
+                    b: int = bids[y]
+                    g0 = sgids[b]
+                    g1 = sends[b]
+                    g2 = sidents[b]
+                    idk = ident[k]
+                    # (group and end compared as native ints when they are ints: no boxing;
+                    # the identities are mostly the very objects compared)
+                    if not (isinstance(g1, int) and g1 == e and isinstance(g0, int)
+                            and g0 == gid and (g2 is idk or g2 == idk)):
+                        ok = False
+                        break
+            # (idk: the last block's identity; group 0's keys are mostly that very object)
+            ok = ok and (key is idk or make_key(gid, idk) == key)
             if not ok:
                 v = inv.check_stored_chunk(step, job, job.chunk(x), content, req, geo, tpbs)
                 if v is not None:
@@ -582,7 +574,7 @@ class Model:
         kv, shadow = self.kv, self.shadow
         rules, fences = kv.rules, self.pending_reads
         fenced = fences.count           # per block: the pending store jobs that read it
-        gpu, unit = shadow.gpu, self.unit
+        gids, ends, idents, unit = shadow.gids, shadow.ends, shadow.idents, self.unit
         nums: list[Any] = shadow.nums
         seed = self.case.seed
         inflight = self.inflight
@@ -598,7 +590,9 @@ class Model:
                 fb: list[tuple[Any, Any]] = req.fast_blocks
                 for go, bo in fb:
                     b: int = bo
-                    gpu[b] = (go, eo, None)
+                    gids[b] = go
+                    ends[b] = eo
+                    idents[b] = None
                 if fences.jobs:
                     for _, bo in fb:
                         b = bo

@@ -4,8 +4,17 @@ A slot's content is ``(group_id, end, ident)``: the group's KV for the request p
 ``[0, end)`` whose token identity (``Request.ident_at(end)``, a chained hash of the token ids) is
 ``ident``; for a block that is written up to ``end`` only (a partial block) or whose tokens are
 not all known yet ``ident`` is None. For a Mamba state block, ``end`` is the position the state
-summarises; for a ring, the latest position written. A CPU chunk holds the tuple of the contents of
-the blocks the store read.
+summarises; for a ring, the latest position written. A slot never written holds None.
+
+The slots are kept field by field, in three lists indexed by block ID (``gids``, ``ends``,
+``idents``; ``gids[b]`` None: never written): a write stores three references and makes no
+object, where a tuple per slot made one per block written (and freed the one it replaced);
+only a store's read makes one, its chunk's. :meth:`Shadow.content` gives a slot as the tuple
+above.
+
+A CPU chunk holds the contents of the blocks its store read, flat: ``(gid, end, ident)`` of each
+block in order, one tuple per chunk (``(None, None, None)`` for a block never written; a
+one-block chunk's content is thus its slot's content).
 """
 
 from __future__ import annotations
@@ -17,12 +26,15 @@ from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
 
 class Shadow:
     def __init__(self, num_blocks: int, blocks_per_chunk: int | None = None):
-        self.gpu: list[tuple | None] = [None] * num_blocks
-        self.bpc = blocks_per_chunk
+        # (untyped lists: the fields are stored and compared as the objects they are)
+        self.gids: list[Any] = [None] * num_blocks
+        self.ends: list[Any] = [None] * num_blocks
+        self.idents: list[Any] = [None] * num_blocks
+        self.bpc: int = blocks_per_chunk or 0     # (0: none; native, as write_chunk compares it)
         # nums[e] is the int e, one object each (grown on demand by num()): the group ids and
-        # ends of slot contents go into the content tuples as these objects. (The compiled build
-        # makes a new int object each time it puts a native int above 256 in a tuple or a list;
-        # see also allocator.BlockPool.ids.)
+        # ends of slot contents are stored as these objects. (The compiled build makes a new
+        # int object each time it puts a native int above 256 in a tuple or a list; see also
+        # allocator.BlockPool.ids.)
         self.nums: list[Any] = list(range(257))
 
     def num(self, e: int) -> Any:
@@ -32,11 +44,16 @@ class Shadow:
             nums.extend(range(len(nums), e + 1))
         return nums[e]
 
+    def content(self, b: int) -> tuple | None:
+        """Block ``b``'s content, ``(group_id, end, ident)`` (None: never written)."""
+        g = self.gids[b]
+        return None if g is None else (g, self.ends[b], self.idents[b])
+
     def write_computed(self, req: Request, rules: list[GroupRule], start: int,
                        end: int, collect: bool = True) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
         block IDs written (``collect`` False: an empty list, nothing collected)."""
-        gpu: list[tuple | None] = self.gpu
+        gids, ends, idents = self.gids, self.ends, self.idents
         written: list[int] = []
         eo = self.num(end)              # (nums grows to end: every end written is in it)
         nums = self.nums
@@ -54,7 +71,9 @@ class Shadow:
             if r.code == RING:
                 bo = table[0]
                 b: int = bo
-                gpu[b] = (go, eo, None)
+                gids[b] = go
+                ends[b] = eo
+                idents[b] = None
                 if collect:
                     written.append(bo)
                 continue
@@ -73,21 +92,39 @@ class Shadow:
                     b = bo
                     if b != NULL:
                         k = (i + 1) * per - 1
-                        gpu[b] = (go, nums[(i + 1) * bs], ident[k] if k < nid else None)
+                        gids[b] = go
+                        ends[b] = nums[(i + 1) * bs]
+                        idents[b] = ident[k] if k < nid else None
                         if collect:
                             written.append(bo)
             if last > full and last > i0:        # the partial block holding token end - 1
                 bo = table[last - 1]
                 b = bo
                 if b != NULL:
-                    gpu[b] = (go, eo, None)
+                    gids[b] = go
+                    ends[b] = eo
+                    idents[b] = None
                     if collect:
                         written.append(bo)
         return written
 
+    def read_chunk(self, bids: list, lo: int, hi: int) -> tuple:
+        """The content of a chunk read from the blocks ``bids[lo:hi]`` (flat, see the module)."""
+        gids, ends, idents = self.gids, self.ends, self.idents
+        if hi - lo == 1:
+            b: int = bids[lo]
+            return (gids[b], ends[b], idents[b])
+        fields: list[Any] = []
+        for y in range(lo, hi):
+            b = bids[y]
+            fields.append(gids[b])
+            fields.append(ends[b])
+            fields.append(idents[b])
+        return tuple(fields)
+
     def read(self, blocks) -> tuple:
-        gpu = self.gpu
-        return tuple(gpu[b] for _, b in blocks)
+        """The content of a chunk read from its ``(block_index, block_id)`` source blocks."""
+        return self.read_chunk([b for _, b in blocks], 0, len(blocks))
 
     def write(self, blocks: list[tuple[int, int]], content: tuple) -> None:
         """A chunk's ``content`` into its ``(block_index, block_id)`` destination blocks (see
@@ -95,32 +132,41 @@ class Shadow:
         self.write_chunk([i for i, _ in blocks], [b for _, b in blocks], 0, len(blocks), content)
 
     def write_chunk(self, idx: list[int], bids: list[int], lo: int, hi: int,
-                    content: tuple) -> None:
+                    content: tuple | None) -> None:
         """A chunk's ``content`` into the blocks ``bids[lo:hi]``, at block indices ``idx[lo:hi]`` of
         the request's table (a model ``Job`` keeps its blocks as such parallel lists)."""
-        gpu = self.gpu
-        n = len(content) if content else 0
-        if n and n == self.bpc:
+        if not content:
+            return
+        gids, ends, idents = self.gids, self.ends, self.idents
+        n = len(content) // 3                          # the blocks the store read
+        if n == self.bpc:
             # a whole chunk: each destination block takes the chunk's block at its own offset
             # (the offloading worker skips block_index % blocks_per_chunk blocks of the chunk)
             for y in range(lo, hi):
-                gpu[bids[y]] = content[idx[y] % n]
-            return
-        if not n:
+                j = idx[y] % n * 3
+                b = bids[y]
+                gids[b] = content[j]
+                ends[b] = content[j + 1]
+                idents[b] = content[j + 2]
             return
         # a chunk whose store read only some blocks (windowed groups): its content lines up
-        # with the tail of the destination blocks, content[n - (hi - lo):] (a negative start
-        # counts from the end, as slices do), paired with the blocks in order
+        # with the tail of the destination blocks, blocks [n - (hi - lo), n) of it (a negative
+        # start counts from the end, as slices do), paired with the blocks in order
         start = n - (hi - lo)
         if start < 0:
             start = max(0, n + start)
         for y in range(lo, min(hi, lo + n - start)):
-            gpu[bids[y]] = content[start + y - lo]
+            j = (start + y - lo) * 3
+            b = bids[y]
+            gids[b] = content[j]
+            ends[b] = content[j + 1]
+            idents[b] = content[j + 2]
 
-    @staticmethod
-    def expected(req, gid: int, tokens_per_block: int, index: int) -> tuple:
-        e = (index + 1) * tokens_per_block
-        return (gid, e, req.ident_at(e))
+
+def chunk_block(content: tuple, j: int) -> tuple | None:
+    """Block ``j`` of a chunk's flat ``content`` as a slot's content (None: never written)."""
+    g = content[3 * j]
+    return None if g is None else (g, content[3 * j + 1], content[3 * j + 2])
 
 
-__all__ = ["Shadow", "FULLISH"]
+__all__ = ["Shadow", "FULLISH", "chunk_block"]
