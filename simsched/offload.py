@@ -1301,22 +1301,24 @@ class OffloadScheduler:
                 cend = min(end, len(gkeys))
                 if start < cend:
                     gids.extend([gid] * (cend - start))
+                    cidx.extend(self._ints(start, cend))
                     hidx.extend(kidx[start:cend])
                     keys.extend(gkeys[start:cend])      # (the job's ckeys: the same list)
-                    base = len(jbids)
-                    jbids.extend(blocks[n_local:min(cend * bpc, n_gpu)])
-                    i = n_local
-                    for c in range(start, cend):
-                        cidx.append(c)
-                        hi = min((c + 1) * bpc, n_gpu)
-                        while i < hi:
-                            bidx.append(i)
-                            i += 1
-                        bpos.append(base + hi - n_local)
+                    top = min(cend * bpc, n_gpu)
+                    shift = len(jbids) - n_local        # block i goes to position shift + i
+                    jbids.extend(blocks[n_local:top])
+                    bidx.extend(self._ints(n_local, top))
+                    # chunk c's blocks end at (c + 1) * bpc for c < n_gpu // bpc, else at n_gpu
+                    k = max(start, min(cend, n_gpu // bpc))
+                    if k > start:
+                        bpos.extend(self._ints(shift + (start + 1) * bpc, shift + k * bpc + 1, bpc))
+                    bpos.extend([shift + n_gpu] * (cend - k))
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         self.tier.prepare_load(keys, st)
         job.ckeys = keys
-        job.keys = tuple_set_order(keys) if self.tier.evictable_list else set(keys)
+        # (the keys are distinct; only the evictable list's complete_load depends on their order:
+        # the one of vLLM's set of them, tuple_set_order)
+        job.keys = tuple_set_order(keys) if self.tier.evictable_list else keys
         self._new_job(job)
         if self.asserts and st.jobs:
             raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
@@ -1614,7 +1616,8 @@ class OffloadScheduler:
                         m = end - c
                         lo, hi = c * bpc, end * bpc
                         run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
-                        if run is not None and NULL not in run:
+                        # (a chunk of one block is in new_keys only with that block)
+                        if run is not None and (bpc == 1 or NULL not in run):
                             j += m
                             self._add_run(job, sink, gid, kidx, keys, run, c, end, bpc)
                             break
