@@ -1533,7 +1533,7 @@ class OffloadScheduler:
                 if n <= start or cfg.group_id in cow:
                     continue
                 # the chunks' keys gs.keys[start:n] and their last blocks
-                # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc], read in place (no slices)
+                # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
                 gkeys = gs.keys
                 bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
                 nk = max(0, min(n, len(gkeys)) - start)
@@ -1552,10 +1552,17 @@ class OffloadScheduler:
                     for i in range(cnt):
                         if bl[b_lo + i * bpc] and reach[i]:     # block not NULL (0), reachable
                             new_keys.append(gkeys[start + i])
-                else:
-                    for i in range(cnt):
-                        if bl[b_lo + i * bpc]:          # the keys whose block is not NULL (0)
-                            new_keys.append(gkeys[start + i])
+                elif cnt:
+                    # the keys whose block is not NULL (0): all cnt of them when no block is
+                    # (one slice of keys)
+                    lasts = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
+                        bl[b_lo:b_lo + cnt]
+                    if NULL not in lasts:
+                        new_keys.extend(gkeys[start:start + cnt])
+                    else:
+                        for i in range(cnt):
+                            if lasts[i]:
+                                new_keys.append(gkeys[start + i])
                 if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
                     whole[-1] = k0
             if not new_keys:
