@@ -1557,7 +1557,7 @@ class OffloadScheduler:
                     # (one slice of keys)
                     lasts = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
                         bl[b_lo:b_lo + cnt]
-                    if NULL not in lasts:
+                    if all(lasts):                      # (NULL is 0: false)
                         new_keys.extend(gkeys[start:start + cnt])
                     else:
                         for i in range(cnt):
