@@ -1584,7 +1584,8 @@ class OffloadScheduler:
             bpos, bidx, jbids = job.bpos, job.bidx, job.bids
             # the keys to store are a subsequence of new_keys, in the order of the walk below
             # (the same groups and chunks): each chunk's key is the next one to store or not one
-            # (a request's keys are distinct: compared by value). When they are all of new_keys
+            # (a request's keys are distinct; the tier returns the key objects it was given, those
+            # of the groups' key lists: compared by identity). When they are all of new_keys
             # (the same length: the same list), a group whose chunks all went into new_keys
             # (whole) is stored whole when the walk reaches it at its first key
             all_new = len(to_store) == len(new_keys)
@@ -1614,7 +1615,7 @@ class OffloadScheduler:
                 bulk = True             # the run test below is tried once per group
                 for c in range(start, end):
                     k = keys[c]
-                    if j == n_store or k != to_store[j]:
+                    if j == n_store or k is not to_store[j]:
                         continue
                     if bulk:
                         bulk = False

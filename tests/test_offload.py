@@ -240,3 +240,22 @@ def test_load_job_chunks_match_a_per_chunk_walk():
         assert job.chunks() == want, it
         # (chunks() reads bpos[x]:bpos[x + 1] only: its length and its end too)
         assert len(job.bpos) == len(want) + 1 and job.bpos[-1] == len(job.bids) == len(job.bidx)
+
+
+def test_prepare_store_returns_the_key_objects_given():
+    """_build_store_jobs matches the keys a store takes to its chunks' keys by identity: every
+    tier's prepare_store returns the very key objects it was given (equal ints made apart
+    would not match)."""
+    from types import SimpleNamespace as NS
+    from simsched.offload import ListCPUTier, RankedCPUTier
+    cfgs = [NS(group_id=0, tokens_per_chunk=16), NS(group_id=1, tokens_per_chunk=16)]
+    for make in (lambda: CPUTier(4), lambda: CPUTier(4, True), lambda: ListCPUTier(4),
+                 lambda: RankedCPUTier(4, False, cfgs), lambda: RankedCPUTier(4, True, cfgs)):
+        tier = make()
+        idents = [10 ** 20 + i for i in range(6)]
+        st = NS(req=NS(rid="r"), groups=[NS(keys=[make_key(g, h) for h in idents])
+                                         for g in (0, 1)])
+        for keys in (st.groups[1].keys[:3], st.groups[1].keys[1:5]):
+            got = tier.prepare_store(keys, st)
+            assert got and all(any(k is x for x in keys) for k in got)
+            tier.complete_store(got, {})
