@@ -762,11 +762,13 @@ class _SlidingWindowStoreMask:
 
 
 class GroupState:
-    __slots__ = ("keys", "kidx", "block_ids", "next_stored", "num_hit_chunks")
+    __slots__ = ("keys", "block_ids", "next_stored", "num_hit_chunks")
 
     def __init__(self) -> None:
-        self.keys: list[Key] = []          # offload keys (group_id, block hash): see make_key
-        self.kidx: list[int] = []          # the hash index of each key, for traces
+        # offload keys (group_id, block hash): see make_key. Key m is made from the block hash
+        # of index hpc * m + hpc - 1 (hpc: the group's hashes_per_chunk), shown in traces
+        # (OffloadScheduler._hash_indices)
+        self.keys: list[Key] = []
         self.block_ids: list[int] = []
         self.next_stored = 0
         self.num_hit_chunks = 0
@@ -995,21 +997,19 @@ class OffloadScheduler:
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
             m = len(gs.keys)
-            if hpc > 0:
-                # offload_key_indices(cfg, num_hashes, m, profile), inlined (hpc > 0: no error):
-                # the hash indices range(first, num_hashes, hpc), of which there are n_new
-                first = hpc * m + hpc - 1
-                n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
-                if n_new:
-                    gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
-                    gs.kidx.extend(self._ints(first, num_hashes, hpc))
+            if hpc <= 0:
+                # offload_key_indices raises islice's ValueError or, for a group of no hashes
+                # skipped, gives no index: no key
+                offload_key_indices(cfg, num_hashes, m, profile)
                 continue
-            idx = offload_key_indices(cfg, num_hashes, m, profile)
-            if idx:
-                # key m (hash index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
-                # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
-                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + len(idx)])
-                gs.kidx.extend(idx)
+            # offload_key_indices(cfg, num_hashes, m, profile), inlined (hpc > 0: no error): the
+            # hash indices range(first, num_hashes, hpc), of which there are n_new; key m (hash
+            # index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
+            # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
+            first = hpc * m + hpc - 1
+            n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
+            if n_new:
+                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -1290,7 +1290,7 @@ class OffloadScheduler:
             if n_gpu - n_local:
                 start = n_local // bpc
                 end = -(-num_cached // tpc)
-                gkeys, kidx = gs.keys, gs.kidx
+                gkeys = gs.keys
                 if self.asserts and len(gkeys) < end:
                     raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
                                      "assert len(offload_keys) >= end_chunk_idx")
@@ -1302,7 +1302,7 @@ class OffloadScheduler:
                 if start < cend:
                     gids.extend([gid] * (cend - start))
                     cidx.extend(self._ints(start, cend))
-                    hidx.extend(kidx[start:cend])
+                    hidx.extend(self._hash_indices(cfg.hashes_per_chunk, start, cend))
                     keys.extend(gkeys[start:cend])      # (the job's ckeys: the same list)
                     top = min(cend * bpc, n_gpu)
                     shift = len(jbids) - n_local        # block i goes to position shift + i
@@ -1595,7 +1595,7 @@ class OffloadScheduler:
                 sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
                 start = gs.next_stored
                 bl = gs.block_ids
-                kidx, gid = gs.kidx, cfg.group_id
+                hpc, gid = cfg.hashes_per_chunk, cfg.group_id
                 keys = gs.keys
                 end = min(n, len(keys))
                 w = whole[gi]
@@ -1609,7 +1609,7 @@ class OffloadScheduler:
                     sources = bl[lo:hi]
                     if bpc == 1 or NULL not in sources:
                         j += m
-                        self._add_run(job, sink, gid, kidx, keys, sources, start, end, bpc)
+                        self._add_run(job, sink, gid, hpc, keys, sources, start, end, bpc)
                         gs.next_stored = max(gs.next_stored, n)
                         continue
                 bulk = True             # the run test below is tried once per group
@@ -1627,12 +1627,12 @@ class OffloadScheduler:
                         # (a chunk of one block is in new_keys only with that block)
                         if run is not None and (bpc == 1 or NULL not in run):
                             j += m
-                            self._add_run(job, sink, gid, kidx, keys, run, c, end, bpc)
+                            self._add_run(job, sink, gid, hpc, keys, run, c, end, bpc)
                             break
                     j += 1
                     gids.append(gid)
                     cidx.append(c)
-                    hidx.append(kidx[c])
+                    hidx.append(hpc * c + hpc - 1)
                     ckeys.append(k)
                     for i in range(c * bpc, c * bpc + bpc):
                         b = bl[i]
@@ -1659,22 +1659,27 @@ class OffloadScheduler:
             out.append(job)
         return out
 
-    def _add_run(self, job: Job, sink: list, gid: int, kidx: list[int], keys: list,
+    def _add_run(self, job: Job, sink: list, gid: int, hpc: int, keys: list,
                  sources: list, c: int, end: int, bpc: int) -> None:
         """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
-        would: each chunk's key from ``keys``, its hash index from ``kidx`` and its ``bpc``
-        source blocks, none NULL, from ``sources`` (the blocks of the run, in order), which
-        also go to the fence list ``sink``."""
+        would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
+        hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
+        of the run, in order), which also go to the fence list ``sink``."""
         m = end - c
         b0 = len(job.bids)
         job.gids.extend([gid] * m)
         job.cidx.extend(self._ints(c, end))
-        job.hidx.extend(kidx[c:end])
+        job.hidx.extend(self._hash_indices(hpc, c, end))
         job.ckeys.extend(keys[c:end])
         job.bidx.extend(self._ints(c * bpc, end * bpc))
         job.bids.extend(sources)
         sink.extend(sources)
         job.bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
+
+    def _hash_indices(self, hpc: int, c: int, end: int) -> list[int]:
+        """The hash indices of a group's keys ``c..end-1`` (``hpc`` > 0: its hashes_per_chunk;
+        see GroupState.keys)."""
+        return self._ints(hpc * c + hpc - 1, hpc * end, hpc)
 
     def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
         """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``ints``."""

@@ -234,7 +234,8 @@ def test_load_job_chunks_match_a_per_chunk_walk():
         if n_gpu == n_cached:
             assert job is not None and not job.chunks()
             continue
-        want = [(0, c, gs.kidx[c], keys[c],
+        hpc = off.cfgs[0].hashes_per_chunk
+        want = [(0, c, hpc * c + hpc - 1, keys[c],
                  [(i, table[i]) for i in range(max(c * bpc, n_cached), min((c + 1) * bpc, n_gpu))])
                 for c in range(n_cached // bpc, min(-(-num_cached // tpc), len(keys)))]
         assert job.chunks() == want, it
