@@ -776,7 +776,7 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled", "next_key_at", "lookup_memo", "sw_ends")
+                 "finished_signaled", "next_key_at", "lookup_memo")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -791,9 +791,6 @@ class ReqOffload:
         # (tier.content_version, num_local, num_tokens, hit) of the last _lookup: the same
         # inputs give the same hit (see OffloadScheduler._lookup_memo)
         self.lookup_memo: tuple | None = None
-        # in build_connector_meta, for a request given new blocks: its sliding-window groups'
-        # block counts before them (see there); None otherwise
-        self.sw_ends: list[int] | None = None
 
 
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
@@ -1341,10 +1338,9 @@ class OffloadScheduler:
                              offers=()):
         """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush).
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
-        # _update_req_states
+        # _update_req_states: the new blocks are marked allocated first, the blocks held before
+        # them nulled where re-allocated, then the new ones appended (which are not nulled)
         sw_groups = self.sw_groups
-        # the states given new blocks now: each one's window ends before them (st.sw_ends)
-        ended: list[ReqOffload] = []
         rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
         mark = self.alloc_mark
@@ -1360,14 +1356,11 @@ class OffloadScheduler:
                 if blocks:
                     break
             else:
-                continue        # all groups empty: nothing to extend, no window end moves
+                continue        # all groups empty: nothing to mark or extend
             if sw_groups:
-                st.sw_ends = [len(st.groups[g].block_ids) for g in sw_groups]
-                ended.append(st)
                 held[rid] = st
-            for cfg, gs in zip(self.cfgs, st.groups):
+            for cfg in self.cfgs:
                 new: list[int] = nb[cfg.group_id]
-                gs.block_ids.extend(new)
                 if mark is None:
                     alloc.update(new)
                     continue
@@ -1381,12 +1374,10 @@ class OffloadScheduler:
             now, in_set = self.alloc_batch, bool(alloc)
             # every state in req_status, but those whose windows hold no block (not in held)
             for st in held.values():
-                ends = st.sw_ends
-                for i, gi in enumerate(sw_groups):
+                for gi in sw_groups:
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
-                    end = ends[i] if ends is not None else len(bids)
-                    for j in range(gs.next_stored * bpc, end):
+                    for j in range(gs.next_stored * bpc, len(bids)):
                         # _allocated_now(bids[j]), inlined (a NULL block is never marked)
                         bo = bids[j]
                         b: int = bo
@@ -1397,8 +1388,10 @@ class OffloadScheduler:
                                 continue
                         if in_set and bo in alloc:
                             bids[j] = NULL
-        for st in ended:
-            st.sw_ends = None
+        for rid, nb in new_blocks.items():
+            if rid in scheduled and nb:
+                for cfg, gs in zip(self.cfgs, rs[rid].groups):
+                    gs.block_ids.extend(nb[cfg.group_id])
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
@@ -1411,8 +1404,11 @@ class OffloadScheduler:
                     self.batch_flush.add(pending)
                 else:
                     self.batch_flush.update(pending)
-        stores = self._build_boundary_store_jobs(offers) if offers else []
-        stores += self._build_store_jobs(scheduled, finished, reqs)
+        if offers:          # (the boundary jobs first: they take the lower job IDs)
+            stores = self._build_boundary_store_jobs(offers)
+            stores += self._build_store_jobs(scheduled, finished, reqs)
+        else:
+            stores = self._build_store_jobs(scheduled, finished, reqs)
         loads, flush = self.batch_loads, self.batch_flush
         for rid in finished:
             fst = rs.get(rid)
@@ -1423,7 +1419,13 @@ class OffloadScheduler:
             if not fst.jobs:
                 del rs[rid]
                 held.pop(rid, None)
-        self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
+        # (the next batch's: new ones where these are not empty, handed out or to clear)
+        if loads:
+            self.batch_loads = []
+        if flush:
+            self.batch_flush = set()
+        if alloc:
+            self.batch_allocated = set()
         self.alloc_batch += 1
         self.alloc_marked = False
         return stores, loads, flush
