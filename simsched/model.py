@@ -681,7 +681,7 @@ class Model:
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
             if not job.read and job.bids:
-                # the job's source blocks (each also in job.deferred or job.fenced)
+                # the job's source blocks (each also a connector fence: job.fenced, or deferred)
                 fences.add(job.jid, job.bids)
         self.progress = self.progress or bool(sched_reqs)
 

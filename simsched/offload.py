@@ -821,12 +821,14 @@ class Job:
     are ``bids[bpos[x]:bpos[x + 1]]``, at the block indices ``bidx[bpos[x]:bpos[x + 1]]`` of the
     request's table. :meth:`chunks` gives them as ``(group_id, chunk_idx, hash_idx, key,
     [(block_index, block_id)])`` tuples. ``keys``: the keys the tier completes (a set, or a list
-    in the order it walks them)."""
+    in the order it walks them). A store's fences (``_block_id_to_pending_jobs``): ``fenced``,
+    the blocks fenced at once (None if none); ``deferred``, whether its other source blocks are
+    fenced once its request finishes (OffloadScheduler._deferred lists them)."""
 
     __slots__ = ("jid", "rid", "is_store", "keys", "gids", "cidx", "hidx", "ckeys", "bpos",
                  "bidx", "bids", "fenced", "deferred", "read", "contents", "done")
 
-    def __init__(self, jid, rid, is_store, keys, fenced=None, deferred=None):
+    def __init__(self, jid, rid, is_store, keys, fenced=None, deferred: bool = False):
         self.jid, self.rid, self.is_store = jid, rid, is_store
         self.keys = keys
         self.gids: list[int] = []
@@ -836,7 +838,8 @@ class Job:
         self.bpos: list[int] = [0]
         self.bidx: list[int] = []
         self.bids: list = []            # (the block ID objects of the tables: no re-boxing)
-        self.fenced, self.deferred = fenced, deferred
+        self.fenced = fenced
+        self.deferred = deferred
         self.read = False            # a store has read its source blocks
         self.contents: dict = {}
         self.done = False
@@ -926,6 +929,8 @@ class OffloadScheduler:
                     key=lambda i: self.cfgs[i].sliding_window_in_chunks,  # type: ignore
                     reverse=True)
         self.sw_groups = tuple(sw)
+        # their group ids: a store job fences their blocks at once, the others' deferred
+        self.sw_gids: frozenset = frozenset(self.cfgs[i].group_id for i in sw)
         self.lookup_groups = tuple(full) + self.sw_groups
         self.mamba_align = None
         # GroupOffloadConfig.requires_cow_source: align-mode Mamba groups, stored only through
@@ -1483,7 +1488,7 @@ class OffloadScheduler:
                 if not to_store:
                     continue
                 c = boundary // cfg.tokens_per_chunk - 1
-                job = Job(-1, rid, True, {key}, [b], [])
+                job = Job(-1, rid, True, {key}, [b])
                 job.add_chunk(gid, c, boundary // tph - 1, key,
                               [(boundary // cfg.tokens_per_block - 1, b)])
                 self._new_job(job)
@@ -1579,9 +1584,8 @@ class OffloadScheduler:
             self._touch(st)
             # (the evictable list's complete_store puts the keys in the order of their set,
             # tuple_set_order, itself: when that order is needed)
-            job = Job(-1, rid, True, to_store)
+            job = Job(-1, rid, True, to_store, None, True)
             fenced: list = []
-            deferred: list = []
             gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
             bpos, bidx, jbids = job.bpos, job.bidx, job.bids
             # the keys to store are a subsequence of new_keys, in the order of the walk below
@@ -1594,7 +1598,8 @@ class OffloadScheduler:
             j, n_store = 0, len(to_store)
             gi = 0
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
-                sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
+                # (the blocks of the other groups are the job's deferred fences: _deferred)
+                sink = fenced if cfg.sliding_window_in_chunks is not None else None
                 start = gs.next_stored
                 bl = gs.block_ids
                 hpc, gid = cfg.hashes_per_chunk, cfg.group_id
@@ -1642,10 +1647,11 @@ class OffloadScheduler:
                             continue
                         bidx.append(i)
                         jbids.append(b)
-                        sink.append(b)
+                        if sink is not None:
+                            sink.append(b)
                     bpos.append(len(jbids))
                 gs.next_stored = max(gs.next_stored, n)
-            job.fenced, job.deferred = fenced or None, deferred
+            job.fenced = fenced or None
             self._new_job(job)
             jid = job.jid
             st.jobs.add(jid)
@@ -1654,19 +1660,19 @@ class OffloadScheduler:
             if req.finished:
                 # register the deferred fences; a block re-allocated in this very batch flushes
                 # the new job at once (as _build_store_jobs does for finished requests)
-                for b in deferred:
+                for b in self._deferred(job):
                     self._fence(b, jid)
                     if self._allocated_now(b):
                         self.batch_flush.add(jid)
             out.append(job)
         return out
 
-    def _add_run(self, job: Job, sink: list, gid: int, hpc: int, keys: list,
+    def _add_run(self, job: Job, sink: list | None, gid: int, hpc: int, keys: list,
                  sources: list, c: int, end: int, bpc: int) -> None:
         """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
         would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
         hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
-        of the run, in order), which also go to the fence list ``sink``."""
+        of the run, in order), which also go to the fence list ``sink`` (if any)."""
         m = end - c
         b0 = len(job.bids)
         job.gids.extend([gid] * m)
@@ -1675,7 +1681,8 @@ class OffloadScheduler:
         job.ckeys.extend(keys[c:end])
         job.bidx.extend(self._ints(c * bpc, end * bpc))
         job.bids.extend(sources)
-        sink.extend(sources)
+        if sink is not None:
+            sink.extend(sources)
         job.bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
 
     def _hash_indices(self, hpc: int, c: int, end: int) -> list[int]:
@@ -1730,7 +1737,7 @@ class OffloadScheduler:
         if self.block_to_jobs:
             self._remove_pending(jid, job.fenced)
             if st.req.finished:
-                self._remove_pending(jid, job.deferred)
+                self._remove_pending(jid, self._deferred(job))
         st.jobs.discard(jid)
         if st.finished_signaled and not st.jobs:
             del self.req_status[job.rid]
@@ -1744,8 +1751,21 @@ class OffloadScheduler:
             return
         self.update_offload_keys(st, "request_finished")
         for jid in st.jobs:
-            for b in self.jobs[jid].deferred or ():
+            for b in self._deferred(self.jobs[jid]):
                 self._fence(b, jid)
+
+    def _deferred(self, job: Job) -> list:
+        """A store job's deferred fences (``job.deferred``): its source blocks of the groups not
+        fenced at once (not sliding-window), in job order; none for other jobs. Listed when
+        needed (its request finishing: rarely) rather than kept with every job."""
+        if not job.deferred:
+            return []
+        sw, gids, bpos, bids = self.sw_gids, job.gids, job.bpos, job.bids
+        out: list = []
+        for x in range(len(gids)):
+            if gids[x] not in sw:
+                out.extend(bids[bpos[x]:bpos[x + 1]])
+        return out
 
     def quiet(self) -> bool:
         return not self.jobs
