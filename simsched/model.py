@@ -122,6 +122,10 @@ class Model:
         # verification steps so far (the index into its ``accept`` pattern)
         self.drafts: dict[str, int] = {}
         self.verified: dict[str, int] = {}
+        # per step (_schedule): scheduled_spec_decode_tokens (counts), and the requests whose
+        # drafts are padding (-1) only
+        self.sched_drafts: dict[str, int] = {}
+        self.padded: set[str] = set()
         self.kv.eagle_drop = bool(self.lookahead)
         self.kv.eagle_margin = (len(layout.groups) > 1
                                 and profile.extra.get("eagle_hit_margin", False))
@@ -453,8 +457,9 @@ class Model:
         new_blocks: dict[str, list] = {}
         # (request, tokens, new blocks) in scheduling order; new blocks None for a quiet decode
         sched_reqs: list[Sched] = []
-        self.sched_drafts: dict[str, int] = {}    # scheduled_spec_decode_tokens (counts)
-        self.padded: set[str] = set()             # ... of padding drafts (-1) only
+        if self.num_spec:       # (without drafts they stay empty: not made anew)
+            self.sched_drafts = {}
+            self.padded = set()
         self.prefill_scheduled = False
         preempted: list[str] = []
         running = self.running
@@ -671,7 +676,7 @@ class Model:
         # stores of this step read what the forward pass wrote: fence them from now on
         for job in stores:
             if not job.read and job.bids:
-                # the job's source blocks (each also in job.deferred or job.fenced)
+                # the job's source blocks (each also a connector fence: job.fenced, or deferred)
                 fences.add(job.jid, job.bids)
         self.progress = self.progress or bool(sched_reqs)
 

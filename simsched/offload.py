@@ -777,11 +777,13 @@ class _SlidingWindowStoreMask:
 
 
 class GroupState:
-    __slots__ = ("keys", "kidx", "block_ids", "next_stored", "num_hit_chunks")
+    __slots__ = ("keys", "block_ids", "next_stored", "num_hit_chunks")
 
     def __init__(self) -> None:
-        self.keys: list[Key] = []          # offload keys (group_id, block hash): see make_key
-        self.kidx: list[int] = []          # the hash index of each key, for traces
+        # offload keys (group_id, block hash): see make_key. Key m is made from the block hash
+        # of index hpc * m + hpc - 1 (hpc: the group's hashes_per_chunk), shown in traces
+        # (OffloadScheduler._hash_indices)
+        self.keys: list[Key] = []
         self.block_ids: list[int] = []
         self.next_stored = 0
         self.num_hit_chunks = 0
@@ -789,7 +791,7 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled", "next_key_at", "lookup_memo", "sw_ends")
+                 "finished_signaled", "next_key_at", "lookup_memo")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -804,9 +806,6 @@ class ReqOffload:
         # (tier.content_version, num_local, num_tokens, hit) of the last _lookup: the same
         # inputs give the same hit (see OffloadScheduler._lookup_memo)
         self.lookup_memo: tuple | None = None
-        # in build_connector_meta, for a request given new blocks: its sliding-window groups'
-        # block counts before them (see there); None otherwise
-        self.sw_ends: list[int] | None = None
 
 
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
@@ -837,12 +836,14 @@ class Job:
     are ``bids[bpos[x]:bpos[x + 1]]``, at the block indices ``bidx[bpos[x]:bpos[x + 1]]`` of the
     request's table. :meth:`chunks` gives them as ``(group_id, chunk_idx, hash_idx, key,
     [(block_index, block_id)])`` tuples. ``keys``: the keys the tier completes (a set, or a list
-    in the order it walks them)."""
+    in the order it walks them). A store's fences (``_block_id_to_pending_jobs``): ``fenced``,
+    the blocks fenced at once (None if none); ``deferred``, whether its other source blocks are
+    fenced once its request finishes (OffloadScheduler._deferred lists them)."""
 
     __slots__ = ("jid", "rid", "is_store", "keys", "gids", "cidx", "hidx", "ckeys", "bpos",
                  "bidx", "bids", "fenced", "deferred", "read", "contents", "done")
 
-    def __init__(self, jid, rid, is_store, keys, fenced=None, deferred=None):
+    def __init__(self, jid, rid, is_store, keys, fenced=None, deferred: bool = False):
         self.jid, self.rid, self.is_store = jid, rid, is_store
         self.keys = keys
         self.gids: list[int] = []
@@ -852,7 +853,8 @@ class Job:
         self.bpos: list[int] = [0]
         self.bidx: list[int] = []
         self.bids: list = []            # (the block ID objects of the tables: no re-boxing)
-        self.fenced, self.deferred = fenced, deferred
+        self.fenced = fenced
+        self.deferred = deferred
         self.read = False            # a store has read its source blocks
         self.contents: dict = {}
         self.done = False
@@ -942,6 +944,8 @@ class OffloadScheduler:
                     key=lambda i: self.cfgs[i].sliding_window_in_chunks,  # type: ignore
                     reverse=True)
         self.sw_groups = tuple(sw)
+        # their group ids: a store job fences their blocks at once, the others' deferred
+        self.sw_gids: frozenset = frozenset(self.cfgs[i].group_id for i in sw)
         self.lookup_groups = tuple(full) + self.sw_groups
         self.mamba_align = None
         # GroupOffloadConfig.requires_cow_source: align-mode Mamba groups, stored only through
@@ -1010,21 +1014,19 @@ class OffloadScheduler:
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
             m = len(gs.keys)
-            if hpc > 0:
-                # offload_key_indices(cfg, num_hashes, m, profile), inlined (hpc > 0: no error):
-                # the hash indices range(first, num_hashes, hpc), of which there are n_new
-                first = hpc * m + hpc - 1
-                n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
-                if n_new:
-                    gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
-                    gs.kidx.extend(self._ints(first, num_hashes, hpc))
+            if hpc <= 0:
+                # offload_key_indices raises islice's ValueError or, for a group of no hashes
+                # skipped, gives no index: no key
+                offload_key_indices(cfg, num_hashes, m, profile)
                 continue
-            idx = offload_key_indices(cfg, num_hashes, m, profile)
-            if idx:
-                # key m (hash index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
-                # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
-                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + len(idx)])
-                gs.kidx.extend(idx)
+            # offload_key_indices(cfg, num_hashes, m, profile), inlined (hpc > 0: no error): the
+            # hash indices range(first, num_hashes, hpc), of which there are n_new; key m (hash
+            # index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
+            # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
+            first = hpc * m + hpc - 1
+            n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
+            if n_new:
+                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -1305,7 +1307,7 @@ class OffloadScheduler:
             if n_gpu - n_local:
                 start = n_local // bpc
                 end = -(-num_cached // tpc)
-                gkeys, kidx = gs.keys, gs.kidx
+                gkeys = gs.keys
                 if self.asserts and len(gkeys) < end:
                     raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
                                      "assert len(offload_keys) >= end_chunk_idx")
@@ -1316,22 +1318,24 @@ class OffloadScheduler:
                 cend = min(end, len(gkeys))
                 if start < cend:
                     gids.extend([gid] * (cend - start))
-                    hidx.extend(kidx[start:cend])
+                    cidx.extend(self._ints(start, cend))
+                    hidx.extend(self._hash_indices(cfg.hashes_per_chunk, start, cend))
                     keys.extend(gkeys[start:cend])      # (the job's ckeys: the same list)
-                    base = len(jbids)
-                    jbids.extend(blocks[n_local:min(cend * bpc, n_gpu)])
-                    i = n_local
-                    for c in range(start, cend):
-                        cidx.append(c)
-                        hi = min((c + 1) * bpc, n_gpu)
-                        while i < hi:
-                            bidx.append(i)
-                            i += 1
-                        bpos.append(base + hi - n_local)
+                    top = min(cend * bpc, n_gpu)
+                    shift = len(jbids) - n_local        # block i goes to position shift + i
+                    jbids.extend(blocks[n_local:top])
+                    bidx.extend(self._ints(n_local, top))
+                    # chunk c's blocks end at (c + 1) * bpc for c < n_gpu // bpc, else at n_gpu
+                    k = max(start, min(cend, n_gpu // bpc))
+                    if k > start:
+                        bpos.extend(self._ints(shift + (start + 1) * bpc, shift + k * bpc + 1, bpc))
+                    bpos.extend([shift + n_gpu] * (cend - k))
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         self.tier.prepare_load(keys, st)
         job.ckeys = keys
-        job.keys = tuple_set_order(keys) if self.tier.evictable_list else set(keys)
+        # (the keys are distinct; only the evictable list's complete_load depends on their order:
+        # the one of vLLM's set of them, tuple_set_order)
+        job.keys = tuple_set_order(keys) if self.tier.evictable_list else keys
         self._new_job(job)
         if self.asserts and st.jobs:
             raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
@@ -1354,10 +1358,9 @@ class OffloadScheduler:
                              offers=()):
         """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush).
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
-        # _update_req_states
+        # _update_req_states: the new blocks are marked allocated first, the blocks held before
+        # them nulled where re-allocated, then the new ones appended (which are not nulled)
         sw_groups = self.sw_groups
-        # the states given new blocks now: each one's window ends before them (st.sw_ends)
-        ended: list[ReqOffload] = []
         rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
         mark = self.alloc_mark
@@ -1373,14 +1376,11 @@ class OffloadScheduler:
                 if blocks:
                     break
             else:
-                continue        # all groups empty: nothing to extend, no window end moves
+                continue        # all groups empty: nothing to mark or extend
             if sw_groups:
-                st.sw_ends = [len(st.groups[g].block_ids) for g in sw_groups]
-                ended.append(st)
                 held[rid] = st
-            for cfg, gs in zip(self.cfgs, st.groups):
+            for cfg in self.cfgs:
                 new: list[int] = nb[cfg.group_id]
-                gs.block_ids.extend(new)
                 if mark is None:
                     alloc.update(new)
                     continue
@@ -1394,12 +1394,10 @@ class OffloadScheduler:
             now, in_set = self.alloc_batch, bool(alloc)
             # every state in req_status, but those whose windows hold no block (not in held)
             for st in held.values():
-                ends = st.sw_ends
-                for i, gi in enumerate(sw_groups):
+                for gi in sw_groups:
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
-                    end = ends[i] if ends is not None else len(bids)
-                    for j in range(gs.next_stored * bpc, end):
+                    for j in range(gs.next_stored * bpc, len(bids)):
                         # _allocated_now(bids[j]), inlined (a NULL block is never marked)
                         bo = bids[j]
                         b: int = bo
@@ -1410,8 +1408,10 @@ class OffloadScheduler:
                                 continue
                         if in_set and bo in alloc:
                             bids[j] = NULL
-        for st in ended:
-            st.sw_ends = None
+        for rid, nb in new_blocks.items():
+            if rid in scheduled and nb:
+                for cfg, gs in zip(self.cfgs, rs[rid].groups):
+                    gs.block_ids.extend(nb[cfg.group_id])
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
@@ -1424,8 +1424,11 @@ class OffloadScheduler:
                     self.batch_flush.add(pending)
                 else:
                     self.batch_flush.update(pending)
-        stores = self._build_boundary_store_jobs(offers) if offers else []
-        stores += self._build_store_jobs(scheduled, finished, reqs)
+        if offers:          # (the boundary jobs first: they take the lower job IDs)
+            stores = self._build_boundary_store_jobs(offers)
+            stores += self._build_store_jobs(scheduled, finished, reqs)
+        else:
+            stores = self._build_store_jobs(scheduled, finished, reqs)
         loads, flush = self.batch_loads, self.batch_flush
         for rid in finished:
             fst = rs.get(rid)
@@ -1436,7 +1439,13 @@ class OffloadScheduler:
             if not fst.jobs:
                 del rs[rid]
                 held.pop(rid, None)
-        self.batch_loads, self.batch_flush, self.batch_allocated = [], set(), set()
+        # (the next batch's: new ones where these are not empty, handed out or to clear)
+        if loads:
+            self.batch_loads = []
+        if flush:
+            self.batch_flush = set()
+        if alloc:
+            self.batch_allocated = set()
         self.alloc_batch += 1
         self.alloc_marked = False
         return stores, loads, flush
@@ -1494,7 +1503,7 @@ class OffloadScheduler:
                 if not to_store:
                     continue
                 c = boundary // cfg.tokens_per_chunk - 1
-                job = Job(-1, rid, True, {key}, [b], [])
+                job = Job(-1, rid, True, {key}, [b])
                 job.add_chunk(gid, c, boundary // tph - 1, key,
                               [(boundary // cfg.tokens_per_block - 1, b)])
                 self._new_job(job)
@@ -1546,7 +1555,7 @@ class OffloadScheduler:
                 if n <= start or cfg.group_id in cow:
                     continue
                 # the chunks' keys gs.keys[start:n] and their last blocks
-                # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc], read in place (no slices)
+                # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
                 gkeys = gs.keys
                 bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
                 nk = max(0, min(n, len(gkeys)) - start)
@@ -1565,10 +1574,17 @@ class OffloadScheduler:
                     for i in range(cnt):
                         if bl[b_lo + i * bpc] and reach[i]:     # block not NULL (0), reachable
                             new_keys.append(gkeys[start + i])
-                else:
-                    for i in range(cnt):
-                        if bl[b_lo + i * bpc]:          # the keys whose block is not NULL (0)
-                            new_keys.append(gkeys[start + i])
+                elif cnt:
+                    # the keys whose block is not NULL (0): all cnt of them when no block is
+                    # (one slice of keys)
+                    lasts = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
+                        bl[b_lo:b_lo + cnt]
+                    if all(lasts):                      # (NULL is 0: false)
+                        new_keys.extend(gkeys[start:start + cnt])
+                    else:
+                        for i in range(cnt):
+                            if lasts[i]:
+                                new_keys.append(gkeys[start + i])
                 if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
                     whole[-1] = k0
             if not new_keys:
@@ -1583,24 +1599,25 @@ class OffloadScheduler:
             self._touch(st)
             # (the evictable list's complete_store puts the keys in the order of their set,
             # tuple_set_order, itself: when that order is needed)
-            job = Job(-1, rid, True, to_store)
+            job = Job(-1, rid, True, to_store, None, True)
             fenced: list = []
-            deferred: list = []
             gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
             bpos, bidx, jbids = job.bpos, job.bidx, job.bids
             # the keys to store are a subsequence of new_keys, in the order of the walk below
             # (the same groups and chunks): each chunk's key is the next one to store or not one
-            # (a request's keys are distinct: compared by value). When they are all of new_keys
+            # (a request's keys are distinct; the tier returns the key objects it was given, those
+            # of the groups' key lists: compared by identity). When they are all of new_keys
             # (the same length: the same list), a group whose chunks all went into new_keys
             # (whole) is stored whole when the walk reaches it at its first key
             all_new = len(to_store) == len(new_keys)
             j, n_store = 0, len(to_store)
             gi = 0
             for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
-                sink = fenced if cfg.sliding_window_in_chunks is not None else deferred
+                # (the blocks of the other groups are the job's deferred fences: _deferred)
+                sink = fenced if cfg.sliding_window_in_chunks is not None else None
                 start = gs.next_stored
                 bl = gs.block_ids
-                kidx, gid = gs.kidx, cfg.group_id
+                hpc, gid = cfg.hashes_per_chunk, cfg.group_id
                 keys = gs.keys
                 end = min(n, len(keys))
                 w = whole[gi]
@@ -1614,13 +1631,13 @@ class OffloadScheduler:
                     sources = bl[lo:hi]
                     if bpc == 1 or NULL not in sources:
                         j += m
-                        self._add_run(job, sink, gid, kidx, keys, sources, start, end, bpc)
+                        self._add_run(job, sink, gid, hpc, keys, sources, start, end, bpc)
                         gs.next_stored = max(gs.next_stored, n)
                         continue
                 bulk = True             # the run test below is tried once per group
                 for c in range(start, end):
                     k = keys[c]
-                    if j == n_store or k != to_store[j]:
+                    if j == n_store or k is not to_store[j]:
                         continue
                     if bulk:
                         bulk = False
@@ -1629,14 +1646,15 @@ class OffloadScheduler:
                         m = end - c
                         lo, hi = c * bpc, end * bpc
                         run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
-                        if run is not None and NULL not in run:
+                        # (a chunk of one block is in new_keys only with that block)
+                        if run is not None and (bpc == 1 or NULL not in run):
                             j += m
-                            self._add_run(job, sink, gid, kidx, keys, run, c, end, bpc)
+                            self._add_run(job, sink, gid, hpc, keys, run, c, end, bpc)
                             break
                     j += 1
                     gids.append(gid)
                     cidx.append(c)
-                    hidx.append(kidx[c])
+                    hidx.append(hpc * c + hpc - 1)
                     ckeys.append(k)
                     for i in range(c * bpc, c * bpc + bpc):
                         b = bl[i]
@@ -1644,10 +1662,11 @@ class OffloadScheduler:
                             continue
                         bidx.append(i)
                         jbids.append(b)
-                        sink.append(b)
+                        if sink is not None:
+                            sink.append(b)
                     bpos.append(len(jbids))
                 gs.next_stored = max(gs.next_stored, n)
-            job.fenced, job.deferred = fenced or None, deferred
+            job.fenced = fenced or None
             self._new_job(job)
             jid = job.jid
             st.jobs.add(jid)
@@ -1656,29 +1675,35 @@ class OffloadScheduler:
             if req.finished:
                 # register the deferred fences; a block re-allocated in this very batch flushes
                 # the new job at once (as _build_store_jobs does for finished requests)
-                for b in deferred:
+                for b in self._deferred(job):
                     self._fence(b, jid)
                     if self._allocated_now(b):
                         self.batch_flush.add(jid)
             out.append(job)
         return out
 
-    def _add_run(self, job: Job, sink: list, gid: int, kidx: list[int], keys: list,
+    def _add_run(self, job: Job, sink: list | None, gid: int, hpc: int, keys: list,
                  sources: list, c: int, end: int, bpc: int) -> None:
         """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
-        would: each chunk's key from ``keys``, its hash index from ``kidx`` and its ``bpc``
-        source blocks, none NULL, from ``sources`` (the blocks of the run, in order), which
-        also go to the fence list ``sink``."""
+        would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
+        hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
+        of the run, in order), which also go to the fence list ``sink`` (if any)."""
         m = end - c
         b0 = len(job.bids)
         job.gids.extend([gid] * m)
         job.cidx.extend(self._ints(c, end))
-        job.hidx.extend(kidx[c:end])
+        job.hidx.extend(self._hash_indices(hpc, c, end))
         job.ckeys.extend(keys[c:end])
         job.bidx.extend(self._ints(c * bpc, end * bpc))
         job.bids.extend(sources)
-        sink.extend(sources)
+        if sink is not None:
+            sink.extend(sources)
         job.bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
+
+    def _hash_indices(self, hpc: int, c: int, end: int) -> list[int]:
+        """The hash indices of a group's keys ``c..end-1`` (``hpc`` > 0: its hashes_per_chunk;
+        see GroupState.keys)."""
+        return self._ints(hpc * c + hpc - 1, hpc * end, hpc)
 
     def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
         """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``ints``."""
@@ -1727,7 +1752,7 @@ class OffloadScheduler:
         if self.block_to_jobs:
             self._remove_pending(jid, job.fenced)
             if st.req.finished:
-                self._remove_pending(jid, job.deferred)
+                self._remove_pending(jid, self._deferred(job))
         st.jobs.discard(jid)
         if st.finished_signaled and not st.jobs:
             del self.req_status[job.rid]
@@ -1741,8 +1766,21 @@ class OffloadScheduler:
             return
         self.update_offload_keys(st, "request_finished")
         for jid in st.jobs:
-            for b in self.jobs[jid].deferred or ():
+            for b in self._deferred(self.jobs[jid]):
                 self._fence(b, jid)
+
+    def _deferred(self, job: Job) -> list:
+        """A store job's deferred fences (``job.deferred``): its source blocks of the groups not
+        fenced at once (not sliding-window), in job order; none for other jobs. Listed when
+        needed (its request finishing: rarely) rather than kept with every job."""
+        if not job.deferred:
+            return []
+        sw, gids, bpos, bids = self.sw_gids, job.gids, job.bpos, job.bids
+        out: list = []
+        for x in range(len(gids)):
+            if gids[x] not in sw:
+                out.extend(bids[bpos[x]:bpos[x + 1]])
+        return out
 
     def quiet(self) -> bool:
         return not self.jobs

@@ -186,3 +186,77 @@ def test_list_tier_evicts_as_the_evictable_list():
                 ref.touch_range(keys, lo, hi)
                 tier.touch_range(keys, lo, hi)
     assert checked > 300
+
+
+def test_load_job_chunks_match_a_per_chunk_walk():
+    """update_state_after_alloc appends a load job's chunks by slices: chunks
+    ``n_local // bpc .. cdiv(num_cached, tpc) - 1`` (within the offload keys), chunk ``c``
+    loading the blocks ``[max(c * bpc, n_local), min((c + 1) * bpc, n_gpu))`` (``n_local``: the
+    first block not cached on the GPU, ``n_gpu`` the blocks of the computed tokens). Checked
+    against that per-chunk walk for random hits, block tables and chunk sizes (partial chunks at
+    either end included)."""
+    import random
+    from simsched.case import Case
+    from simsched.geometry import PROFILES
+    from simsched.model import Model
+    rng = random.Random(5)
+    for it in range(300):
+        bpc = rng.randint(1, 4)
+        case = Case.from_json({
+            "layout": {"groups": [{"kind": "full", "block_size": 4}],
+                       "engine": {"num_gpu_blocks": 256, "blocks_per_chunk": bpc}},
+            "requests": [{"id": "a", "prompt": [[7, rng.randint(8, 160)]]}]})
+        m = Model(case, PROFILES["prefix-cacheable-windows-in-config"], checks="fast")
+        m._arrival(0)
+        off, req = m.off, m.reqs["a"]
+        off.asserts = False         # (hits not chunk-aligned, beyond the keys: partial chunks)
+        st = off.req_status["a"]
+        off.update_offload_keys(st)
+        gs = st.groups[0]
+        keys, tpc = gs.keys, off.cfgs[0].tokens_per_chunk
+        tier = off.tier
+        tier.complete_store(tier.prepare_store(keys), {})
+        num_local = rng.randint(0, req.num_tokens - 1)
+        num_external = rng.randint(1, req.num_tokens - num_local)
+        num_cached = num_local + num_external
+        n_gpu = -(-num_cached // 4)
+        table = rng.sample(range(1, 256), n_gpu)
+        # the GPU-cached blocks: those of the first n_cached (a NULL block counts as cached)
+        n_cached = rng.randint(0, -(-num_local // 4))
+        block_keys: list = [None] * 256
+        for i in range(n_cached):
+            if rng.random() < 0.2:
+                table[i] = 0
+            else:
+                block_keys[table[i]] = i
+        st.num_local = num_local
+        job = off.update_state_after_alloc(req, [table], num_external, block_keys)
+        if n_gpu == n_cached:
+            assert job is not None and not job.chunks()
+            continue
+        hpc = off.cfgs[0].hashes_per_chunk
+        want = [(0, c, hpc * c + hpc - 1, keys[c],
+                 [(i, table[i]) for i in range(max(c * bpc, n_cached), min((c + 1) * bpc, n_gpu))])
+                for c in range(n_cached // bpc, min(-(-num_cached // tpc), len(keys)))]
+        assert job.chunks() == want, it
+        # (chunks() reads bpos[x]:bpos[x + 1] only: its length and its end too)
+        assert len(job.bpos) == len(want) + 1 and job.bpos[-1] == len(job.bids) == len(job.bidx)
+
+
+def test_prepare_store_returns_the_key_objects_given():
+    """_build_store_jobs matches the keys a store takes to its chunks' keys by identity: every
+    tier's prepare_store returns the very key objects it was given (equal ints made apart
+    would not match)."""
+    from types import SimpleNamespace as NS
+    from simsched.offload import ListCPUTier, RankedCPUTier
+    cfgs = [NS(group_id=0, tokens_per_chunk=16), NS(group_id=1, tokens_per_chunk=16)]
+    for make in (lambda: CPUTier(4), lambda: CPUTier(4, True), lambda: ListCPUTier(4),
+                 lambda: RankedCPUTier(4, False, cfgs), lambda: RankedCPUTier(4, True, cfgs)):
+        tier = make()
+        idents = [10 ** 20 + i for i in range(6)]
+        st = NS(req=NS(rid="r"), groups=[NS(keys=[make_key(g, h) for h in idents])
+                                         for g in (0, 1)])
+        for keys in (st.groups[1].keys[:3], st.groups[1].keys[1:5]):
+            got = tier.prepare_store(keys, st)
+            assert got and all(any(k is x for x in keys) for k in got)
+            tier.complete_store(got, {})
