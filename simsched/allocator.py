@@ -26,7 +26,6 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from array import array
 from typing import TYPE_CHECKING, Any, Final, Iterable, Sequence
 
 if TYPE_CHECKING:
@@ -120,11 +119,8 @@ class Request:
         for ``prefix_units`` whole units: their identities (and keys) are its own, not hashed
         again."""
         self.rid, self.index, self.spec = rid, index, spec
-        # the token ids (>= 0), in an array of unsigned 64-bit ints, not a list: the garbage
-        # collector walks every item of a list at each collection that sees it (several hundred
-        # per request), never an array's. Read back as equal ints (the same hashes: see
-        # _extend_ident). ("Q": its append converts an int as fast as a list appends it.)
-        self.tokens: array[int] = array("Q", prompt)
+        # the token ids (>= 0), a list of its own (a copy: prompt may be another request's)
+        self.tokens: list[int] = list(prompt)
         self.num_prompt = len(prompt)
         self.max_tokens = max_tokens
         self.num_computed = 0
@@ -168,7 +164,7 @@ class Request:
         # (Any, not object: mypy does not narrow an Any variable to int on assignment, so the
         # compiled build appends the int object hash() made instead of unboxing and re-boxing it)
         prev: Any = ident[-1] if ident else 0x5EED
-        new = tuple(tokens[k * unit:n * unit].tolist())    # (tolist: the array's ints at once)
+        new = tuple(tokens[k * unit:n * unit])
         j, end = 0, (n - k) * unit
         while j < end:
             prev = hash((prev, new[j:j + unit]))
