@@ -776,7 +776,8 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled", "next_key_at", "lookup_memo")
+                 "finished_signaled", "next_key_at", "memo_version", "memo_local", "memo_tokens",
+                 "memo_hit")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -788,9 +789,12 @@ class ReqOffload:
         self.num_local = 0
         self.finished_signaled = False
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
-        # (tier.content_version, num_local, num_tokens, hit) of the last _lookup: the same
-        # inputs give the same hit (see OffloadScheduler._lookup_memo)
-        self.lookup_memo: tuple | None = None
+        # the tier's content_version, num_local and num_tokens of the last _lookup, and its hit:
+        # the same inputs give the same hit (see OffloadScheduler._lookup_memo); version -1: none
+        self.memo_version = -1
+        self.memo_local = 0
+        self.memo_tokens = 0
+        self.memo_hit: int | None = None
 
 
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
@@ -1075,13 +1079,13 @@ class OffloadScheduler:
         content (``content_version``; ``being_loaded`` changes only with it), ``num_local`` and
         the request's length (which fixes its offload keys). A waiting request that cannot be
         admitted repeats the same lookup step after step."""
-        memo = st.lookup_memo
-        tier, num_local, num_tokens = self.tier, st.num_local, len(st.req.tokens)
-        if memo is not None and memo[0] == tier.content_version and memo[1] == num_local \
-                and memo[2] == num_tokens:
-            return memo[3]
+        version, num_local, num_tokens = self.tier.content_version, st.num_local, len(st.req.tokens)
+        if st.memo_version == version and st.memo_local == num_local \
+                and st.memo_tokens == num_tokens:
+            return st.memo_hit
         hit = self._lookup(st)
-        st.lookup_memo = (tier.content_version, num_local, num_tokens, hit)
+        st.memo_version, st.memo_local, st.memo_tokens, st.memo_hit = \
+            version, num_local, num_tokens, hit
         return hit
 
     def _touch(self, st: ReqOffload) -> None:
