@@ -904,7 +904,12 @@ class OffloadScheduler:
             self.tier = RankedCPUTier(cpu_chunks, lru == "request-ranks", self.cfgs)
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
-        self._touched: tuple | None = None       # see _touch
+        # the last touch (see _touch): the tier's version after it (-1: none), the request state
+        # it touched, its length and its groups' num_hit_chunks then
+        self._touched_version = -1
+        self._touched_st: ReqOffload | None = None
+        self._touched_len = 0
+        self._touched_hits: list[int] = []
         self.job_counter = 0
         # _block_id_to_pending_jobs: block ID -> the ID of the one pending job that reads it,
         # or a set of their IDs where several do (mostly one: no set per block)
@@ -1091,21 +1096,27 @@ class OffloadScheduler:
     def _touch(self, st: ReqOffload) -> None:
         """Touch the request's keys in the CPU tier's LRU. Repeating a touch changes nothing when
         the tier did not change since (the touched keys already sit at the MRU end in the order
-        the touch leaves them): then it is skipped (``_touched``: the tier's version after the
+        the touch leaves them): then it is skipped (``_touched_*``: the tier's version after the
         last touch, and what that touch covered). A tier that ignores touches (0.31.0+) is not
         called."""
         tier = self.tier
         if not tier.touches:
             return
-        sig = (st, len(st.req.tokens), [gs.num_hit_chunks for gs in st.groups])
-        last = self._touched
-        if last is not None and last[0] == tier.version and last[1] == sig:
-            return
+        n = len(st.req.tokens)
+        if self._touched_version == tier.version and self._touched_st is st \
+                and self._touched_len == n:
+            hits = self._touched_hits
+            for x, gs in enumerate(st.groups):
+                if hits[x] != gs.num_hit_chunks:
+                    break
+            else:
+                return
         for cfg, gs in zip(self.cfgs, st.groups):
             w = cfg.sliding_window_in_chunks
             keys = gs.keys
             tier.touch_range(keys, 0 if w is None else max(0, gs.num_hit_chunks - w), len(keys))
-        self._touched = (tier.version, sig)
+        self._touched_version, self._touched_st, self._touched_len = tier.version, st, n
+        self._touched_hits = [gs.num_hit_chunks for gs in st.groups]
 
     def _load_window(self, cfg: GroupGeometry, num_tokens: int) -> int:
         """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
