@@ -791,7 +791,8 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled", "next_key_at", "lookup_memo")
+                 "finished_signaled", "next_key_at", "memo_version", "memo_local", "memo_tokens",
+                 "memo_hit")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -803,9 +804,12 @@ class ReqOffload:
         self.num_local = 0
         self.finished_signaled = False
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
-        # (tier.content_version, num_local, num_tokens, hit) of the last _lookup: the same
-        # inputs give the same hit (see OffloadScheduler._lookup_memo)
-        self.lookup_memo: tuple | None = None
+        # the tier's content_version, num_local and num_tokens of the last _lookup, and its hit:
+        # the same inputs give the same hit (see OffloadScheduler._lookup_memo); version -1: none
+        self.memo_version = -1
+        self.memo_local = 0
+        self.memo_tokens = 0
+        self.memo_hit: int | None = None
 
 
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
@@ -915,7 +919,12 @@ class OffloadScheduler:
             self.tier = RankedCPUTier(cpu_chunks, lru == "request-ranks", self.cfgs)
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
-        self._touched: tuple | None = None       # see _touch
+        # the last touch (see _touch): the tier's version after it (-1: none), the request state
+        # it touched, its length and its groups' num_hit_chunks then
+        self._touched_version = -1
+        self._touched_st: ReqOffload | None = None
+        self._touched_len = 0
+        self._touched_hits: list[int] = []
         self.job_counter = 0
         # _block_id_to_pending_jobs: block ID -> the ID of the one pending job that reads it,
         # or a set of their IDs where several do (mostly one: no set per block)
@@ -1090,33 +1099,39 @@ class OffloadScheduler:
         content (``content_version``; ``being_loaded`` changes only with it), ``num_local`` and
         the request's length (which fixes its offload keys). A waiting request that cannot be
         admitted repeats the same lookup step after step."""
-        memo = st.lookup_memo
-        tier, num_local, num_tokens = self.tier, st.num_local, len(st.req.tokens)
-        if memo is not None and memo[0] == tier.content_version and memo[1] == num_local \
-                and memo[2] == num_tokens:
-            return memo[3]
+        version, num_local, num_tokens = self.tier.content_version, st.num_local, len(st.req.tokens)
+        if st.memo_version == version and st.memo_local == num_local \
+                and st.memo_tokens == num_tokens:
+            return st.memo_hit
         hit = self._lookup(st)
-        st.lookup_memo = (tier.content_version, num_local, num_tokens, hit)
+        st.memo_version, st.memo_local, st.memo_tokens, st.memo_hit = \
+            version, num_local, num_tokens, hit
         return hit
 
     def _touch(self, st: ReqOffload) -> None:
         """Touch the request's keys in the CPU tier's LRU. Repeating a touch changes nothing when
         the tier did not change since (the touched keys already sit at the MRU end in the order
-        the touch leaves them): then it is skipped (``_touched``: the tier's version after the
+        the touch leaves them): then it is skipped (``_touched_*``: the tier's version after the
         last touch, and what that touch covered). A tier that ignores touches (0.31.0+) is not
         called."""
         tier = self.tier
         if not tier.touches:
             return
-        sig = (st, len(st.req.tokens), [gs.num_hit_chunks for gs in st.groups])
-        last = self._touched
-        if last is not None and last[0] == tier.version and last[1] == sig:
-            return
+        n = len(st.req.tokens)
+        if self._touched_version == tier.version and self._touched_st is st \
+                and self._touched_len == n:
+            hits = self._touched_hits
+            for x, gs in enumerate(st.groups):
+                if hits[x] != gs.num_hit_chunks:
+                    break
+            else:
+                return
         for cfg, gs in zip(self.cfgs, st.groups):
             w = cfg.sliding_window_in_chunks
             keys = gs.keys
             tier.touch_range(keys, 0 if w is None else max(0, gs.num_hit_chunks - w), len(keys))
-        self._touched = (tier.version, sig)
+        self._touched_version, self._touched_st, self._touched_len = tier.version, st, n
+        self._touched_hits = [gs.num_hit_chunks for gs in st.groups]
 
     def _load_window(self, cfg: GroupGeometry, num_tokens: int) -> int:
         """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
