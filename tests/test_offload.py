@@ -122,9 +122,9 @@ def _random_tier_run(seed: int, request_ranks: bool) -> int:
 
 def test_ranked_tier_evicts_the_lowest_evictable_chunks():
     """RankedCPUTier (0.31.0+ LRUCachePolicy) keeps its eviction candidates outside the entries
-    (a sorted queue and a heap, only evictable chunks, stale items dropped lazily): whatever the
-    order of stores, completions, loads and finishes, an eviction takes exactly the lowest
-    (rank, key) evictable chunks not protected by the store."""
+    (a sorted queue, a pile heaped on demand and a heap, only evictable chunks, stale items
+    dropped lazily): whatever the order of stores, completions, loads and finishes, an eviction
+    takes exactly the lowest (rank, key) evictable chunks not protected by the store."""
     checked = sum(_random_tier_run(seed, rr) for seed in range(150) for rr in (False, True))
     assert checked > 500        # the runs do reach full tiers
 
