@@ -17,7 +17,6 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from typing import Any, Final
 
@@ -29,10 +28,6 @@ from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometr
 MISS: Final = 0
 HIT: Final = 1
 HIT_PENDING: Final = 2
-# the heap operations of RankedCPUTier's eviction heap (Final: mypyc keeps them in C statics, no
-# module-dict lookup at each call)
-HEAPPUSH: Final = heapq.heappush
-HEAPPOP: Final = heapq.heappop
 
 
 class ModelCrash(ConfigError):
@@ -207,7 +202,7 @@ class CPUTier:
 
 # a rank ``(rank, -position)`` is kept as one int, ``(rank << RANK_SHIFT) - position`` (a token
 # position stays far below 2**RANK_SHIFT, so the order is the tuples' order): comparisons and the
-# eviction heap need no tuples. (A shift, not a product: mypyc multiplies ints inline only when
+# eviction queue need no tuples. (A shift, not a product: mypyc multiplies ints inline only when
 # both are below 2**30, and shifts them inline while the result stays below 2**62.)
 RANK_SHIFT: Final = 40
 
@@ -258,16 +253,16 @@ class RankedCPUTier(CPUTier):
         self.touches = False
         self.request_ranks = request_ranks
         # eviction candidates, items (rank, key), from the first eviction on (``queued``; see
-        # _lowest_evictable), in three parts:
+        # _lowest_evictable), in three parts (no heap: a heap's pops compare items by the dozen):
         # - ``fresh``, a queue sorted by (rank, key) as the parallel lists ``fresh_rank`` and
         #   ``fresh_key`` from ``head`` on (before it: taken). An item joins it when it is not
         #   below its last item, as the new ranks of on_request_finished, above all, do;
-        # - ``pile``, the other items as they come, as the parallel lists ``pile_rank`` and
+        # - ``pile``, the other items as they come (and the chunks an eviction passed over,
+        #   protected, or gave back, too few), as the parallel lists ``pile_rank`` and
         #   ``pile_key``, none ranked below ``pile_low``: most of them are stale before an
         #   eviction gets that low (a running request's chunks, ranked again when it finishes),
-        #   so they are only heaped once one does;
-        # - ``heap``, a heap of (rank, key) tuples: the pile's items heaped, and the chunks an
-        #   eviction passed over (protected) or gave back (too few).
+        #   so they are only sorted once one does, into
+        # - ``run``, a second sorted queue, ``run_rank`` and ``run_key`` from ``run_head`` on.
         # The ranks are the rank objects of ``rank`` (no int boxed again), compared as ints: most
         # comparisons need no key (ranks of distinct chunks tie only at one position of one
         # request, across groups).
@@ -283,7 +278,9 @@ class RankedCPUTier(CPUTier):
         self.pile_rank: list = []
         self.pile_key: list = []
         self.pile_low = 0
-        self.heap: list[tuple] = []
+        self.run_rank: list = []
+        self.run_key: list = []
+        self.run_head = 0
         self.next_rank = 0
         # per group: (index in the request's groups, tokens per chunk, index in group id order)
         by_id = sorted(cfg.group_id for cfg in cfgs)
@@ -441,18 +438,23 @@ class RankedCPUTier(CPUTier):
         """An eviction candidate, of rank ``ro`` (the rank object of ``rank``) and key ``k``: to
         the end of ``fresh`` if not below its last item, else to the pile."""
         fk = self.fresh_key
-        r: int = ro
         if len(fk) > self.head:
+            r: int = ro
             last: int = self.fresh_rank[-1]
             if r < last or (r == last and k < fk[-1]):
-                pk = self.pile_key
-                if not pk or r < self.pile_low:
-                    self.pile_low = r
-                pk.append(k)
-                self.pile_rank.append(ro)
+                self._pile(ro, k)
                 return
         fk.append(k)
         self.fresh_rank.append(ro)
+
+    def _pile(self, ro: Any, k) -> None:
+        """An eviction candidate (as in _push) to the pile."""
+        r: int = ro
+        pk = self.pile_key
+        if not pk or r < self.pile_low:
+            self.pile_low = r
+        pk.append(k)
+        self.pile_rank.append(ro)
 
     def _current(self, ro: Any, k) -> bool:
         """The item (``ro``, ``k``) is its chunk's current one, and the chunk is evictable."""
@@ -465,9 +467,9 @@ class RankedCPUTier(CPUTier):
 
     def _compact(self) -> None:
         """Drop the items of chunks gone, ranked again or not evictable, at once (cheaper than
-        one by one once they are most): ``fresh`` stays sorted, the heap's items join the
-        pile."""
+        one by one once they are most); the queues stay sorted."""
         fr, fk, pr, pk = self.fresh_rank, self.fresh_key, self.pile_rank, self.pile_key
+        rr, rk = self.run_rank, self.run_key
         fr2: list = []
         fk2: list = []
         for i in range(self.head, len(fk)):
@@ -475,32 +477,29 @@ class RankedCPUTier(CPUTier):
                 fr2.append(fr[i])
                 fk2.append(fk[i])
         self.fresh_rank, self.fresh_key, self.head = fr2, fk2, 0
-        pr2: list = []
-        pk2: list = []
+        rr2: list = []
+        rk2: list = []
+        for i in range(self.run_head, len(rk)):
+            if self._current(rr[i], rk[i]):
+                rr2.append(rr[i])
+                rk2.append(rk[i])
+        self.run_rank, self.run_key, self.run_head = rr2, rk2, 0
+        self.pile_rank, self.pile_key = [], []
         for i in range(len(pk)):
             if self._current(pr[i], pk[i]):
-                pr2.append(pr[i])
-                pk2.append(pk[i])
-        for item in self.heap:
-            if self._current(item[0], item[1]):
-                pr2.append(item[0])
-                pk2.append(item[1])
-        self.heap.clear()
-        self.pile_rank, self.pile_key = pr2, pk2
-        if pr2:
-            low: int = pr2[0]
-            for ro in pr2:
-                r: int = ro
-                if r < low:
-                    low = r
-            self.pile_low = low
+                self._pile(pr[i], pk[i])
 
-    def _heap_pile(self) -> None:
-        """The pile's items of evictable chunks into the heap; the pile is left empty."""
-        heap, pr, pk = self.heap, self.pile_rank, self.pile_key
+    def _sort_pile(self) -> None:
+        """The pile's items of evictable chunks sorted into the run; the pile is left empty."""
+        rr, rk, pr, pk = self.run_rank, self.run_key, self.pile_rank, self.pile_key
+        items = [(rr[i], rk[i]) for i in range(self.run_head, len(rk))]
         for i in range(len(pk)):
             if self._current(pr[i], pk[i]):
-                HEAPPUSH(heap, (pr[i], pk[i]))
+                items.append((pr[i], pk[i]))
+        items.sort()
+        self.run_rank = [item[0] for item in items]
+        self.run_key = [item[1] for item in items]
+        self.run_head = 0
         pr.clear()
         pk.clear()
 
@@ -508,10 +507,11 @@ class RankedCPUTier(CPUTier):
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
         ``(rank, group)``, lowest first, or None if there are fewer (nothing changes then).
         The queue holds the current item of every evictable chunk (see __init__): items
-        surface in (rank, key) order, the pile heaped before an item of its lowest rank or more
-        surfaces; one whose chunk is gone, has another rank since or is not evictable (a store
-        or a load in flight: pushed again when that completes) is dropped, as is a copy of the
-        item just seen (equal items surface one after the other); protected chunks go back."""
+        surface in (rank, key) order, the pile sorted into the run before an item of its lowest
+        rank or more surfaces; one whose chunk is gone, has another rank since or is not
+        evictable (a store or a load in flight: pushed again when that completes) is dropped,
+        as is a copy of the item just seen (equal items surface one after the other);
+        protected chunks go back (to the pile)."""
         entries, ready, refs, rank = self.entries, self.ready, self.refs, self.rank
         if not self.queued:                    # built at the first eviction, kept up after
             self.queued = True
@@ -519,41 +519,41 @@ class RankedCPUTier(CPUTier):
                                 if ready[s] and not refs[s]]):
                 self.fresh_rank.append(item[0])
                 self.fresh_key.append(item[1])
-        elif len(self.fresh_key) - self.head + len(self.pile_key) + len(self.heap) \
-                > 2 * len(entries):
+        elif len(self.fresh_key) - self.head + len(self.run_key) - self.run_head \
+                + len(self.pile_key) > 4 * len(entries):
             self._compact()                     # mostly items to drop
-        fr, fk, pk, heap, head = (self.fresh_rank, self.fresh_key, self.pile_key, self.heap,
-                                  self.head)
+        fr, fk, head, pk = self.fresh_rank, self.fresh_key, self.head, self.pile_key
+        rr, rk, rhead = self.run_rank, self.run_key, self.run_head
         victims: list = []
         passed: list = []
         last_r = -1                             # (ranks are positive)
         last_k: Any = None
         while len(victims) < n:
-            # the lowest item of the three (equal items surface one after the other)
+            # the lowest item of the queues (equal items surface one after the other)
             if head < len(fk):
                 r: int = fr[head]
                 k = fk[head]
                 from_fresh = True
-                if heap:
-                    top = heap[0]
-                    hr: int = top[0]
-                    if hr < r or (hr == r and top[1] < k):
-                        r, k, from_fresh = hr, top[1], False
-            elif heap:
-                top = heap[0]
-                r, k, from_fresh = top[0], top[1], False
+                if rhead < len(rk):
+                    r2: int = rr[rhead]
+                    if r2 < r or (r2 == r and rk[rhead] < k):
+                        r, k, from_fresh = r2, rk[rhead], False
+            elif rhead < len(rk):
+                r, k, from_fresh = rr[rhead], rk[rhead], False
             elif pk:
-                self._heap_pile()
-                continue
+                r, k, from_fresh = self.pile_low, None, False    # (only the pile: sorted below)
             else:
                 break
             if pk and self.pile_low <= r:
-                self._heap_pile()               # the pile may hold lower items: heap it first
+                # the pile may hold lower items: sorted into the run first
+                self.run_head = rhead
+                self._sort_pile()
+                rr, rk, rhead = self.run_rank, self.run_key, 0
                 continue
             if from_fresh:
                 head += 1
             else:
-                HEAPPOP(heap)
+                rhead += 1
             s = entries.get(k)
             if s is None or not ready[s] or refs[s] or (r == last_r and k == last_k):
                 continue                       # stale, not evictable, or a copy
@@ -562,16 +562,19 @@ class RankedCPUTier(CPUTier):
                 continue                       # stale
             last_r, last_k = r, k
             (passed if k in protected else victims).append(k)
+        # (the taken items dropped: amortized O(1) each)
         if 2 * head > len(fk):
-            del fr[:head]                      # (the taken items: amortized O(1) each)
+            del fr[:head]
             del fk[:head]
             head = 0
-        self.head = head
-        for k in passed:
-            HEAPPUSH(heap, (rank[entries[k]], k))
+        if 2 * rhead > len(rk):
+            del rr[:rhead]
+            del rk[:rhead]
+            rhead = 0
+        self.head, self.run_head = head, rhead
+        for k in passed if len(victims) == n else passed + victims:
+            self._pile(rank[entries[k]], k)
         if len(victims) < n:
-            for k in victims:
-                HEAPPUSH(heap, (rank[entries[k]], k))
             return None
         return victims
 
