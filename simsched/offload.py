@@ -913,7 +913,7 @@ def tuple_set_order(keys) -> list[Key]:
     process; the model fixed that order as the one of the pair tuples (the representation of keys
     before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
     2**63: see allocator.make_key; they are not taken apart.)"""
-    pairs: set = set()
+    pairs: set[tuple[int, Key]] = set()     # (typed: taken apart with no iterator each)
     for k in keys:
         if k < _GROUP0_END:
             pairs.add((0, k))
