@@ -17,7 +17,6 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from typing import Any, Final
 
@@ -29,10 +28,6 @@ from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometr
 MISS: Final = 0
 HIT: Final = 1
 HIT_PENDING: Final = 2
-# the heap operations of RankedCPUTier's eviction heap (Final: mypyc keeps them in C statics, no
-# module-dict lookup at each call)
-HEAPPUSH: Final = heapq.heappush
-HEAPPOP: Final = heapq.heappop
 
 
 class ModelCrash(ConfigError):
@@ -207,7 +202,7 @@ class CPUTier:
 
 # a rank ``(rank, -position)`` is kept as one int, ``(rank << RANK_SHIFT) - position`` (a token
 # position stays far below 2**RANK_SHIFT, so the order is the tuples' order): comparisons and the
-# eviction heap need no tuples. (A shift, not a product: mypyc multiplies ints inline only when
+# eviction queue need no tuples. (A shift, not a product: mypyc multiplies ints inline only when
 # both are below 2**30, and shifts them inline while the result stays below 2**62.)
 RANK_SHIFT: Final = 40
 
@@ -257,18 +252,35 @@ class RankedCPUTier(CPUTier):
         self.entries = {}
         self.touches = False
         self.request_ranks = request_ranks
-        # eviction candidates, (rank, key), from the first eviction on (``heap`` None before
-        # it; see _lowest_evictable), in two parts: ``fresh[head:]``, a sorted queue (an item
-        # joins it when it is not below its last item, as the new ranks of on_request_finished,
-        # above all, do; ``fresh[:head]`` is taken), and ``heap``, a heap (the other items).
-        # Every evictable chunk (ready, ref_cnt 0) has its current (rank, key) in one of them: a
+        # eviction candidates, items (rank, key), from the first eviction on (``queued``; see
+        # _lowest_evictable), in three parts (no heap: a heap's pops compare items by the dozen):
+        # - ``fresh``, a queue sorted by (rank, key) as the parallel lists ``fresh_rank`` and
+        #   ``fresh_key`` from ``head`` on (before it: taken). An item joins it when it is not
+        #   below its last item, as the new ranks of on_request_finished, above all, do;
+        # - ``pile``, the other items as they come (and the chunks an eviction passed over,
+        #   protected, or gave back, too few), as the parallel lists ``pile_rank`` and
+        #   ``pile_key``, none ranked below ``pile_low``: most of them are stale before an
+        #   eviction gets that low (a running request's chunks, ranked again when it finishes),
+        #   so they are only sorted once one does, into
+        # - ``run``, a second sorted queue, ``run_rank`` and ``run_key`` from ``run_head`` on.
+        # The ranks are the rank objects of ``rank`` (no int boxed again), compared as ints: most
+        # comparisons need no key (ranks of distinct chunks tie only at one position of one
+        # request, across groups).
+        # Every evictable chunk (ready, ref_cnt 0) has its current item in one of the parts: a
         # chunk is pushed when it becomes evictable (complete_store, complete_load) and when it
         # takes a new rank while evictable; they may also hold items of chunks gone, ranked
         # again or no longer evictable (dropped as they surface). Keys order as their
         # (group id, ident) pairs (see make_key): the order is (rank, group id, ident)
-        self.heap: list[tuple] | None = None
-        self.fresh: list[tuple] = []
+        self.queued = False
+        self.fresh_rank: list = []
+        self.fresh_key: list = []
         self.head = 0
+        self.pile_rank: list = []
+        self.pile_key: list = []
+        self.pile_low = 0
+        self.run_rank: list = []
+        self.run_key: list = []
+        self.run_head = 0
         self.next_rank = 0
         # per group: (index in the request's groups, tokens per chunk, index in group id order)
         by_id = sorted(cfg.group_id for cfg in cfgs)
@@ -413,80 +425,158 @@ class RankedCPUTier(CPUTier):
             else:
                 assert a is not None
                 r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
-            self._add(k, r)                     # not evictable (not ready): not in the heap
+            self._add(k, r)                     # not evictable (not ready): not queued
         return to_store
 
     def _set_rank(self, k, s: int, r: int) -> None:
-        ro: object = r                          # (boxed once: list and heap share it)
+        ro: object = r                          # (boxed once: list and queue share it)
         self.rank[s] = ro
-        if self.heap is not None and self.ready[s] and not self.refs[s]:
-            self._push((ro, k))
+        if self.queued and self.ready[s] and not self.refs[s]:
+            self._push(ro, k)
 
-    def _push(self, item: tuple) -> None:
-        """An eviction candidate (rank, key) into ``fresh`` if it keeps it sorted, else into
-        ``heap``."""
-        fresh = self.fresh
-        if len(fresh) == self.head or not item < fresh[-1]:
-            fresh.append(item)
-        else:
-            heap = self.heap
-            assert heap is not None
-            HEAPPUSH(heap, item)
+    def _push(self, ro: Any, k) -> None:
+        """An eviction candidate, of rank ``ro`` (the rank object of ``rank``) and key ``k``: to
+        the end of ``fresh`` if not below its last item, else to the pile."""
+        fk = self.fresh_key
+        if len(fk) > self.head:
+            r: int = ro
+            last: int = self.fresh_rank[-1]
+            if r < last or (r == last and k < fk[-1]):
+                self._pile(ro, k)
+                return
+        fk.append(k)
+        self.fresh_rank.append(ro)
+
+    def _pile(self, ro: Any, k) -> None:
+        """An eviction candidate (as in _push) to the pile."""
+        r: int = ro
+        pk = self.pile_key
+        if not pk or r < self.pile_low:
+            self.pile_low = r
+        pk.append(k)
+        self.pile_rank.append(ro)
+
+    def _current(self, ro: Any, k) -> bool:
+        """The item (``ro``, ``k``) is its chunk's current one, and the chunk is evictable."""
+        s = self.entries.get(k)
+        if s is None:
+            return False
+        r: int = ro
+        rs: int = self.rank[s]
+        return rs == r and self.ready[s] and not self.refs[s]
+
+    def _compact(self) -> None:
+        """Drop the items of chunks gone, ranked again or not evictable, at once (cheaper than
+        one by one once they are most); the queues stay sorted."""
+        fr, fk, pr, pk = self.fresh_rank, self.fresh_key, self.pile_rank, self.pile_key
+        rr, rk = self.run_rank, self.run_key
+        fr2: list = []
+        fk2: list = []
+        for i in range(self.head, len(fk)):
+            if self._current(fr[i], fk[i]):
+                fr2.append(fr[i])
+                fk2.append(fk[i])
+        self.fresh_rank, self.fresh_key, self.head = fr2, fk2, 0
+        rr2: list = []
+        rk2: list = []
+        for i in range(self.run_head, len(rk)):
+            if self._current(rr[i], rk[i]):
+                rr2.append(rr[i])
+                rk2.append(rk[i])
+        self.run_rank, self.run_key, self.run_head = rr2, rk2, 0
+        self.pile_rank, self.pile_key = [], []
+        for i in range(len(pk)):
+            if self._current(pr[i], pk[i]):
+                self._pile(pr[i], pk[i])
+
+    def _sort_pile(self) -> None:
+        """The pile's items of evictable chunks sorted into the run; the pile is left empty."""
+        rr, rk, pr, pk = self.run_rank, self.run_key, self.pile_rank, self.pile_key
+        items = [(rr[i], rk[i]) for i in range(self.run_head, len(rk))]
+        for i in range(len(pk)):
+            if self._current(pr[i], pk[i]):
+                items.append((pr[i], pk[i]))
+        items.sort()
+        self.run_rank = [item[0] for item in items]
+        self.run_key = [item[1] for item in items]
+        self.run_head = 0
+        pr.clear()
+        pk.clear()
 
     def _lowest_evictable(self, n: int, protected: set) -> list | None:
         """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
         ``(rank, group)``, lowest first, or None if there are fewer (nothing changes then).
-        ``heap`` holds the current (rank, key) of every evictable chunk (see __init__): items
-        surface in (rank, key) order; one whose chunk is gone, has another rank since or is not
-        evictable (a store or a load in flight: pushed again when that completes) is dropped, as
-        is a copy of the item just seen (equal items surface one after the other); protected
-        chunks go back."""
-        entries, fresh, head = self.entries, self.fresh, self.head
-        ready, refs, rank = self.ready, self.refs, self.rank
-        if self.heap is None:                  # built at the first eviction, kept up after
-            self.heap = []
-            fresh += sorted([(rank[s], k) for k, s in entries.items() if ready[s] and not refs[s]])
-        heap = self.heap
-        if len(heap) + len(fresh) - head > 2 * len(entries):
-            # mostly items to drop: drop them at once (cheaper than popping each), the rest
-            # sorted into ``fresh``
-            kept = [item for item in fresh[head:] if (s := entries.get(item[1])) is not None
-                    and rank[s] == item[0] and ready[s] and not refs[s]]
-            kept += [item for item in heap if (s := entries.get(item[1])) is not None
-                     and rank[s] == item[0] and ready[s] and not refs[s]]
-            kept.sort()
-            heap.clear()
-            fresh[:] = kept
-            head = 0
+        The queue holds the current item of every evictable chunk (see __init__): items
+        surface in (rank, key) order, the pile sorted into the run before an item of its lowest
+        rank or more surfaces; one whose chunk is gone, has another rank since or is not
+        evictable (a store or a load in flight: pushed again when that completes) is dropped,
+        as is a copy of the item just seen (equal items surface one after the other);
+        protected chunks go back (to the pile)."""
+        entries, ready, refs, rank = self.entries, self.ready, self.refs, self.rank
+        if not self.queued:                    # built at the first eviction, kept up after
+            self.queued = True
+            for item in sorted([(rank[s], k) for k, s in entries.items()
+                                if ready[s] and not refs[s]]):
+                self.fresh_rank.append(item[0])
+                self.fresh_key.append(item[1])
+        elif len(self.fresh_key) - self.head + len(self.run_key) - self.run_head \
+                + len(self.pile_key) > 4 * len(entries):
+            self._compact()                     # mostly items to drop
+        fr, fk, head, pk = self.fresh_rank, self.fresh_key, self.head, self.pile_key
+        rr, rk, rhead = self.run_rank, self.run_key, self.run_head
         victims: list = []
         passed: list = []
-        last: tuple | None = None
+        last_r = -1                             # (ranks are positive)
+        last_k: Any = None
         while len(victims) < n:
-            # the lowest item of the two (equal items surface one after the other)
-            if head < len(fresh) and (not heap or fresh[head] < heap[0]):
-                item = fresh[head]
-                head += 1
-            elif heap:
-                item = HEAPPOP(heap)
+            # the lowest item of the queues (equal items surface one after the other)
+            if head < len(fk):
+                r: int = fr[head]
+                k = fk[head]
+                from_fresh = True
+                if rhead < len(rk):
+                    r2: int = rr[rhead]
+                    if r2 < r or (r2 == r and rk[rhead] < k):
+                        r, k, from_fresh = r2, rk[rhead], False
+            elif rhead < len(rk):
+                r, k, from_fresh = rr[rhead], rk[rhead], False
+            elif pk:
+                r, k, from_fresh = self.pile_low, None, False    # (only the pile: sorted below)
             else:
                 break
-            r, k = item
+            if pk and self.pile_low <= r:
+                # the pile may hold lower items: sorted into the run first
+                self.run_head = rhead
+                self._sort_pile()
+                rr, rk, rhead = self.run_rank, self.run_key, 0
+                continue
+            if from_fresh:
+                head += 1
+            else:
+                rhead += 1
             s = entries.get(k)
-            if s is None or rank[s] != r or not ready[s] or refs[s] or item == last:
+            if s is None or not ready[s] or refs[s] or (r == last_r and k == last_k):
                 continue                       # stale, not evictable, or a copy
-            last = item
-            (passed if k in protected else victims).append(item)
-        if 2 * head > len(fresh):
-            del fresh[:head]                   # (the taken items: amortized O(1) each)
+            rs: int = rank[s]
+            if rs != r:
+                continue                       # stale
+            last_r, last_k = r, k
+            (passed if k in protected else victims).append(k)
+        # (the taken items dropped: amortized O(1) each)
+        if 2 * head > len(fk):
+            del fr[:head]
+            del fk[:head]
             head = 0
-        self.head = head
-        for item in passed:
-            self._push(item)
+        if 2 * rhead > len(rk):
+            del rr[:rhead]
+            del rk[:rhead]
+            rhead = 0
+        self.head, self.run_head = head, rhead
+        for k in passed if len(victims) == n else passed + victims:
+            self._pile(rank[entries[k]], k)
         if len(victims) < n:
-            for item in victims:
-                self._push(item)
             return None
-        return [k for _, k in victims]
+        return victims
 
     def prepare_load(self, keys, st=None) -> None:
         """A load in flight on each chunk of ``keys`` and, given the request, its first access to
@@ -543,39 +633,42 @@ class RankedCPUTier(CPUTier):
                     if all(k in codes for k in keys):
                         keys = sorted(keys, key=codes.__getitem__)
                     flat += keys
-        entries, heap, rank = self.entries, self.heap, self.rank
+        entries, rank, queued = self.entries, self.rank, self.queued
+        fr, fk = self.fresh_rank, self.fresh_key
         nr = self.next_rank
         for k in reversed(flat):
             s = entries.get(k)
             if s is not None:
                 nr += 1
-                r: object = nr << RANK_SHIFT       # (boxed once: list and heap share it)
+                r: object = nr << RANK_SHIFT       # (boxed once: list and queue share it)
                 rank[s] = r
-                if heap is not None and self.ready[s] and not self.refs[s]:
-                    self._push((r, k))
+                if queued and self.ready[s] and not self.refs[s]:
+                    # (above every rank given before: the end of ``fresh``)
+                    fr.append(r)
+                    fk.append(k)
         self.next_rank = nr
 
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
         self.content_version += 1
-        entries, heap, ready = self.entries, self.heap, self.ready
+        entries, queued, ready = self.entries, self.queued, self.ready
         for k in keys:
             s = entries.get(k)
             if s is not None and not ready[s]:
                 ready[s] = True
                 self.content[s] = contents.get(k)
-                if heap is not None and not self.refs[s]:
-                    self._push((self.rank[s], k))     # evictable now
+                if queued and not self.refs[s]:
+                    self._push(self.rank[s], k)       # evictable now
 
     def complete_load(self, keys) -> None:
         self.version += 1
         self.content_version += 1
-        entries, heap, refs = self.entries, self.heap, self.refs
+        entries, queued, refs = self.entries, self.queued, self.refs
         for k in keys:
             s = entries[k]
             refs[s] -= 1
-            if heap is not None and not refs[s] and self.ready[s]:
-                self._push((self.rank[s], k))     # evictable now
+            if queued and not refs[s] and self.ready[s]:
+                self._push(self.rank[s], k)       # evictable now
 
 
 class ListCPUTier(CPUTier):
@@ -823,7 +916,7 @@ def tuple_set_order(keys) -> list[Key]:
     process; the model fixed that order as the one of the pair tuples (the representation of keys
     before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
     2**63: see allocator.make_key; they are not taken apart.)"""
-    pairs: set = set()
+    pairs: set[tuple[int, Key]] = set()     # (typed: taken apart with no iterator each)
     for k in keys:
         if k < _GROUP0_END:
             pairs.add((0, k))

@@ -62,12 +62,13 @@ def test_lookup_restarts_store_index_from_0330():
     assert out == {"prefix-cacheable-strict-unit": 4, "prefix-cacheable-windows-in-config": 0}
 
 
-def _random_tier_run(seed: int, request_ranks: bool) -> int:
+def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60, compact: int = 0) -> int:
     """Random stores, completions, loads and request finishes on a small RankedCPUTier. Before
     every store that must evict, the victims are worked out by brute force from the entries:
     the evictable chunks (ready, no load in flight) not named by the store, lowest (rank, key)
     first; the store must evict exactly those, or refuse (None) and evict nothing when there are
-    too few. Returns the number of evicting stores checked."""
+    too few; every ``compact`` steps (if given), the queues drop their stale items at once.
+    Returns the number of evicting stores checked."""
     import random
     from types import SimpleNamespace as NS
     from simsched.offload import RankedCPUTier
@@ -81,7 +82,9 @@ def _random_tier_run(seed: int, request_ranks: bool) -> int:
         reqs.append(NS(req=NS(rid=f"r{r}"), groups=[NS(keys=[make_key(g, h) for h in idents])
                                                     for g in (0, 1)]))
     writing, loading, checked = [], [], 0
-    for _ in range(60):
+    for step in range(steps):
+        if compact and step % compact == 0:
+            tier._compact()
         op = rng.randrange(5)
         st = rng.choice(reqs)
         if op <= 1:
@@ -122,11 +125,13 @@ def _random_tier_run(seed: int, request_ranks: bool) -> int:
 
 def test_ranked_tier_evicts_the_lowest_evictable_chunks():
     """RankedCPUTier (0.31.0+ LRUCachePolicy) keeps its eviction candidates outside the entries
-    (a sorted queue and a heap, only evictable chunks, stale items dropped lazily): whatever the
-    order of stores, completions, loads and finishes, an eviction takes exactly the lowest
-    (rank, key) evictable chunks not protected by the store."""
+    (a sorted queue, a pile sorted into a second queue on demand, only evictable chunks, stale
+    items dropped lazily): whatever the order of stores, completions, loads and finishes, an
+    eviction takes exactly the lowest (rank, key) evictable chunks not protected by the store."""
     checked = sum(_random_tier_run(seed, rr) for seed in range(150) for rr in (False, True))
     assert checked > 500        # the runs do reach full tiers
+    # longer runs, compacted now and then (as a tier is when its queues are mostly stale items)
+    assert sum(_random_tier_run(seed, rr, 600, 7) for seed in range(20) for rr in (False, True))
 
 
 def test_list_tier_evicts_as_the_evictable_list():
