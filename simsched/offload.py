@@ -80,8 +80,9 @@ class CPUTier:
         self.version = 0
         self.content_version = 0
 
-    def _add(self, key, rank: int) -> None:
-        """A new chunk (not ready, no load in flight) under ``key``, at a free slot."""
+    def _add(self, key, rank: object) -> None:
+        """A new chunk (not ready, no load in flight) under ``key``, at a free slot (``rank``:
+        an int object, stored as it is)."""
         free = self.free
         if free:
             s = free.pop()
@@ -406,7 +407,7 @@ class RankedCPUTier(CPUTier):
         very key objects of the list."""
         entries = self.entries
         if st is None:
-            return self._insert([k for k in keys if k not in entries], keys, None, None)
+            return self._insert([k for k in keys if k not in entries], keys, None)
         # the first accesses to the new and the ready keys (as in prepare_load), in one pass
         # with the keys to store
         a = self._state(st)
@@ -420,9 +421,9 @@ class RankedCPUTier(CPUTier):
                 elif not ready[s]:
                     continue
                 self._first_unknown(a, k)       # positions only matter at finish
-            return self._insert(to_store, keys, None, None)
-        # (the keys' positions, None if unknown)
-        to_pos: list[int | None] = []
+            return self._insert(to_store, keys, None)
+        # (the new keys' ranks, None if their position is unknown: an int boxed once)
+        to_rank: list = []
         order, ng = a.order, self.n_groups
         if self._by_index(a, st, spans):
             assert spans is not None
@@ -442,11 +443,10 @@ class RankedCPUTier(CPUTier):
                     s = entries.get(k)
                     if s is None:
                         to_store.append(k)
-                        to_pos.append((c + 1) * tpc)
                         if not m[c]:
                             m[c] = True
                             order.append(k)
-                            self._request_rank(a)
+                        to_rank.append((self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc)
                     elif ready[s] and not m[c]:
                         m[c] = True
                         order.append(k)
@@ -455,7 +455,7 @@ class RankedCPUTier(CPUTier):
                             self._set_rank(k, s, r)
                     c += 1
                 p += cnt
-            return self._insert(to_store, keys, a, to_pos)
+            return self._insert(to_store, keys, to_rank)
         codes = self._codes(a, st)
         for k in keys:
             s = entries.get(k)
@@ -463,16 +463,14 @@ class RankedCPUTier(CPUTier):
                 to_store.append(k)
                 vo = codes.get(k)
                 if vo is None:
-                    to_pos.append(None)
+                    to_rank.append(None)
                     self._first_unknown(a, k)
                     continue
                 v = vo
-                to_pos.append((v >> 1) // ng)
-                if v & 1:
-                    continue
-                codes[k] = v | 1
-                order.append(k)
-                self._request_rank(a)
+                if not v & 1:
+                    codes[k] = v | 1
+                    order.append(k)
+                to_rank.append((self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng)
             elif ready[s]:
                 v = codes.get(k, -1)
                 if v < 0:
@@ -483,12 +481,12 @@ class RankedCPUTier(CPUTier):
                     r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
                     if self.rank[s] < r:
                         self._set_rank(k, s, r)
-        return self._insert(to_store, keys, a, to_pos)
+        return self._insert(to_store, keys, to_rank)
 
-    def _insert(self, to_store: list, keys, a: _ReqAccess | None,
-                to_pos: list[int | None] | None) -> list | None:
-        """The rest of prepare_store: evict for the new chunks, insert them (``a``: the request's
-        state if it ranks them, 0.33.0, with the keys' positions, None where unknown)."""
+    def _insert(self, to_store: list, keys, to_rank: list | None) -> list | None:
+        """The rest of prepare_store: evict for the new chunks, insert them (``to_rank``: their
+        ranks, 0.33.0 ``(request rank, -position)``, None where the position is unknown or the
+        request does not rank them: the next rank then)."""
         if not to_store:
             return []
         entries = self.entries
@@ -503,13 +501,10 @@ class RankedCPUTier(CPUTier):
                 self._drop(k)
             self.evictions += n_evict
         for i, k in enumerate(to_store):
-            v = to_pos[i] if to_pos is not None else None
-            if v is None:
+            r = to_rank[i] if to_rank is not None else None
+            if r is None:
                 self.next_rank += 1
                 r = self.next_rank << RANK_SHIFT
-            else:
-                assert a is not None
-                r = (self._request_rank(a) << RANK_SHIFT) - v
             self._add(k, r)                     # not evictable (not ready): not in the heap
         return to_store
 
