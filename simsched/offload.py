@@ -17,6 +17,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any, Final
 
@@ -74,8 +75,9 @@ class CPUTier:
         self.version = 0
         self.content_version = 0
 
-    def _add(self, key, rank: int) -> None:
-        """A new chunk (not ready, no load in flight) under ``key``, at a free slot."""
+    def _add(self, key, rank: object) -> None:
+        """A new chunk (not ready, no load in flight) under ``key``, at a free slot (``rank``:
+        an int object, stored as it is)."""
         free = self.free
         if free:
             s = free.pop()
@@ -129,7 +131,8 @@ class CPUTier:
             if k in lru:
                 move(k)
 
-    def prepare_store(self, keys, st=None) -> list | None:
+    def prepare_store(self, keys, st=None, spans: list[int] | None = None) -> list | None:
+        """``st``, ``spans``: the request and the positions of its keys, for RankedCPUTier."""
         entries, lru = self.entries, self.lru
         to_store = [k for k in keys if k not in entries]
         if not to_store:
@@ -176,7 +179,7 @@ class CPUTier:
                 if self.evictable_list and not self.refs[s]:
                     self.lru[k] = s             # evictable now: the MRU end
 
-    def prepare_load(self, keys, st=None) -> None:
+    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
@@ -209,16 +212,28 @@ RANK_SHIFT: Final = 40
 
 class _ReqAccess:
     """A request's state in :class:`RankedCPUTier`: its request rank (0: none given yet); the
-    keys it accessed, in first-access order (``order``); and the positions of its offload keys
-    (``ReqContext.get_offload_key_position``): ``codes`` maps each key of the request to
-    ``2 * position code + accessed`` (see :meth:`RankedCPUTier._codes`), ``extra`` holds the keys
-    accessed while their position was not known (counted in ``unknown``, as is a change of the
-    request state or a key met twice: then on_request_finished takes the general path).
-    ``slots``: the keys entered in ``codes`` (more than its size if a key came twice)."""
+    keys it accessed, in first-access order (``order``); and what it knows of their positions
+    (``ReqContext.get_offload_key_position``), in one of two modes.
 
-    __slots__ = ("st", "rank", "order", "codes", "extra", "unknown", "counts", "slots")
+    By index (``seen`` not None; 0.33.0 while the callers give each key's chunk index, see
+    RankedCPUTier.prepare_store): a key's position follows from its group and chunk index, and
+    ``marks[group index][chunk index]`` says whether the request accessed that chunk's key;
+    ``seen`` holds the request's offload keys entered so far (``counts`` per group, ``slots`` in
+    all), only to tell that they are distinct (then a key and its chunk index name each other).
 
-    def __init__(self, st, n_groups: int):
+    By dict (``seen`` None): ``codes`` maps each key of the request to ``2 * position code +
+    accessed`` (see :meth:`RankedCPUTier._codes`), ``extra`` holds the keys accessed while their
+    position was not known (counted in ``unknown``, as is a change of the request state or a key
+    met twice: then on_request_finished takes the general path). ``slots``: the keys entered in
+    ``codes`` (more than its size if a key came twice). A request leaves the first mode for this
+    one, for good, when a key comes twice, a key comes without its chunk index, or the request
+    state changes (RankedCPUTier._by_index): all rare; the dict costs a code per key of the
+    request, the marks only the keys accessed."""
+
+    __slots__ = ("st", "rank", "order", "codes", "extra", "unknown", "counts", "slots", "seen",
+                 "marks")
+
+    def __init__(self, st, n_groups: int, by_index: bool):
         self.st = st
         self.rank = 0
         self.order: list = []
@@ -227,6 +242,8 @@ class _ReqAccess:
         self.unknown = 0
         self.counts: list[int] = [0] * n_groups
         self.slots = 0
+        self.seen: set | None = set() if by_index else None
+        self.marks: list[list[bool]] = [[] for _ in range(n_groups)] if by_index else []
 
 
 class RankedCPUTier(CPUTier):
@@ -287,6 +304,13 @@ class RankedCPUTier(CPUTier):
         self.group: list[tuple[int, int, int]] = [
             (i, cfg.tokens_per_chunk, by_id.index(cfg.group_id)) for i, cfg in enumerate(cfgs)]
         self.n_groups = max(len(cfgs), 1)
+        # the walk of a request's chunks head to tail by their marks (_accessed): on a grid of
+        # step the gcd of the groups' tokens per chunk, a group's chunk c at grid point
+        # (c + 1) * steps[w]; at each point the groups in group id order (walk[w])
+        unit = math.gcd(*[tpc for _, tpc, _ in self.group]) if self.group else 1
+        by_order = sorted(self.group, key=lambda g: g[2])
+        self.walk: list[int] = [gi for gi, _, _ in by_order]
+        self.steps: list[int] = [tpc // unit for _, tpc, _ in by_order]
         self.req_state: dict[str, _ReqAccess] = {}
 
     def touch(self, keys) -> None:
@@ -296,7 +320,7 @@ class RankedCPUTier(CPUTier):
         rid = st.req.rid
         a = self.req_state.get(rid)
         if a is None:
-            a = self.req_state[rid] = _ReqAccess(st, len(self.group))
+            a = self.req_state[rid] = _ReqAccess(st, len(self.group), self.request_ranks)
         return a
 
     def _request_rank(self, a: _ReqAccess) -> int:
@@ -305,12 +329,13 @@ class RankedCPUTier(CPUTier):
             a.rank = self.next_rank
         return a.rank
 
-    def _codes(self, a: _ReqAccess, st) -> dict[Key, int]:
+    def _codes(self, a: _ReqAccess, st, ends: list[int] | None = None) -> dict[Key, int]:
         """``ReqContext.get_offload_key_position``: a key's chunk end token in the request, kept
         as the code ``position * n_groups + the group's index in group id order`` (the order in
         which on_request_finished walks a request's chunks, head to tail, ties by group id),
         doubled, plus 1 once the request accessed the key. Extended as the request's offload
-        keys grow (they are only ever appended)."""
+        keys grow (they are only ever appended; ``ends``: up to these counts per group, not all).
+        The dict mode of _ReqAccess."""
         if a.st is not st:
             # another request state (the model keeps one per request): positions anew; every
             # key accessed so far is accessed without a known position until found again
@@ -320,19 +345,19 @@ class RankedCPUTier(CPUTier):
         counts, out, extra, ng = a.counts, a.codes, a.extra, self.n_groups
         for gi, tpc, order in self.group:
             keys: list = st.groups[gi].keys
-            n = counts[gi]
-            if n < len(keys):
+            n, e = counts[gi], len(keys) if ends is None else ends[gi]
+            if n < e:
                 step = 2 * tpc * ng
                 c = (n + 1) * step + 2 * order
-                for i in range(n, len(keys)):
+                for i in range(n, e):
                     out[keys[i]] = c
                     c += step
                 if extra:
-                    for i in range(n, len(keys)):
+                    for i in range(n, e):
                         if keys[i] in extra:
                             out[keys[i]] |= 1
-                counts[gi] = len(keys)
-                a.slots += len(keys) - n
+                counts[gi] = e
+                a.slots += e - n
                 if a.slots != len(out):
                     # a key met twice (its later position holds, as in a position map; its
                     # access mark is restored)
@@ -341,6 +366,41 @@ class RankedCPUTier(CPUTier):
                         if k in out:
                             out[k] |= 1
         return out
+
+    def _by_index(self, a: _ReqAccess, st, spans: list[int] | None) -> bool:
+        """Whether a call (``spans``: its keys' chunk indices, see prepare_store) goes by index:
+        the request is in that mode (see _ReqAccess), the call gives the chunk indices, the
+        request state is the same and the request's keys, entered as far as they go now, are
+        still distinct. Else the request goes by dict from now on, its dict as it would be had
+        it gone by dict from the start (the call then extends it, as _codes does)."""
+        seen = a.seen
+        if seen is None:
+            return False
+        if spans is not None and a.st is st:
+            groups, counts = st.groups, a.counts
+            total = a.slots
+            for gi in range(len(counts)):
+                keys: list = groups[gi].keys
+                n = counts[gi]
+                if n < len(keys):
+                    seen.update(keys[n:])
+                    total += len(keys) - n
+            if len(seen) == total:
+                marks = a.marks
+                for gi in range(len(counts)):
+                    e = len(groups[gi].keys)
+                    if counts[gi] < e:
+                        marks[gi].extend([False] * (e - counts[gi]))
+                        counts[gi] = e
+                a.slots = total
+                return True
+        # the dict of the keys entered so far (distinct), those accessed marked (the marks
+        # restored through ``extra``, empty again after)
+        ends, a.counts, a.slots = a.counts, [0] * len(self.group), 0
+        a.seen, a.marks, a.extra = None, [], dict.fromkeys(a.order)
+        self._codes(a, a.st, ends)
+        a.extra = {}
+        return False
 
     def _first_unknown(self, a: _ReqAccess, k) -> None:
         """A key without a known position: its first access is recorded in ``extra``."""
@@ -351,10 +411,15 @@ class RankedCPUTier(CPUTier):
             if self.request_ranks:
                 self._request_rank(a)
 
-    def prepare_store(self, keys, st=None) -> list | None:
+    def prepare_store(self, keys, st=None, spans: list[int] | None = None) -> list | None:
+        """``spans`` (0.33.0 callers; None: not given, positions looked up): for each group of
+        the request in order, ``spans[2 * gi]`` and ``spans[2 * gi + 1]``, the chunk index its
+        keys in ``keys`` start from and how many there are: ``keys`` lists the groups' keys in
+        group order, each group's a subsequence of its key list from that chunk index on, the
+        very key objects of the list."""
         entries = self.entries
         if st is None:
-            return self._insert([k for k in keys if k not in entries], keys, None, None)
+            return self._insert([k for k in keys if k not in entries], keys, None)
         # the first accesses to the new and the ready keys (as in prepare_load), in one pass
         # with the keys to store
         a = self._state(st)
@@ -368,25 +433,56 @@ class RankedCPUTier(CPUTier):
                 elif not ready[s]:
                     continue
                 self._first_unknown(a, k)       # positions only matter at finish
-            return self._insert(to_store, keys, None, None)
-        codes, order, ng = self._codes(a, st), a.order, self.n_groups
-        # (the codes as the dict holds them, None if unknown: no int boxed again)
-        to_codes: list[int | None] = []
+            return self._insert(to_store, keys, None)
+        # (the new keys' ranks, None if their position is unknown: an int boxed once)
+        to_rank: list = []
+        order, ng = a.order, self.n_groups
+        if self._by_index(a, st, spans):
+            assert spans is not None
+            groups, marks, group = st.groups, a.marks, self.group
+            klist: list = keys          # (a list here: read without generic lookups)
+            p = 0
+            for gi in range(len(group)):
+                c, cnt = spans[2 * gi], spans[2 * gi + 1]
+                if not cnt:
+                    continue
+                gkeys: list = groups[gi].keys
+                m, tpc = marks[gi], group[gi][1]
+                for x in range(p, p + cnt):
+                    k = klist[x]
+                    while gkeys[c] is not k:
+                        c += 1                  # (a chunk of the span left out)
+                    s = entries.get(k)
+                    if s is None:
+                        to_store.append(k)
+                        if not m[c]:
+                            m[c] = True
+                            order.append(k)
+                        to_rank.append((self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc)
+                    elif ready[s] and not m[c]:
+                        m[c] = True
+                        order.append(k)
+                        r = (self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc
+                        if self.rank[s] < r:
+                            self._set_rank(k, s, r)
+                    c += 1
+                p += cnt
+            return self._insert(to_store, keys, to_rank)
+        codes = self._codes(a, st)
         for k in keys:
             s = entries.get(k)
             if s is None:
                 to_store.append(k)
-                c = codes.get(k)
-                to_codes.append(c)
-                if c is None:
+                vo = codes.get(k)
+                if vo is None:
+                    to_rank.append(None)
                     self._first_unknown(a, k)
                     continue
-                v = c
-                if v & 1:
-                    continue
-                codes[k] = v | 1
-                order.append(k)
-                self._request_rank(a)
+                v = vo
+                if not v & 1:
+                    codes[k] = v | 1
+                    order.append(k)
+                to_rank.append((self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng)
             elif ready[s]:
                 v = codes.get(k, -1)
                 if v < 0:
@@ -397,12 +493,12 @@ class RankedCPUTier(CPUTier):
                     r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
                     if self.rank[s] < r:
                         self._set_rank(k, s, r)
-        return self._insert(to_store, keys, a, to_codes)
+        return self._insert(to_store, keys, to_rank)
 
-    def _insert(self, to_store: list, keys, a: _ReqAccess | None,
-                to_codes: list[int | None] | None) -> list | None:
-        """The rest of prepare_store: evict for the new chunks, insert them (``a``: the request's
-        state if it ranks them, 0.33.0, with the keys' position codes)."""
+    def _insert(self, to_store: list, keys, to_rank: list | None) -> list | None:
+        """The rest of prepare_store: evict for the new chunks, insert them (``to_rank``: their
+        ranks, 0.33.0 ``(request rank, -position)``, None where the position is unknown or the
+        request does not rank them: the next rank then)."""
         if not to_store:
             return []
         entries = self.entries
@@ -416,15 +512,11 @@ class RankedCPUTier(CPUTier):
             for k in victims:
                 self._drop(k)
             self.evictions += n_evict
-        ng = self.n_groups
         for i, k in enumerate(to_store):
-            v = to_codes[i] if to_codes is not None else None
-            if v is None:
+            r = to_rank[i] if to_rank is not None else None
+            if r is None:
                 self.next_rank += 1
                 r = self.next_rank << RANK_SHIFT
-            else:
-                assert a is not None
-                r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
             self._add(k, r)                     # not evictable (not ready): not queued
         return to_store
 
@@ -578,10 +670,10 @@ class RankedCPUTier(CPUTier):
             return None
         return victims
 
-    def prepare_load(self, keys, st=None) -> None:
+    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
         """A load in flight on each chunk of ``keys`` and, given the request, its first access to
         each (0.33.0: raises the chunk to the request's rank, ``(request rank, -position)``, if
-        that is higher), in one pass."""
+        that is higher), in one pass. ``spans``: as for prepare_store."""
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
@@ -595,7 +687,34 @@ class RankedCPUTier(CPUTier):
                 refs[entries[k]] += 1
                 self._first_unknown(a, k)       # positions only matter at finish
             return
-        codes, order, ng, rank = self._codes(a, st), a.order, self.n_groups, self.rank
+        order, ng, rank = a.order, self.n_groups, self.rank
+        if self._by_index(a, st, spans):
+            assert spans is not None
+            groups, marks, group = st.groups, a.marks, self.group
+            klist: list = keys          # (a list here: read without generic lookups)
+            p = 0
+            for gi in range(len(group)):
+                c, cnt = spans[2 * gi], spans[2 * gi + 1]
+                if not cnt:
+                    continue
+                gkeys: list = groups[gi].keys
+                m, tpc = marks[gi], group[gi][1]
+                for x in range(p, p + cnt):
+                    k = klist[x]
+                    while gkeys[c] is not k:
+                        c += 1                  # (a chunk of the span left out)
+                    s = entries[k]
+                    refs[s] += 1
+                    if not m[c]:
+                        m[c] = True
+                        order.append(k)
+                        r = (self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc
+                        if rank[s] < r:
+                            self._set_rank(k, s, r)     # (not evictable now: not pushed)
+                    c += 1
+                p += cnt
+            return
+        codes = self._codes(a, st)
         for k in keys:
             s = entries[k]
             refs[s] += 1
@@ -613,13 +732,16 @@ class RankedCPUTier(CPUTier):
         a = self.req_state.pop(st.req.rid, None)
         if a is None:
             return
-        flat = list(a.order)
-        if not a.unknown:
-            # order_request_keys, head to tail: by position, ties by group id (each group's
-            # keys sorted by position, the groups in id order, then a stable sort by position);
+        # order_request_keys, head to tail: by position, ties by group id (each group's keys
+        # sorted by position, the groups in id order, then a stable sort by position)
+        if a.seen is not None:
+            flat = self._accessed(a)
+        elif not a.unknown:
             # every key accessed has its code (doubled, plus 1: the same order)
+            flat = list(a.order)
             flat.sort(key=a.codes.__getitem__)
         else:
+            flat = list(a.order)
             codes = self._codes(a, st)
             if all(map(codes.__contains__, flat)):
                 flat.sort(key=codes.__getitem__)
@@ -647,6 +769,32 @@ class RankedCPUTier(CPUTier):
                     fr.append(r)
                     fk.append(k)
         self.next_rank = nr
+
+    def _accessed(self, a: _ReqAccess) -> list:
+        """The keys a request going by index accessed, head to tail: its marks walked by
+        position (grid point), ties in group id order (see __init__); the keys of the request
+        state of its last access (as the dict mode's codes are)."""
+        groups, steps = a.st.groups, self.steps
+        # (the marks and the key lists in walk order, typed: no generic lookups in the walk)
+        marks: list[list[bool]] = [a.marks[gi] for gi in self.walk]
+        keys: list[list] = [groups[gi].keys for gi in self.walk]
+        end = 0
+        for w in range(len(marks)):
+            end = max(end, len(marks[w]) * steps[w])
+        flat: list = []
+        for t in range(1, end + 1):
+            for w in range(len(marks)):
+                r = steps[w]
+                if r == 1:
+                    c = t - 1
+                elif t % r:
+                    continue
+                else:
+                    c = t // r - 1
+                m = marks[w]
+                if c < len(m) and m[c]:
+                    flat.append(keys[w][c])
+        return flat
 
     def complete_store(self, keys, contents: dict) -> None:
         self.version += 1
@@ -754,7 +902,7 @@ class ListCPUTier(CPUTier):
                     rank[s] = stamp
                 stamp += 1
 
-    def prepare_store(self, keys, st=None) -> list | None:
+    def prepare_store(self, keys, st=None, spans: list[int] | None = None) -> list | None:
         if self.lazy:
             entries = self.entries
             to_store = [k for k in keys if k not in entries]
@@ -794,7 +942,7 @@ class ListCPUTier(CPUTier):
         self.log.append((keys, -1, len(keys), t))
         self.clock += len(keys)
 
-    def prepare_load(self, keys, st=None) -> None:
+    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
         if not self.lazy:
             super().prepare_load(keys, st)
             return
@@ -1394,11 +1542,14 @@ class OffloadScheduler:
         num_local = st.num_local
         num_cached = num_local + num_external
         keys: list[Key] = []
+        spans: list[int] = []       # per group: its keys' first chunk index and count (the tier)
         job = Job(-1, req.rid, False, None)     # (its ID is given by _new_job, at the end)
         gids, cidx, hidx, bpos, bidx, jbids = job.gids, job.cidx, job.hidx, job.bpos, job.bidx, \
             job.bids
         for cfg, gs in zip(self.cfgs, st.groups):
             gid = cfg.group_id
+            spans.append(0)
+            spans.append(0)
             blocks: list = tables[gid]     # (untyped: the block ID objects go into the job)
             tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
             if not self.alloc_all_groups:          # (else every table is in already)
@@ -1425,6 +1576,7 @@ class OffloadScheduler:
                 # hash indices and blocks are slices, added at once
                 cend = min(end, len(gkeys))
                 if start < cend:
+                    spans[-2], spans[-1] = start, cend - start
                     gids.extend([gid] * (cend - start))
                     cidx.extend(self._ints(start, cend))
                     hidx.extend(self._hash_indices(cfg.hashes_per_chunk, start, cend))
@@ -1439,7 +1591,7 @@ class OffloadScheduler:
                         bpos.extend(self._ints(shift + (start + 1) * bpc, shift + k * bpc + 1, bpc))
                     bpos.extend([shift + n_gpu] * (cend - k))
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
-        self.tier.prepare_load(keys, st)
+        self.tier.prepare_load(keys, st, spans)
         job.ckeys = keys
         # (the keys are distinct; only the evictable list's complete_load depends on their order:
         # the one of vLLM's set of them, tuple_set_order)
@@ -1654,12 +1806,16 @@ class OffloadScheduler:
             new_keys: list = []
             ns = [self.storable_chunks(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
             # per group: where its keys start in new_keys when they are all of its chunks
-            # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1
+            # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1;
+            # and (spans, for the tier) the chunk index they start from and how many there are
             whole: list[int] = []
+            spans: list[int] = []
             cow = self.cow_groups
             for cfg, gs, n in zip(cfgs, groups, ns):
                 start = gs.next_stored
                 whole.append(-1)
+                spans.append(start)
+                spans.append(0)
                 if n <= start or cfg.group_id in cow:
                     continue
                 # the chunks' keys gs.keys[start:n] and their last blocks
@@ -1695,10 +1851,11 @@ class OffloadScheduler:
                                 new_keys.append(gkeys[start + i])
                 if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
                     whole[-1] = k0
+                spans[-1] = len(new_keys) - k0
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
-            to_store = tier.prepare_store(new_keys, st)
+            to_store = tier.prepare_store(new_keys, st, spans)
             if to_store is None:
                 continue
             if not to_store:

@@ -134,6 +134,119 @@ def test_ranked_tier_evicts_the_lowest_evictable_chunks():
     assert sum(_random_tier_run(seed, rr, 600, 7) for seed in range(20) for rr in (False, True))
 
 
+def test_ranked_tier_by_index_is_the_position_map():
+    """RankedCPUTier goes by chunk index (0.33.0: the callers give each key's group and chunk
+    index, ``spans``; the tier keeps access marks by index) instead of a dict of every key's
+    position; it must rank, evict and re-rank at finish exactly as the dict of positions does
+    (the same tier given no spans: its dict mode, the one before chunk indices). Random stores
+    (with chunks of a span left out), loads, completions and finishes, over groups of other
+    chunk sizes and group ids out of index order, with key lists that grow, and the rare cases
+    that leave the index mode: a key met twice (in one group or two), a store whose key comes
+    without its index (a boundary store; sometimes a key of no list), another request state."""
+    import random
+    from types import SimpleNamespace as NS
+    from simsched.offload import RankedCPUTier
+
+    reasons = {"fast": 0, "dup": 0, "nospans": 0, "state": 0}
+    for seed in range(200):
+        rng = random.Random(seed)
+        tpcs = rng.choice([(16, 16, 16), (16, 32, 16), (32, 16, 48), (16,)])
+        ids = rng.sample(range(len(tpcs)), len(tpcs))
+        cfgs = [NS(group_id=g, tokens_per_chunk=t) for g, t in zip(ids, tpcs)]
+        by_index, by_dict = RankedCPUTier(10, True, cfgs), RankedCPUTier(10, True, cfgs)
+        sts, serial = {}, [0]
+
+        def grow(st, n):
+            for gs, cfg in zip(st.groups, cfgs):
+                for _ in range(n):
+                    if gs.keys and rng.random() < 0.04:      # a key met twice
+                        k = rng.choice(gs.keys)
+                        gs.keys.append(k if rng.random() < 0.5 else make_key(cfg.group_id, k))
+                    elif rng.random() < 0.05 and len(st.groups) > 1:     # ... in two groups
+                        gs.keys.append(rng.choice(rng.choice(st.groups).keys or [0]))
+                    else:
+                        serial[0] += 1
+                        gs.keys.append(make_key(cfg.group_id, 10 ** 19 + serial[0]))
+
+        def new_state(rid, old=None):
+            st = NS(req=NS(rid=rid), groups=[NS(keys=list(g.keys) if old else [])
+                                             for g in (old.groups if old else cfgs)])
+            grow(st, rng.randint(1, 4))
+            return st
+
+        for r in range(3):
+            sts[f"r{r}"] = new_state(f"r{r}")
+        writing, loading = [], []
+        for _ in range(80):
+            rid = rng.choice(sorted(sts))
+            st = sts[rid]
+            op = rng.randrange(9)
+            if op <= 2:
+                keys, spans = [], []
+                for gs in st.groups:
+                    start = rng.randint(0, len(gs.keys))
+                    sub = [k for k in gs.keys[start:start + rng.randint(0, 4)]
+                           if rng.random() < 0.8]
+                    keys += sub
+                    spans += [start, len(sub)]
+                if not keys:
+                    continue
+                a = by_index.req_state.get(rid)
+                was = a is not None and a.seen is not None
+                moved = a is not None and a.st is not st
+                got = by_index.prepare_store(keys, st, spans)
+                if was:
+                    reasons["state" if moved else "fast" if a.seen is not None else "dup"] += 1
+                assert by_dict.prepare_store(keys, st) == got
+                if got:
+                    writing.append(got)
+            elif op == 3 and rng.random() < 0.3:
+                gs = rng.choice(st.groups)
+                key = rng.choice(gs.keys) if rng.random() < 0.8 else make_key(0, serial[0] + 7)
+                a = by_index.req_state.get(rid)
+                reasons["nospans"] += a is not None and a.seen is not None
+                got = by_index.prepare_store([key], st)
+                assert by_dict.prepare_store([key], st) == got
+                if got:
+                    writing.append(got)
+            elif op == 4 and writing:
+                done = writing.pop(rng.randrange(len(writing)))
+                by_index.complete_store(done, {})
+                by_dict.complete_store(done, {})
+            elif op == 5:
+                keys, spans = [], []
+                for gs in st.groups:
+                    start = rng.randint(0, len(gs.keys))
+                    sub = [k for k in gs.keys[start:start + rng.randint(0, 3)]
+                           if by_dict.is_ready(k)]
+                    if len(set(sub)) < len(sub):
+                        sub = []
+                    keys += sub
+                    spans += [start, len(sub)]
+                if keys and len(set(keys)) == len(keys):
+                    by_index.prepare_load(keys, st, spans)
+                    by_dict.prepare_load(keys, st)
+                    loading.append(keys)
+            elif op == 6 and loading:
+                done = loading.pop(rng.randrange(len(loading)))
+                by_index.complete_load(done)
+                by_dict.complete_load(done)
+            elif op == 7:
+                if rng.random() < 0.3:
+                    sts[rid] = new_state(rid, st)           # another request state
+                else:
+                    grow(st, rng.randint(1, 3))
+            else:
+                by_index.on_request_finished(st)
+                by_dict.on_request_finished(st)
+                sts[rid] = new_state(rid)                   # (a new request, same ID)
+            ranks = [{k: t.rank[s] for k, s in t.entries.items()} for t in (by_index, by_dict)]
+            assert ranks[0] == ranks[1]
+            assert (by_index.next_rank, by_index.evictions) == (by_dict.next_rank,
+                                                                by_dict.evictions)
+    assert min(reasons.values()) > 15, reasons
+
+
 def test_list_tier_evicts_as_the_evictable_list():
     """ListCPUTier (0.25.1-0.30.0's evictable list kept as stamps, touches and store completions
     applied when an eviction needs them) evicts exactly what the OrderedDict evictable list
