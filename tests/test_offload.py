@@ -8,13 +8,13 @@ def test_cpu_tier_states_and_lru():
     assert t.prepare_store([a, b]) == [a, b]
     assert t.lookup(a) == HIT_PENDING
     assert t.prepare_store([c]) is None            # nothing evictable while being written
-    t.complete_store([a, b], {})
+    t.complete_store([a, b], [None, None])
     assert t.lookup(a) == HIT
     t.touch([a])
     assert t.prepare_store([c]) == [c]             # evicts b, the least recently used
     assert t.lookup(b) == MISS and t.lookup(a) == HIT
     t.prepare_load([a])
-    t.complete_store([c], {})
+    t.complete_store([c], [None])
     assert t.prepare_store([d]) == [d]             # a is being loaded: c goes
     assert t.lookup(c) == MISS
 
@@ -107,7 +107,8 @@ def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60, compact: i
             assert got == new
             writing.append(new)
         elif op == 2 and writing:
-            tier.complete_store(writing.pop(rng.randrange(len(writing))), {})
+            done = writing.pop(rng.randrange(len(writing)))
+            tier.complete_store(done, [None] * len(done))
         elif op == 3:
             ready = [k for g in st.groups for k in g.keys if tier.is_ready(k)]
             if ready:
@@ -168,8 +169,8 @@ def test_list_tier_evicts_as_the_evictable_list():
                     writing.append(got)
             elif op == 2 and writing:
                 done = writing.pop(rng.randrange(len(writing)))
-                ref.complete_store(tuple_set_order(done), {})
-                tier.complete_store(done, {})
+                ref.complete_store(done, [None] * len(done))
+                tier.complete_store(done, [None] * len(done))
             elif op == 3:
                 ready = [k for k in keys if ref.is_ready(k)]
                 if ready:
@@ -220,7 +221,8 @@ def test_load_job_chunks_match_a_per_chunk_walk():
         gs = st.groups[0]
         keys, tpc = gs.keys, off.cfgs[0].tokens_per_chunk
         tier = off.tier
-        tier.complete_store(tier.prepare_store(keys), {})
+        got = tier.prepare_store(keys)
+        tier.complete_store(got, [None] * len(got))
         num_local = rng.randint(0, req.num_tokens - 1)
         num_external = rng.randint(1, req.num_tokens - num_local)
         num_cached = num_local + num_external
@@ -264,4 +266,4 @@ def test_prepare_store_returns_the_key_objects_given():
         for keys in (st.groups[1].keys[:3], st.groups[1].keys[1:5]):
             got = tier.prepare_store(keys, st)
             assert got and all(any(k is x for x in keys) for k in got)
-            tier.complete_store(got, {})
+            tier.complete_store(got, [None] * len(got))
