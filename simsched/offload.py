@@ -920,21 +920,31 @@ class ReqOffload:
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
 
 
-def tuple_set_order(keys) -> list[Key]:
+def tuple_set_order(keys: list, gids: list[int] | None = None) -> list[Key]:
     """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
     the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
     order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
     (each completed chunk joins its MRU end). vLLM's set holds bytes keys, whose hashes vary per
     process; the model fixed that order as the one of the pair tuples (the representation of keys
     before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
-    2**63: see allocator.make_key; they are not taken apart.)"""
+    2**63: see allocator.make_key; they are not taken apart.) ``gids``: the keys' group ids, when
+    known (a job's: Job.gids), else taken from the keys."""
     pairs: set[tuple[int, Key]] = set()     # (typed: taken apart with no iterator each)
-    for k in keys:
-        if k < _GROUP0_END:
-            pairs.add((0, k))
+    last, base = 0, make_key(0, 0)      # the last group met and its base (groups come in runs)
+    for x in range(len(keys)):
+        k = keys[x]
+        if gids is not None:
+            g = gids[x]
+        elif k < _GROUP0_END:
+            g = 0
         else:
             g = key_group(k)
-            pairs.add((g, k - make_key(g, 0)))      # (key_ident(k), without a second walk)
+        if not g:
+            pairs.add((0, k))
+        else:
+            if g != last:
+                last, base = g, make_key(g, 0)
+            pairs.add((g, k - base))            # (key_ident(k), without a second walk)
     return [make_key(g, h) if g else h for g, h in pairs]
 
 
@@ -1456,7 +1466,7 @@ class OffloadScheduler:
         job.ckeys = keys
         # (the keys are distinct; only the evictable list's complete_load depends on their order:
         # the one of vLLM's set of them, tuple_set_order)
-        job.keys = tuple_set_order(keys) if self.tier.evictable_list else keys
+        job.keys = tuple_set_order(keys, gids) if self.tier.evictable_list else keys
         self._new_job(job)
         if self.asserts and st.jobs:
             raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
