@@ -335,7 +335,7 @@ class Model:
             end = (hidx[x] + 1) * tph
             lo, hi = bpos[x], bpos[x + 1]
             content = shadow.read_chunk(bids, lo, hi)
-            contents[key] = content
+            contents.append(content)
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
             # block holds (gid, its end, ident there), the last one ending at the key's end,
             # whose identity is key_ident(key)); anything else goes to check_stored_chunk, which

@@ -167,17 +167,27 @@ class CPUTier:
             self._add(k, 0)
         return to_store
 
-    def complete_store(self, keys, contents: dict) -> None:
+    def complete_store(self, keys: list, contents: list) -> None:
+        """A store job's chunks ``keys`` are ready, holding ``contents[i]`` for ``keys[i]``
+        (lists in the job's chunk order, Job.ckeys and Job.contents: a list, not a dict, as the
+        worker reads them in that order). With the evictable list, those evictable now join its
+        MRU end in the order of vLLM's set of the job's keys (tuple_set_order)."""
         self.version += 1
         self.content_version += 1
-        entries, ready = self.entries, self.ready
-        for k in keys:
-            s = entries.get(k)
+        entries, ready, content = self.entries, self.ready, self.content
+        for x in range(len(keys)):
+            s = entries.get(keys[x])
             if s is not None and not ready[s]:
                 ready[s] = True
-                self.content[s] = contents.get(k)
-                if self.evictable_list and not self.refs[s]:
-                    self.lru[k] = s             # evictable now: the MRU end
+                content[s] = contents[x]
+        if self.evictable_list:
+            # the ready, unreferenced ones: those that just became so and those already in the
+            # list (assigned again: an OrderedDict keeps their place)
+            refs, lru = self.refs, self.lru
+            for k in tuple_set_order(keys):
+                s = entries.get(k)
+                if s is not None and ready[s] and not refs[s]:
+                    lru[k] = s
 
     def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
         self.version += 1
@@ -796,15 +806,16 @@ class RankedCPUTier(CPUTier):
                     flat.append(keys[w][c])
         return flat
 
-    def complete_store(self, keys, contents: dict) -> None:
+    def complete_store(self, keys: list, contents: list) -> None:
         self.version += 1
         self.content_version += 1
         entries, queued, ready = self.entries, self.queued, self.ready
-        for k in keys:
+        for x in range(len(keys)):
+            k = keys[x]
             s = entries.get(k)
             if s is not None and not ready[s]:
                 ready[s] = True
-                self.content[s] = contents.get(k)
+                self.content[s] = contents[x]
                 if queued and not self.refs[s]:
                     self._push(self.rank[s], k)       # evictable now
 
@@ -923,20 +934,21 @@ class ListCPUTier(CPUTier):
             self.lazy = False
         return super().prepare_store(keys, st)
 
-    def complete_store(self, keys, contents: dict) -> None:
+    def complete_store(self, keys: list, contents: list) -> None:
         """``keys``: the job's keys as listed; they join in the order of their set."""
         if not self.lazy:
-            super().complete_store(tuple_set_order(keys), contents)
+            super().complete_store(keys, contents)
             return
         self.version += 1
         self.content_version += 1
         entries, ready = self.entries, self.ready
         t: object = self.clock                  # (boxed once for all the keys)
-        for k in keys:
+        for x in range(len(keys)):
+            k = keys[x]
             s = entries.get(k)
             if s is not None and not ready[s]:
                 ready[s] = True
-                self.content[s] = contents.get(k)
+                self.content[s] = contents[x]
                 if not self.refs[s]:
                     self.rank[s] = t            # evictable now: placed when the log is applied
         self.log.append((keys, -1, len(keys), t))
@@ -1056,21 +1068,31 @@ class ReqOffload:
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
 
 
-def tuple_set_order(keys) -> list[Key]:
+def tuple_set_order(keys: list, gids: list[int] | None = None) -> list[Key]:
     """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
     the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
     order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
     (each completed chunk joins its MRU end). vLLM's set holds bytes keys, whose hashes vary per
     process; the model fixed that order as the one of the pair tuples (the representation of keys
     before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
-    2**63: see allocator.make_key; they are not taken apart.)"""
+    2**63: see allocator.make_key; they are not taken apart.) ``gids``: the keys' group ids, when
+    known (a job's: Job.gids), else taken from the keys."""
     pairs: set[tuple[int, Key]] = set()     # (typed: taken apart with no iterator each)
-    for k in keys:
-        if k < _GROUP0_END:
-            pairs.add((0, k))
+    last, base = 0, make_key(0, 0)      # the last group met and its base (groups come in runs)
+    for x in range(len(keys)):
+        k = keys[x]
+        if gids is not None:
+            g = gids[x]
+        elif k < _GROUP0_END:
+            g = 0
         else:
             g = key_group(k)
-            pairs.add((g, k - make_key(g, 0)))      # (key_ident(k), without a second walk)
+        if not g:
+            pairs.add((0, k))
+        else:
+            if g != last:
+                last, base = g, make_key(g, 0)
+            pairs.add((g, k - base))            # (key_ident(k), without a second walk)
     return [make_key(g, h) if g else h for g, h in pairs]
 
 
@@ -1080,8 +1102,9 @@ class Job:
     the request's block hash ``hidx[x]``; its blocks (a store's sources, a load's destinations)
     are ``bids[bpos[x]:bpos[x + 1]]``, at the block indices ``bidx[bpos[x]:bpos[x + 1]]`` of the
     request's table. :meth:`chunks` gives them as ``(group_id, chunk_idx, hash_idx, key,
-    [(block_index, block_id)])`` tuples. ``keys``: the keys the tier completes (a set, or a list
-    in the order it walks them). A store's fences (``_block_id_to_pending_jobs``): ``fenced``,
+    [(block_index, block_id)])`` tuples. ``keys``: a load's keys as the tier completes them (a
+    set, or a list in the order it walks them); a store's, its chunks' keys (``ckeys`` lists
+    them, in chunk order, with ``contents``: the tier completes those). A store's fences (``_block_id_to_pending_jobs``): ``fenced``,
     the blocks fenced at once (None if none); ``deferred``, whether its other source blocks are
     fenced once its request finishes (OffloadScheduler._deferred lists them)."""
 
@@ -1101,7 +1124,7 @@ class Job:
         self.fenced = fenced
         self.deferred = deferred
         self.read = False            # a store has read its source blocks
-        self.contents: dict = {}
+        self.contents: list = []       # a store's chunk contents, in chunk order, once read
         self.done = False
 
     def add_chunk(self, gid: int, c: int, hidx: int, key: Key, blocks) -> None:
@@ -1595,7 +1618,7 @@ class OffloadScheduler:
         job.ckeys = keys
         # (the keys are distinct; only the evictable list's complete_load depends on their order:
         # the one of vLLM's set of them, tuple_set_order)
-        job.keys = tuple_set_order(keys) if self.tier.evictable_list else keys
+        job.keys = tuple_set_order(keys, gids) if self.tier.evictable_list else keys
         self._new_job(job)
         if self.asserts and st.jobs:
             raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
@@ -2009,7 +2032,7 @@ class OffloadScheduler:
         job = self.jobs.pop(jid)
         st = self.req_status[job.rid]
         if job.is_store:
-            self.tier.complete_store(job.keys, job.contents)
+            self.tier.complete_store(job.ckeys, job.contents)
         else:
             self.tier.complete_load(job.keys)
             if self.being_loaded:

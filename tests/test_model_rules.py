@@ -152,7 +152,7 @@ def _tier_evicts(request_ranks: bool, finish_first: bool) -> list[int]:
     b = NS(req=NS(rid="b"), groups=[NS(keys=keys_b)])
     tier = RankedCPUTier(4, request_ranks, cfgs)
     assert tier.prepare_store(keys_a, a) == keys_a
-    tier.complete_store(keys_a, {})
+    tier.complete_store(keys_a, [None] * len(keys_a))
     if finish_first:
         tier.on_request_finished(a)
     assert tier.prepare_store(keys_b, b) == keys_b

@@ -8,13 +8,13 @@ def test_cpu_tier_states_and_lru():
     assert t.prepare_store([a, b]) == [a, b]
     assert t.lookup(a) == HIT_PENDING
     assert t.prepare_store([c]) is None            # nothing evictable while being written
-    t.complete_store([a, b], {})
+    t.complete_store([a, b], [None, None])
     assert t.lookup(a) == HIT
     t.touch([a])
     assert t.prepare_store([c]) == [c]             # evicts b, the least recently used
     assert t.lookup(b) == MISS and t.lookup(a) == HIT
     t.prepare_load([a])
-    t.complete_store([c], {})
+    t.complete_store([c], [None])
     assert t.prepare_store([d]) == [d]             # a is being loaded: c goes
     assert t.lookup(c) == MISS
 
@@ -107,7 +107,8 @@ def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60, compact: i
             assert got == new
             writing.append(new)
         elif op == 2 and writing:
-            tier.complete_store(writing.pop(rng.randrange(len(writing))), {})
+            done = writing.pop(rng.randrange(len(writing)))
+            tier.complete_store(done, [None] * len(done))
         elif op == 3:
             ready = [k for g in st.groups for k in g.keys if tier.is_ready(k)]
             if ready:
@@ -211,8 +212,8 @@ def test_ranked_tier_by_index_is_the_position_map():
                     writing.append(got)
             elif op == 4 and writing:
                 done = writing.pop(rng.randrange(len(writing)))
-                by_index.complete_store(done, {})
-                by_dict.complete_store(done, {})
+                by_index.complete_store(done, [None] * len(done))
+                by_dict.complete_store(done, [None] * len(done))
             elif op == 5:
                 keys, spans = [], []
                 for gs in st.groups:
@@ -281,8 +282,8 @@ def test_list_tier_evicts_as_the_evictable_list():
                     writing.append(got)
             elif op == 2 and writing:
                 done = writing.pop(rng.randrange(len(writing)))
-                ref.complete_store(tuple_set_order(done), {})
-                tier.complete_store(done, {})
+                ref.complete_store(done, [None] * len(done))
+                tier.complete_store(done, [None] * len(done))
             elif op == 3:
                 ready = [k for k in keys if ref.is_ready(k)]
                 if ready:
@@ -333,7 +334,8 @@ def test_load_job_chunks_match_a_per_chunk_walk():
         gs = st.groups[0]
         keys, tpc = gs.keys, off.cfgs[0].tokens_per_chunk
         tier = off.tier
-        tier.complete_store(tier.prepare_store(keys), {})
+        got = tier.prepare_store(keys)
+        tier.complete_store(got, [None] * len(got))
         num_local = rng.randint(0, req.num_tokens - 1)
         num_external = rng.randint(1, req.num_tokens - num_local)
         num_cached = num_local + num_external
@@ -377,4 +379,20 @@ def test_prepare_store_returns_the_key_objects_given():
         for keys in (st.groups[1].keys[:3], st.groups[1].keys[1:5]):
             got = tier.prepare_store(keys, st)
             assert got and all(any(k is x for x in keys) for k in got)
-            tier.complete_store(got, {})
+            tier.complete_store(got, [None] * len(got))
+
+
+def test_tuple_set_order_with_group_ids():
+    """tuple_set_order given the keys' group ids (a job's) orders them as taking the groups from
+    the keys does, and as the set of their (group_id, ident) tuples iterates."""
+    import random
+    from simsched.allocator import key_group, key_ident
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        groups = sorted(rng.choices(range(4), k=rng.randrange(30)))
+        pairs = [(g, rng.randrange(-2 ** 63, 2 ** 63)) for g in groups]
+        keys = [make_key(g, h) for g, h in pairs]
+        gids = [key_group(k) for k in keys]
+        want = [make_key(g, h) for g, h in set((key_group(k), key_ident(k)) for k in keys)]
+        assert tuple_set_order(keys, gids) == tuple_set_order(keys) == want
