@@ -768,7 +768,8 @@ class RankedCPUTier(CPUTier):
         entries, rank, queued = self.entries, self.rank, self.queued
         fr, fk = self.fresh_rank, self.fresh_key
         nr = self.next_rank
-        for k in reversed(flat):
+        for i in range(len(flat) - 1, -1, -1):     # tail first (mypyc 2.4 cannot compile
+            k = flat[i]                                # a loop over reversed() of this list)
             s = entries.get(k)
             if s is not None:
                 nr += 1
