@@ -1037,6 +1037,7 @@ class AsyncRun:
             table.clear()
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
+        req.leads = [0] * len(req.tables)
         if blocks:
             self.deferred.append((self.sched_seq, blocks))
 
