@@ -110,7 +110,7 @@ class Request:
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
                  "fast_blocks", "key_lists", "prefix_of", "prefix_units",
                  "key_tags",
-                 "hit_blocks")
+                 "hit_blocks", "leads")
 
     def __init__(self, rid: str, index: int, spec, prompt: Sequence[int], max_tokens: int,
                  unit: int, num_groups: int, prefix_of: Request | None = None,
@@ -137,6 +137,10 @@ class Request:
         self.finish_step: int | None = None
         self.num_cached_blocks = [0] * num_groups   # blocks already offered to the prefix cache
         self.quiet_until = -1      # see KVCacheManager.quiet_bound
+        # per group, a count of leading null blocks of its table found by quiet_bound: a table
+        # only grows at its end and only turns blocks null, so its leading nulls stay until it
+        # is cleared (KVCacheManager.free, Model.defer_free reset the counts)
+        self.leads = [0] * num_groups
         self.fast_until = -1       # the model's quiet-decode bound (Model._fast_bound)
         self.fast_blocks: list[tuple[int, int]] = []   # see Model._fast_bound
         # see keys(): the key lists made so far, one per (group, stride), that of key_tags[i]
@@ -920,7 +924,7 @@ class KVCacheManager:
         make the real bound larger, so a stale bound is safe; ``free``/``apply_hit`` reset it."""
         bound = -1
         unset = True        # no bound yet (1 << 62, past the compiled build's native ints)
-        tables, done = req.tables, req.num_cached_blocks
+        tables, done, leads = req.tables, req.num_cached_blocks, req.leads
         for r in self.rules:
             table = tables[r.gid]
             have, bs, code = len(table), r.bs, r.code
@@ -933,9 +937,10 @@ class KVCacheManager:
                 bound = b
                 unset = False
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                lead = 0                               # the index of the first real block
+                lead = leads[r.gid]                    # the index of the first real block
                 while lead < have and table[lead] == NULL:
                     lead += 1
+                leads[r.gid] = lead
                 if lead < have:
                     m = (lead + 1) * bs                # skipped_tokens(c) < m
                     if code == SLIDING:
@@ -958,6 +963,7 @@ class KVCacheManager:
         """Free every block of ``req``, tail first."""
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
+        req.leads = [0] * len(req.tables)
         if self.align_rules:
             self.forget(req)
         for table in req.tables:

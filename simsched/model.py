@@ -71,8 +71,13 @@ class RunResult:
         return "\n".join(self.trace) + "\n"
 
 
-def _token(seed: int, index: int, pos: int) -> int:
-    return (seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB
+# every token id as an int object, made once: a sampled token is one of them (Any: the compiled
+# build returns and appends it as is, instead of boxing a new int object per sampled token)
+_TOKENS: Final[list[Any]] = list(range(VOCAB))
+
+
+def _token(seed: int, index: int, pos: int) -> Any:
+    return _TOKENS[(seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB]
 
 
 class Model:
@@ -1032,6 +1037,7 @@ class AsyncRun:
             table.clear()
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
+        req.leads = [0] * len(req.tables)
         if blocks:
             self.deferred.append((self.sched_seq, blocks))
 

@@ -352,3 +352,36 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                         chain.append(b)
                         b = pool.later[b]
                     assert chain == ref.map.get(k, [])
+
+
+def test_quiet_bound_with_remembered_leading_nulls_matches_a_fresh_scan():
+    """quiet_bound starts its scan for a table's leading nulls where the last scan ended
+    (Request.leads, reset when the tables are freed): random prefill chunks, decode steps,
+    frees and re-admissions give the bound and the counts a scan from the start gives."""
+    import random
+    kinds = [Group("full", 16), Group("sliding_window", 16, sliding_window=32),
+             Group("chunked_local", 16, attention_chunk_size=64),
+             Group("mamba", 16, mamba_cache_mode="align")]
+    for seed in range(30):
+        rng = random.Random(seed)
+        groups = [kinds[0]] + rng.sample(kinds[1:], rng.randint(1, 3))
+        kv = mgr(groups, n=4096)
+        r = req(rng.randint(40, 400), groups=len(groups), seed=seed)
+        r.max_tokens = 10**6
+        for _ in range(150):
+            if rng.random() < 0.05:
+                kv.free(r)
+                r.num_computed = 0
+                continue
+            c = r.num_computed
+            n = 1 if c + 1 >= r.num_tokens else rng.randint(1, r.num_tokens - c)
+            assert kv.allocate(r, n, cache_upto=c + n) is not None
+            got, leads = r.quiet_until, list(r.leads)
+            r.leads = [0] * len(groups)
+            assert kv.quiet_bound(r) == got
+            assert r.leads == leads
+            for t, lead in zip(r.tables, leads):
+                assert lead <= len(t) and all(b == NULL for b in t[:lead])
+            r.num_computed = c + n
+            if r.num_computed == r.num_tokens:
+                r.append_tokens([rng.randrange(1000)])
