@@ -701,6 +701,8 @@ class RankedCPUTier(CPUTier):
         if self._by_index(a, st, spans):
             assert spans is not None
             groups, marks, group = st.groups, a.marks, self.group
+            # (prepare_store's walk of the spans, kept inline in both: as one method giving
+            # each key's chunk index it cost 2.3 M more instructions per 64-request run)
             klist: list = keys          # (a list here: read without generic lookups)
             p = 0
             for gi in range(len(group)):
