@@ -88,6 +88,17 @@ def flat(content):
     return tuple(x for s in content for x in (s if s is not None else (None, None, None)))
 
 
+def pick_blocks(rng, req, n_groups, bpc):
+    """A random group of ``req`` and a run of at most ``bpc`` blocks of its table: (group, table,
+    lo, hi), or None if the group's table is empty."""
+    g = rng.randrange(n_groups)
+    table = req.tables[g]
+    if not table:
+        return None
+    lo = rng.randrange(len(table))
+    return g, table, lo, rng.randint(lo + 1, min(len(table), lo + bpc))
+
+
 def test_shadow_matches_tuple_reference():
     rng = random.Random(7)
     for trial in range(300):
@@ -119,12 +130,10 @@ def test_shadow_matches_tuple_reference():
                 assert all(isinstance(b, int) for b in want)
             elif op < 0.8 or not stored:
                 # a store of one chunk of group g: its blocks, its key, read and checked
-                g = rng.randrange(len(rules))
-                table = req.tables[g]
-                if not table:
+                picked = pick_blocks(rng, req, len(rules), bpc)
+                if picked is None:
                     continue
-                lo = rng.randrange(len(table))
-                hi = rng.randint(lo + 1, min(len(table), lo + bpc))
+                g, table, lo, hi = picked
                 hidx = rng.choice([hi - 1, rng.randrange(len(table) + 2)])
                 ident = req.ident_at((hidx + 1) * bs)
                 key = make_key(g, ident) if ident is not None and rng.random() < 0.9 else 12345
@@ -141,12 +150,10 @@ def test_shadow_matches_tuple_reference():
             else:
                 # a load of a stored chunk into some blocks of the request, then INV-5
                 c, content = rng.choice(stored)
-                g = rng.randrange(len(rules))
-                table = req.tables[g]
-                if not table:
+                picked = pick_blocks(rng, req, len(rules), bpc)
+                if picked is None:
                     continue
-                lo = rng.randrange(len(table))
-                hi = rng.randint(lo + 1, min(len(table), lo + bpc))
+                g, table, lo, hi = picked
                 idx = list(range(lo, hi))
                 bids = table[lo:hi]
                 sh.write_chunk(idx, bids, 0, len(bids), c)
