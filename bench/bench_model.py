@@ -12,7 +12,10 @@ run, the model in fast mode and the bare real Scheduler + KVCacheManager + Offlo
 each release on the same workload (release worker op ``run_case`` with ``bare=True``: the
 scheduler loop only, no trace, shadow or checks; boot and request construction excluded; the
 start-up heap frozen as EngineCore freezes it, and so is this process's),
-alternating one model run and one real run N times; CPU-time medians and their ratio.
+alternating one model run and one real run N times; CPU-time medians and their ratio. The model
+is timed as the real side is: its event loop (``Model.run``) only, the model built before the
+clock starts and released after it stops (:func:`model_loop`); the whole ``run_case`` (building
+the model, the run, freeing it) is timed too and shown beside it.
 
 The model runs compiled when the checkout was installed with ``pip install -e .`` (mypyc, see
 ``setup.py``); ``SIMSCHED_PURE=1`` in the environment runs its Python source instead. The first
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simsched import compiled  # noqa: E402
 from simsched.case import Case  # noqa: E402
-from simsched.model import run_case  # noqa: E402
+from simsched.model import Model, collector_paused, resolve_profile, run_case  # noqa: E402
 
 #: the real Scheduler's steps/s on the 64-request workload per the reference notes (the x real
 #: column of the model-only table); ``--real`` measures it side by side instead
@@ -74,6 +77,21 @@ def measure(case: Case, checks: str, trace: bool, runs: int = 5):
 MODES = (("fast", False), ("fast", True), ("full", True))
 
 
+def model_loop(case: Case, profile: str) -> tuple[dict, float]:
+    """The model's counterpart of the real side's ``loop_cpu``: CPU seconds of ``Model.run``
+    alone in fast mode (the model and its requests' specs built before the clock starts, its
+    objects freed after it stops, as the bare real run builds its Scheduler and Request objects
+    before its loop and frees them after), with the collector paused as ``run_case`` pauses
+    it. Returns the counters and the seconds; the run must be clean."""
+    with collector_paused():
+        model = Model(case, resolve_profile(profile), checks="fast", trace=False)
+        c0 = time.process_time()
+        model.run()
+        cpu = time.process_time() - c0
+        model.release()
+    return model.counters, cpu
+
+
 def model_build() -> str:
     """Which model ran: the modules compiled at install, or their Python source."""
     return "model compiled (mypyc)" if compiled() else "model pure Python"
@@ -87,9 +105,10 @@ def side_by_side(versions: list[str], sizes: list[int], runs: int) -> None:
     print(f"Median of {runs} alternating runs per row (model in fast mode: checks=fast, "
           f"trace off; {model_build()}; real: bare Scheduler loop in the release worker).\n")
     print("| release | requests | model steps | real steps | real stores / loads / preemptions |"
-          " model steps/s (CPU) | real steps/s (CPU) | real steps/s (wall) | model / real "
-          "(ratio of medians) | model / real (median of per-run ratios) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " model steps/s (CPU, loop) | model steps/s (CPU, whole run_case) | real steps/s (CPU)"
+          " | real steps/s (wall) | model / real (ratio of medians) | model / real (median of "
+          "per-run ratios) | whole run_case / real (median of per-run ratios) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     # both sides run with their start-up heaps frozen, as vLLM's EngineCore serves
     # (``freeze_gc_heap`` once the engine is built; the worker's bare run does the same)
     gc.collect()
@@ -102,26 +121,32 @@ def side_by_side(versions: list[str], sizes: list[int], runs: int) -> None:
                 worker = pool.worker(v, case.asserts)
                 worker.call("run_case", timeout=600, case=case.to_json(), bare=True)  # warm-up
                 run_case(case, prof, checks="fast", trace=False)
-                m_cpu, r_cpu, r_wall, ratios = [], [], [], []
+                m_cpu, w_cpu, r_cpu, r_wall, ratios, w_ratios = [], [], [], [], [], []
                 for _ in range(runs):
+                    counters, mc = model_loop(case, prof)
                     c0 = time.process_time()
                     m = run_case(case, prof, checks="fast", trace=False)
-                    mc = time.process_time() - c0
+                    wc = time.process_time() - c0
                     assert m.ok, m.findings
+                    assert counters["steps"] == m.counters["steps"], (counters, m.counters)
                     r = worker.call("run_case", timeout=600, case=case.to_json(), bare=True)
                     if r.get("status") != "ok":
                         raise SystemExit(f"{v}: real run {r.get('status')}: {r}")
-                    ms, rs = m.counters["steps"] / mc, r["counters"]["steps"] / r["loop_cpu"]
-                    m_cpu.append(ms)
+                    steps = m.counters["steps"]
+                    rs = r["counters"]["steps"] / r["loop_cpu"]
+                    m_cpu.append(steps / mc)
+                    w_cpu.append(steps / wc)
                     r_cpu.append(rs)
                     r_wall.append(r["counters"]["steps"] / r["loop_wall"])
-                    ratios.append(ms / rs)
+                    ratios.append(steps / mc / rs)
+                    w_ratios.append(steps / wc / rs)
                 rc = r["counters"]
                 mm, rm = statistics.median(m_cpu), statistics.median(r_cpu)
                 print(f"| {v} | {n} | {m.counters['steps']} | {rc['steps']} | {rc['stores']} / "
-                      f"{rc['loads']} / {rc['preemptions']} | {mm:,.0f} | {rm:,.0f} | "
+                      f"{rc['loads']} / {rc['preemptions']} | {mm:,.0f} | "
+                      f"{statistics.median(w_cpu):,.0f} | {rm:,.0f} | "
                       f"{statistics.median(r_wall):,.0f} | {mm / rm:.1f} | "
-                      f"{statistics.median(ratios):.1f} |")
+                      f"{statistics.median(ratios):.1f} | {statistics.median(w_ratios):.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,8 +27,9 @@ import gc
 import math
 import sys
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Iterator
 
 from simsched import events as ev
 from simsched import invariants as inv
@@ -1146,16 +1147,23 @@ def run_case(case: Case, profile: Profile | str | None = None, *, checks: str = 
     ``checks="full"`` checks every invariant (INV-1/2 walk the pool every step); ``"fast"``
     skips the O(pool) walk and the INV-9 oracle. ``trace=False`` keeps no trace lines.
 
-    The cyclic garbage collector is paused for the run (and resumed if it was on): a run leaves
-    no cyclic garbage (``Model.release`` breaks the model's own cycles; see
-    ``tests/test_model.py::test_run_leaves_no_cyclic_garbage``), so its automatic collections,
-    one every few hundred container allocations, walked the run's live objects and freed
-    nothing. Reference counting frees everything the run drops, as before.
+    The run pauses the cyclic garbage collector (:func:`collector_paused`).
     """
+    with collector_paused():
+        return _run_case(case, profile, checks, trace)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused, and resumed on exit if it was on, around a run: a
+    run leaves no cyclic garbage (``Model.release`` breaks the model's own cycles; see
+    ``tests/test_model.py::test_run_leaves_no_cyclic_garbage``), so the collector's automatic
+    passes, one every few hundred container allocations, walked the run's live objects and
+    freed nothing. Reference counting frees everything the run drops, as before."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _run_case(case, profile, checks, trace)
+        yield
     finally:
         if enabled:
             gc.enable()
