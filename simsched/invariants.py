@@ -247,9 +247,11 @@ class ReadFences:
 
     def pop(self, jid: int, default: Any = None) -> Any:
         """Job ``jid`` has read its blocks (or never had any): its blocks, else ``default``."""
-        blocks = self.jobs.pop(jid, None)
-        if blocks is None:
+        jobs = self.jobs
+        blocks = jobs.get(jid)          # (get and del: mypyc calls dict.pop with a default as
+        if blocks is None:              # a method, by name)
             return default
+        del jobs[jid]
         count = self.count
         for bo in blocks:
             b: int = bo

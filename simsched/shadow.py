@@ -24,6 +24,10 @@ from typing import Any
 from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
 
 
+# Shadow.nums, shared: the int objects 0, 1, 2, ... (grown by Shadow.num)
+_NUMS: list[Any] = list(range(257))
+
+
 class Shadow:
     def __init__(self, num_blocks: int, blocks_per_chunk: int | None = None):
         # (untyped lists: the fields are stored and compared as the objects they are)
@@ -34,8 +38,9 @@ class Shadow:
         # nums[e] is the int e, one object each (grown on demand by num()): the group ids and
         # ends of slot contents are stored as these objects. (The compiled build makes a new
         # int object each time it puts a native int above 256 in a tuple or a list; see also
-        # allocator.BlockPool.ids.)
-        self.nums: list[Any] = list(range(257))
+        # allocator.BlockPool.ids.) One list for every shadow of the process (_NUMS): the ints
+        # of the ends a run writes are made by the first run that reaches them, not by each run
+        self.nums: list[Any] = _NUMS
 
     def num(self, e: int) -> Any:
         """The int ``e`` (0 <= e), as the one object ``nums[e]``."""
