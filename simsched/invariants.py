@@ -236,9 +236,10 @@ class ReadFences:
 
     def add(self, jid: int, bids: list) -> None:
         """Job ``jid`` reads the blocks ``bids`` (replacing its earlier blocks, as a dict
-        assignment would)."""
+        assignment would). The list is kept as given (not copied): the caller leaves it as it
+        is while the job is fenced (the model gives a store job's ``bids``, complete by then)."""
         self.pop(jid)
-        blocks = list(bids)
+        blocks: list = bids
         self.jobs[jid] = blocks
         count = self.count
         for bo in blocks:

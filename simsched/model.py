@@ -326,7 +326,10 @@ class Model:
             return
         job.read = True
         req = self.reqs[job.rid]
-        shadow, contents = self.shadow, job.contents
+        shadow = self.shadow
+        # the chunks' contents, in chunk order, set by index (no appends)
+        contents: list = [None] * len(job.ckeys)
+        job.contents = contents
         sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
         geo, tpbs, step = self.geo, self.tpbs, self.step_no
         strides = self.key_strides
@@ -392,7 +395,7 @@ class Model:
                                 and g0 == gid and (g2 is idk or g2 == idk)):
                             ok = False
                             break
-            contents.append(content)
+            contents[x] = content
             if ok and key is not idk:
                 # (idk: the last block's identity, that of the prefix [0, end); group 0's keys
                 # are mostly that very object, the others' mostly the group's key for it,

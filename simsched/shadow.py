@@ -92,16 +92,19 @@ class Shadow:
                 # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1] (None when
                 # not known, as ident_at)
                 per = bs // unit
+                k = i0 * per + per - 1          # block i: ident index (i + 1) * per - 1,
+                e = i0 * bs + bs                # end (i + 1) * bs (both stepped)
                 for i in range(i0, full):
                     bo = table[i]
                     b = bo
                     if b != NULL:
-                        k = (i + 1) * per - 1
                         gids[b] = go
-                        ends[b] = nums[(i + 1) * bs]
+                        ends[b] = nums[e]
                         idents[b] = ident[k] if k < nid else None
                         if collect:
                             written.append(bo)
+                    k += per
+                    e += bs
             if last > full and last > i0:        # the partial block holding token end - 1
                 bo = table[last - 1]
                 b = bo
