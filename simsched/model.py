@@ -666,8 +666,10 @@ class Model:
                 acc = [_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
                 if fences.jobs:
-                    written = shadow.write_computed(req, rules, start, end)
-                    self._violation(fences.check(step, written, "request", req.rid))
+                    # (the first written block a pending store reads, if any)
+                    written = shadow.write_computed(req, rules, start, end, True, fenced)
+                    if written:
+                        self._violation(fences.check(step, written, "request", req.rid))
                 else:
                     shadow.write_computed(req, rules, start, end, False)
                 req.num_computed = end - (d - a)
@@ -688,8 +690,10 @@ class Model:
                     self.drafts[req.rid] = self.num_spec
                 continue
             if fences.jobs:
-                written = shadow.write_computed(req, rules, start, end)
-                self._violation(fences.check(step, written, "request", req.rid))
+                # (the first written block a pending store reads, if any)
+                written = shadow.write_computed(req, rules, start, end, True, fenced)
+                if written:
+                    self._violation(fences.check(step, written, "request", req.rid))
             else:
                 shadow.write_computed(req, rules, start, end, False)
             req.num_computed = end

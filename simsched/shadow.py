@@ -55,13 +55,17 @@ class Shadow:
         return None if g is None else (g, self.ends[b], self.idents[b])
 
     def write_computed(self, req: Request, rules: list[GroupRule], start: int,
-                       end: int, collect: bool = True) -> list[int]:
+                       end: int, collect: bool = True,
+                       fenced: list[int] | None = None) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
-        block IDs written (``collect`` False: an empty list, nothing collected)."""
+        block IDs written (``collect`` False: an empty list, nothing collected). ``fenced``: a
+        count per block ID (``ReadFences.count``); given, only the first block written whose
+        count is not 0 is collected (INV-6 names that one: no list of every block written)."""
         gids, ends, idents = self.gids, self.ends, self.idents
         written: list[int] = []
-        eo = self.num(end)              # (nums grows to end: every end written is in it)
         nums = self.nums
+        # (nums grows to end: every end written is in it)
+        eo = nums[end] if end < len(nums) else self.num(end)
         unit, tables = req.unit, req.tables
         ident: list[Any] = req.ident    # (the hashes stay the int objects hash() made)
         nid = len(ident)
@@ -79,7 +83,7 @@ class Shadow:
                 gids[b] = go
                 ends[b] = eo
                 idents[b] = None
-                if collect:
+                if collect and (fenced is None or (fenced[b] and not written)):
                     written.append(bo)
                 continue
             bs = r.bs
@@ -101,7 +105,7 @@ class Shadow:
                         gids[b] = go
                         ends[b] = nums[e]
                         idents[b] = ident[k] if k < nid else None
-                        if collect:
+                        if collect and (fenced is None or (fenced[b] and not written)):
                             written.append(bo)
                     k += per
                     e += bs
@@ -112,7 +116,7 @@ class Shadow:
                     gids[b] = go
                     ends[b] = eo
                     idents[b] = None
-                    if collect:
+                    if collect and (fenced is None or (fenced[b] and not written)):
                         written.append(bo)
         return written
 
