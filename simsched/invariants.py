@@ -244,7 +244,11 @@ class ReadFences:
         count = self.count
         for bo in blocks:
             b: int = bo
-            count[b] = count[b] + 1      # (not +=: a generic in-place add when compiled)
+            c = count[b]
+            if c:
+                count[b] = c + 1        # (not +=: a generic in-place add when compiled)
+            else:
+                count[b] = 1            # (mostly: a literal, stored as the int object it is)
 
     def pop(self, jid: int, default: Any = None) -> Any:
         """Job ``jid`` has read its blocks (or never had any): its blocks, else ``default``."""
@@ -256,7 +260,11 @@ class ReadFences:
         count = self.count
         for bo in blocks:
             b: int = bo
-            count[b] = count[b] - 1
+            c = count[b]
+            if c == 1:
+                count[b] = 0            # (mostly: a literal, as in add)
+            else:
+                count[b] = c - 1
         return blocks
 
     def check(self, step: int, written: list, what: str, who: str
