@@ -340,6 +340,7 @@ class Model:
         gids, cidx, hidx, ckeys, bpos, bidx, bids = job.gids, job.cidx, job.hidx, job.ckeys, \
             job.bpos, job.bidx, job.bids
         last_gid, tpb, stride = -1, 0, 0
+        hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
         gkeys: list = []
         for x in range(len(ckeys)):
             gid = gids[x]
@@ -350,7 +351,7 @@ class Model:
                 gkeys = req.keys(gid, stride) if stride else []
             key = ckeys[x]
             end = (hidx[x] + 1) * tph
-            lo, hi = bpos[x], bpos[x + 1]
+            lo, hi = hi, bpos[x + 1]
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
             # block holds (gid, its end, ident there), the last one ending at the key's end,
             # whose identity is key_ident(key)); anything else goes to check_stored_chunk, which

@@ -977,8 +977,11 @@ class ListCPUTier(CPUTier):
         for k in keys:
             s = entries[k]
             r = refs[s] - 1                     # (not -=: a generic in-place subtraction when
-            refs[s] = r                         # compiled)
-            if not r and ready[s]:
+            if r:                               # compiled)
+                refs[s] = r
+                continue
+            refs[s] = 0                         # (a literal: the int object made once)
+            if ready[s]:
                 rank[s] = self.clock            # evictable now: the MRU end
                 self.clock += 1
 
