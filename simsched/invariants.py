@@ -236,24 +236,35 @@ class ReadFences:
 
     def add(self, jid: int, bids: list) -> None:
         """Job ``jid`` reads the blocks ``bids`` (replacing its earlier blocks, as a dict
-        assignment would)."""
+        assignment would). The list is kept as given (not copied): the caller leaves it as it
+        is while the job is fenced (the model gives a store job's ``bids``, complete by then)."""
         self.pop(jid)
-        blocks = list(bids)
+        blocks: list = bids
         self.jobs[jid] = blocks
         count = self.count
         for bo in blocks:
             b: int = bo
-            count[b] = count[b] + 1      # (not +=: a generic in-place add when compiled)
+            c = count[b]
+            if c:
+                count[b] = c + 1        # (not +=: a generic in-place add when compiled)
+            else:
+                count[b] = 1            # (mostly: a literal, stored as the int object it is)
 
     def pop(self, jid: int, default: Any = None) -> Any:
         """Job ``jid`` has read its blocks (or never had any): its blocks, else ``default``."""
-        blocks = self.jobs.pop(jid, None)
-        if blocks is None:
+        jobs = self.jobs
+        blocks = jobs.get(jid)          # (get and del: mypyc calls dict.pop with a default as
+        if blocks is None:              # a method, by name)
             return default
+        del jobs[jid]
         count = self.count
         for bo in blocks:
             b: int = bo
-            count[b] = count[b] - 1
+            c = count[b]
+            if c == 1:
+                count[b] = 0            # (mostly: a literal, as in add)
+            else:
+                count[b] = c - 1
         return blocks
 
     def check(self, step: int, written: list, what: str, who: str

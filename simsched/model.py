@@ -92,6 +92,10 @@ class Model:
         self.max_steps = min(MAX_STEPS, 4 * (work + last) + 64)
         self.geo = geo = derive(layout, profile, asserts=case.asserts)
         self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
+        # per group, the stride of its offload keys (Request.keys(gid, stride): the tokens of
+        # its hashes_per_chunk block hashes; 0: no keys)
+        self.key_strides = {g.group_id: g.hashes_per_chunk * geo.tokens_per_hash
+                            for g in geo.groups}
         self.no_blocks_text = fmt_alloc("", [[] for _ in layout.groups])[len("alloc  "):]
         dcp = layout.engine.dcp_size
         sizes = [effective_block_size(g, dcp) for g in layout.groups]
@@ -323,25 +327,32 @@ class Model:
             return
         job.read = True
         req = self.reqs[job.rid]
-        shadow, contents = self.shadow, job.contents
+        shadow = self.shadow
+        # the chunks' contents, in chunk order, set by index (no appends)
+        contents: list = [None] * len(job.ckeys)
+        job.contents = contents
         sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
         geo, tpbs, step = self.geo, self.tpbs, self.step_no
+        strides = self.key_strides
         self.pending_reads.pop(job.jid, None)
         ident: list = req.ident         # (untyped: compared as the int objects they are)
         unit, tph = req.unit, geo.tokens_per_hash
         nid = len(ident)
-        gids, hidx, ckeys, bpos, bidx, bids = job.gids, job.hidx, job.ckeys, job.bpos, job.bidx, \
-            job.bids
-        last_gid, tpb = -1, 0
+        gids, cidx, hidx, ckeys, bpos, bidx, bids = job.gids, job.cidx, job.hidx, job.ckeys, \
+            job.bpos, job.bidx, job.bids
+        last_gid, tpb, stride = -1, 0, 0
+        hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
+        gkeys: list = []
         for x in range(len(ckeys)):
             gid = gids[x]
             if gid != last_gid:
-                last_gid, tpb = gid, tpbs[gid]
+                last_gid, tpb, stride = gid, tpbs[gid], strides[gid]
+                # the request's offload keys of the group (those the store's keys were taken
+                # from, see OffloadScheduler._update_offload_keys: compared by identity below)
+                gkeys = req.keys(gid, stride) if stride else []
             key = ckeys[x]
             end = (hidx[x] + 1) * tph
-            lo, hi = bpos[x], bpos[x + 1]
-            content = shadow.read_chunk(bids, lo, hi)
-            contents.append(content)
+            lo, hi = hi, bpos[x + 1]
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
             # block holds (gid, its end, ident there), the last one ending at the key's end,
             # whose identity is key_ident(key)); anything else goes to check_stored_chunk, which
@@ -350,26 +361,50 @@ class Model:
             # that differs only in its group goes to check_stored_chunk, which passes it)
             ok = hi > lo and (bidx[hi - 1] + 1) * tpb == end
             idk: Any = None
-            if ok:
-                for y in range(lo, hi):         # (the blocks just read, as the chunk holds them)
-                    e = (bidx[y] + 1) * tpb
-                    k = e // unit - 1                       # req.ident_at, inlined
-                    if not 0 <= k < nid:
+            if hi - lo == 1:
+                # a one-block chunk: its content is the block's (read_chunk, inlined: the
+                # fields read once, for the content and for the check)
+                b: int = bids[lo]
+                g0 = sgids[b]
+                g1 = sends[b]
+                g2 = sidents[b]
+                content: tuple = (g0, g1, g2)
+                if ok:
+                    k = end // unit - 1                     # req.ident_at, inlined
+                    if 0 <= k < nid:
+                        idk = ident[k]
+                        ok = (isinstance(g1, int) and g1 == end and isinstance(g0, int)
+                              and g0 == gid and (g2 is idk or g2 == idk))
+                    else:
                         ok = False
-                        break
-                    b: int = bids[y]
-                    g0 = sgids[b]
-                    g1 = sends[b]
-                    g2 = sidents[b]
-                    idk = ident[k]
-                    # (group and end compared as native ints when they are ints: no boxing;
-                    # the identities are mostly the very objects compared)
-                    if not (isinstance(g1, int) and g1 == e and isinstance(g0, int)
-                            and g0 == gid and (g2 is idk or g2 == idk)):
-                        ok = False
-                        break
-            # (idk: the last block's identity; group 0's keys are mostly that very object)
-            ok = ok and (key is idk or make_key(gid, idk) == key)
+            else:
+                content = shadow.read_chunk(bids, lo, hi)
+                if ok:
+                    for y in range(lo, hi):     # (the blocks just read, as the chunk holds them)
+                        e = (bidx[y] + 1) * tpb
+                        k = e // unit - 1                   # req.ident_at, inlined
+                        if not 0 <= k < nid:
+                            ok = False
+                            break
+                        b = bids[y]
+                        g0 = sgids[b]
+                        g1 = sends[b]
+                        g2 = sidents[b]
+                        idk = ident[k]
+                        # (group and end compared as native ints when they are ints: no boxing;
+                        # the identities are mostly the very objects compared)
+                        if not (isinstance(g1, int) and g1 == e and isinstance(g0, int)
+                                and g0 == gid and (g2 is idk or g2 == idk)):
+                            ok = False
+                            break
+            contents[x] = content
+            if ok and key is not idk:
+                # (idk: the last block's identity, that of the prefix [0, end); group 0's keys
+                # are mostly that very object, the others' mostly the group's key for it,
+                # make_key(gid, idk) itself when the chunk's tokens are the key list's chunk c)
+                c = cidx[x]
+                ok = ((c + 1) * stride == end and c < len(gkeys) and gkeys[c] is key) \
+                    or make_key(gid, idk) == key
             if not ok:
                 v = inv.check_stored_chunk(step, job, job.chunk(x), content, req, geo, tpbs)
                 if v is not None:
@@ -633,8 +668,10 @@ class Model:
                 acc = [_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
                 if fences.jobs:
-                    written = shadow.write_computed(req, rules, start, end)
-                    self._violation(fences.check(step, written, "request", req.rid))
+                    # (the first written block a pending store reads, if any)
+                    written = shadow.write_computed(req, rules, start, end, True, fenced)
+                    if written:
+                        self._violation(fences.check(step, written, "request", req.rid))
                 else:
                     shadow.write_computed(req, rules, start, end, False)
                 req.num_computed = end - (d - a)
@@ -655,8 +692,10 @@ class Model:
                     self.drafts[req.rid] = self.num_spec
                 continue
             if fences.jobs:
-                written = shadow.write_computed(req, rules, start, end)
-                self._violation(fences.check(step, written, "request", req.rid))
+                # (the first written block a pending store reads, if any)
+                written = shadow.write_computed(req, rules, start, end, True, fenced)
+                if written:
+                    self._violation(fences.check(step, written, "request", req.rid))
             else:
                 shadow.write_computed(req, rules, start, end, False)
             req.num_computed = end

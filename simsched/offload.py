@@ -944,16 +944,16 @@ class ListCPUTier(CPUTier):
             return
         self.version += 1
         self.content_version += 1
-        entries, ready = self.entries, self.ready
+        entries, ready, content, refs, rank = self.entries, self.ready, self.content, \
+            self.refs, self.rank
         t: object = self.clock                  # (boxed once for all the keys)
         for x in range(len(keys)):
-            k = keys[x]
-            s = entries.get(k)
+            s = entries.get(keys[x])
             if s is not None and not ready[s]:
                 ready[s] = True
-                self.content[s] = contents[x]
-                if not self.refs[s]:
-                    self.rank[s] = t            # evictable now: placed when the log is applied
+                content[s] = contents[x]
+                if not refs[s]:
+                    rank[s] = t                 # evictable now: placed when the log is applied
         self.log.append((keys, -1, len(keys), t))
         self.clock += len(keys)
 
@@ -973,12 +973,16 @@ class ListCPUTier(CPUTier):
             return
         self.version += 1
         self.content_version += 1
-        entries, refs = self.entries, self.refs
+        entries, refs, ready, rank = self.entries, self.refs, self.ready, self.rank
         for k in keys:
             s = entries[k]
-            refs[s] -= 1
-            if not refs[s] and self.ready[s]:
-                self.rank[s] = self.clock       # evictable now: the MRU end
+            r = refs[s] - 1                     # (not -=: a generic in-place subtraction when
+            if r:                               # compiled)
+                refs[s] = r
+                continue
+            refs[s] = 0                         # (a literal: the int object made once)
+            if ready[s]:
+                rank[s] = self.clock            # evictable now: the MRU end
                 self.clock += 1
 
 

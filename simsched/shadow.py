@@ -24,6 +24,10 @@ from typing import Any
 from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
 
 
+# Shadow.nums, shared: the int objects 0, 1, 2, ... (grown by Shadow.num)
+_NUMS: list[Any] = list(range(257))
+
+
 class Shadow:
     def __init__(self, num_blocks: int, blocks_per_chunk: int | None = None):
         # (untyped lists: the fields are stored and compared as the objects they are)
@@ -34,8 +38,9 @@ class Shadow:
         # nums[e] is the int e, one object each (grown on demand by num()): the group ids and
         # ends of slot contents are stored as these objects. (The compiled build makes a new
         # int object each time it puts a native int above 256 in a tuple or a list; see also
-        # allocator.BlockPool.ids.)
-        self.nums: list[Any] = list(range(257))
+        # allocator.BlockPool.ids.) One list for every shadow of the process (_NUMS): the ints
+        # of the ends a run writes are made by the first run that reaches them, not by each run
+        self.nums: list[Any] = _NUMS
 
     def num(self, e: int) -> Any:
         """The int ``e`` (0 <= e), as the one object ``nums[e]``."""
@@ -50,13 +55,17 @@ class Shadow:
         return None if g is None else (g, self.ends[b], self.idents[b])
 
     def write_computed(self, req: Request, rules: list[GroupRule], start: int,
-                       end: int, collect: bool = True) -> list[int]:
+                       end: int, collect: bool = True,
+                       fenced: list[int] | None = None) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
-        block IDs written (``collect`` False: an empty list, nothing collected)."""
+        block IDs written (``collect`` False: an empty list, nothing collected). ``fenced``: a
+        count per block ID (``ReadFences.count``); given, only the first block written whose
+        count is not 0 is collected (INV-6 names that one: no list of every block written)."""
         gids, ends, idents = self.gids, self.ends, self.idents
         written: list[int] = []
-        eo = self.num(end)              # (nums grows to end: every end written is in it)
         nums = self.nums
+        # (nums grows to end: every end written is in it)
+        eo = nums[end] if end < len(nums) else self.num(end)
         unit, tables = req.unit, req.tables
         ident: list[Any] = req.ident    # (the hashes stay the int objects hash() made)
         nid = len(ident)
@@ -74,7 +83,7 @@ class Shadow:
                 gids[b] = go
                 ends[b] = eo
                 idents[b] = None
-                if collect:
+                if collect and (fenced is None or (fenced[b] and not written)):
                     written.append(bo)
                 continue
             bs = r.bs
@@ -87,16 +96,19 @@ class Shadow:
                 # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1] (None when
                 # not known, as ident_at)
                 per = bs // unit
+                k = i0 * per + per - 1          # block i: ident index (i + 1) * per - 1,
+                e = i0 * bs + bs                # end (i + 1) * bs (both stepped)
                 for i in range(i0, full):
                     bo = table[i]
                     b = bo
                     if b != NULL:
-                        k = (i + 1) * per - 1
                         gids[b] = go
-                        ends[b] = nums[(i + 1) * bs]
+                        ends[b] = nums[e]
                         idents[b] = ident[k] if k < nid else None
-                        if collect:
+                        if collect and (fenced is None or (fenced[b] and not written)):
                             written.append(bo)
+                    k += per
+                    e += bs
             if last > full and last > i0:        # the partial block holding token end - 1
                 bo = table[last - 1]
                 b = bo
@@ -104,7 +116,7 @@ class Shadow:
                     gids[b] = go
                     ends[b] = eo
                     idents[b] = None
-                    if collect:
+                    if collect and (fenced is None or (fenced[b] and not written)):
                         written.append(bo)
         return written
 

@@ -128,6 +128,11 @@ def test_shadow_matches_tuple_reference():
                 want = sh.write_computed(req, rules, start, end)
                 ref.write_computed(req, rules, start, end)
                 assert all(isinstance(b, int) for b in want)
+                # with fence counts: the first block written that is fenced (the same writes
+                # again: the slots stay as written)
+                fenced = [rng.choice([0, 0, 0, 1, 2]) for _ in range(nb)]
+                first = sh.write_computed(req, rules, start, end, True, fenced)
+                assert first == [b for b in want if fenced[b]][:1]
             elif op < 0.8 or not stored:
                 # a store of one chunk of group g: its blocks, its key, read and checked
                 picked = pick_blocks(rng, req, len(rules), bpc)
