@@ -63,11 +63,13 @@ RING: Final = 4
 # the garbage collector.
 KEY_GROUP_SHIFT: Final = 64
 _IDENT_BIAS: Final = 1 << 63          # ident + _IDENT_BIAS is in [0, 2**64)
-# group_id * 2**64 by group id (layout.py allows at most 16 groups)
-_GROUP_BASE: Final = [g << KEY_GROUP_SHIFT for g in range(16)]
+# group_id * 2**64 by group id (layout.py allows at most 16 groups). (list[Any], as _GROUP_END:
+# the compiled build uses the int objects as they are, instead of trying at each read to
+# convert one to a native int, which they exceed)
+_GROUP_BASE: Final[list[Any]] = [g << KEY_GROUP_SHIFT for g in range(16)]
 # the first key past group g's range, (2 * g + 1) * 2**63, by group id: a key's group is the
 # first g whose bound exceeds it (found by comparisons: no intermediate int is made)
-_GROUP_END: Final = [(2 * g + 1) << (KEY_GROUP_SHIFT - 1) for g in range(16)]
+_GROUP_END: Final[list[Any]] = [(2 * g + 1) << (KEY_GROUP_SHIFT - 1) for g in range(16)]
 # The type of a key: an int, annotated Any so that the compiled build keeps keys as the int
 # objects make_key made (never converted to and from its native ints: most keys exceed them)
 Key = Any
@@ -209,7 +211,8 @@ class Request:
 
     def append_tokens(self, new: list[int]) -> None:
         if len(new) == 1:
-            self.tokens.append(new[0])      # (one token: no iterator)
+            row: list[Any] = new            # (the int object as it is: no unboxing, re-boxing)
+            self.tokens.append(row[0])      # (one token: no iterator)
         else:
             self.tokens.extend(new)
         self._extend_ident()
