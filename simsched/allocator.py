@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 # (Final: constants mypyc inlines, no module-dict lookup at each use)
 NULL: Final = 0
+LAST: Final = -1        # BlockPool.later of the last block of a chain (see there)
 # request states
 WAITING: Final = 0
 RUNNING: Final = 1
@@ -264,8 +265,9 @@ class BlockPool:
         # BlockHashToBlockMap keeps every block cached under a key (a block computed twice,
         # e.g. by two requests admitted before either cached it), in insertion order: the
         # blocks carrying one key form a chain from cached[k], ``later[b]`` / ``earlier[b]``
-        # the block cached after / before ``b`` under its key (NULL: none). A block alone under
-        # its key has neither, so that evicting it decides on two list reads
+        # the block cached after / before ``b`` under its key (NULL: none), except that the
+        # last block of a chain has ``later`` LAST: ``later[b] == NULL`` for a block alone
+        # under its key (or carrying none), so that evicting it decides on one list read
         self.later: list[Any] = [NULL] * num_blocks
         self.earlier: list[Any] = [NULL] * num_blocks
         self.ref[NULL] = 1   # the null block is held by the pool itself
@@ -292,7 +294,7 @@ class BlockPool:
         return dict.fromkeys(self.free_queue())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        key, ref, later, earlier = self.key, self.ref, self.later, self.earlier
+        key, ref, later = self.key, self.ref, self.later
         nxt, prv = self.nxt, self.prv
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
@@ -305,8 +307,7 @@ class BlockPool:
             if key[b] is not None:      # evict from the GPU prefix cache (uncache, inlined
                 # for a block alone under its key: its entry in ``cached`` goes stale)
                 lb: int = later[b]
-                eb: int = earlier[b]
-                if lb != NULL or eb != NULL:
+                if lb != NULL:
                     self._unchain(b)
                 key[b] = None
             ref[b] = 1
@@ -415,11 +416,12 @@ class BlockPool:
             later = self.later
             t: int = held
             lt: int = later[t]
-            while lt != NULL:
+            while lt > NULL:            # (NULL: held alone, LAST: the last of its chain)
                 t = lt
                 lt = later[t]
             later[t] = self.ids[b]
             self.earlier[b] = self.ids[t]
+            later[b] = LAST
         else:
             self.cached[k] = self.ids[b]
 
@@ -429,8 +431,7 @@ class BlockPool:
         if self.key[b] is None:
             return
         lb: int = self.later[b]
-        eb: int = self.earlier[b]
-        if lb != NULL or eb != NULL:
+        if lb != NULL:
             self._unchain(b)
         self.key[b] = None          # (alone under its key: the entry goes stale)
 
@@ -441,11 +442,17 @@ class BlockPool:
         eo: Any = earlier[b]
         lb: int = lo
         eb: int = eo
-        if eb == NULL:                  # b held the key: the next block holds it
+        if eb == NULL:                  # b held the key: the next block (lb > 0) holds it
             self.cached[self.key[b]] = lo
+            earlier[lb] = NULL
+            nb: int = later[lb]
+            if nb == LAST:              # ... alone now
+                later[lb] = NULL
+        elif lb == LAST:                # b came last: eb does now, or is alone if it holds it
+            pb: int = earlier[eb]
+            later[eb] = LAST if pb != NULL else NULL
         else:
             later[eb] = lo
-        if lb != NULL:
             earlier[lb] = eo
         later[b] = earlier[b] = NULL
 
@@ -858,13 +865,16 @@ class KVCacheManager:
 
         Returns the new block IDs per group (null placeholders included, as vLLM reports them).
         """
+        # (c: computed as a native int; computed = req.num_computed would box it)
         if computed is None:
-            computed = req.num_computed
-            if (num_new_tokens == 1 and computed <= req.quiet_until
-                    and cache_upto == computed + 1 and not lookahead):
+            c = req.num_computed
+            if (num_new_tokens == 1 and c <= req.quiet_until
+                    and cache_upto == c + 1 and not lookahead):
                 return [[] for _ in self.rules]     # a decode step that changes nothing
-        self.remove_skipped_blocks(req, computed if processed is None else processed)
-        total = computed + num_new_tokens + lookahead
+        else:
+            c = computed
+        self.remove_skipped_blocks(req, c if processed is None else processed)
+        total = c + num_new_tokens + lookahead
         tables = req.tables
         plan = self.plan           # per rule: null placeholders, new blocks
         need = 0
@@ -892,7 +902,7 @@ class KVCacheManager:
                 need += 1
                 x += 2
                 continue
-            nulls = max(0, min(r.skipped_tokens(computed) // r.bs, target) - have)
+            nulls = max(0, min(r.skipped_tokens(c) // r.bs, target) - have)
             n = target - have - nulls
             plan[x] = nulls
             plan[x + 1] = n
@@ -972,7 +982,7 @@ class KVCacheManager:
         for table in req.tables:
             table.reverse()                     # tail first (the table is emptied below)
             self.pool.free_blocks(table)
-            del table[:]                        # (clear(): a method call when compiled)
+            table.clear()
 
     def forget(self, req: Request) -> None:
         """``MambaManager.pop_blocks_for_free``: the request's align-mode Mamba state (retired

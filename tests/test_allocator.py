@@ -305,7 +305,7 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
     chains: random allocations, cachings (many blocks under few keys, equal keys as distinct
     int objects, keys past 64 bits), frees, hits and uncachings behave as the reference."""
     import random
-    from simsched.allocator import BlockPool, make_key
+    from simsched.allocator import LAST, BlockPool, make_key
     for seed in range(40):
         rng = random.Random(seed)
         n = rng.choice([6, 12, 24])
@@ -344,14 +344,18 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                 ref.uncache(b)
             assert pool.free_queue() == ref.free and pool.num_free() == len(ref.free)
             assert pool.ref == ref.ref and pool.key == ref.key
+            assert all(pool.later[b] == pool.earlier[b] == NULL
+                       for b in range(n) if pool.key[b] is None)
             for g in range(3):
                 for h in idents:
                     k = make_key(g, h)
                     chain, b = [], pool.holder(k)
-                    while b is not None and b != NULL:
+                    while b is not None and b > NULL:       # (LAST ends a chain of two or more)
                         chain.append(b)
                         b = pool.later[b]
                     assert chain == ref.map.get(k, [])
+                    assert [pool.earlier[c] for c in chain] == [NULL, *chain][:len(chain)]
+                    assert (b == LAST) == (len(chain) > 1)
 
 
 def test_quiet_bound_with_remembered_leading_nulls_matches_a_fresh_scan():
