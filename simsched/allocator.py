@@ -183,6 +183,8 @@ class Request:
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
+        if not gid and stride == self.unit:
+            return self.ident       # group 0's keys a unit apart: the identities themselves
         tag, tags = stride * 16 + gid, self.key_tags
         s, ns = 0, len(tags)
         while s < ns and tags[s] != tag:
