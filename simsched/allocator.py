@@ -189,20 +189,18 @@ class Request:
         s, ns = 0, len(tags)
         while s < ns and tags[s] != tag:
             s += 1
+        per = stride // self.unit
         if s < ns:
             keys = self.key_lists[s]
         else:
-            keys = []
+            # a new list, starting with the keys of the shared prefix (all known from the start):
+            # the same ints as prefix_of's (equal values)
+            p = self.prefix_of
+            keys = p.keys(gid, stride)[:self.prefix_units // per] if p is not None else []
             tags.append(tag)
             self.key_lists.append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
-        per = stride // self.unit
         have, n = len(keys), len(ident) // per
-        if have < n and self.prefix_of is not None and have < self.prefix_units // per:
-            # the keys of the shared prefix: the same ints as prefix_of's (equal values)
-            shared = self.prefix_of.keys(gid, stride)[have:self.prefix_units // per]
-            keys.extend(shared)
-            have += len(shared)
         if have < n:
             idents = ident[have:n] if per == 1 else ident[(have + 1) * per - 1:n * per:per]
             if gid:             # make_key(gid, h), inlined
