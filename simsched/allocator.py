@@ -922,7 +922,8 @@ class KVCacheManager:
             elif n:
                 new = pool.get_new_blocks(n)
             else:
-                new = []
+                out.append([])
+                continue
             tables[r.gid].extend(new)
             out.append(new)
         if cache_upto is not None and self.cacheable_rules:
@@ -950,10 +951,11 @@ class KVCacheManager:
                 bound = b
                 unset = False
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                lead = leads[r.gid]                    # the index of the first real block
+                lead = first = leads[r.gid]            # the index of the first real block
                 while lead < have and table[lead] == NULL:
                     lead += 1
-                leads[r.gid] = lead
+                if lead != first:
+                    leads[r.gid] = lead
                 if lead < have:
                     m = (lead + 1) * bs                # skipped_tokens(c) < m
                     if code == SLIDING:
