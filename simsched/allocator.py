@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 # (Final: constants mypyc inlines, no module-dict lookup at each use)
 NULL: Final = 0
+LAST: Final = -1        # BlockPool.later of the last block of a chain (see there)
 # request states
 WAITING: Final = 0
 RUNNING: Final = 1
@@ -63,11 +64,13 @@ RING: Final = 4
 # the garbage collector.
 KEY_GROUP_SHIFT: Final = 64
 _IDENT_BIAS: Final = 1 << 63          # ident + _IDENT_BIAS is in [0, 2**64)
-# group_id * 2**64 by group id (layout.py allows at most 16 groups)
-_GROUP_BASE: Final = [g << KEY_GROUP_SHIFT for g in range(16)]
+# group_id * 2**64 by group id (layout.py allows at most 16 groups). (list[Any], as _GROUP_END:
+# the compiled build uses the int objects as they are, instead of trying at each read to
+# convert one to a native int, which they exceed)
+_GROUP_BASE: Final[list[Any]] = [g << KEY_GROUP_SHIFT for g in range(16)]
 # the first key past group g's range, (2 * g + 1) * 2**63, by group id: a key's group is the
 # first g whose bound exceeds it (found by comparisons: no intermediate int is made)
-_GROUP_END: Final = [(2 * g + 1) << (KEY_GROUP_SHIFT - 1) for g in range(16)]
+_GROUP_END: Final[list[Any]] = [(2 * g + 1) << (KEY_GROUP_SHIFT - 1) for g in range(16)]
 # The type of a key: an int, annotated Any so that the compiled build keeps keys as the int
 # objects make_key made (never converted to and from its native ints: most keys exceed them)
 Key = Any
@@ -180,24 +183,24 @@ class Request:
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
+        if not gid and stride == self.unit:
+            return self.ident       # group 0's keys a unit apart: the identities themselves
         tag, tags = stride * 16 + gid, self.key_tags
         s, ns = 0, len(tags)
         while s < ns and tags[s] != tag:
             s += 1
+        per = stride // self.unit
         if s < ns:
             keys = self.key_lists[s]
         else:
-            keys = []
+            # a new list, starting with the keys of the shared prefix (all known from the start):
+            # the same ints as prefix_of's (equal values)
+            p = self.prefix_of
+            keys = p.keys(gid, stride)[:self.prefix_units // per] if p is not None else []
             tags.append(tag)
             self.key_lists.append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
-        per = stride // self.unit
         have, n = len(keys), len(ident) // per
-        if have < n and self.prefix_of is not None and have < self.prefix_units // per:
-            # the keys of the shared prefix: the same ints as prefix_of's (equal values)
-            shared = self.prefix_of.keys(gid, stride)[have:self.prefix_units // per]
-            keys.extend(shared)
-            have += len(shared)
         if have < n:
             idents = ident[have:n] if per == 1 else ident[(have + 1) * per - 1:n * per:per]
             if gid:             # make_key(gid, h), inlined
@@ -209,7 +212,8 @@ class Request:
 
     def append_tokens(self, new: list[int]) -> None:
         if len(new) == 1:
-            self.tokens.append(new[0])      # (one token: no iterator)
+            row: list[Any] = new            # (the int object as it is: no unboxing, re-boxing)
+            self.tokens.append(row[0])      # (one token: no iterator)
         else:
             self.tokens.extend(new)
         self._extend_ident()
@@ -261,8 +265,9 @@ class BlockPool:
         # BlockHashToBlockMap keeps every block cached under a key (a block computed twice,
         # e.g. by two requests admitted before either cached it), in insertion order: the
         # blocks carrying one key form a chain from cached[k], ``later[b]`` / ``earlier[b]``
-        # the block cached after / before ``b`` under its key (NULL: none). A block alone under
-        # its key has neither, so that evicting it decides on two list reads
+        # the block cached after / before ``b`` under its key (NULL: none), except that the
+        # last block of a chain has ``later`` LAST: ``later[b] == NULL`` for a block alone
+        # under its key (or carrying none), so that evicting it decides on one list read
         self.later: list[Any] = [NULL] * num_blocks
         self.earlier: list[Any] = [NULL] * num_blocks
         self.ref[NULL] = 1   # the null block is held by the pool itself
@@ -289,7 +294,7 @@ class BlockPool:
         return dict.fromkeys(self.free_queue())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        key, ref, later, earlier = self.key, self.ref, self.later, self.earlier
+        key, ref, later = self.key, self.ref, self.later
         nxt, prv = self.nxt, self.prv
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
@@ -302,8 +307,7 @@ class BlockPool:
             if key[b] is not None:      # evict from the GPU prefix cache (uncache, inlined
                 # for a block alone under its key: its entry in ``cached`` goes stale)
                 lb: int = later[b]
-                eb: int = earlier[b]
-                if lb != NULL or eb != NULL:
+                if lb != NULL:
                     self._unchain(b)
                 key[b] = None
             ref[b] = 1
@@ -412,11 +416,12 @@ class BlockPool:
             later = self.later
             t: int = held
             lt: int = later[t]
-            while lt != NULL:
+            while lt > NULL:            # (NULL: held alone, LAST: the last of its chain)
                 t = lt
                 lt = later[t]
             later[t] = self.ids[b]
             self.earlier[b] = self.ids[t]
+            later[b] = LAST
         else:
             self.cached[k] = self.ids[b]
 
@@ -426,8 +431,7 @@ class BlockPool:
         if self.key[b] is None:
             return
         lb: int = self.later[b]
-        eb: int = self.earlier[b]
-        if lb != NULL or eb != NULL:
+        if lb != NULL:
             self._unchain(b)
         self.key[b] = None          # (alone under its key: the entry goes stale)
 
@@ -438,11 +442,17 @@ class BlockPool:
         eo: Any = earlier[b]
         lb: int = lo
         eb: int = eo
-        if eb == NULL:                  # b held the key: the next block holds it
+        if eb == NULL:                  # b held the key: the next block (lb > 0) holds it
             self.cached[self.key[b]] = lo
+            earlier[lb] = NULL
+            nb: int = later[lb]
+            if nb == LAST:              # ... alone now
+                later[lb] = NULL
+        elif lb == LAST:                # b came last: eb does now, or is alone if it holds it
+            pb: int = earlier[eb]
+            later[eb] = LAST if pb != NULL else NULL
         else:
             later[eb] = lo
-        if lb != NULL:
             earlier[lb] = eo
         later[b] = earlier[b] = NULL
 
@@ -855,13 +865,16 @@ class KVCacheManager:
 
         Returns the new block IDs per group (null placeholders included, as vLLM reports them).
         """
+        # (c: computed as a native int; computed = req.num_computed would box it)
         if computed is None:
-            computed = req.num_computed
-            if (num_new_tokens == 1 and computed <= req.quiet_until
-                    and cache_upto == computed + 1 and not lookahead):
+            c = req.num_computed
+            if (num_new_tokens == 1 and c <= req.quiet_until
+                    and cache_upto == c + 1 and not lookahead):
                 return [[] for _ in self.rules]     # a decode step that changes nothing
-        self.remove_skipped_blocks(req, computed if processed is None else processed)
-        total = computed + num_new_tokens + lookahead
+        else:
+            c = computed
+        self.remove_skipped_blocks(req, c if processed is None else processed)
+        total = c + num_new_tokens + lookahead
         tables = req.tables
         plan = self.plan           # per rule: null placeholders, new blocks
         need = 0
@@ -889,7 +902,7 @@ class KVCacheManager:
                 need += 1
                 x += 2
                 continue
-            nulls = max(0, min(r.skipped_tokens(computed) // r.bs, target) - have)
+            nulls = max(0, min(r.skipped_tokens(c) // r.bs, target) - have)
             n = target - have - nulls
             plan[x] = nulls
             plan[x + 1] = n
@@ -909,7 +922,8 @@ class KVCacheManager:
             elif n:
                 new = pool.get_new_blocks(n)
             else:
-                new = []
+                out.append([])
+                continue
             tables[r.gid].extend(new)
             out.append(new)
         if cache_upto is not None and self.cacheable_rules:
@@ -937,10 +951,11 @@ class KVCacheManager:
                 bound = b
                 unset = False
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                lead = leads[r.gid]                    # the index of the first real block
+                lead = first = leads[r.gid]            # the index of the first real block
                 while lead < have and table[lead] == NULL:
                     lead += 1
-                leads[r.gid] = lead
+                if lead != first:
+                    leads[r.gid] = lead
                 if lead < have:
                     m = (lead + 1) * bs                # skipped_tokens(c) < m
                     if code == SLIDING:
@@ -969,7 +984,7 @@ class KVCacheManager:
         for table in req.tables:
             table.reverse()                     # tail first (the table is emptied below)
             self.pool.free_blocks(table)
-            del table[:]                        # (clear(): a method call when compiled)
+            table.clear()
 
     def forget(self, req: Request) -> None:
         """``MambaManager.pop_blocks_for_free``: the request's align-mode Mamba state (retired

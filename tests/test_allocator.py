@@ -305,7 +305,7 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
     chains: random allocations, cachings (many blocks under few keys, equal keys as distinct
     int objects, keys past 64 bits), frees, hits and uncachings behave as the reference."""
     import random
-    from simsched.allocator import BlockPool, make_key
+    from simsched.allocator import LAST, BlockPool, make_key
     for seed in range(40):
         rng = random.Random(seed)
         n = rng.choice([6, 12, 24])
@@ -344,14 +344,18 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                 ref.uncache(b)
             assert pool.free_queue() == ref.free and pool.num_free() == len(ref.free)
             assert pool.ref == ref.ref and pool.key == ref.key
+            assert all(pool.later[b] == pool.earlier[b] == NULL
+                       for b in range(n) if pool.key[b] is None)
             for g in range(3):
                 for h in idents:
                     k = make_key(g, h)
                     chain, b = [], pool.holder(k)
-                    while b is not None and b != NULL:
+                    while b is not None and b > NULL:       # (LAST ends a chain of two or more)
                         chain.append(b)
                         b = pool.later[b]
                     assert chain == ref.map.get(k, [])
+                    assert [pool.earlier[c] for c in chain] == [NULL, *chain][:len(chain)]
+                    assert (b == LAST) == (len(chain) > 1)
 
 
 def test_quiet_bound_with_remembered_leading_nulls_matches_a_fresh_scan():
@@ -385,3 +389,26 @@ def test_quiet_bound_with_remembered_leading_nulls_matches_a_fresh_scan():
             r.num_computed = c + n
             if r.num_computed == r.num_tokens:
                 r.append_tokens([rng.randrange(1000)])
+
+
+def test_request_keys_are_the_keys_of_their_prefixes():
+    """Request.keys(gid, stride) lists make_key(gid, ident_at(k * stride)), k = 1, 2, ..., as far
+    as the tokens are known (group 0's keys a unit apart are the identities themselves), for
+    requests sharing a prefix with an earlier one and as tokens arrive between calls."""
+    import random
+    from simsched.allocator import make_key
+    for seed in range(30):
+        rng = random.Random(seed)
+        unit = rng.choice([4, 8, 16])
+        base = [rng.randrange(1000) for _ in range(rng.randint(0, 200))]
+        first = Request("a", 0, None, base, 10**6, unit, 3)
+        shared = len(base) // unit
+        tail = [rng.randrange(1000) for _ in range(rng.randint(0, 60))]
+        r = Request("b", 1, None, base + tail, 10**6, unit, 3, first, rng.randint(0, shared))
+        for _ in range(20):
+            for who in (first, r):
+                gid, stride = rng.randrange(3), unit * rng.choice([1, 1, 2, 4])
+                want = [make_key(gid, who.ident_at(k * stride))
+                        for k in range(1, who.num_tokens // stride + 1)]
+                assert who.keys(gid, stride) == want
+            r.append_tokens([rng.randrange(1000) for _ in range(rng.choice([1, 1, 3]))])
