@@ -39,10 +39,18 @@ class ModelCrash(ConfigError):
         super().__init__(exception, function, file, stage, message)
 
 
-# the int objects 0, 1, 2, ..., made once per process and grown on demand (CPUTier._grow,
-# OffloadScheduler._ints): a tier's slot numbers and a job's chunk and block indices are stored as
-# these objects, not as a new int object at each store (and none is freed with a run's dicts)
+# the int objects 0, 1, 2, ..., made once per process and grown on demand (_ints_to): a tier's
+# slot numbers and a job's chunk and block indices are stored as these objects, not as a new int
+# object at each store (and none is freed with a run's dicts)
 _INTS: Final[list] = list(range(256))
+
+
+def _ints_to(n: int) -> list:
+    """``_INTS``, grown to at least ``n`` objects."""
+    ints = _INTS
+    if len(ints) < n:
+        ints.extend(range(len(ints), n))
+    return ints
 
 
 class CPUTier:
@@ -66,10 +74,13 @@ class CPUTier:
         # ``entries``, ordered (RankedCPUTier keeps a plain dict and no LRU order)
         self.lru: OrderedDict[Key, int] = OrderedDict()
         self.entries: dict[Key, int] = {} if evictable_list else self.lru
-        self.ready: list[bool] = []
-        self.refs: list[int] = []
-        self.content: list = []
-        self.rank: list = []                # (rank objects: compared and queued as they are)
+        # (made for the capacity's slots at once, up to 4,096; grown by blocks beyond: _grow)
+        m = min(capacity, 4096)
+        self.ready: list[bool] = [False] * m
+        self.refs: list[int] = [0] * m
+        self.content: list = [None] * m
+        self.rank: list = [0] * m           # (rank objects: compared and queued as they are)
+        _ints_to(m)
         self.free: list[int] = []
         self.n_slots = 0                    # slots ever used (the lists may be longer)
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
@@ -99,14 +110,13 @@ class CPUTier:
     def _grow(self) -> None:
         """More fresh slots (not ready, no load, no content): the lists grow by blocks (and
         ``_INTS`` has an object for each slot)."""
-        n = max(64, len(self.ready))
+        have = len(self.ready)
+        n = max(64, have)
         self.ready.extend([False] * n)
         self.refs.extend([0] * n)
         self.content.extend([None] * n)
         self.rank.extend([0] * n)
-        ints, end = _INTS, len(self.ready)
-        if len(ints) < end:
-            ints.extend(range(len(ints), end))
+        _ints_to(have + n)
 
     def _store_new(self, keys: list) -> list:
         """``prepare_store(keys)`` when the tier has room for all of ``keys`` (no eviction): the
@@ -116,11 +126,9 @@ class CPUTier:
         there is no free slot: chunks leave only by eviction, which fills the tier."""
         assert not self.free
         entries: dict = self.entries    # (untyped: the slot object compared by identity)
-        ints = _INTS
         to_store: list | None = None    # (None while every key so far is new: keys[:i] then)
         s = self.n_slots                # the next slot, taken by the next new key
-        if s == len(self.ready):
-            self._grow()
+        ints = _ints_to(s + len(keys) + 1)
         so = ints[s]
         for i in range(len(keys)):
             k = keys[i]
@@ -131,9 +139,9 @@ class CPUTier:
                 continue
             if to_store is not None:
                 to_store.append(k)
-            s += 1                      # (fresh slots: rank 0 already, not ready, no load)
             if s == len(self.ready):
                 self._grow()
+            s += 1                      # (fresh slots: rank 0 already, not ready, no load)
             so = ints[s]
         self.n_slots = s
         if to_store is None:
@@ -1259,9 +1267,6 @@ class OffloadScheduler:
             [0] * layout.engine.num_gpu_blocks if layout is not None else None)
         self.alloc_batch = 1
         self.alloc_marked = False
-        # the ints 0, 1, 2, ... (_INTS, grown on demand by _ints): a job's chunk and block indices
-        # are appended as slices of it (cheaper than iterating a range)
-        self.ints: list[int] = _INTS
         # the request states (by request ID) given block IDs since they were made, while in
         # req_status: every state whose sliding-window groups hold any (the others' are empty),
         # so the only ones build_connector_meta's nulling of re-allocated blocks can change
@@ -2056,10 +2061,9 @@ class OffloadScheduler:
         return self._ints(hpc * c + hpc - 1, hpc * end, hpc)
 
     def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
-        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``ints``."""
-        ints = self.ints
-        if hi > len(ints):
-            ints.extend(range(len(ints), hi))
+        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``_INTS``: a job's chunk
+        and block indices are appended as slices of it (cheaper than iterating a range)."""
+        ints = _ints_to(hi)
         return ints[lo:hi] if step == 1 else ints[lo:hi:step]
 
     def _fence(self, b: Any, jid: Any) -> None:
