@@ -98,6 +98,7 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     hidx: list[int] = job.hidx
     bpos: list[int] = job.bpos      # chunk x's blocks: [bpos[x], bpos[x + 1])
     last_gid, t = -1, 0
+    b_lo = bpos[0]                  # (each bound read once: the last chunk's end is the next's start)
     for x in range(len(gids)):
         gid = gids[x]
         if gid != last_gid:
@@ -108,8 +109,10 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
                     break
             else:
                 raise KeyError(gid)
-        if (hidx[x] + 1) * tph != (cidx[x] + 1) * t or bpos[x + 1] == bpos[x]:
+        b_hi = bpos[x + 1]
+        if (hidx[x] + 1) * tph != (cidx[x] + 1) * t or b_hi == b_lo:
             ok = False
+        b_lo = b_hi
     if ok:
         return None     # every key names its chunk and has source blocks: nothing to report
     return _check_store_job_named(step, job, geo)

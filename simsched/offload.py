@@ -39,6 +39,20 @@ class ModelCrash(ConfigError):
         super().__init__(exception, function, file, stage, message)
 
 
+# the int objects 0, 1, 2, ..., made once per process and grown on demand (_ints_to): a tier's
+# slot numbers and a job's chunk and block indices are stored as these objects, not as a new int
+# object at each store (and none is freed with a run's dicts)
+_INTS: Final[list] = list(range(256))
+
+
+def _ints_to(n: int) -> list:
+    """``_INTS``, grown to at least ``n`` objects."""
+    ints = _INTS
+    if len(ints) < n:
+        ints.extend(range(len(ints), n))
+    return ints
+
+
 class CPUTier:
     """``CPUOffloadingManager`` with the LRU policy; capacity in chunks.
 
@@ -60,10 +74,13 @@ class CPUTier:
         # ``entries``, ordered (RankedCPUTier keeps a plain dict and no LRU order)
         self.lru: OrderedDict[Key, int] = OrderedDict()
         self.entries: dict[Key, int] = {} if evictable_list else self.lru
-        self.ready: list[bool] = []
-        self.refs: list[int] = []
-        self.content: list = []
-        self.rank: list = []                # (rank objects: compared and queued as they are)
+        # (made for the capacity's slots at once, up to 4,096; grown by blocks beyond: _grow)
+        m = min(capacity, 4096)
+        self.ready: list[bool] = [False] * m
+        self.refs: list[int] = [0] * m
+        self.content: list = [None] * m
+        self.rank: list = [0] * m           # (rank objects: compared and queued as they are)
+        _ints_to(m)
         self.free: list[int] = []
         self.n_slots = 0                    # slots ever used (the lists may be longer)
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
@@ -85,14 +102,54 @@ class CPUTier:
             s = self.n_slots
             self.n_slots = s + 1
             if s == len(self.ready):
-                # (the lists grow by blocks of fresh slots: not ready, no load, no content)
-                n = max(64, s)
-                self.ready.extend([False] * n)
-                self.refs.extend([0] * n)
-                self.content.extend([None] * n)
-                self.rank.extend([0] * n)
+                self._grow()
         self.rank[s] = rank
-        self.entries[key] = s
+        entries: dict = self.entries        # (the slot as its shared int object: _INTS)
+        entries[key] = _INTS[s]
+
+    def _grow(self) -> None:
+        """More fresh slots (not ready, no load, no content): the lists grow by blocks (and
+        ``_INTS`` has an object for each slot)."""
+        have = len(self.ready)
+        n = max(64, have)
+        self.ready.extend([False] * n)
+        self.refs.extend([0] * n)
+        self.content.extend([None] * n)
+        self.rank.extend([0] * n)
+        _ints_to(have + n)
+
+    def _store_new(self, keys: list) -> list:
+        """``prepare_store(keys)`` when the tier has room for all of ``keys`` (no eviction): the
+        keys not in it, in order, each added as :meth:`_add` adds it with rank 0. One dict
+        operation per key (``setdefault`` with the next slot: a key is hashed once, not looked
+        up and then inserted); ``keys`` are distinct (a request's keys, or one key). With room
+        there is no free slot: chunks leave only by eviction, which fills the tier."""
+        assert not self.free
+        entries: dict = self.entries    # (untyped: the slot object compared by identity)
+        to_store: list | None = None    # (None while every key so far is new: keys[:i] then)
+        s = self.n_slots                # the next slot, taken by the next new key
+        ints = _ints_to(s + len(keys) + 1)
+        so = ints[s]
+        for i in range(len(keys)):
+            k = keys[i]
+            if entries.setdefault(k, so) is not so:
+                # there already (its slot is in use: never the next slot s)
+                if to_store is None:
+                    to_store = keys[:i]
+                continue
+            if to_store is not None:
+                to_store.append(k)
+            if s == len(self.ready):
+                self._grow()
+            s += 1                      # (fresh slots: rank 0 already, not ready, no load)
+            so = ints[s]
+        self.n_slots = s
+        if to_store is None:
+            to_store = keys[:]
+        if to_store:
+            self.version += 1
+            self.content_version += 1
+        return to_store
 
     def _drop(self, key) -> None:
         """Evict the chunk of ``key`` (ready, no load in flight): its slot is free."""
@@ -134,6 +191,8 @@ class CPUTier:
     def prepare_store(self, keys, st=None, spans: list[int] | None = None) -> list | None:
         """``st``, ``spans``: the request and the positions of its keys, for RankedCPUTier."""
         entries, lru = self.entries, self.lru
+        if len(keys) <= self.capacity - len(entries):
+            return self._store_new(keys)
         to_store = [k for k in keys if k not in entries]
         if not to_store:
             return []
@@ -918,16 +977,17 @@ class ListCPUTier(CPUTier):
 
     def prepare_store(self, keys, st=None, spans: list[int] | None = None) -> list | None:
         if self.lazy:
+            # the new chunks are not evictable (not ready): no stamp yet
             entries = self.entries
-            to_store = [k for k in keys if k not in entries]
-            if not to_store:
-                return []
-            if len(to_store) <= self.capacity - len(entries):
-                self.version += 1
-                self.content_version += 1
-                for k in to_store:
-                    self._add(k, 0)             # not evictable (not ready): no stamp yet
-                return to_store
+            room = self.capacity - len(entries)
+            if len(keys) <= room:
+                return self._store_new(keys)
+            n_new = 0
+            for k in keys:
+                if k not in entries:
+                    n_new += 1
+            if n_new <= room:
+                return self._store_new(keys)
             # the first eviction: the evictable list, in stamp order, from now on
             self._apply_log()
             lru, ready, refs, rank = self.lru, self.ready, self.refs, self.rank
@@ -1211,9 +1271,6 @@ class OffloadScheduler:
             [0] * layout.engine.num_gpu_blocks if layout is not None else None)
         self.alloc_batch = 1
         self.alloc_marked = False
-        # the ints 0, 1, 2, ... (grown on demand by _ints): a job's chunk and block indices are
-        # appended as slices of it (cheaper than iterating a range)
-        self.ints: list[int] = list(range(256))
         # the request states (by request ID) given block IDs since they were made, while in
         # req_status: every state whose sliding-window groups hold any (the others' are empty),
         # so the only ones build_connector_meta's nulling of re-allocated blocks can change
@@ -1680,14 +1737,21 @@ class OffloadScheduler:
                         marked = True
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and (alloc or marked):
-            bpc = self.bpc
+            bpc, cfgs, prompt_only = self.bpc, self.cfgs, self.prompt_only
             now, in_set = self.alloc_batch, bool(alloc)
-            # every state in req_status, but those whose windows hold no block (not in held)
+            # every state in req_status, but those whose windows hold no block (not in held);
+            # only the blocks a store can still read: with offload_prompt_only, those of the
+            # prompt's whole chunks (_build_store_jobs reads no block of a chunk beyond
+            # _offloadable's num_prompt tokens; the later ones, a decode's, are never read)
             for st in held.values():
+                num_prompt = st.req.num_prompt
                 for gi in sw_groups:
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
-                    for j in range(gs.next_stored * bpc, len(bids)):
+                    stop = len(bids)
+                    if prompt_only:
+                        stop = min(stop, num_prompt // cfgs[gi].tokens_per_chunk * bpc)
+                    for j in range(gs.next_stored * bpc, stop):
                         # _allocated_now(bids[j]), inlined (a NULL block is never marked)
                         bo = bids[j]
                         b: int = bo
@@ -2001,10 +2065,9 @@ class OffloadScheduler:
         return self._ints(hpc * c + hpc - 1, hpc * end, hpc)
 
     def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
-        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``ints``."""
-        ints = self.ints
-        if hi > len(ints):
-            ints.extend(range(len(ints), hi))
+        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``_INTS``: a job's chunk
+        and block indices are appended as slices of it (cheaper than iterating a range)."""
+        ints = _ints_to(hi)
         return ints[lo:hi] if step == 1 else ints[lo:hi:step]
 
     def _fence(self, b: Any, jid: Any) -> None:

@@ -307,6 +307,54 @@ def test_list_tier_evicts_as_the_evictable_list():
     assert checked > 300
 
 
+def test_store_with_room_is_the_lookup_then_insert():
+    """CPUTier._store_new (prepare_store with room for every key: one setdefault per key, the
+    next fresh slot offered) against the plain walk it replaced: the keys not in the tier, in
+    order, each in a slot of its own, rank 0, not ready; the version moved only when a key was
+    added. Over the three tiers that use it, with completions, loads and evictions between."""
+    import random
+    from simsched.offload import ListCPUTier
+    for seed in range(200):
+        rng = random.Random(seed)
+        cap = rng.choice([4, 8, 70, 200])
+        for tier in (CPUTier(cap), CPUTier(cap, True), ListCPUTier(cap)):
+            pool = [make_key(rng.randrange(3), rng.randrange(10 ** 6) + (1 << 40))
+                    for _ in range(3 * cap)]
+            writing: list = []
+            for _ in range(60):
+                op = rng.randrange(4)
+                if op <= 1:
+                    keys = list(dict.fromkeys(rng.sample(pool, rng.randint(1, max(1, cap // 2)))))
+                    before = dict(tier.entries)
+                    room = tier.capacity - len(before)
+                    version = tier.version
+                    got = tier.prepare_store(keys)
+                    if len(keys) > room:
+                        continue            # (the eviction path: test_list_tier_evicts_...)
+                    want = [k for k in keys if k not in before]
+                    assert got == want
+                    assert all(g is k for g, k in zip(got, [k for k in keys if k in want]))
+                    assert (tier.version != version) == bool(want)
+                    assert {k: s for k, s in tier.entries.items() if k in before} == before
+                    slots = list(tier.entries.values())
+                    assert len(set(slots)) == len(slots) and max(slots, default=0) < len(tier.ready)
+                    for k in want:
+                        s = tier.entries[k]
+                        assert tier.rank[s] == 0 and not tier.ready[s] and not tier.refs[s]
+                        assert s not in tier.free
+                    if want:
+                        writing.append(want)
+                elif op == 2 and writing:
+                    done = writing.pop(rng.randrange(len(writing)))
+                    tier.complete_store(done, [None] * len(done))
+                elif op == 3:
+                    ready = [k for k in tier.entries if tier.is_ready(k)]
+                    if ready:
+                        sub = ready[:2]
+                        tier.prepare_load(sub)
+                        tier.complete_load(sub)
+
+
 def test_load_job_chunks_match_a_per_chunk_walk():
     """update_state_after_alloc appends a load job's chunks by slices: chunks
     ``n_local // bpc .. cdiv(num_cached, tpc) - 1`` (within the offload keys), chunk ``c``
