@@ -297,7 +297,10 @@ class RankedCPUTier(CPUTier):
         # chunk is pushed when it becomes evictable (complete_store, complete_load) and when it
         # takes a new rank while evictable; they may also hold items of chunks gone, ranked
         # again or no longer evictable (dropped as they surface). Keys order as their
-        # (group id, ident) pairs (see make_key): the order is (rank, group id, ident)
+        # (group id, ident) pairs (see make_key): the order is (rank, group id, ident).
+        # An item is current when it holds the very rank object of its chunk's slot (``is``: no
+        # unboxing): every rank given is a new object, and an item keeps its object alive, so
+        # no later rank of any chunk is that object
         self.queued = False
         self.fresh_rank: list = []
         self.fresh_key: list = []
@@ -314,7 +317,7 @@ class RankedCPUTier(CPUTier):
         self.group: list[tuple[int, int, int]] = [
             (i, cfg.tokens_per_chunk, by_id.index(cfg.group_id)) for i, cfg in enumerate(cfgs)]
         self.n_groups = max(len(cfgs), 1)
-        # the walk of a request's chunks head to tail by their marks (_accessed): on a grid of
+        # the walk of a request's chunks by their marks (_rerank_accessed): on a grid of
         # step the gcd of the groups' tokens per chunk, a group's chunk c at grid point
         # (c + 1) * steps[w]; at each point the groups in group id order (walk[w])
         unit = math.gcd(*[tpc for _, tpc, _ in self.group]) if self.group else 1
@@ -451,6 +454,7 @@ class RankedCPUTier(CPUTier):
             assert spans is not None
             groups, marks, group = st.groups, a.marks, self.group
             klist: list = keys          # (a list here: read without generic lookups)
+            base = 0                    # (the request rank << RANK_SHIFT, from the first access)
             p = 0
             for gi in range(len(group)):
                 c, cnt = spans[2 * gi], spans[2 * gi + 1]
@@ -468,11 +472,15 @@ class RankedCPUTier(CPUTier):
                         if not m[c]:
                             m[c] = True
                             order.append(k)
-                        to_rank.append((self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc)
+                        if not base:
+                            base = self._request_rank(a) << RANK_SHIFT
+                        to_rank.append(base - (c + 1) * tpc)
                     elif ready[s] and not m[c]:
                         m[c] = True
                         order.append(k)
-                        r = (self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc
+                        if not base:
+                            base = self._request_rank(a) << RANK_SHIFT
+                        r = base - (c + 1) * tpc
                         if self.rank[s] < r:
                             self._set_rank(k, s, r)
                     c += 1
@@ -561,11 +569,7 @@ class RankedCPUTier(CPUTier):
     def _current(self, ro: Any, k) -> bool:
         """The item (``ro``, ``k``) is its chunk's current one, and the chunk is evictable."""
         s = self.entries.get(k)
-        if s is None:
-            return False
-        r: int = ro
-        rs: int = self.rank[s]
-        return rs == r and self.ready[s] and not self.refs[s]
+        return s is not None and self.rank[s] is ro and self.ready[s] and not self.refs[s]
 
     def _compact(self) -> None:
         """Drop the items of chunks gone, ranked again or not evictable, at once (cheaper than
@@ -653,14 +657,15 @@ class RankedCPUTier(CPUTier):
                 rr, rk, rhead = self.run_rank, self.run_key, 0
                 continue
             if from_fresh:
+                ro = fr[head]
                 head += 1
             else:
+                ro = rr[rhead]
                 rhead += 1
             s = entries.get(k)
             if s is None or not ready[s] or refs[s] or (r == last_r and k == last_k):
                 continue                       # stale, not evictable, or a copy
-            rs: int = rank[s]
-            if rs != r:
+            if rank[s] is not ro:
                 continue                       # stale
             last_r, last_k = r, k
             (passed if k in protected else victims).append(k)
@@ -704,6 +709,7 @@ class RankedCPUTier(CPUTier):
             # (prepare_store's walk of the spans, kept inline in both: as one method giving
             # each key's chunk index it cost 2.3 M more instructions per 64-request run)
             klist: list = keys          # (a list here: read without generic lookups)
+            base = 0                    # (the request rank << RANK_SHIFT, from the first access)
             p = 0
             for gi in range(len(group)):
                 c, cnt = spans[2 * gi], spans[2 * gi + 1]
@@ -720,7 +726,9 @@ class RankedCPUTier(CPUTier):
                     if not m[c]:
                         m[c] = True
                         order.append(k)
-                        r = (self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc
+                        if not base:
+                            base = self._request_rank(a) << RANK_SHIFT
+                        r = base - (c + 1) * tpc
                         if rank[s] < r:
                             self._set_rank(k, s, r)     # (not evictable now: not pushed)
                     c += 1
@@ -744,11 +752,12 @@ class RankedCPUTier(CPUTier):
         a = self.req_state.pop(st.req.rid, None)
         if a is None:
             return
+        if a.seen is not None:
+            self._rerank_accessed(a)
+            return
         # order_request_keys, head to tail: by position, ties by group id (each group's keys
         # sorted by position, the groups in id order, then a stable sort by position)
-        if a.seen is not None:
-            flat = self._accessed(a)
-        elif not a.unknown:
+        if not a.unknown:
             # every key accessed has its code (doubled, plus 1: the same order)
             flat = list(a.order)
             flat.sort(key=a.codes.__getitem__)
@@ -783,10 +792,12 @@ class RankedCPUTier(CPUTier):
                     fk.append(k)
         self.next_rank = nr
 
-    def _accessed(self, a: _ReqAccess) -> list:
-        """The keys a request going by index accessed, head to tail: its marks walked by
-        position (grid point), ties in group id order (see __init__); the keys of the request
-        state of its last access (as the dict mode's codes are)."""
+    def _rerank_accessed(self, a: _ReqAccess) -> None:
+        """on_request_finished for a request going by index: the keys it accessed, tail to head,
+        found by walking its marks by position (grid point) down, ties in reverse group id
+        order (see __init__), each take the next fresh rank; the keys are those of the request
+        state of its last access (as the dict mode's codes are). (The re-ranking of
+        on_request_finished's loop, fused with the walk: no list of the keys.)"""
         groups, steps = a.st.groups, self.steps
         # (the marks and the key lists in walk order, typed: no generic lookups in the walk)
         marks: list[list[bool]] = [a.marks[gi] for gi in self.walk]
@@ -794,9 +805,11 @@ class RankedCPUTier(CPUTier):
         end = 0
         for w in range(len(marks)):
             end = max(end, len(marks[w]) * steps[w])
-        flat: list = []
-        for t in range(1, end + 1):
-            for w in range(len(marks)):
+        entries, rank, queued = self.entries, self.rank, self.queued
+        fr, fk = self.fresh_rank, self.fresh_key
+        nr = self.next_rank
+        for t in range(end, 0, -1):
+            for w in range(len(marks) - 1, -1, -1):
                 r = steps[w]
                 if r == 1:
                     c = t - 1
@@ -806,8 +819,16 @@ class RankedCPUTier(CPUTier):
                     c = t // r - 1
                 m = marks[w]
                 if c < len(m) and m[c]:
-                    flat.append(keys[w][c])
-        return flat
+                    k = keys[w][c]
+                    s = entries.get(k)
+                    if s is not None:
+                        nr += 1
+                        ro: object = nr << RANK_SHIFT      # (boxed once: as above)
+                        rank[s] = ro
+                        if queued and self.ready[s] and not self.refs[s]:
+                            fr.append(ro)
+                            fk.append(k)
+        self.next_rank = nr
 
     def complete_store(self, keys: list, contents: list) -> None:
         self.version += 1
