@@ -455,6 +455,9 @@ class RankedCPUTier(CPUTier):
             groups, marks, group = st.groups, a.marks, self.group
             klist: list = keys          # (a list here: read without generic lookups)
             base = 0                    # (the request rank << RANK_SHIFT, from the first access)
+            # the new chunks are inserted at once while there is room (the keys are distinct
+            # here, and chunks not ready are no eviction candidates), the rest by _insert
+            room = self.capacity - len(entries)
             p = 0
             for gi in range(len(group)):
                 c, cnt = spans[2 * gi], spans[2 * gi + 1]
@@ -474,7 +477,11 @@ class RankedCPUTier(CPUTier):
                             order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
-                        to_rank.append(base - (c + 1) * tpc)
+                        if room > 0:
+                            room -= 1
+                            self._add(k, base - (c + 1) * tpc)
+                        else:
+                            to_rank.append(base - (c + 1) * tpc)
                     elif ready[s] and not m[c]:
                         m[c] = True
                         order.append(k)
@@ -485,7 +492,7 @@ class RankedCPUTier(CPUTier):
                             self._set_rank(k, s, r)
                     c += 1
                 p += cnt
-            return self._insert(to_store, keys, to_rank)
+            return self._insert(to_store, keys, to_rank, len(to_store) - len(to_rank))
         codes = self._codes(a, st)
         for k in keys:
             s = entries.get(k)
@@ -513,24 +520,28 @@ class RankedCPUTier(CPUTier):
                         self._set_rank(k, s, r)
         return self._insert(to_store, keys, to_rank)
 
-    def _insert(self, to_store: list, keys, to_rank: list | None) -> list | None:
-        """The rest of prepare_store: evict for the new chunks, insert them (``to_rank``: their
-        ranks, 0.33.0 ``(request rank, -position)``, None where the position is unknown or the
-        request does not rank them: the next rank then)."""
+    def _insert(self, to_store: list, keys, to_rank: list | None, done: int = 0) -> list | None:
+        """The rest of prepare_store: evict for the new chunks ``to_store``, insert them
+        (``to_rank``: their ranks, 0.33.0 ``(request rank, -position)``, None where the position
+        is unknown or the request does not rank them: the next rank then). The first ``done``
+        are inserted already (filling the room there was; ``to_rank`` lists the others'): taken
+        out again if the eviction fails."""
         if not to_store:
             return []
         entries = self.entries
         self.version += 1
         self.content_version += 1
-        n_evict = len(to_store) - (self.capacity - len(entries))
+        n_evict = len(to_store) - (self.capacity - len(entries)) - done
         if n_evict > 0:
             victims = self._lowest_evictable(n_evict, set(keys))
             if victims is None:
+                for i in range(done):
+                    self._drop(to_store[i])
                 return None
             for k in victims:
                 self._drop(k)
             self.evictions += n_evict
-        for i, k in enumerate(to_store):
+        for i, k in enumerate(to_store[done:] if done else to_store):
             r = to_rank[i] if to_rank is not None else None
             if r is None:
                 self.next_rank += 1
