@@ -256,6 +256,29 @@ class _ReqAccess:
         self.marks: list[list[bool]] = [[] for _ in range(n_groups)] if by_index else []
 
 
+def _sorted_items(rs: list, ks: list) -> tuple[list, list]:
+    """The items ``(rs[i], ks[i])`` (ranks, see RANK_SHIFT, and keys) in (rank, key) order, as
+    two lists: sorted by rank alone (ints compare faster than tuples), then each run of equal
+    ranks (rare: one position of one request, across groups) put in key order."""
+    out_r: list = []
+    out_k: list = []
+    start, prev = 0, -1                 # (ranks are positive)
+    for i in sorted(range(len(rs)), key=rs.__getitem__):
+        ro, k = rs[i], ks[i]
+        r: int = ro
+        if r == prev:
+            x = len(out_k)
+            while x > start and k < out_k[x - 1]:
+                x -= 1
+            out_r.insert(x, ro)
+            out_k.insert(x, k)
+        else:
+            start, prev = len(out_k), r
+            out_r.append(ro)
+            out_k.append(k)
+    return out_r, out_k
+
+
 class RankedCPUTier(CPUTier):
     """0.31.0+ ``LRUCachePolicy``: logical recency ranks independent of transfer pinning.
 
@@ -396,7 +419,8 @@ class RankedCPUTier(CPUTier):
                 keys: list = groups[gi].keys
                 n = counts[gi]
                 if n < len(keys):
-                    seen.update(keys[n:])
+                    for i in range(n, len(keys)):
+                        seen.add(keys[i])       # (no slice: cheaper than update())
                     total += len(keys) - n
             if len(seen) == total:
                 marks = a.marks
@@ -609,13 +633,12 @@ class RankedCPUTier(CPUTier):
     def _sort_pile(self) -> None:
         """The pile's items of evictable chunks sorted into the run; the pile is left empty."""
         rr, rk, pr, pk = self.run_rank, self.run_key, self.pile_rank, self.pile_key
-        items = [(rr[i], rk[i]) for i in range(self.run_head, len(rk))]
+        rs, ks = rr[self.run_head:], rk[self.run_head:]
         for i in range(len(pk)):
             if self._current(pr[i], pk[i]):
-                items.append((pr[i], pk[i]))
-        items.sort()
-        self.run_rank = [item[0] for item in items]
-        self.run_key = [item[1] for item in items]
+                rs.append(pr[i])
+                ks.append(pk[i])
+        self.run_rank, self.run_key = _sorted_items(rs, ks)
         self.run_head = 0
         pr.clear()
         pk.clear()
@@ -632,10 +655,13 @@ class RankedCPUTier(CPUTier):
         entries, ready, refs, rank = self.entries, self.ready, self.refs, self.rank
         if not self.queued:                    # built at the first eviction, kept up after
             self.queued = True
-            for item in sorted([(rank[s], k) for k, s in entries.items()
-                                if ready[s] and not refs[s]]):
-                self.fresh_rank.append(item[0])
-                self.fresh_key.append(item[1])
+            rs: list = []
+            ks: list = []
+            for k, slot in entries.items():
+                if ready[slot] and not refs[slot]:
+                    rs.append(rank[slot])
+                    ks.append(k)
+            self.fresh_rank, self.fresh_key = _sorted_items(rs, ks)
         elif len(self.fresh_key) - self.head + len(self.run_key) - self.run_head \
                 + len(self.pile_key) > 4 * len(entries):
             self._compact()                     # mostly items to drop
