@@ -315,6 +315,29 @@ class _ReqAccess:
         self.marks: list[list[bool]] = [[] for _ in range(n_groups)] if by_index else []
 
 
+def _sorted_items(rs: list, ks: list) -> tuple[list, list]:
+    """The items ``(rs[i], ks[i])`` (ranks, see RANK_SHIFT, and keys) in (rank, key) order, as
+    two lists: sorted by rank alone (ints compare faster than tuples), then each run of equal
+    ranks (rare: one position of one request, across groups) put in key order."""
+    out_r: list = []
+    out_k: list = []
+    start, prev = 0, -1                 # (ranks are positive)
+    for i in sorted(range(len(rs)), key=rs.__getitem__):
+        ro, k = rs[i], ks[i]
+        r: int = ro
+        if r == prev:
+            x = len(out_k)
+            while x > start and k < out_k[x - 1]:
+                x -= 1
+            out_r.insert(x, ro)
+            out_k.insert(x, k)
+        else:
+            start, prev = len(out_k), r
+            out_r.append(ro)
+            out_k.append(k)
+    return out_r, out_k
+
+
 class RankedCPUTier(CPUTier):
     """0.31.0+ ``LRUCachePolicy``: logical recency ranks independent of transfer pinning.
 
@@ -356,7 +379,10 @@ class RankedCPUTier(CPUTier):
         # chunk is pushed when it becomes evictable (complete_store, complete_load) and when it
         # takes a new rank while evictable; they may also hold items of chunks gone, ranked
         # again or no longer evictable (dropped as they surface). Keys order as their
-        # (group id, ident) pairs (see make_key): the order is (rank, group id, ident)
+        # (group id, ident) pairs (see make_key): the order is (rank, group id, ident).
+        # An item is current when it holds the very rank object of its chunk's slot (``is``: no
+        # unboxing): every rank given is a new object, and an item keeps its object alive, so
+        # no later rank of any chunk is that object
         self.queued = False
         self.fresh_rank: list = []
         self.fresh_key: list = []
@@ -373,7 +399,7 @@ class RankedCPUTier(CPUTier):
         self.group: list[tuple[int, int, int]] = [
             (i, cfg.tokens_per_chunk, by_id.index(cfg.group_id)) for i, cfg in enumerate(cfgs)]
         self.n_groups = max(len(cfgs), 1)
-        # the walk of a request's chunks head to tail by their marks (_accessed): on a grid of
+        # the walk of a request's chunks by their marks (_rerank_accessed): on a grid of
         # step the gcd of the groups' tokens per chunk, a group's chunk c at grid point
         # (c + 1) * steps[w]; at each point the groups in group id order (walk[w])
         unit = math.gcd(*[tpc for _, tpc, _ in self.group]) if self.group else 1
@@ -452,7 +478,8 @@ class RankedCPUTier(CPUTier):
                 keys: list = groups[gi].keys
                 n = counts[gi]
                 if n < len(keys):
-                    seen.update(keys[n:])
+                    for i in range(n, len(keys)):
+                        seen.add(keys[i])       # (no slice: cheaper than update())
                     total += len(keys) - n
             if len(seen) == total:
                 marks = a.marks
@@ -510,6 +537,10 @@ class RankedCPUTier(CPUTier):
             assert spans is not None
             groups, marks, group = st.groups, a.marks, self.group
             klist: list = keys          # (a list here: read without generic lookups)
+            base = 0                    # (the request rank << RANK_SHIFT, from the first access)
+            # the new chunks are inserted at once while there is room (the keys are distinct
+            # here, and chunks not ready are no eviction candidates), the rest by _insert
+            room = self.capacity - len(entries)
             p = 0
             for gi in range(len(group)):
                 c, cnt = spans[2 * gi], spans[2 * gi + 1]
@@ -527,16 +558,24 @@ class RankedCPUTier(CPUTier):
                         if not m[c]:
                             m[c] = True
                             order.append(k)
-                        to_rank.append((self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc)
+                        if not base:
+                            base = self._request_rank(a) << RANK_SHIFT
+                        if room > 0:
+                            room -= 1
+                            self._add(k, base - (c + 1) * tpc)
+                        else:
+                            to_rank.append(base - (c + 1) * tpc)
                     elif ready[s] and not m[c]:
                         m[c] = True
                         order.append(k)
-                        r = (self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc
+                        if not base:
+                            base = self._request_rank(a) << RANK_SHIFT
+                        r = base - (c + 1) * tpc
                         if self.rank[s] < r:
                             self._set_rank(k, s, r)
                     c += 1
                 p += cnt
-            return self._insert(to_store, keys, to_rank)
+            return self._insert(to_store, keys, to_rank, len(to_store) - len(to_rank))
         codes = self._codes(a, st)
         for k in keys:
             s = entries.get(k)
@@ -564,24 +603,28 @@ class RankedCPUTier(CPUTier):
                         self._set_rank(k, s, r)
         return self._insert(to_store, keys, to_rank)
 
-    def _insert(self, to_store: list, keys, to_rank: list | None) -> list | None:
-        """The rest of prepare_store: evict for the new chunks, insert them (``to_rank``: their
-        ranks, 0.33.0 ``(request rank, -position)``, None where the position is unknown or the
-        request does not rank them: the next rank then)."""
+    def _insert(self, to_store: list, keys, to_rank: list | None, done: int = 0) -> list | None:
+        """The rest of prepare_store: evict for the new chunks ``to_store``, insert them
+        (``to_rank``: their ranks, 0.33.0 ``(request rank, -position)``, None where the position
+        is unknown or the request does not rank them: the next rank then). The first ``done``
+        are inserted already (filling the room there was; ``to_rank`` lists the others'): taken
+        out again if the eviction fails."""
         if not to_store:
             return []
         entries = self.entries
         self.version += 1
         self.content_version += 1
-        n_evict = len(to_store) - (self.capacity - len(entries))
+        n_evict = len(to_store) - (self.capacity - len(entries)) - done
         if n_evict > 0:
             victims = self._lowest_evictable(n_evict, set(keys))
             if victims is None:
+                for i in range(done):
+                    self._drop(to_store[i])
                 return None
             for k in victims:
                 self._drop(k)
             self.evictions += n_evict
-        for i, k in enumerate(to_store):
+        for i, k in enumerate(to_store[done:] if done else to_store):
             r = to_rank[i] if to_rank is not None else None
             if r is None:
                 self.next_rank += 1
@@ -620,11 +663,7 @@ class RankedCPUTier(CPUTier):
     def _current(self, ro: Any, k) -> bool:
         """The item (``ro``, ``k``) is its chunk's current one, and the chunk is evictable."""
         s = self.entries.get(k)
-        if s is None:
-            return False
-        r: int = ro
-        rs: int = self.rank[s]
-        return rs == r and self.ready[s] and not self.refs[s]
+        return s is not None and self.rank[s] is ro and self.ready[s] and not self.refs[s]
 
     def _compact(self) -> None:
         """Drop the items of chunks gone, ranked again or not evictable, at once (cheaper than
@@ -653,13 +692,12 @@ class RankedCPUTier(CPUTier):
     def _sort_pile(self) -> None:
         """The pile's items of evictable chunks sorted into the run; the pile is left empty."""
         rr, rk, pr, pk = self.run_rank, self.run_key, self.pile_rank, self.pile_key
-        items = [(rr[i], rk[i]) for i in range(self.run_head, len(rk))]
+        rs, ks = rr[self.run_head:], rk[self.run_head:]
         for i in range(len(pk)):
             if self._current(pr[i], pk[i]):
-                items.append((pr[i], pk[i]))
-        items.sort()
-        self.run_rank = [item[0] for item in items]
-        self.run_key = [item[1] for item in items]
+                rs.append(pr[i])
+                ks.append(pk[i])
+        self.run_rank, self.run_key = _sorted_items(rs, ks)
         self.run_head = 0
         pr.clear()
         pk.clear()
@@ -676,10 +714,13 @@ class RankedCPUTier(CPUTier):
         entries, ready, refs, rank = self.entries, self.ready, self.refs, self.rank
         if not self.queued:                    # built at the first eviction, kept up after
             self.queued = True
-            for item in sorted([(rank[s], k) for k, s in entries.items()
-                                if ready[s] and not refs[s]]):
-                self.fresh_rank.append(item[0])
-                self.fresh_key.append(item[1])
+            rs: list = []
+            ks: list = []
+            for k, slot in entries.items():
+                if ready[slot] and not refs[slot]:
+                    rs.append(rank[slot])
+                    ks.append(k)
+            self.fresh_rank, self.fresh_key = _sorted_items(rs, ks)
         elif len(self.fresh_key) - self.head + len(self.run_key) - self.run_head \
                 + len(self.pile_key) > 4 * len(entries):
             self._compact()                     # mostly items to drop
@@ -712,14 +753,15 @@ class RankedCPUTier(CPUTier):
                 rr, rk, rhead = self.run_rank, self.run_key, 0
                 continue
             if from_fresh:
+                ro = fr[head]
                 head += 1
             else:
+                ro = rr[rhead]
                 rhead += 1
             s = entries.get(k)
             if s is None or not ready[s] or refs[s] or (r == last_r and k == last_k):
                 continue                       # stale, not evictable, or a copy
-            rs: int = rank[s]
-            if rs != r:
+            if rank[s] is not ro:
                 continue                       # stale
             last_r, last_k = r, k
             (passed if k in protected else victims).append(k)
@@ -763,6 +805,7 @@ class RankedCPUTier(CPUTier):
             # (prepare_store's walk of the spans, kept inline in both: as one method giving
             # each key's chunk index it cost 2.3 M more instructions per 64-request run)
             klist: list = keys          # (a list here: read without generic lookups)
+            base = 0                    # (the request rank << RANK_SHIFT, from the first access)
             p = 0
             for gi in range(len(group)):
                 c, cnt = spans[2 * gi], spans[2 * gi + 1]
@@ -779,7 +822,9 @@ class RankedCPUTier(CPUTier):
                     if not m[c]:
                         m[c] = True
                         order.append(k)
-                        r = (self._request_rank(a) << RANK_SHIFT) - (c + 1) * tpc
+                        if not base:
+                            base = self._request_rank(a) << RANK_SHIFT
+                        r = base - (c + 1) * tpc
                         if rank[s] < r:
                             self._set_rank(k, s, r)     # (not evictable now: not pushed)
                     c += 1
@@ -803,11 +848,12 @@ class RankedCPUTier(CPUTier):
         a = self.req_state.pop(st.req.rid, None)
         if a is None:
             return
+        if a.seen is not None:
+            self._rerank_accessed(a)
+            return
         # order_request_keys, head to tail: by position, ties by group id (each group's keys
         # sorted by position, the groups in id order, then a stable sort by position)
-        if a.seen is not None:
-            flat = self._accessed(a)
-        elif not a.unknown:
+        if not a.unknown:
             # every key accessed has its code (doubled, plus 1: the same order)
             flat = list(a.order)
             flat.sort(key=a.codes.__getitem__)
@@ -842,10 +888,12 @@ class RankedCPUTier(CPUTier):
                     fk.append(k)
         self.next_rank = nr
 
-    def _accessed(self, a: _ReqAccess) -> list:
-        """The keys a request going by index accessed, head to tail: its marks walked by
-        position (grid point), ties in group id order (see __init__); the keys of the request
-        state of its last access (as the dict mode's codes are)."""
+    def _rerank_accessed(self, a: _ReqAccess) -> None:
+        """on_request_finished for a request going by index: the keys it accessed, tail to head,
+        found by walking its marks by position (grid point) down, ties in reverse group id
+        order (see __init__), each take the next fresh rank; the keys are those of the request
+        state of its last access (as the dict mode's codes are). (The re-ranking of
+        on_request_finished's loop, fused with the walk: no list of the keys.)"""
         groups, steps = a.st.groups, self.steps
         # (the marks and the key lists in walk order, typed: no generic lookups in the walk)
         marks: list[list[bool]] = [a.marks[gi] for gi in self.walk]
@@ -853,9 +901,11 @@ class RankedCPUTier(CPUTier):
         end = 0
         for w in range(len(marks)):
             end = max(end, len(marks[w]) * steps[w])
-        flat: list = []
-        for t in range(1, end + 1):
-            for w in range(len(marks)):
+        entries, rank, queued = self.entries, self.rank, self.queued
+        fr, fk = self.fresh_rank, self.fresh_key
+        nr = self.next_rank
+        for t in range(end, 0, -1):
+            for w in range(len(marks) - 1, -1, -1):
                 r = steps[w]
                 if r == 1:
                     c = t - 1
@@ -865,8 +915,16 @@ class RankedCPUTier(CPUTier):
                     c = t // r - 1
                 m = marks[w]
                 if c < len(m) and m[c]:
-                    flat.append(keys[w][c])
-        return flat
+                    k = keys[w][c]
+                    s = entries.get(k)
+                    if s is not None:
+                        nr += 1
+                        ro: object = nr << RANK_SHIFT      # (boxed once: as above)
+                        rank[s] = ro
+                        if queued and self.ready[s] and not self.refs[s]:
+                            fr.append(ro)
+                            fk.append(k)
+        self.next_rank = nr
 
     def complete_store(self, keys: list, contents: list) -> None:
         self.version += 1

@@ -124,6 +124,29 @@ def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60, compact: i
     return checked
 
 
+def test_ranked_tier_sorts_queue_items_as_tuples():
+    """The eviction queue's items are sorted by rank alone and each run of equal ranks then by
+    key (offload._sorted_items): the order of the ``(rank, key)`` tuples, ties and repeated
+    items included, each rank the very object given."""
+    import random
+    from simsched.offload import RANK_SHIFT, _sorted_items
+
+    for seed in range(300):
+        rng = random.Random(seed)
+        rs, ks = [], []
+        for _ in range(rng.randint(0, 60)):
+            if rs and rng.random() < 0.3:             # a tie, or a repeated item
+                i = rng.randrange(len(rs))
+                rs.append(rs[i])
+                ks.append(ks[i] if rng.random() < 0.3 else make_key(rng.randrange(3), ks[i]))
+            else:
+                rs.append((rng.randint(1, 9) << RANK_SHIFT) - rng.randint(0, 4) * 16)
+                ks.append(make_key(rng.randrange(3), rng.randrange(-2**63, 2**63)))
+        out_r, out_k = _sorted_items(rs, ks)
+        assert list(zip(out_r, out_k)) == sorted(zip(rs, ks))
+        assert sorted(map(id, out_r)) == sorted(map(id, rs))
+
+
 def test_ranked_tier_evicts_the_lowest_evictable_chunks():
     """RankedCPUTier (0.31.0+ LRUCachePolicy) keeps its eviction candidates outside the entries
     (a sorted queue, a pile sorted into a second queue on demand, only evictable chunks, stale
