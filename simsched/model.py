@@ -748,10 +748,14 @@ class Model:
                 if store_at < 0 or e < store_at:
                     store_at = e
             if store_at >= 0:
-                cap = st.max_offload_tokens                 # as OffloadScheduler._offloadable
-                if self.off.prompt_only:
-                    cap = req.num_prompt if cap is None else min(cap, req.num_prompt)
-                if cap is None or cap >= store_at:
+                # the cap of OffloadScheduler._offloadable, if any (``capped``; native ints, no
+                # Optional compared as objects)
+                mo: int | None = st.max_offload_tokens
+                capped = mo is not None
+                cap: int = mo if mo is not None else 0
+                if self.off.prompt_only and (not capped or req.num_prompt < cap):
+                    capped, cap = True, req.num_prompt
+                if not capped or cap >= store_at:
                     bound = min(bound, store_at - 2)        # c + 1 < store_at
             # (group id, block) of the blocks such a step writes, as the int objects the
             # shadow's contents (Shadow.nums) and the tables (BlockPool.ids) hold
