@@ -549,8 +549,10 @@ class Model:
                 lines.append(f"alloc {rid} {empty}" if nb is None else fmt_alloc(rid, nb))
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
-        stores, loads, flush = off.build_connector_meta(scheduled, new_blocks, preempted,
-                                                        finished, self.reqs, kv.take_offers())
+        # (typed: unpacked and walked as native lists, not through iterators)
+        meta: tuple[list[Job], list[Job], set[int]] = off.build_connector_meta(
+            scheduled, new_blocks, preempted, finished, self.reqs, kv.take_offers())
+        stores, loads, flush = meta
         if stores:
             store_t = t + self.timing.store_latency
             geo, schedule = self.geo, self.q.schedule
@@ -567,9 +569,9 @@ class Model:
         if flush:
             self._emit("flush " + ",".join(map(str, sorted(flush))))
             for jid in sorted(flush):
-                job = off.jobs.get(jid)
-                if job is not None and job.is_store:
-                    self._read_store(job)
+                fj = off.jobs.get(jid)
+                if fj is not None and fj.is_store:
+                    self._read_store(fj)
                     if asy is None:
                         self.q.schedule(t, ev.STORE_DONE, jid)
                     else:
@@ -780,7 +782,8 @@ class Model:
             req.fast_blocks = blocks
         req.fast_until = bound
 
-    def _schedule_waiting(self, scheduled, new_blocks, budget, sched_reqs) -> None:
+    def _schedule_waiting(self, scheduled: dict[str, int], new_blocks: dict[str, list],
+                          budget: int, sched_reqs: list[Sched]) -> None:
         kv, off, t = self.kv, self.off, self.q.now
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
@@ -793,19 +796,20 @@ class Model:
                     i += 1
                     continue
                 self._promote_loaded(req)
-            ext: int | None = 0
+            ext = 0             # the tokens to load (a native int: the hit once known)
             fresh = req.num_computed == 0
             if fresh:
                 L = kv.find_hit(req)
                 # Request.shared_prefix_boundary: a reachable boundary of sliding-window stores
                 off.junction[req.rid] = kv.junction
-                ext = off.get_num_new_matched_tokens(req, L)
+                hit = off.get_num_new_matched_tokens(req, L)
                 if self.checks == "full":
                     self._violation(inv.check_hit(self.step_no, off, off.req_status[req.rid],
-                                                  ext))
-                if ext is None:
+                                                  hit))
+                if hit is None:
                     i += 1
                     continue
+                ext = hit
                 # allocate_slots(full_sequence_must_fit=scheduler_reserve_full_isl, True in every
                 # release): blocks for the whole sequence must be free before the hit is taken;
                 # then the chunk's blocks, for a load beyond the blocks reserved for the in-flight

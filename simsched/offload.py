@@ -1413,9 +1413,10 @@ class OffloadScheduler:
         """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
         chunks grows to cover a partial rightmost chunk (``-num_tokens % tokens_per_chunk``)."""
         w: Any = cfg.sliding_window_in_chunks
-        win = self.sw_tokens.get(cfg.group_id)
-        if win is None:
+        wt: int | None = self.sw_tokens.get(cfg.group_id)
+        if wt is None:
             return w
+        win: int = wt                   # (native ints from here)
         tpc = cfg.tokens_per_chunk
         n = -(-(win - 1 + (-num_tokens % tpc)) // tpc)
         wi: int = w
