@@ -555,13 +555,13 @@ class Model:
         stores, loads, flush = meta
         if stores:
             store_t = t + self.timing.store_latency
-            geo, schedule = self.geo, self.q.schedule
+            geo, q = self.geo, self.q
             for job in stores:
                 if tracing:
                     lines.append(fmt_job(job))
                 self._violation(inv.check_store_job(step, job, geo))
                 if asy is None:
-                    schedule(store_t, ev.STORE_DONE, job.jid)
+                    q.schedule(store_t, ev.STORE_DONE, job.jid)
                 else:
                     asy.due[job.jid] = store_t
             counters["stores"] += len(stores)

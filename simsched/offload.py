@@ -190,13 +190,19 @@ class CPUTier:
                     lru[k] = s
 
     def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
+        """A load job of the chunks ``keys`` (a list) starts. (Here and in the loads' other
+        updates the load counts are read, then stored: ``refs[s] += 1`` compiles to a generic
+        in-place add.)"""
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
-        for k in keys:
+        ks: list = keys
+        for x in range(len(ks)):
+            k = ks[x]
             s = entries[k]
-            refs[s] += 1
-            if self.evictable_list and refs[s] == 1 and self.ready[s]:
+            n = refs[s] + 1
+            refs[s] = n
+            if self.evictable_list and n == 1 and self.ready[s]:
                 del self.lru[k]                 # not evictable while loaded
 
     def on_request_finished(self, st) -> None:
@@ -211,8 +217,9 @@ class CPUTier:
         entries, refs = self.entries, self.refs
         for k in (tuple_set_order(keys) if self.evictable_list else keys):
             s = entries[k]
-            refs[s] -= 1
-            if not refs[s] and self.ready[s] and self.evictable_list:
+            n = refs[s] - 1
+            refs[s] = n
+            if not n and self.ready[s] and self.evictable_list:
                 self.lru[k] = s                 # evictable now: the MRU end
 
 
@@ -967,8 +974,10 @@ class ListCPUTier(CPUTier):
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
-        for k in keys:
-            refs[entries[k]] += 1               # not evictable while loaded
+        ks: list = keys
+        for x in range(len(ks)):
+            s = entries[ks[x]]
+            refs[s] = refs[s] + 1               # not evictable while loaded
 
     def complete_load(self, keys: list) -> None:
         """``keys``: the job's keys as listed; those evictable now join in the order of their set
@@ -983,8 +992,9 @@ class ListCPUTier(CPUTier):
         t: object = self.clock                  # (boxed once for all the keys)
         for x in range(len(keys)):
             s = entries[keys[x]]
-            refs[s] -= 1
-            if not refs[s] and ready[s]:
+            n = refs[s] - 1
+            refs[s] = n
+            if not n and ready[s]:
                 rank[s] = t                     # evictable now: placed when the log is applied
         self.log.append((keys, -1, len(keys), t))
         self.clock += len(keys)
@@ -1464,6 +1474,8 @@ class OffloadScheduler:
                 query_max = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
                 num_chunks = min(-(-query_max // tpc), len(keys))
                 start = num_computed // tpc
+                # n_hit: the group's hit in chunks from ``start``; -1: deferred (not None: a native
+                # int)
                 if w is None:
                     hits = 0
                     for j in range(start, num_chunks):         # (keys[start:num_chunks])
@@ -1473,7 +1485,7 @@ class OffloadScheduler:
                         if not ready[s]:
                             defer = True
                         hits += 1
-                    n_hit = None if defer else hits
+                    n_hit = -1 if defer else hits
                 else:
                     sub = keys[start:num_chunks]
                     # _sliding_window_lookup: from the end, the first run of ``need`` consecutive
@@ -1501,11 +1513,11 @@ class OffloadScheduler:
                     if not found:
                         n_hit = consecutive
                     if pending:
-                        n_hit = None
+                        n_hit = -1
                         defer = True
                 if n_hit == 0:
                     return 0
-                if n_hit is not None:
+                if n_hit >= 0:
                     if eagle:
                         n_hit -= 1
                         eagle_verified |= 1 << gi
