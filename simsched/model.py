@@ -585,17 +585,19 @@ class Model:
                 lines.append(f"alloc {rid} {empty}" if nb is None else fmt_alloc(rid, nb))
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
-        stores, loads, flush = off.build_connector_meta(scheduled, new_blocks, preempted,
-                                                        finished, self.reqs, kv.take_offers())
+        # (typed: unpacked and walked as native lists, not through iterators)
+        meta: tuple[list[Job], list[Job], set[int]] = off.build_connector_meta(
+            scheduled, new_blocks, preempted, finished, self.reqs, kv.take_offers())
+        stores, loads, flush = meta
         if stores:
             store_t = t + self.timing.store_latency
-            geo, schedule = self.geo, self.q.schedule
+            geo, q = self.geo, self.q
             for job in stores:
                 if tracing:
                     lines.append(fmt_job(job))
                 self._violation(inv.check_store_job(step, job, geo))
                 if asy is None:
-                    schedule(store_t, ev.STORE_DONE, job.jid)
+                    q.schedule(store_t, ev.STORE_DONE, job.jid)
                 else:
                     asy.due[job.jid] = store_t
             counters["stores"] += len(stores)
@@ -603,9 +605,9 @@ class Model:
         if flush:
             self._emit("flush " + ",".join(map(str, sorted(flush))))
             for jid in sorted(flush):
-                job = off.jobs.get(jid)
-                if job is not None and job.is_store:
-                    self._read_store(job)
+                fj = off.jobs.get(jid)
+                if fj is not None and fj.is_store:
+                    self._read_store(fj)
                     if asy is None:
                         self.q.schedule(t, ev.STORE_DONE, jid)
                     else:
@@ -788,10 +790,14 @@ class Model:
                 if store_at < 0 or e < store_at:
                     store_at = e
             if store_at >= 0:
-                cap = st.max_offload_tokens                 # as OffloadScheduler._offloadable
-                if self.off.prompt_only:
-                    cap = req.num_prompt if cap is None else min(cap, req.num_prompt)
-                if cap is None or cap >= store_at:
+                # the cap of OffloadScheduler._offloadable, if any (``capped``; native ints, no
+                # Optional compared as objects)
+                mo: int | None = st.max_offload_tokens
+                capped = mo is not None
+                cap: int = mo if mo is not None else 0
+                if self.off.prompt_only and (not capped or req.num_prompt < cap):
+                    capped, cap = True, req.num_prompt
+                if not capped or cap >= store_at:
                     bound = min(bound, store_at - 2)        # c + 1 < store_at
             # (group id, block) of the blocks such a step writes, as the int objects the
             # shadow's contents (Shadow.nums) and the tables (BlockPool.ids) hold
@@ -816,7 +822,8 @@ class Model:
             req.fast_blocks = blocks
         req.fast_until = bound
 
-    def _schedule_waiting(self, scheduled, new_blocks, budget, sched_reqs) -> None:
+    def _schedule_waiting(self, scheduled: dict[str, int], new_blocks: dict[str, list],
+                          budget: int, sched_reqs: list[Sched]) -> None:
         kv, off, t = self.kv, self.off, self.q.now
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
@@ -829,19 +836,20 @@ class Model:
                     i += 1
                     continue
                 self._promote_loaded(req)
-            ext: int | None = 0
+            ext = 0             # the tokens to load (a native int: the hit once known)
             fresh = req.num_computed == 0
             if fresh:
                 L = kv.find_hit(req)
                 # Request.shared_prefix_boundary: a reachable boundary of sliding-window stores
                 off.junction[req.rid] = kv.junction
-                ext = off.get_num_new_matched_tokens(req, L)
+                hit = off.get_num_new_matched_tokens(req, L)
                 if self.checks == "full":
                     self._violation(inv.check_hit(self.step_no, off, off.req_status[req.rid],
-                                                  ext))
-                if ext is None:
+                                                  hit))
+                if hit is None:
                     i += 1
                     continue
+                ext = hit
                 # allocate_slots(full_sequence_must_fit=scheduler_reserve_full_isl, True in every
                 # release): blocks for the whole sequence must be free before the hit is taken;
                 # then the chunk's blocks, for a load beyond the blocks reserved for the in-flight

@@ -249,26 +249,36 @@ class CPUTier:
                     lru[k] = s
 
     def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
+        """A load job of the chunks ``keys`` (a list) starts. (Here and in the loads' other
+        updates the load counts are read, then stored: ``refs[s] += 1`` compiles to a generic
+        in-place add.)"""
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
-        for k in keys:
+        ks: list = keys
+        for x in range(len(ks)):
+            k = ks[x]
             s = entries[k]
-            refs[s] += 1
-            if self.evictable_list and refs[s] == 1 and self.ready[s]:
+            n = refs[s] + 1
+            refs[s] = n
+            if self.evictable_list and n == 1 and self.ready[s]:
                 del self.lru[k]                 # not evictable while loaded
 
     def on_request_finished(self, st) -> None:
         """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
 
-    def complete_load(self, keys) -> None:
+    def complete_load(self, keys: list) -> None:
+        """A load job's chunks ``keys`` (its keys as listed, Job.keys) have been read. With the
+        evictable list, those evictable now join its MRU end in the order of vLLM's set of the
+        job's keys (tuple_set_order)."""
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
-        for k in keys:
+        for k in (tuple_set_order(keys) if self.evictable_list else keys):
             s = entries[k]
-            refs[s] -= 1
-            if not refs[s] and self.ready[s] and self.evictable_list:
+            n = refs[s] - 1
+            refs[s] = n
+            if not n and self.ready[s] and self.evictable_list:
                 self.lru[k] = s                 # evictable now: the MRU end
 
 
@@ -956,21 +966,21 @@ class ListCPUTier(CPUTier):
     load completing; ``touch`` moves the evictable ones of the keys given to the MRU end, last key
     first; eviction takes the evictable chunks from the LRU end), built lazily: the order only
     matters once a store must evict, and until then most of the work on it would be touches (of
-    keys mostly not there) and store completions (in the order of vLLM's key set,
+    keys mostly not there) and store and load completions (in the order of vLLM's key set,
     :func:`tuple_set_order`).
 
     Until the first eviction (``lazy``) the order is kept as stamps: ``clock`` counts the moves
     (joins, touched keys), and a chunk's place in the list is the stamp of its last move, kept
-    in ``rank[slot]``. A load completion stamps its chunks at once; touches and store completions are logged (``log``, with the stamps they
-    take) and applied, in order, at the first eviction (or when the log grows long): a touch
-    ``(keys, lo, hi, t)`` gives ``keys[i]`` (lo <= i < hi) the stamp ``t + hi - 1 - i`` if the
-    chunk is evictable then and its stamp is lower (a chunk evictable then has been so since it
-    last joined: it was there at the touch if it joined before, which its lower stamp says); a
-    store completion ``(keys, -1, n, t)`` joined its keys at the placeholder stamp ``t`` and
-    gives each one still there ``t`` + its index in set order. A touch whose keys a later touch
-    of the same list covers is skipped (the later stamps are higher). At the first eviction the
-    evictable chunks go into the ``lru`` in stamp order, and the tier works as the evictable list
-    from then on."""
+    in ``rank[slot]``. Touches and store and load completions are logged (``log``, with the
+    stamps they take) and applied, in order, at the first eviction (or when the log grows long):
+    a touch ``(keys, lo, hi, t)`` gives ``keys[i]`` (lo <= i < hi) the stamp ``t + hi - 1 - i``
+    if the chunk is evictable then and its stamp is lower (a chunk evictable then has been so
+    since it last joined: it was there at the touch if it joined before, which its lower stamp
+    says); a completion ``(keys, -1, n, t)`` joined the keys it made evictable at the placeholder
+    stamp ``t`` and gives each one still there ``t`` + its index in set order. A touch whose keys
+    a later touch of the same list covers is skipped (the later stamps are higher). At the first
+    eviction the evictable chunks go into the ``lru`` in stamp order, and the tier works as the
+    evictable list from then on."""
 
     def __init__(self, capacity: int):
         super().__init__(capacity, True)
@@ -1018,7 +1028,7 @@ class ListCPUTier(CPUTier):
                 continue
             keys, lo, hi, t = log[x]
             if lo < 0:
-                # a store completion: its keys joined at the stamp t, in set order
+                # a store or load completion: its keys joined at the stamp t, in set order
                 stamp = t
                 for k in tuple_set_order(keys):
                     s = entries.get(k)
@@ -1082,26 +1092,33 @@ class ListCPUTier(CPUTier):
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
-        for k in keys:
-            refs[entries[k]] += 1               # not evictable while loaded
+        ks: list = keys
+        for x in range(len(ks)):
+            s = entries[ks[x]]
+            refs[s] = refs[s] + 1               # not evictable while loaded
 
-    def complete_load(self, keys) -> None:
+    def complete_load(self, keys: list) -> None:
+        """``keys``: the job's keys as listed; those evictable now join in the order of their set
+        (logged as a store completion is: the set order is only worked out if the log is
+        applied)."""
         if not self.lazy:
             super().complete_load(keys)
             return
         self.version += 1
         self.content_version += 1
         entries, refs, ready, rank = self.entries, self.refs, self.ready, self.rank
-        for k in keys:
-            s = entries[k]
+        t: object = self.clock                  # (boxed once for all the keys)
+        for x in range(len(keys)):
+            s = entries[keys[x]]
             r = refs[s] - 1                     # (not -=: a generic in-place subtraction when
             if r:                               # compiled)
                 refs[s] = r
                 continue
             refs[s] = 0                         # (a literal: the int object made once)
             if ready[s]:
-                rank[s] = self.clock            # evictable now: the MRU end
-                self.clock += 1
+                rank[s] = t                     # evictable now: placed when the log is applied
+        self.log.append((keys, -1, len(keys), t))
+        self.clock += len(keys)
 
 
 class _SlidingWindowStoreMask:
@@ -1227,11 +1244,12 @@ class Job:
     the request's block hash ``hidx[x]``; its blocks (a store's sources, a load's destinations)
     are ``bids[bpos[x]:bpos[x + 1]]``, at the block indices ``bidx[bpos[x]:bpos[x + 1]]`` of the
     request's table. :meth:`chunks` gives them as ``(group_id, chunk_idx, hash_idx, key,
-    [(block_index, block_id)])`` tuples. ``keys``: a load's keys as the tier completes them (a
-    set, or a list in the order it walks them); a store's, its chunks' keys (``ckeys`` lists
-    them, in chunk order, with ``contents``: the tier completes those). A store's fences (``_block_id_to_pending_jobs``): ``fenced``,
-    the blocks fenced at once (None if none); ``deferred``, whether its other source blocks are
-    fenced once its request finishes (OffloadScheduler._deferred lists them)."""
+    [(block_index, block_id)])`` tuples. ``keys``: a load's, the list ``ckeys`` (which the tier
+    walks in the order it needs when the load completes); a store's, its chunks'
+    keys (``ckeys`` lists them, in chunk order, with ``contents``: the tier completes those). A
+    store's fences (``_block_id_to_pending_jobs``): ``fenced``, the blocks fenced at once (None
+    if none); ``deferred``, whether its other source blocks are fenced once its request finishes
+    (OffloadScheduler._deferred lists them)."""
 
     __slots__ = ("jid", "rid", "is_store", "keys", "gids", "cidx", "hidx", "ckeys", "bpos",
                  "bidx", "bids", "fenced", "deferred", "read", "contents", "done")
@@ -1523,9 +1541,10 @@ class OffloadScheduler:
         """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
         chunks grows to cover a partial rightmost chunk (``-num_tokens % tokens_per_chunk``)."""
         w: Any = cfg.sliding_window_in_chunks
-        win = self.sw_tokens.get(cfg.group_id)
-        if win is None:
+        wt: int | None = self.sw_tokens.get(cfg.group_id)
+        if wt is None:
             return w
+        win: int = wt                   # (native ints from here)
         tpc = cfg.tokens_per_chunk
         n = -(-(win - 1 + (-num_tokens % tpc)) // tpc)
         wi: int = w
@@ -1534,6 +1553,9 @@ class OffloadScheduler:
     def _lookup(self, st: ReqOffload) -> int | None:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops."""
         req, tier = st.req, self.tier
+        # (tier.lookup of a key, inlined below: MISS when not in ``entries``, HIT_PENDING when
+        # its chunk is not ready)
+        entries, ready = tier.entries, tier.ready
         num_computed = st.num_local
         max_hit = req.num_tokens
         if self.supports_max_load and st.max_load_tokens is not None:
@@ -1570,18 +1592,20 @@ class OffloadScheduler:
                 query_max = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
                 num_chunks = min(-(-query_max // tpc), len(keys))
                 start = num_computed // tpc
-                sub = keys[start:num_chunks]
+                # n_hit: the group's hit in chunks from ``start``; -1: deferred (not None: a native
+                # int)
                 if w is None:
                     hits = 0
-                    for k in sub:
-                        r = tier.lookup(k)
-                        if r == MISS:
+                    for j in range(start, num_chunks):         # (keys[start:num_chunks])
+                        s = entries.get(keys[j])
+                        if s is None:
                             break
-                        if r == HIT_PENDING:
+                        if not ready[s]:
                             defer = True
                         hits += 1
-                    n_hit = None if defer else hits
+                    n_hit = -1 if defer else hits
                 else:
+                    sub = keys[start:num_chunks]
                     # _sliding_window_lookup: from the end, the first run of ``need`` consecutive
                     # hits (a pending chunk counts, but defers the lookup); 0.30.0+: a miss clears
                     # a pending chunk to its right, and the first run needs the load window
@@ -1592,13 +1616,13 @@ class OffloadScheduler:
                     w_req = w + eagle
                     consecutive, found, pending = 0, False, False
                     for idx in range(len(sub) - 1, -1, -1):
-                        r = tier.lookup(sub[idx])
-                        if r == MISS:
+                        s = entries.get(sub[idx])
+                        if s is None:
                             consecutive = 0
                             if v2:
                                 pending, need = False, w_req
                         else:
-                            if r == HIT_PENDING:
+                            if not ready[s]:
                                 pending = True
                             consecutive += 1
                         if consecutive == need:
@@ -1607,11 +1631,11 @@ class OffloadScheduler:
                     if not found:
                         n_hit = consecutive
                     if pending:
-                        n_hit = None
+                        n_hit = -1
                         defer = True
                 if n_hit == 0:
                     return 0
-                if n_hit is not None:
+                if n_hit >= 0:
                     if eagle:
                         n_hit -= 1
                         eagle_verified |= 1 << gi
@@ -1660,27 +1684,34 @@ class OffloadScheduler:
         block tables (every KV cache group), ``block_keys[block]`` is the block hash a block
         carries (its GPU prefix-cache key, ``BlockPool.key``: a GPU prefix hit), None if none
         (``is_cached``). Without a load the request is scheduled in this step."""
-        alloc, bpc = self.batch_allocated, self.bpc
+        bpc = self.bpc
+        marked: list[list[int]]         # the tables whose blocks this batch allocated
         if self.alloc_all_groups:
             # a request scheduled in this step: its new blocks are its whole tables, which
             # build_connector_meta (_update_req_states) marks for the offloaded groups before any
             # use of them; the other groups' blocks are marked here
             marked = ([tables[gid] for gid in self.other_gids]
                       if num_external == 0 and self.other_gids is not None else tables)
-            mark = self.alloc_mark
-            if mark is not None:
-                batch: object = self.alloc_batch    # (one int object, stored in every mark)
-                for table in marked:
-                    for blk in table:
-                        if blk != NULL:             # null placeholders are not allocations
-                            mark[blk] = batch
-                            self.alloc_marked = True
-            else:
-                # (NULL is never in batch_allocated outside these updates: adding the tables
-                # whole and dropping NULL after is the same set)
-                for table in marked:
-                    alloc.update(table)
-                alloc.discard(NULL)
+        elif num_external:
+            # up to 0.32.0 a load's offloaded groups, every block of their tables
+            marked = [tables[cfg.group_id] for cfg in self.cfgs]
+        else:
+            return None
+        if self.alloc_mark is not None:
+            mark: list = self.alloc_mark        # (typed list, not Optional: native item stores)
+            batch: object = self.alloc_batch    # (one int object, stored in every mark)
+            for table in marked:
+                for blk in table:
+                    if blk != NULL:             # null placeholders are not allocations
+                        mark[blk] = batch
+                        self.alloc_marked = True
+        else:
+            # (NULL is never in batch_allocated outside these updates: adding the tables whole
+            # and dropping NULL after is the same set)
+            alloc = self.batch_allocated
+            for table in marked:
+                alloc.update(table)
+            alloc.discard(NULL)
         if num_external == 0:
             return None
         st = self.req_status[req.rid]
@@ -1697,9 +1728,6 @@ class OffloadScheduler:
             spans.append(0)
             blocks: list = tables[gid]     # (untyped: the block ID objects go into the job)
             tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
-            if not self.alloc_all_groups:          # (else every table is in already)
-                alloc.update(blocks)
-                alloc.discard(NULL)
             n_gpu = -(-num_cached // tpb)
             n_local = n_gpu
             assert block_keys is not None         # (num_external > 0: given)
@@ -1738,9 +1766,9 @@ class OffloadScheduler:
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         self.tier.prepare_load(keys, st, spans)
         job.ckeys = keys
-        # (the keys are distinct; only the evictable list's complete_load depends on their order:
-        # the one of vLLM's set of them, tuple_set_order)
-        job.keys = tuple_set_order(keys, gids) if self.tier.evictable_list else keys
+        # (the evictable list's complete_load puts the keys in the order of their set,
+        # tuple_set_order, itself: when that order is needed)
+        job.keys = keys
         self._new_job(job)
         if self.asserts and st.jobs:
             raise ModelCrash("AssertionError", "update_state_after_alloc", "load",

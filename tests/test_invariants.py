@@ -155,8 +155,17 @@ def test_inv6_holds_with_fences():
 
 
 def test_inv7_load_of_pending_chunk(monkeypatch, src):
-    monkeypatch.setattr(src.offload.CPUTier, "lookup",
-                        lambda self, key: src.offload.HIT if key in self.entries else src.offload.MISS)
+    # the connector's lookup sees every chunk in the tier as ready (pending ones too)
+    lookup = src.offload.OffloadScheduler._lookup
+
+    def pending_as_hit(self, st):
+        ready = self.tier.ready
+        self.tier.ready = [True] * len(ready)
+        try:
+            return lookup(self, st)
+        finally:
+            self.tier.ready = ready
+    monkeypatch.setattr(src.offload.OffloadScheduler, "_lookup", pending_as_hit)
     c = mk([{"id": "a", "prompt": [[1, 96]], "decode": 1},
             {"id": "b", "prompt": [[1, 96], [3, 20]], "arrival": 2, "decode": 2}],
            num_gpu_blocks=48, enable_prefix_caching=False,

@@ -272,12 +272,12 @@ def test_ranked_tier_by_index_is_the_position_map():
 
 
 def test_list_tier_evicts_as_the_evictable_list():
-    """ListCPUTier (0.25.1-0.30.0's evictable list kept as stamps, touches and store completions
+    """ListCPUTier (0.25.1-0.30.0's evictable list kept as stamps, touches and completions
     applied when an eviction needs them) evicts exactly what the OrderedDict evictable list
-    (CPUTier with evictable_list) evicts, under random stores, completions (keys in list order:
-    both walk them in set order), loads, touches of whole key lists and of windows, as the
-    connector makes them (fails with the touch or the store-completion log not applied, or a
-    covered touch that is not covered skipped)."""
+    (CPUTier with evictable_list) evicts, under random stores, store and load completions (keys
+    in list order: both walk them in set order), loads, touches of whole key lists and of
+    windows, as the connector makes them (fails with the touch or the completion log not
+    applied, or a covered touch that is not covered skipped)."""
     import random
     from simsched.offload import ListCPUTier
 
@@ -316,12 +316,12 @@ def test_list_tier_evicts_as_the_evictable_list():
                     loading.append(sub)
                 elif loading:
                     done = loading.pop(0)
-                    ref.complete_load(tuple_set_order(done))
-                    tier.complete_load(tuple_set_order(done))
+                    ref.complete_load(done)
+                    tier.complete_load(done)
             elif op == 4 and loading:
                 done = loading.pop(0)
-                ref.complete_load(tuple_set_order(done))
-                tier.complete_load(tuple_set_order(done))
+                ref.complete_load(done)
+                tier.complete_load(done)
             else:
                 lo = rng.randrange(3)
                 hi = rng.randint(lo, len(keys))
