@@ -87,11 +87,14 @@ class Shadow:
                     written.append(bo)
                 continue
             bs = r.bs
-            last = (end - 1) // bs + 1
+            full = end // bs                # blocks [i0, full) are complete at end
+            # (end - 1) // bs + 1: the blocks holding [0, end), from full (one division)
+            last = full if full * bs == end else full + 1
             if last > len(table):
                 last = len(table)
+                if full > last:
+                    full = last
             i0 = start // bs
-            full = min(end // bs, last)          # blocks [i0, full) are complete at end
             if full > i0:
                 # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1] (None when
                 # not known, as ident_at)
