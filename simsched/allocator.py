@@ -671,16 +671,32 @@ class KVCacheManager:
             L = (L - min(align, min(r.bs for r in self.cacheable_rules))) // align * align
         return L
 
+    def _hit_block(self, known: list[Any], j: int, k: Key) -> Any:
+        """The block a hit on ``k``, a group's ``j``-th key, takes (``cached[k]``, valid: a hit's
+        blocks carry their keys): ``known[j]``, find_hit's block (``Request.hit_blocks``), if it
+        still carries ``k`` first of its chain (``earlier`` NULL: then it is ``cached[k]``), for
+        list reads instead of a dict lookup; else ``cached[k]``."""
+        pool = self.pool
+        if j < len(known):
+            bo = known[j]
+            b: int = bo
+            e: int = pool.earlier[b]
+            kb = pool.key[b]
+            if e == NULL and kb is not None and (kb is k or kb == k):
+                return bo
+        return pool.cached[k]
+
     def apply_hit(self, req: Request, L: int, total: int | None = None) -> None:
         """Take the hit blocks (``save_new_computed_blocks``): the null block for the blocks out
         of reach at ``total`` computed tokens (the hit plus the connector's tokens; default
         ``L``), the hit blocks in reach touched. The hit blocks count as cached
         (``num_cached_block``): ``cache_blocks`` starts after them."""
-        cached, pool = self.pool.cached, self.pool
+        pool = self.pool
         req.quiet_until = -1
         if total is None:
             total = L
         done = req.num_cached_blocks
+        memo = req.hit_blocks
         for r in self.rules:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
@@ -688,8 +704,9 @@ class KVCacheManager:
             n = L // r.bs
             first = min(r.skipped_tokens(total) // r.bs, n)
             table.extend([NULL] * first)
-            # (cached[k]: the hit's blocks carry their keys, so their entries are valid)
-            blocks = [cached[k] for k in req.keys(r.gid, r.bs)[first:n]]
+            keys = req.keys(r.gid, r.bs)
+            known = memo[r.gid] if memo else []
+            blocks = [self._hit_block(known, j, keys[j]) for j in range(first, n)]
             pool.touch(blocks)
             table.extend(blocks)
             done[r.gid] = len(table)
@@ -793,10 +810,12 @@ class KVCacheManager:
             skipped = r.skipped_tokens(total) // r.bs
             need += max(required - max(skipped, n_hit), 0)
             if skipped < n_hit:
-                # the evictable hit blocks (refcount 0): every hit block is cached under its key
-                ref, cached = pool.ref, pool.cached
-                for k in req.keys(r.gid, r.bs)[skipped:n_hit]:
-                    hb = cached[k]
+                # the evictable hit blocks (refcount 0)
+                ref, keys = pool.ref, req.keys(r.gid, r.bs)
+                memo = req.hit_blocks
+                known = memo[r.gid] if memo else []
+                for j in range(skipped, n_hit):
+                    hb = self._hit_block(known, j, keys[j])
                     if ref[hb] == 0:
                         need += 1
         return need

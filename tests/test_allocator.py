@@ -303,13 +303,16 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
     """BlockPool keeps a block's key in ``key``, the holder of a key in ``cached`` (entries of
     evicted blocks left stale) and the other blocks under one key in ``later``/``earlier``
     chains: random allocations, cachings (many blocks under few keys, equal keys as distinct
-    int objects, keys past 64 bits), frees, hits and uncachings behave as the reference."""
+    int objects, keys past 64 bits), frees, hits and uncachings behave as the reference; a hit
+    given any block find_hit might have remembered takes the key's holder (_hit_block)."""
     import random
     from simsched.allocator import LAST, BlockPool, make_key
     for seed in range(40):
         rng = random.Random(seed)
         n = rng.choice([6, 12, 24])
         pool, ref = BlockPool(n), _RefPool(n)
+        kv = mgr([Group("full", 16)], n)
+        kv.pool = pool
         idents = [rng.randrange(-2**63, 2**63) for _ in range(rng.choice([2, 5, 12]))]
         held: list[int] = []
         for _ in range(400):
@@ -356,6 +359,11 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                     assert chain == ref.map.get(k, [])
                     assert [pool.earlier[c] for c in chain] == [NULL, *chain][:len(chain)]
                     assert (b == LAST) == (len(chain) > 1)
+                    if chain:
+                        # a block find_hit remembered, whatever it carries now: the hit's block
+                        # is the key's holder
+                        b = rng.choice(chain + [rng.randrange(1, n)])
+                        assert kv._hit_block([b], 0, k) == chain[0]
 
 
 def test_quiet_bound_with_remembered_leading_nulls_matches_a_fresh_scan():
