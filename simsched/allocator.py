@@ -576,11 +576,13 @@ class KVCacheManager:
         if self.eagle_drop and self.eagle_margin and L >= 0:
             # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
             L += min(r.bs for r in self.cacheable_rules)
-        # req.hit_blocks[gid]: the blocks this search found cached under the group's first keys
-        # (a waiting request that cannot be admitted searches again at every step). A block
-        # still carrying its key proves the key still cached (BlockPool: a key stays in
-        # ``cached`` while a block carries it), for a list read instead of a dict lookup; the
-        # first block that lost its key ends the run (it is looked up again)
+        # req.hit_blocks[gid]: the blocks this search found cached under the group's keys, by
+        # key index (a waiting request that cannot be admitted searches again at every step):
+        # a full-attention group's run from its first key, another group's blocks found in its
+        # reach (NULL where none was). A block still carrying its key proves the key still
+        # cached (BlockPool: a key stays in ``cached`` while a block carries it), for a list
+        # read instead of a dict lookup; a block that lost its key is looked up again (and ends
+        # a full-attention group's run)
         memo = req.hit_blocks
         if not memo:
             memo = req.hit_blocks = [[] for _ in self.rules]
@@ -639,6 +641,7 @@ class KVCacheManager:
                     bs = r.bs
                     hi, lo = L // bs, r.skipped_tokens(L) // bs
                     keys = rest_keys[x]
+                    known = memo[r.gid]
                     n = len(keys)
                     a, z = ok_lo[x], ok_hi[x]
                     j = lo
@@ -649,6 +652,13 @@ class KVCacheManager:
                         if j >= n:
                             break
                         k = keys[j]
+                        nk = len(known)
+                        if j < nk:
+                            bi = known[j]
+                            kb = pkey[bi]
+                            if kb is not None and (kb is k or kb == k):
+                                j += 1
+                                continue
                         bo = cached.get(k)
                         if bo is None:
                             break
@@ -656,6 +666,12 @@ class KVCacheManager:
                         kb = pkey[bi]
                         if kb is None or (kb is not k and kb != k):     # stale (holder)
                             break
+                        if j < nk:
+                            known[j] = bo
+                        else:
+                            if j > nk:
+                                known.extend([NULL] * (j - nk))
+                            known.append(bo)
                         j += 1
                     if j < hi:                    # block j is missing
                         if j > lo:
