@@ -201,13 +201,18 @@ class Request:
             self.key_lists.append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
         have, n = len(keys), len(ident) // per
-        if have < n:
-            idents = ident[have:n] if per == 1 else ident[(have + 1) * per - 1:n * per:per]
-            if gid:             # make_key(gid, h), inlined
-                base = _GROUP_BASE[gid]
-                keys.extend([h + base for h in idents])
-            else:               # group 0's keys are its identities
-                keys.extend(idents)
+        # the keys past the shared prefix, appended one by one (mostly one key at a time, as
+        # decoded tokens complete a stride: no slice or list made for it)
+        j, end = (have + 1) * per - 1, n * per
+        if gid:                 # make_key(gid, h), inlined
+            base = _GROUP_BASE[gid]
+            while j < end:
+                keys.append(ident[j] + base)
+                j += per
+        else:                   # group 0's keys are its identities
+            while j < end:
+                keys.append(ident[j])
+                j += per
         return keys
 
     def append_tokens(self, new: list[int]) -> None:
