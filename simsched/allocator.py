@@ -201,13 +201,18 @@ class Request:
             self.key_lists.append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
         have, n = len(keys), len(ident) // per
-        if have < n:
-            idents = ident[have:n] if per == 1 else ident[(have + 1) * per - 1:n * per:per]
-            if gid:             # make_key(gid, h), inlined
-                base = _GROUP_BASE[gid]
-                keys.extend([h + base for h in idents])
-            else:               # group 0's keys are its identities
-                keys.extend(idents)
+        # the keys past the shared prefix, appended one by one (mostly one key at a time, as
+        # decoded tokens complete a stride: no slice or list made for it)
+        j, end = (have + 1) * per - 1, n * per
+        if gid:                 # make_key(gid, h), inlined
+            base = _GROUP_BASE[gid]
+            while j < end:
+                keys.append(ident[j] + base)
+                j += per
+        else:                   # group 0's keys are its identities
+            while j < end:
+                keys.append(ident[j])
+                j += per
         return keys
 
     def append_tokens(self, new: list[int]) -> None:
@@ -576,11 +581,13 @@ class KVCacheManager:
         if self.eagle_drop and self.eagle_margin and L >= 0:
             # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
             L += min(r.bs for r in self.cacheable_rules)
-        # req.hit_blocks[gid]: the blocks this search found cached under the group's first keys
-        # (a waiting request that cannot be admitted searches again at every step). A block
-        # still carrying its key proves the key still cached (BlockPool: a key stays in
-        # ``cached`` while a block carries it), for a list read instead of a dict lookup; the
-        # first block that lost its key ends the run (it is looked up again)
+        # req.hit_blocks[gid]: the blocks this search found cached under the group's keys, by
+        # key index (a waiting request that cannot be admitted searches again at every step):
+        # a full-attention group's run from its first key, another group's blocks found in its
+        # reach (NULL where none was). A block still carrying its key proves the key still
+        # cached (BlockPool: a key stays in ``cached`` while a block carries it), for a list
+        # read instead of a dict lookup; a block that lost its key is looked up again (and ends
+        # a full-attention group's run)
         memo = req.hit_blocks
         if not memo:
             memo = req.hit_blocks = [[] for _ in self.rules]
@@ -639,6 +646,7 @@ class KVCacheManager:
                     bs = r.bs
                     hi, lo = L // bs, r.skipped_tokens(L) // bs
                     keys = rest_keys[x]
+                    known = memo[r.gid]
                     n = len(keys)
                     a, z = ok_lo[x], ok_hi[x]
                     j = lo
@@ -649,6 +657,13 @@ class KVCacheManager:
                         if j >= n:
                             break
                         k = keys[j]
+                        nk = len(known)
+                        if j < nk:
+                            bi = known[j]
+                            kb = pkey[bi]
+                            if kb is not None and (kb is k or kb == k):
+                                j += 1
+                                continue
                         bo = cached.get(k)
                         if bo is None:
                             break
@@ -656,6 +671,12 @@ class KVCacheManager:
                         kb = pkey[bi]
                         if kb is None or (kb is not k and kb != k):     # stale (holder)
                             break
+                        if j < nk:
+                            known[j] = bo
+                        else:
+                            if j > nk:
+                                known.extend([NULL] * (j - nk))
+                            known.append(bo)
                         j += 1
                     if j < hi:                    # block j is missing
                         if j > lo:
@@ -671,16 +692,32 @@ class KVCacheManager:
             L = (L - min(align, min(r.bs for r in self.cacheable_rules))) // align * align
         return L
 
+    def _hit_block(self, known: list[Any], j: int, k: Key) -> Any:
+        """The block a hit on ``k``, a group's ``j``-th key, takes (``cached[k]``, valid: a hit's
+        blocks carry their keys): ``known[j]``, find_hit's block (``Request.hit_blocks``), if it
+        still carries ``k`` first of its chain (``earlier`` NULL: then it is ``cached[k]``), for
+        list reads instead of a dict lookup; else ``cached[k]``."""
+        pool = self.pool
+        if j < len(known):
+            bo = known[j]
+            b: int = bo
+            e: int = pool.earlier[b]
+            kb = pool.key[b]
+            if e == NULL and kb is not None and (kb is k or kb == k):
+                return bo
+        return pool.cached[k]
+
     def apply_hit(self, req: Request, L: int, total: int | None = None) -> None:
         """Take the hit blocks (``save_new_computed_blocks``): the null block for the blocks out
         of reach at ``total`` computed tokens (the hit plus the connector's tokens; default
         ``L``), the hit blocks in reach touched. The hit blocks count as cached
         (``num_cached_block``): ``cache_blocks`` starts after them."""
-        cached, pool = self.pool.cached, self.pool
+        pool = self.pool
         req.quiet_until = -1
         if total is None:
             total = L
         done = req.num_cached_blocks
+        memo = req.hit_blocks
         for r in self.rules:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
@@ -688,8 +725,9 @@ class KVCacheManager:
             n = L // r.bs
             first = min(r.skipped_tokens(total) // r.bs, n)
             table.extend([NULL] * first)
-            # (cached[k]: the hit's blocks carry their keys, so their entries are valid)
-            blocks = [cached[k] for k in req.keys(r.gid, r.bs)[first:n]]
+            keys = req.keys(r.gid, r.bs)
+            known = memo[r.gid] if memo else []
+            blocks = [self._hit_block(known, j, keys[j]) for j in range(first, n)]
             pool.touch(blocks)
             table.extend(blocks)
             done[r.gid] = len(table)
@@ -793,10 +831,12 @@ class KVCacheManager:
             skipped = r.skipped_tokens(total) // r.bs
             need += max(required - max(skipped, n_hit), 0)
             if skipped < n_hit:
-                # the evictable hit blocks (refcount 0): every hit block is cached under its key
-                ref, cached = pool.ref, pool.cached
-                for k in req.keys(r.gid, r.bs)[skipped:n_hit]:
-                    hb = cached[k]
+                # the evictable hit blocks (refcount 0)
+                ref, keys = pool.ref, req.keys(r.gid, r.bs)
+                memo = req.hit_blocks
+                known = memo[r.gid] if memo else []
+                for j in range(skipped, n_hit):
+                    hb = self._hit_block(known, j, keys[j])
                     if ref[hb] == 0:
                         need += 1
         return need

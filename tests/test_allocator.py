@@ -303,13 +303,16 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
     """BlockPool keeps a block's key in ``key``, the holder of a key in ``cached`` (entries of
     evicted blocks left stale) and the other blocks under one key in ``later``/``earlier``
     chains: random allocations, cachings (many blocks under few keys, equal keys as distinct
-    int objects, keys past 64 bits), frees, hits and uncachings behave as the reference."""
+    int objects, keys past 64 bits), frees, hits and uncachings behave as the reference; a hit
+    given any block find_hit might have remembered takes the key's holder (_hit_block)."""
     import random
     from simsched.allocator import LAST, BlockPool, make_key
     for seed in range(40):
         rng = random.Random(seed)
         n = rng.choice([6, 12, 24])
         pool, ref = BlockPool(n), _RefPool(n)
+        kv = mgr([Group("full", 16)], n)
+        kv.pool = pool
         idents = [rng.randrange(-2**63, 2**63) for _ in range(rng.choice([2, 5, 12]))]
         held: list[int] = []
         for _ in range(400):
@@ -356,6 +359,11 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                     assert chain == ref.map.get(k, [])
                     assert [pool.earlier[c] for c in chain] == [NULL, *chain][:len(chain)]
                     assert (b == LAST) == (len(chain) > 1)
+                    if chain:
+                        # a block find_hit remembered, whatever it carries now: the hit's block
+                        # is the key's holder
+                        b = rng.choice(chain + [rng.randrange(n)])      # (NULL: none found)
+                        assert kv._hit_block([b], 0, k) == chain[0]
 
 
 def test_quiet_bound_with_remembered_leading_nulls_matches_a_fresh_scan():
@@ -412,3 +420,48 @@ def test_request_keys_are_the_keys_of_their_prefixes():
                         for k in range(1, who.num_tokens // stride + 1)]
                 assert who.keys(gid, stride) == want
             r.append_tokens([rng.randrange(1000) for _ in range(rng.choice([1, 1, 3]))])
+
+
+def test_find_hit_with_remembered_blocks_matches_a_fresh_search():
+    """find_hit keeps the blocks each search found (Request.hit_blocks), admission_blocks and
+    apply_hit read them: with requests sharing prefixes allocated, cached, freed and evicted
+    at random, a waiting request's hit, junction and admission count are those of a search
+    with nothing remembered."""
+    import random
+    groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=32),
+              Group("full", 16)]
+    for seed in range(25):
+        rng = random.Random(seed)
+        kv = mgr(groups, n=rng.choice([24, 40, 80]))
+        bases = [[rng.randrange(1000) for _ in range(rng.choice([32, 64, 96]))] for _ in range(3)]
+        made = 0
+
+        def new_req():
+            nonlocal made
+            made += 1
+            toks = rng.choice(bases) + [rng.randrange(1000) for _ in range(rng.randint(1, 40))]
+            return Request(f"r{made}", made, None, toks, 10**6, 16, len(groups))
+
+        waiting = [new_req() for _ in range(3)]
+        running: list = []
+        for _ in range(120):
+            w = rng.choice(waiting)
+            L = kv.find_hit(w)
+            got = (L, kv.junction, kv.admission_blocks(w, L, L, w.num_tokens, True))
+            memo, w.hit_blocks = w.hit_blocks, []
+            L2 = kv.find_hit(w)
+            assert got == (L2, kv.junction, kv.admission_blocks(w, L2, L2, w.num_tokens, True))
+            w.hit_blocks = memo
+            if rng.random() < 0.5 and got[2] <= kv.pool.num_free():
+                kv.apply_hit(w, L)
+                w.num_computed = L
+                if kv.allocate(w, w.num_tokens - L, cache_upto=w.num_tokens) is None:
+                    kv.free(w)
+                    w.num_computed = 0
+                    continue
+                waiting.remove(w)
+                running.append(w)
+                waiting.append(new_req())
+            elif running and rng.random() < 0.6:
+                r = running.pop(rng.randrange(len(running)))
+                kv.free(r)
