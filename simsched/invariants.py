@@ -290,7 +290,8 @@ class ReadFences:
 
 def check_load_ready(step: int, tier, job) -> InvariantViolation | None:
     """INV-7: every chunk a load job reads is ready (its store completed)."""
-    entries: dict = tier.entries      # (key -> slot; see offload.CPUTier)
+    # (key -> slot, see offload.CPUTier; typed so the slot indexes ``ready`` natively)
+    entries: dict[Any, int] = tier.entries
     ready: list[bool] = tier.ready
     ckeys: list = job.ckeys
     for x in range(len(ckeys)):

@@ -572,11 +572,9 @@ class Model:
                 if d and c + n > len(req.tokens):
                     self.sched_drafts[req.rid] = min(d, c + n - len(req.tokens))
         if not preempted:
-            self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
-        total = 0
-        for _, n, _ in sched_reqs:
-            total += n
-        counters["scheduled_tokens"] += total
+            budget = self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
+        # (every token of sched_reqs came out of the budget)
+        counters["scheduled_tokens"] += self.timing.max_num_batched_tokens - budget
         if tracing:
             empty = self.no_blocks_text       # fmt_alloc of no new block in any group
             for req, n, nb in sched_reqs:
@@ -823,7 +821,8 @@ class Model:
         req.fast_until = bound
 
     def _schedule_waiting(self, scheduled: dict[str, int], new_blocks: dict[str, list],
-                          budget: int, sched_reqs: list[Sched]) -> None:
+                          budget: int, sched_reqs: list[Sched]) -> int:
+        """The waiting loop of ``Scheduler.schedule()``: returns the budget left."""
         kv, off, t = self.kv, self.off, self.q.now
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
@@ -938,6 +937,7 @@ class Model:
                 self.padded.add(req.rid)
         if i:
             self._requeue_skipped(i)
+        return budget
 
     def _requeue_skipped(self, i: int) -> None:
         """The requests skipped by this step's pass (``waiting[:i]``) go back to the front of
