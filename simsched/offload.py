@@ -227,7 +227,8 @@ class _ReqAccess:
 
     By index (``seen`` not None; 0.33.0 while the callers give each key's chunk index, see
     RankedCPUTier.prepare_store): a key's position follows from its group and chunk index, and
-    ``marks[group index][chunk index]`` says whether the request accessed that chunk's key;
+    ``marks[group index][chunk index]`` is that chunk's key once the request accessed it (None
+    before: the walk at finish reads the key there);
     ``seen`` holds the request's offload keys entered so far (``counts`` per group, ``slots`` in
     all), only to tell that they are distinct (then a key and its chunk index name each other).
 
@@ -253,7 +254,7 @@ class _ReqAccess:
         self.counts: list[int] = [0] * n_groups
         self.slots = 0
         self.seen: set | None = set() if by_index else None
-        self.marks: list[list[bool]] = [[] for _ in range(n_groups)] if by_index else []
+        self.marks: list[list] = [[] for _ in range(n_groups)] if by_index else []
 
 
 def _sorted_items(rs: list, ks: list) -> tuple[list, list]:
@@ -427,7 +428,7 @@ class RankedCPUTier(CPUTier):
                 for gi in range(len(counts)):
                     e = len(groups[gi].keys)
                     if counts[gi] < e:
-                        marks[gi].extend([False] * (e - counts[gi]))
+                        marks[gi].extend([None] * (e - counts[gi]))
                         counts[gi] = e
                 a.slots = total
                 return True
@@ -496,8 +497,8 @@ class RankedCPUTier(CPUTier):
                     s = entries.get(k)
                     if s is None:
                         to_store.append(k)
-                        if not m[c]:
-                            m[c] = True
+                        if m[c] is None:
+                            m[c] = k
                             order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
@@ -506,13 +507,14 @@ class RankedCPUTier(CPUTier):
                             self._add(k, base - (c + 1) * tpc)
                         else:
                             to_rank.append(base - (c + 1) * tpc)
-                    elif ready[s] and not m[c]:
-                        m[c] = True
+                    elif ready[s] and m[c] is None:
+                        m[c] = k
                         order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
                         r = base - (c + 1) * tpc
-                        if self.rank[s] < r:
+                        rs: int = self.rank[s]     # (unboxed: r is not boxed to compare)
+                        if rs < r:
                             self._set_rank(k, s, r)
                     c += 1
                 p += cnt
@@ -760,13 +762,14 @@ class RankedCPUTier(CPUTier):
                         c += 1                  # (a chunk of the span left out)
                     s = entries[k]
                     refs[s] += 1
-                    if not m[c]:
-                        m[c] = True
+                    if m[c] is None:
+                        m[c] = k
                         order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
                         r = base - (c + 1) * tpc
-                        if rank[s] < r:
+                        rs: int = rank[s]          # (unboxed: r is not boxed to compare)
+                        if rs < r:
                             self._set_rank(k, s, r)     # (not evictable now: not pushed)
                     c += 1
                 p += cnt
@@ -833,12 +836,11 @@ class RankedCPUTier(CPUTier):
         """on_request_finished for a request going by index: the keys it accessed, tail to head,
         found by walking its marks by position (grid point) down, ties in reverse group id
         order (see __init__), each take the next fresh rank; the keys are those of the request
-        state of its last access (as the dict mode's codes are). (The re-ranking of
-        on_request_finished's loop, fused with the walk: no list of the keys.)"""
-        groups, steps = a.st.groups, self.steps
-        # (the marks and the key lists in walk order, typed: no generic lookups in the walk)
-        marks: list[list[bool]] = [a.marks[gi] for gi in self.walk]
-        keys: list[list] = [groups[gi].keys for gi in self.walk]
+        state of its last access (as the dict mode's codes are: the marks hold them). (The
+        re-ranking of on_request_finished's loop, fused with the walk: no list of the keys.)"""
+        steps = self.steps
+        # (the marks in walk order, typed: no generic lookups in the walk)
+        marks: list[list] = [a.marks[gi] for gi in self.walk]
         end = 0
         for w in range(len(marks)):
             end = max(end, len(marks[w]) * steps[w])
@@ -855,8 +857,8 @@ class RankedCPUTier(CPUTier):
                 else:
                     c = t // r - 1
                 m = marks[w]
-                if c < len(m) and m[c]:
-                    k = keys[w][c]
+                if c < len(m) and m[c] is not None:
+                    k = m[c]
                     s = entries.get(k)
                     if s is not None:
                         nr += 1
