@@ -589,14 +589,14 @@ class RankedCPUTier(CPUTier):
             r: int = ro
             last: int = self.fresh_rank[-1]
             if r < last or (r == last and k < fk[-1]):
-                self._pile(ro, k)
+                self._pile(ro, k, r)
                 return
         fk.append(k)
         self.fresh_rank.append(ro)
 
-    def _pile(self, ro: Any, k) -> None:
-        """An eviction candidate (as in _push) to the pile."""
-        r: int = ro
+    def _pile(self, ro: Any, k, r: int) -> None:
+        """An eviction candidate (as in _push) to the pile (``r``: ``ro`` as an int, which
+        _push, most of the calls, has unboxed already)."""
         pk = self.pile_key
         if not pk or r < self.pile_low:
             self.pile_low = r
@@ -630,7 +630,7 @@ class RankedCPUTier(CPUTier):
         self.pile_rank, self.pile_key = [], []
         for i in range(len(pk)):
             if self._current(pr[i], pk[i]):
-                self._pile(pr[i], pk[i])
+                self._pile(pr[i], pk[i], pr[i])
 
     def _sort_pile(self) -> None:
         """The pile's items of evictable chunks sorted into the run; the pile is left empty."""
@@ -719,7 +719,8 @@ class RankedCPUTier(CPUTier):
             rhead = 0
         self.head, self.run_head = head, rhead
         for k in passed if len(victims) == n else passed + victims:
-            self._pile(rank[entries[k]], k)
+            ro = rank[entries[k]]
+            self._pile(ro, k, ro)
         if len(victims) < n:
             return None
         return victims
