@@ -732,14 +732,18 @@ class RankedCPUTier(CPUTier):
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
+        # (``refs[s] = refs[s] + 1``, not ``+=``: mypyc compiles an item's ``+=`` as a generic
+        # number operation)
         if st is None:
             for k in keys:
-                refs[entries[k]] += 1
+                s = entries[k]
+                refs[s] = refs[s] + 1
             return
         a = self._state(st)
         if not self.request_ranks:
             for k in keys:
-                refs[entries[k]] += 1
+                s = entries[k]
+                refs[s] = refs[s] + 1
                 self._first_unknown(a, k)       # positions only matter at finish
             return
         order, ng, rank = a.order, self.n_groups, self.rank
@@ -762,7 +766,7 @@ class RankedCPUTier(CPUTier):
                     while gkeys[c] is not k:
                         c += 1                  # (a chunk of the span left out)
                     s = entries[k]
-                    refs[s] += 1
+                    refs[s] = refs[s] + 1
                     if m[c] is None:
                         m[c] = k
                         order.append(k)
@@ -778,7 +782,7 @@ class RankedCPUTier(CPUTier):
         codes = self._codes(a, st)
         for k in keys:
             s = entries[k]
-            refs[s] += 1
+            refs[s] = refs[s] + 1
             v = codes.get(k, -1)
             if v < 0:
                 self._first_unknown(a, k)
@@ -889,8 +893,9 @@ class RankedCPUTier(CPUTier):
         entries, queued, refs = self.entries, self.queued, self.refs
         for k in keys:
             s = entries[k]
-            refs[s] -= 1
-            if queued and not refs[s] and self.ready[s]:
+            n = refs[s] - 1                     # (not -=: see prepare_load)
+            refs[s] = n
+            if queued and not n and self.ready[s]:
                 self._push(self.rank[s], k)       # evictable now
 
 
