@@ -852,8 +852,11 @@ class RankedCPUTier(CPUTier):
         entries, rank, queued = self.entries, self.rank, self.queued
         fr, fk = self.fresh_rank, self.fresh_key
         nr = self.next_rank
+        nw = len(marks)
         for t in range(end, 0, -1):
-            for w in range(len(marks) - 1, -1, -1):
+            w = nw
+            while w:
+                w -= 1
                 r = steps[w]
                 if r == 1:
                     c = t - 1
@@ -862,8 +865,10 @@ class RankedCPUTier(CPUTier):
                 else:
                     c = t // r - 1
                 m = marks[w]
-                if c < len(m) and m[c] is not None:
-                    k = m[c]
+                if c >= len(m):
+                    continue
+                k = m[c]
+                if k is not None:
                     s = entries.get(k)
                     if s is not None:
                         nr += 1
