@@ -296,7 +296,8 @@ class _ReqAccess:
 
     By index (``seen`` not None; 0.33.0 while the callers give each key's chunk index, see
     RankedCPUTier.prepare_store): a key's position follows from its group and chunk index, and
-    ``marks[group index][chunk index]`` says whether the request accessed that chunk's key;
+    ``marks[group index][chunk index]`` is that chunk's key once the request accessed it (None
+    before: the walk at finish reads the key there);
     ``seen`` holds the request's offload keys entered so far (``counts`` per group, ``slots`` in
     all), only to tell that they are distinct (then a key and its chunk index name each other).
 
@@ -322,7 +323,7 @@ class _ReqAccess:
         self.counts: list[int] = [0] * n_groups
         self.slots = 0
         self.seen: set | None = set() if by_index else None
-        self.marks: list[list[bool]] = [[] for _ in range(n_groups)] if by_index else []
+        self.marks: list[list] = [[] for _ in range(n_groups)] if by_index else []
 
 
 def _sorted_items(rs: list, ks: list) -> tuple[list, list]:
@@ -496,7 +497,7 @@ class RankedCPUTier(CPUTier):
                 for gi in range(len(counts)):
                     e = len(groups[gi].keys)
                     if counts[gi] < e:
-                        marks[gi].extend([False] * (e - counts[gi]))
+                        marks[gi].extend([None] * (e - counts[gi]))
                         counts[gi] = e
                 a.slots = total
                 return True
@@ -565,8 +566,8 @@ class RankedCPUTier(CPUTier):
                     s = entries.get(k)
                     if s is None:
                         to_store.append(k)
-                        if not m[c]:
-                            m[c] = True
+                        if m[c] is None:
+                            m[c] = k
                             order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
@@ -575,13 +576,14 @@ class RankedCPUTier(CPUTier):
                             self._add(k, base - (c + 1) * tpc)
                         else:
                             to_rank.append(base - (c + 1) * tpc)
-                    elif ready[s] and not m[c]:
-                        m[c] = True
+                    elif ready[s] and m[c] is None:
+                        m[c] = k
                         order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
                         r = base - (c + 1) * tpc
-                        if self.rank[s] < r:
+                        rs: int = self.rank[s]     # (unboxed: r is not boxed to compare)
+                        if rs < r:
                             self._set_rank(k, s, r)
                     c += 1
                 p += cnt
@@ -656,14 +658,14 @@ class RankedCPUTier(CPUTier):
             r: int = ro
             last: int = self.fresh_rank[-1]
             if r < last or (r == last and k < fk[-1]):
-                self._pile(ro, k)
+                self._pile(ro, k, r)
                 return
         fk.append(k)
         self.fresh_rank.append(ro)
 
-    def _pile(self, ro: Any, k) -> None:
-        """An eviction candidate (as in _push) to the pile."""
-        r: int = ro
+    def _pile(self, ro: Any, k, r: int) -> None:
+        """An eviction candidate (as in _push) to the pile (``r``: ``ro`` as an int, which
+        _push, most of the calls, has unboxed already)."""
         pk = self.pile_key
         if not pk or r < self.pile_low:
             self.pile_low = r
@@ -697,7 +699,7 @@ class RankedCPUTier(CPUTier):
         self.pile_rank, self.pile_key = [], []
         for i in range(len(pk)):
             if self._current(pr[i], pk[i]):
-                self._pile(pr[i], pk[i])
+                self._pile(pr[i], pk[i], pr[i])
 
     def _sort_pile(self) -> None:
         """The pile's items of evictable chunks sorted into the run; the pile is left empty."""
@@ -786,7 +788,8 @@ class RankedCPUTier(CPUTier):
             rhead = 0
         self.head, self.run_head = head, rhead
         for k in passed if len(victims) == n else passed + victims:
-            self._pile(rank[entries[k]], k)
+            ro = rank[entries[k]]
+            self._pile(ro, k, ro)
         if len(victims) < n:
             return None
         return victims
@@ -798,14 +801,18 @@ class RankedCPUTier(CPUTier):
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
+        # (``refs[s] = refs[s] + 1``, not ``+=``: mypyc compiles an item's ``+=`` as a generic
+        # number operation)
         if st is None:
             for k in keys:
-                refs[entries[k]] += 1
+                s = entries[k]
+                refs[s] = refs[s] + 1
             return
         a = self._state(st)
         if not self.request_ranks:
             for k in keys:
-                refs[entries[k]] += 1
+                s = entries[k]
+                refs[s] = refs[s] + 1
                 self._first_unknown(a, k)       # positions only matter at finish
             return
         order, ng, rank = a.order, self.n_groups, self.rank
@@ -828,14 +835,15 @@ class RankedCPUTier(CPUTier):
                     while gkeys[c] is not k:
                         c += 1                  # (a chunk of the span left out)
                     s = entries[k]
-                    refs[s] += 1
-                    if not m[c]:
-                        m[c] = True
+                    refs[s] = refs[s] + 1
+                    if m[c] is None:
+                        m[c] = k
                         order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
                         r = base - (c + 1) * tpc
-                        if rank[s] < r:
+                        rs: int = rank[s]          # (unboxed: r is not boxed to compare)
+                        if rs < r:
                             self._set_rank(k, s, r)     # (not evictable now: not pushed)
                     c += 1
                 p += cnt
@@ -843,7 +851,7 @@ class RankedCPUTier(CPUTier):
         codes = self._codes(a, st)
         for k in keys:
             s = entries[k]
-            refs[s] += 1
+            refs[s] = refs[s] + 1
             v = codes.get(k, -1)
             if v < 0:
                 self._first_unknown(a, k)
@@ -902,20 +910,22 @@ class RankedCPUTier(CPUTier):
         """on_request_finished for a request going by index: the keys it accessed, tail to head,
         found by walking its marks by position (grid point) down, ties in reverse group id
         order (see __init__), each take the next fresh rank; the keys are those of the request
-        state of its last access (as the dict mode's codes are). (The re-ranking of
-        on_request_finished's loop, fused with the walk: no list of the keys.)"""
-        groups, steps = a.st.groups, self.steps
-        # (the marks and the key lists in walk order, typed: no generic lookups in the walk)
-        marks: list[list[bool]] = [a.marks[gi] for gi in self.walk]
-        keys: list[list] = [groups[gi].keys for gi in self.walk]
+        state of its last access (as the dict mode's codes are: the marks hold them). (The
+        re-ranking of on_request_finished's loop, fused with the walk: no list of the keys.)"""
+        steps = self.steps
+        # (the marks in walk order, typed: no generic lookups in the walk)
+        marks: list[list] = [a.marks[gi] for gi in self.walk]
         end = 0
         for w in range(len(marks)):
             end = max(end, len(marks[w]) * steps[w])
         entries, rank, queued = self.entries, self.rank, self.queued
         fr, fk = self.fresh_rank, self.fresh_key
         nr = self.next_rank
+        nw = len(marks)
         for t in range(end, 0, -1):
-            for w in range(len(marks) - 1, -1, -1):
+            w = nw
+            while w:
+                w -= 1
                 r = steps[w]
                 if r == 1:
                     c = t - 1
@@ -924,8 +934,10 @@ class RankedCPUTier(CPUTier):
                 else:
                     c = t // r - 1
                 m = marks[w]
-                if c < len(m) and m[c]:
-                    k = keys[w][c]
+                if c >= len(m):
+                    continue
+                k = m[c]
+                if k is not None:
                     s = entries.get(k)
                     if s is not None:
                         nr += 1
@@ -955,8 +967,9 @@ class RankedCPUTier(CPUTier):
         entries, queued, refs = self.entries, self.queued, self.refs
         for k in keys:
             s = entries[k]
-            refs[s] -= 1
-            if queued and not refs[s] and self.ready[s]:
+            n = refs[s] - 1                     # (not -=: see prepare_load)
+            refs[s] = n
+            if queued and not n and self.ready[s]:
                 self._push(self.rank[s], k)       # evictable now
 
 
