@@ -2046,10 +2046,11 @@ class OffloadScheduler:
         m = end - c
         b0 = len(job.bids)
         job.gids.extend([gid] * m)
-        job.cidx.extend(self._ints(c, end))
-        job.hidx.extend(self._hash_indices(hpc, c, end))
+        cs = self._ints(c, end)         # (also the hash and block indices of a chunk of one)
+        job.cidx.extend(cs)
+        job.hidx.extend(cs if hpc == 1 else self._hash_indices(hpc, c, end))
         job.ckeys.extend(keys[c:end])
-        job.bidx.extend(self._ints(c * bpc, end * bpc))
+        job.bidx.extend(cs if bpc == 1 else self._ints(c * bpc, end * bpc))
         job.bids.extend(sources)
         if sink is not None:
             sink.extend(sources)
