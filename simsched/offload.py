@@ -1267,9 +1267,12 @@ class OffloadScheduler:
             [0] * layout.engine.num_gpu_blocks if layout is not None else None)
         self.alloc_batch = 1
         self.alloc_marked = False
-        # the request states (by request ID) given block IDs since they were made, while in
-        # req_status: every state whose sliding-window groups hold any (the others' are empty),
-        # so the only ones build_connector_meta's nulling of re-allocated blocks can change
+        # the request states (by request ID) whose sliding-window groups hold blocks that
+        # build_connector_meta's nulling of re-allocated blocks may still change (the others'
+        # are empty, or all stored or never read): a state joins when given new blocks, while in
+        # req_status, and leaves when the nulling finds none of its blocks to visit (it joins
+        # again with its next new blocks; next_stored goes back only at an admission, which
+        # clears the blocks: get_num_new_matched_tokens)
         self.sw_held: dict[str, ReqOffload] = {}
         self.being_loaded: set | None = set() if enable_prefix_caching else None
         full = [i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is None]
@@ -1735,19 +1738,25 @@ class OffloadScheduler:
         if sw_groups and (alloc or marked):
             bpc, cfgs, prompt_only = self.bpc, self.cfgs, self.prompt_only
             now, in_set = self.alloc_batch, bool(alloc)
-            # every state in req_status, but those whose windows hold no block (not in held);
-            # only the blocks a store can still read: with offload_prompt_only, those of the
-            # prompt's whole chunks (_build_store_jobs reads no block of a chunk beyond
-            # _offloadable's num_prompt tokens; the later ones, a decode's, are never read)
-            for st in held.values():
+            # every state in req_status, but those whose windows hold no block to visit (not in
+            # held; a state with none left leaves it here); only the blocks from next_stored on
+            # that a store can still read: with offload_prompt_only, those of the prompt's whole
+            # chunks (_build_store_jobs reads no block of a chunk beyond _offloadable's
+            # num_prompt tokens; the later ones, a decode's, are never read)
+            idle: list[str] = []
+            for rid, st in held.items():
                 num_prompt = st.req.num_prompt
+                visit = False
                 for gi in sw_groups:
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
                     stop = len(bids)
                     if prompt_only:
                         stop = min(stop, num_prompt // cfgs[gi].tokens_per_chunk * bpc)
-                    for j in range(gs.next_stored * bpc, stop):
+                    start = gs.next_stored * bpc
+                    if start < stop:
+                        visit = True
+                    for j in range(start, stop):
                         # _allocated_now(bids[j]), inlined (a NULL block is never marked)
                         bo = bids[j]
                         b: int = bo
@@ -1758,6 +1767,10 @@ class OffloadScheduler:
                                 continue
                         if in_set and bo in alloc:
                             bids[j] = NULL
+                if not visit and rid not in new_blocks:     # (new ones: appended below)
+                    idle.append(rid)
+            for rid in idle:
+                del held[rid]
         for rid, nb in new_blocks.items():
             if rid in scheduled and nb:
                 for cfg, gs in zip(self.cfgs, rs[rid].groups):
