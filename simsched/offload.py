@@ -1706,12 +1706,13 @@ class OffloadScheduler:
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
         # _update_req_states: the new blocks are marked allocated first, the blocks held before
         # them nulled where re-allocated, then the new ones appended (which are not nulled)
-        sw_groups = self.sw_groups
+        sw_groups, cfgs = self.sw_groups, self.cfgs
         rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
         mark = self.alloc_mark
         batch: object = self.alloc_batch       # (one int object, stored in every mark)
         marked = self.alloc_marked              # any block marked allocated in this batch
+        grown: list = []        # the states given new blocks and their blocks, in pairs
         for rid in scheduled:
             st = rs[rid]
             self.update_offload_keys(st, "build_connector_meta")
@@ -1725,7 +1726,9 @@ class OffloadScheduler:
                 continue        # all groups empty: nothing to mark or extend
             if sw_groups:
                 held[rid] = st
-            for cfg in self.cfgs:
+            grown.append(st)
+            grown.append(nb)
+            for cfg in cfgs:
                 new: list[int] = nb[cfg.group_id]
                 if mark is None:
                     alloc.update(new)
@@ -1736,7 +1739,7 @@ class OffloadScheduler:
                         marked = True
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and (alloc or marked):
-            bpc, cfgs, prompt_only = self.bpc, self.cfgs, self.prompt_only
+            bpc, prompt_only = self.bpc, self.prompt_only
             now, in_set = self.alloc_batch, bool(alloc)
             # every state in req_status, but those whose windows hold no block to visit (not in
             # held; a state with none left leaves it here); only the blocks from next_stored on
@@ -1771,10 +1774,11 @@ class OffloadScheduler:
                     idle.append(rid)
             for rid in idle:
                 del held[rid]
-        for rid, nb in new_blocks.items():
-            if rid in scheduled and nb:
-                for cfg, gs in zip(self.cfgs, rs[rid].groups):
-                    gs.block_ids.extend(nb[cfg.group_id])
+        for x in range(0, len(grown), 2):
+            gst: ReqOffload = grown[x]
+            nb = grown[x + 1]
+            for gi in range(len(cfgs)):
+                gst.groups[gi].block_ids.extend(nb[cfgs[gi].group_id])
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
