@@ -1360,9 +1360,12 @@ class OffloadScheduler:
             [0] * layout.engine.num_gpu_blocks if layout is not None else None)
         self.alloc_batch = 1
         self.alloc_marked = False
-        # the request states (by request ID) given block IDs since they were made, while in
-        # req_status: every state whose sliding-window groups hold any (the others' are empty),
-        # so the only ones build_connector_meta's nulling of re-allocated blocks can change
+        # the request states (by request ID) whose sliding-window groups hold blocks that
+        # build_connector_meta's nulling of re-allocated blocks may still change (the others'
+        # are empty, or all stored or never read): a state joins when given new blocks, while in
+        # req_status, and leaves when the nulling finds none of its blocks to visit (it joins
+        # again with its next new blocks; next_stored goes back only at an admission, which
+        # clears the blocks: get_num_new_matched_tokens)
         self.sw_held: dict[str, ReqOffload] = {}
         self.being_loaded: set | None = set() if enable_prefix_caching else None
         full = [i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is None]
@@ -1806,12 +1809,13 @@ class OffloadScheduler:
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
         # _update_req_states: the new blocks are marked allocated first, the blocks held before
         # them nulled where re-allocated, then the new ones appended (which are not nulled)
-        sw_groups = self.sw_groups
+        sw_groups, cfgs = self.sw_groups, self.cfgs
         rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
         mark = self.alloc_mark
         batch: object = self.alloc_batch       # (one int object, stored in every mark)
         marked = self.alloc_marked              # any block marked allocated in this batch
+        grown: list = []        # the states given new blocks and their blocks, in pairs
         for rid in scheduled:
             st = rs[rid]
             self.update_offload_keys(st, "build_connector_meta")
@@ -1825,7 +1829,9 @@ class OffloadScheduler:
                 continue        # all groups empty: nothing to mark or extend
             if sw_groups:
                 held[rid] = st
-            for cfg in self.cfgs:
+            grown.append(st)
+            grown.append(nb)
+            for cfg in cfgs:
                 new: list[int] = nb[cfg.group_id]
                 if mark is None:
                     alloc.update(new)
@@ -1836,21 +1842,27 @@ class OffloadScheduler:
                         marked = True
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and (alloc or marked):
-            bpc, cfgs, prompt_only = self.bpc, self.cfgs, self.prompt_only
+            bpc, prompt_only = self.bpc, self.prompt_only
             now, in_set = self.alloc_batch, bool(alloc)
-            # every state in req_status, but those whose windows hold no block (not in held);
-            # only the blocks a store can still read: with offload_prompt_only, those of the
-            # prompt's whole chunks (_build_store_jobs reads no block of a chunk beyond
-            # _offloadable's num_prompt tokens; the later ones, a decode's, are never read)
-            for st in held.values():
+            # every state in req_status, but those whose windows hold no block to visit (not in
+            # held; a state with none left leaves it here); only the blocks from next_stored on
+            # that a store can still read: with offload_prompt_only, those of the prompt's whole
+            # chunks (_build_store_jobs reads no block of a chunk beyond _offloadable's
+            # num_prompt tokens; the later ones, a decode's, are never read)
+            idle: list[str] = []
+            for rid, st in held.items():
                 num_prompt = st.req.num_prompt
+                visit = False
                 for gi in sw_groups:
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
                     stop = len(bids)
                     if prompt_only:
                         stop = min(stop, num_prompt // cfgs[gi].tokens_per_chunk * bpc)
-                    for j in range(gs.next_stored * bpc, stop):
+                    start = gs.next_stored * bpc
+                    if start < stop:
+                        visit = True
+                    for j in range(start, stop):
                         # _allocated_now(bids[j]), inlined (a NULL block is never marked)
                         bo = bids[j]
                         b: int = bo
@@ -1861,10 +1873,15 @@ class OffloadScheduler:
                                 continue
                         if in_set and bo in alloc:
                             bids[j] = NULL
-        for rid, nb in new_blocks.items():
-            if rid in scheduled and nb:
-                for cfg, gs in zip(self.cfgs, rs[rid].groups):
-                    gs.block_ids.extend(nb[cfg.group_id])
+                if not visit and rid not in new_blocks:     # (new ones: appended below)
+                    idle.append(rid)
+            for rid in idle:
+                del held[rid]
+        for x in range(0, len(grown), 2):
+            gst: ReqOffload = grown[x]
+            nb = grown[x + 1]
+            for gi in range(len(cfgs)):
+                gst.groups[gi].block_ids.extend(nb[cfgs[gi].group_id])
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
@@ -2149,10 +2166,11 @@ class OffloadScheduler:
         m = end - c
         b0 = len(job.bids)
         job.gids.extend([gid] * m)
-        job.cidx.extend(self._ints(c, end))
-        job.hidx.extend(self._hash_indices(hpc, c, end))
+        cs = self._ints(c, end)         # (also the hash and block indices of a chunk of one)
+        job.cidx.extend(cs)
+        job.hidx.extend(cs if hpc == 1 else self._hash_indices(hpc, c, end))
         job.ckeys.extend(keys[c:end])
-        job.bidx.extend(self._ints(c * bpc, end * bpc))
+        job.bidx.extend(cs if bpc == 1 else self._ints(c * bpc, end * bpc))
         job.bids.extend(sources)
         if sink is not None:
             sink.extend(sources)
