@@ -1223,22 +1223,19 @@ class ReqOffload:
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
 
 
-def tuple_set_order(keys: list, gids: list[int] | None = None) -> list[Key]:
+def tuple_set_order(keys: list) -> list[Key]:
     """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
     the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
     order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
     (each completed chunk joins its MRU end). vLLM's set holds bytes keys, whose hashes vary per
     process; the model fixed that order as the one of the pair tuples (the representation of keys
     before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
-    2**63: see allocator.make_key; they are not taken apart.) ``gids``: the keys' group ids, when
-    known (a job's: Job.gids), else taken from the keys."""
+    2**63: see allocator.make_key; they are not taken apart.)"""
     pairs: set[tuple[int, Key]] = set()     # (typed: taken apart with no iterator each)
     last, base = 0, make_key(0, 0)      # the last group met and its base (groups come in runs)
     for x in range(len(keys)):
         k = keys[x]
-        if gids is not None:
-            g = gids[x]
-        elif k < _GROUP0_END:
+        if k < _GROUP0_END:
             g = 0
         else:
             g = key_group(k)

@@ -453,9 +453,8 @@ def test_prepare_store_returns_the_key_objects_given():
             tier.complete_store(got, [None] * len(got))
 
 
-def test_tuple_set_order_with_group_ids():
-    """tuple_set_order given the keys' group ids (a job's) orders them as taking the groups from
-    the keys does, and as the set of their (group_id, ident) tuples iterates."""
+def test_tuple_set_order_is_the_set_of_pairs_order():
+    """tuple_set_order orders keys as the set of their (group_id, ident) tuples iterates."""
     import random
     from simsched.allocator import key_group, key_ident
 
@@ -464,9 +463,8 @@ def test_tuple_set_order_with_group_ids():
         groups = sorted(rng.choices(range(4), k=rng.randrange(30)))
         pairs = [(g, rng.randrange(-2 ** 63, 2 ** 63)) for g in groups]
         keys = [make_key(g, h) for g, h in pairs]
-        gids = [key_group(k) for k in keys]
         want = [make_key(g, h) for g, h in set((key_group(k), key_ident(k)) for k in keys)]
-        assert tuple_set_order(keys, gids) == tuple_set_order(keys) == want
+        assert tuple_set_order(keys) == want
 
 
 def test_sliding_window_nulling_visits_every_block_a_store_reads():
