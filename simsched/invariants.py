@@ -289,14 +289,14 @@ class ReadFences:
 
 
 def check_load_ready(step: int, tier, job) -> InvariantViolation | None:
-    """INV-7: every chunk a load job reads is ready (its store completed)."""
-    # (key -> slot, see offload.CPUTier; typed so the slot indexes ``ready`` natively)
-    entries: dict[Any, int] = tier.entries
+    """INV-7: every chunk a load job reads is ready (its store completed). (Read at the job's
+    slots, Job.slots: those of its keys, which preparing the load looked up.)"""
     ready: list[bool] = tier.ready
-    ckeys: list = job.ckeys
-    for x in range(len(ckeys)):
-        s = entries.get(ckeys[x])
-        if s is None or not ready[s]:
+    slots: list = tier.slots_of(job.ckeys, job.slots)
+    for x in range(len(slots)):
+        so = slots[x]
+        s: int = so if so is not None else -1       # (-1: not in the tier)
+        if s < 0 or not ready[s]:
             return InvariantViolation("INV-7", step, f"load of chunk g{job.gids[x]}:"
                                       f"{job.hidx[x]} whose store has not completed")
     return None

@@ -424,11 +424,13 @@ class Model:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
         tier = self.off.tier
+        content = tier.content
         shadow = self.shadow
-        bpos, ckeys = job.bpos, job.ckeys
-        for x in range(len(ckeys)):
-            shadow.write_chunk(job.bidx, job.bids, bpos[x], bpos[x + 1],
-                               tier.content_of(ckeys[x]))
+        bpos = job.bpos
+        slots = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
+        for x in range(len(slots)):
+            s: int = slots[x]
+            shadow.write_chunk(job.bidx, job.bids, bpos[x], bpos[x + 1], content[s])
         written = job.bids          # every destination block, in order
         self._violation(self.pending_reads.check(self.step_no, written, "load", str(jid)))
         self.off.complete_job(jid)

@@ -60,7 +60,13 @@ class CPUTier:
     slot, an index into the parallel lists ``ready`` (its store completed), ``refs`` (loads in
     flight: vLLM's ``ref_cnt``), ``content`` (what it holds, once ready) and ``rank`` (its
     recency rank, :class:`RankedCPUTier`, or stamp, :class:`ListCPUTier`). The slots of evicted
-    chunks are reused (``free``); a slot not in use is not ready and holds no load or content."""
+    chunks are reused (``free``); a slot not in use is not ready and holds no load or content.
+
+    Only eviction frees a slot, and it takes ready chunks with no load in flight: the chunks of a
+    store job (not ready until it completes; no other job stores them) and of a load job (its
+    load counted) keep their slots while the job is in flight. So a job keeps its chunks' slots
+    (Job.slots, from :meth:`prepare_store_slots` and :meth:`prepare_load`) and its completion
+    and the model's reads of it use them, with no lookup of the keys again."""
 
     def __init__(self, capacity: int, evictable_list: bool = False):
         self.capacity = capacity
@@ -83,6 +89,9 @@ class CPUTier:
         _ints_to(m)
         self.free: list[int] = []
         self.n_slots = 0                    # slots ever used (the lists may be longer)
+        # where the slots taken by new chunks are recorded, in order, while not None
+        # (prepare_store_slots)
+        self.added: list | None = None
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
         self.touches = True
         self.evictions = 0
@@ -105,7 +114,10 @@ class CPUTier:
                 self._grow()
         self.rank[s] = rank
         entries: dict = self.entries        # (the slot as its shared int object: _INTS)
-        entries[key] = _INTS[s]
+        so = _INTS[s]
+        entries[key] = so
+        if self.added is not None:
+            self.added.append(so)
 
     def _grow(self) -> None:
         """More fresh slots (not ready, no load, no content): the lists grow by blocks (and
@@ -127,7 +139,7 @@ class CPUTier:
         assert not self.free
         entries: dict = self.entries    # (untyped: the slot object compared by identity)
         to_store: list | None = None    # (None while every key so far is new: keys[:i] then)
-        s = self.n_slots                # the next slot, taken by the next new key
+        s0 = s = self.n_slots           # the next slot, taken by the next new key
         ints = _ints_to(s + len(keys) + 1)
         so = ints[s]
         for i in range(len(keys)):
@@ -144,6 +156,10 @@ class CPUTier:
             s += 1                      # (fresh slots: rank 0 already, not ready, no load)
             so = ints[s]
         self.n_slots = s
+        if self.added is not None:
+            # the new keys took the slots s0.. in order (the record is empty: a prepare_store
+            # that calls this adds nothing else)
+            self.added = ints[s0:s]
         if to_store is None:
             to_store = keys[:]
         if to_store:
@@ -168,10 +184,6 @@ class CPUTier:
         """The chunk of ``key`` is there and its store completed."""
         s = self.entries.get(key)
         return s is not None and self.ready[s]
-
-    def content_of(self, key):
-        """What the chunk of ``key`` holds (it is there and ready)."""
-        return self.content[self.entries[key]]
 
     def touch(self, keys) -> None:
         """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
@@ -226,19 +238,43 @@ class CPUTier:
             self._add(k, 0)
         return to_store
 
-    def complete_store(self, keys: list, contents: list) -> None:
+    def prepare_store_slots(self, keys, st=None, spans: list[int] | None = None
+                            ) -> tuple[list | None, list]:
+        """:meth:`prepare_store`, and the slots its new chunks took, in the order of the keys it
+        returns (a store job's chunks, Job.slots)."""
+        self.added = []
+        to_store = self.prepare_store(keys, st, spans)
+        slots = self.added
+        self.added = None
+        assert slots is not None
+        return to_store, slots
+
+    def slots_of(self, keys: list, slots: list | None) -> list:
+        """``slots`` (a job's, Job.slots), or if None the slots of ``keys``, None where a key is
+        not there (callers that give keys alone, tests; jobs whose chunks were replaced)."""
+        if slots is not None:
+            return slots
+        entries: dict = self.entries
+        return [entries.get(k) for k in keys]
+
+    def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
         """A store job's chunks ``keys`` are ready, holding ``contents[i]`` for ``keys[i]``
         (lists in the job's chunk order, Job.ckeys and Job.contents: a list, not a dict, as the
-        worker reads them in that order). With the evictable list, those evictable now join its
-        MRU end in the order of vLLM's set of the job's keys (tuple_set_order)."""
+        worker reads them in that order; ``slots``: theirs, Job.slots, else looked up). With the
+        evictable list, those evictable now join its MRU end in the order of vLLM's set of the
+        job's keys (tuple_set_order)."""
         self.version += 1
         self.content_version += 1
         entries, ready, content = self.entries, self.ready, self.content
+        ss = self.slots_of(keys, slots)
         for x in range(len(keys)):
-            s = entries.get(keys[x])
-            if s is not None and not ready[s]:
-                ready[s] = True
-                content[s] = contents[x]
+            so = ss[x]
+            if so is None:
+                continue
+            sx: int = so
+            if not ready[sx]:
+                ready[sx] = True
+                content[sx] = contents[x]
         if self.evictable_list:
             # the ready, unreferenced ones: those that just became so and those already in the
             # list (assigned again: an OrderedDict keeps their place)
@@ -248,38 +284,48 @@ class CPUTier:
                 if s is not None and ready[s] and not refs[s]:
                     lru[k] = s
 
-    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
-        """A load job of the chunks ``keys`` (a list) starts. (Here and in the loads' other
-        updates the load counts are read, then stored: ``refs[s] += 1`` compiles to a generic
-        in-place add.)"""
+    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> list:
+        """A load job of the chunks ``keys`` (a list) starts; returns their slots, in order
+        (Job.slots). (Here and in the loads' other updates the load counts are read, then
+        stored: ``refs[s] += 1`` compiles to a generic in-place add.)"""
         self.version += 1
         self.content_version += 1
-        entries, refs = self.entries, self.refs
+        entries: dict = self.entries    # (untyped: the slot objects go into the list)
+        refs = self.refs
         ks: list = keys
+        slots = [entries[k] for k in ks]
         for x in range(len(ks)):
             k = ks[x]
-            s = entries[k]
+            s: int = slots[x]
             n = refs[s] + 1
             refs[s] = n
             if self.evictable_list and n == 1 and self.ready[s]:
                 del self.lru[k]                 # not evictable while loaded
+        return slots
 
     def on_request_finished(self, st) -> None:
         """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
 
-    def complete_load(self, keys: list) -> None:
-        """A load job's chunks ``keys`` (its keys as listed, Job.keys) have been read. With the
-        evictable list, those evictable now join its MRU end in the order of vLLM's set of the
-        job's keys (tuple_set_order)."""
+    def complete_load(self, keys: list, slots: list | None = None) -> None:
+        """A load job's chunks ``keys`` (its keys as listed, Job.keys; ``slots``: theirs,
+        Job.slots, else looked up) have been read. With the evictable list, those evictable now
+        join its MRU end in the order of vLLM's set of the job's keys (tuple_set_order: the
+        keys looked up again in that order)."""
         self.version += 1
         self.content_version += 1
         entries, refs = self.entries, self.refs
-        for k in (tuple_set_order(keys) if self.evictable_list else keys):
-            s = entries[k]
-            n = refs[s] - 1
-            refs[s] = n
-            if not n and self.ready[s] and self.evictable_list:
-                self.lru[k] = s                 # evictable now: the MRU end
+        if self.evictable_list:
+            for k in tuple_set_order(keys):
+                s = entries[k]
+                n = refs[s] - 1
+                refs[s] = n
+                if not n and self.ready[s]:
+                    self.lru[k] = s             # evictable now: the MRU end
+            return
+        ss = self.slots_of(keys, slots)
+        for x in range(len(ss)):
+            sx: int = ss[x]
+            refs[sx] = refs[sx] - 1
 
 
 # a rank ``(rank, -position)`` is kept as one int, ``(rank << RANK_SHIFT) - position`` (a token
@@ -794,34 +840,38 @@ class RankedCPUTier(CPUTier):
             return None
         return victims
 
-    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
+    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> list:
         """A load in flight on each chunk of ``keys`` and, given the request, its first access to
         each (0.33.0: raises the chunk to the request's rank, ``(request rank, -position)``, if
-        that is higher), in one pass. ``spans``: as for prepare_store."""
+        that is higher), in one pass; returns the chunks' slots (as CPUTier.prepare_load).
+        ``spans``: as for prepare_store."""
         self.version += 1
         self.content_version += 1
-        entries, refs = self.entries, self.refs
+        entries: dict = self.entries    # (untyped: the slot objects go into the list)
+        refs = self.refs
+        klist: list = keys          # (a list here: read without generic lookups)
+        slots = [entries[k] for k in klist]
+        s: int
         # (``refs[s] = refs[s] + 1``, not ``+=``: mypyc compiles an item's ``+=`` as a generic
         # number operation)
         if st is None:
-            for k in keys:
-                s = entries[k]
+            for x in range(len(slots)):
+                s = slots[x]
                 refs[s] = refs[s] + 1
-            return
+            return slots
         a = self._state(st)
         if not self.request_ranks:
-            for k in keys:
-                s = entries[k]
+            for x in range(len(slots)):
+                s = slots[x]
                 refs[s] = refs[s] + 1
-                self._first_unknown(a, k)       # positions only matter at finish
-            return
+                self._first_unknown(a, klist[x])    # positions only matter at finish
+            return slots
         order, ng, rank = a.order, self.n_groups, self.rank
         if self._by_index(a, st, spans):
             assert spans is not None
             groups, marks, group = st.groups, a.marks, self.group
             # (prepare_store's walk of the spans, kept inline in both: as one method giving
             # each key's chunk index it cost 2.3 M more instructions per 64-request run)
-            klist: list = keys          # (a list here: read without generic lookups)
             base = 0                    # (the request rank << RANK_SHIFT, from the first access)
             p = 0
             for gi in range(len(group)):
@@ -834,7 +884,7 @@ class RankedCPUTier(CPUTier):
                     k = klist[x]
                     while gkeys[c] is not k:
                         c += 1                  # (a chunk of the span left out)
-                    s = entries[k]
+                    s = slots[x]
                     refs[s] = refs[s] + 1
                     if m[c] is None:
                         m[c] = k
@@ -847,10 +897,11 @@ class RankedCPUTier(CPUTier):
                             self._set_rank(k, s, r)     # (not evictable now: not pushed)
                     c += 1
                 p += cnt
-            return
+            return slots
         codes = self._codes(a, st)
-        for k in keys:
-            s = entries[k]
+        for x in range(len(slots)):
+            k = klist[x]
+            s = slots[x]
             refs[s] = refs[s] + 1
             v = codes.get(k, -1)
             if v < 0:
@@ -861,6 +912,7 @@ class RankedCPUTier(CPUTier):
                 r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
                 if rank[s] < r:
                     self._set_rank(k, s, r)     # (not evictable now: not pushed)
+        return slots
 
     def on_request_finished(self, st) -> None:
         a = self.req_state.pop(st.req.rid, None)
@@ -948,29 +1000,34 @@ class RankedCPUTier(CPUTier):
                             fk.append(k)
         self.next_rank = nr
 
-    def complete_store(self, keys: list, contents: list) -> None:
+    def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
         self.version += 1
         self.content_version += 1
-        entries, queued, ready = self.entries, self.queued, self.ready
+        queued, ready = self.queued, self.ready
+        ss = self.slots_of(keys, slots)
         for x in range(len(keys)):
             k = keys[x]
-            s = entries.get(k)
-            if s is not None and not ready[s]:
+            so = ss[x]
+            if so is None:
+                continue
+            s: int = so
+            if not ready[s]:
                 ready[s] = True
                 self.content[s] = contents[x]
                 if queued and not self.refs[s]:
                     self._push(self.rank[s], k)       # evictable now
 
-    def complete_load(self, keys) -> None:
+    def complete_load(self, keys, slots: list | None = None) -> None:
         self.version += 1
         self.content_version += 1
-        entries, queued, refs = self.entries, self.queued, self.refs
-        for k in keys:
-            s = entries[k]
+        queued, refs = self.queued, self.refs
+        ss = self.slots_of(keys, slots)
+        for x in range(len(ss)):
+            s: int = ss[x]
             n = refs[s] - 1                     # (not -=: see prepare_load)
             refs[s] = n
             if queued and not n and self.ready[s]:
-                self._push(self.rank[s], k)       # evictable now
+                self._push(self.rank[s], keys[x])     # evictable now
 
 
 class ListCPUTier(CPUTier):
@@ -1078,19 +1135,22 @@ class ListCPUTier(CPUTier):
             self.lazy = False
         return super().prepare_store(keys, st)
 
-    def complete_store(self, keys: list, contents: list) -> None:
+    def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
         """``keys``: the job's keys as listed; they join in the order of their set."""
         if not self.lazy:
-            super().complete_store(keys, contents)
+            super().complete_store(keys, contents, slots)
             return
         self.version += 1
         self.content_version += 1
-        entries, ready, content, refs, rank = self.entries, self.ready, self.content, \
-            self.refs, self.rank
+        ready, content, refs, rank = self.ready, self.content, self.refs, self.rank
         t: object = self.clock                  # (boxed once for all the keys)
+        ss = self.slots_of(keys, slots)
         for x in range(len(keys)):
-            s = entries.get(keys[x])
-            if s is not None and not ready[s]:
+            so = ss[x]
+            if so is None:
+                continue
+            s: int = so
+            if not ready[s]:
                 ready[s] = True
                 content[s] = contents[x]
                 if not refs[s]:
@@ -1098,31 +1158,34 @@ class ListCPUTier(CPUTier):
         self.log.append((keys, -1, len(keys), t))
         self.clock += len(keys)
 
-    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> None:
+    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> list:
         if not self.lazy:
-            super().prepare_load(keys, st)
-            return
+            return super().prepare_load(keys, st)
         self.version += 1
         self.content_version += 1
-        entries, refs = self.entries, self.refs
+        entries: dict = self.entries    # (untyped: the slot objects go into the list)
+        refs = self.refs
         ks: list = keys
-        for x in range(len(ks)):
-            s = entries[ks[x]]
+        slots = [entries[k] for k in ks]
+        for x in range(len(slots)):
+            s: int = slots[x]
             refs[s] = refs[s] + 1               # not evictable while loaded
+        return slots
 
-    def complete_load(self, keys: list) -> None:
+    def complete_load(self, keys: list, slots: list | None = None) -> None:
         """``keys``: the job's keys as listed; those evictable now join in the order of their set
         (logged as a store completion is: the set order is only worked out if the log is
         applied)."""
         if not self.lazy:
-            super().complete_load(keys)
+            super().complete_load(keys, slots)
             return
         self.version += 1
         self.content_version += 1
-        entries, refs, ready, rank = self.entries, self.refs, self.ready, self.rank
+        refs, ready, rank = self.refs, self.ready, self.rank
         t: object = self.clock                  # (boxed once for all the keys)
+        ss = self.slots_of(keys, slots)
         for x in range(len(keys)):
-            s = entries[keys[x]]
+            s: int = ss[x]
             r = refs[s] - 1                     # (not -=: a generic in-place subtraction when
             if r:                               # compiled)
                 refs[s] = r
@@ -1259,10 +1322,12 @@ class Job:
     keys (``ckeys`` lists them, in chunk order, with ``contents``: the tier completes those). A
     store's fences (``_block_id_to_pending_jobs``): ``fenced``, the blocks fenced at once (None
     if none); ``deferred``, whether its other source blocks are fenced once its request finishes
-    (OffloadScheduler._deferred lists them)."""
+    (OffloadScheduler._deferred lists them). ``slots``: the CPU tier's slots of ``ckeys``, in
+    order, kept from when the job was prepared (stable while it is in flight: see CPUTier), None
+    if not known (the tier looks the keys up)."""
 
     __slots__ = ("jid", "rid", "is_store", "keys", "gids", "cidx", "hidx", "ckeys", "bpos",
-                 "bidx", "bids", "fenced", "deferred", "read", "contents", "done")
+                 "bidx", "bids", "fenced", "deferred", "read", "contents", "done", "slots")
 
     def __init__(self, jid, rid, is_store, keys, fenced=None, deferred: bool = False):
         self.jid, self.rid, self.is_store = jid, rid, is_store
@@ -1279,6 +1344,7 @@ class Job:
         self.read = False            # a store has read its source blocks
         self.contents: list = []       # a store's chunk contents, in chunk order, once read
         self.done = False
+        self.slots: list | None = None
 
     def add_chunk(self, gid: int, c: int, hidx: int, key: Key, blocks) -> None:
         """Append a chunk; ``blocks``: its ``(block_index, block_id)`` pairs."""
@@ -1308,7 +1374,9 @@ class Job:
         return self.chunks()
 
     def set_chunks(self, items) -> None:
-        """Replace the chunks by ``items``, tuples as :meth:`chunk` gives them (tests)."""
+        """Replace the chunks by ``items``, tuples as :meth:`chunk` gives them (tests); their
+        slots are not known then."""
+        self.slots = None
         self.gids, self.cidx, self.hidx, self.ckeys = [], [], [], []
         self.bpos, self.bidx, self.bids = [0], [], []
         for gid, c, hidx, key, blocks in items:
@@ -1777,7 +1845,7 @@ class OffloadScheduler:
                         bpos.extend(self._ints(shift + (start + 1) * bpc, shift + k * bpc + 1, bpc))
                     bpos.extend([shift + n_gpu] * (cend - k))
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
-        self.tier.prepare_load(keys, st, spans)
+        job.slots = self.tier.prepare_load(keys, st, spans)
         job.ckeys = keys
         # (the evictable list's complete_load puts the keys in the order of their set,
         # tuple_set_order, itself: when that order is needed)
@@ -1966,11 +2034,12 @@ class OffloadScheduler:
                 ident = req.ident_at(boundary)
                 assert ident is not None        # boundary <= num_tokens: a known identity
                 key = make_key(gid, ident)
-                to_store = self.tier.prepare_store([key], st)
+                to_store, slots = self.tier.prepare_store_slots([key], st)
                 if not to_store:
                     continue
                 c = boundary // cfg.tokens_per_chunk - 1
                 job = Job(-1, rid, True, {key}, [b])
+                job.slots = slots
                 job.add_chunk(gid, c, boundary // tph - 1, key,
                               [(boundary // cfg.tokens_per_block - 1, b)])
                 self._new_job(job)
@@ -2062,7 +2131,7 @@ class OffloadScheduler:
             if not new_keys:
                 self.advance_stored_idx(st, n_off, ns)
                 continue
-            to_store = tier.prepare_store(new_keys, st, spans)
+            to_store, slots = tier.prepare_store_slots(new_keys, st, spans)
             if to_store is None:
                 continue
             if not to_store:
@@ -2072,6 +2141,7 @@ class OffloadScheduler:
             # (the evictable list's complete_store puts the keys in the order of their set,
             # tuple_set_order, itself: when that order is needed)
             job = Job(-1, rid, True, to_store, None, True)
+            job.slots = slots           # (those of to_store: the walk below lists the same keys)
             fenced: list = []
             gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
             bpos, bidx, jbids = job.bpos, job.bidx, job.bids
@@ -2216,9 +2286,9 @@ class OffloadScheduler:
         job = self.jobs.pop(jid)
         st = self.req_status[job.rid]
         if job.is_store:
-            self.tier.complete_store(job.ckeys, job.contents)
+            self.tier.complete_store(job.ckeys, job.contents, job.slots)
         else:
-            self.tier.complete_load(job.keys)
+            self.tier.complete_load(job.keys, job.slots)
             if self.being_loaded:
                 self.being_loaded.difference_update(job.keys)
         if self.block_to_jobs:

@@ -524,3 +524,62 @@ print("ok", seen)
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_jobs_keep_their_slots():
+    """A job keeps the tier's slots of its chunks (Job.slots: from prepare_store_slots and
+    prepare_load) and its completion uses them: under random stores, loads and completions in
+    any order (evictions included), the slots kept are still the keys' slots when the job
+    completes, and each tier ends as the same tier completed by keys alone (slots looked up)."""
+    import random
+    from simsched.offload import ListCPUTier, RankedCPUTier
+
+    def state(t):
+        return (dict(t.entries), list(t.lru), t.ready[:t.n_slots], t.refs[:t.n_slots],
+                t.content[:t.n_slots], t.evictions)
+
+    evicted = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        make = [lambda: CPUTier(8), lambda: CPUTier(8, True), lambda: ListCPUTier(8),
+                lambda: RankedCPUTier(8, rng.random() < 0.5, [])][seed % 4]
+        by_slots, by_keys = make(), make()
+        lists = []
+        for r in range(4):
+            idents = [100 * r + rng.randrange(3) * 1000 + i for i in range(8)]   # some shared
+            lists.append([make_key(rng.randrange(3), h) for h in idents])
+        writing, loading = [], []
+        for _ in range(120):
+            op = rng.randrange(5)
+            keys = rng.choice(lists)
+            if op <= 1:
+                lo = rng.randrange(8)
+                sub = keys[lo:lo + rng.randint(1, 4)]
+                got, slots = by_slots.prepare_store_slots(sub)
+                assert by_keys.prepare_store(sub) == got
+                if got:
+                    assert all(by_slots.entries[k] is s for k, s in zip(got, slots))
+                    assert len(slots) == len(got)
+                    writing.append((got, slots))
+            elif op == 2 and writing:
+                done, slots = writing.pop(rng.randrange(len(writing)))
+                assert [by_slots.entries[k] for k in done] == slots
+                contents = [("c", k) for k in done]
+                by_slots.complete_store(done, contents, slots)
+                by_keys.complete_store(done, contents)
+            elif op == 3:
+                ready = [k for k in keys if by_keys.is_ready(k)]
+                if ready:
+                    sub = ready[:rng.randint(1, 3)]
+                    slots = by_slots.prepare_load(sub)
+                    by_keys.prepare_load(sub)
+                    assert slots == [by_slots.entries[k] for k in sub]
+                    loading.append((sub, slots))
+            elif loading:
+                done, slots = loading.pop(rng.randrange(len(loading)))
+                assert [by_slots.entries[k] for k in done] == slots
+                by_slots.complete_load(done, slots)
+                by_keys.complete_load(done)
+            assert state(by_slots) == state(by_keys)
+        evicted += by_slots.evictions
+    assert evicted > 1000
