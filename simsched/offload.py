@@ -101,9 +101,9 @@ class CPUTier:
         self.version = 0
         self.content_version = 0
 
-    def _add(self, key, rank: object) -> None:
+    def _add(self, key, rank: object) -> int:
         """A new chunk (not ready, no load in flight) under ``key``, at a free slot (``rank``:
-        an int object, stored as it is)."""
+        an int object, stored as it is); the slot."""
         free = self.free
         if free:
             s = free.pop()
@@ -118,6 +118,7 @@ class CPUTier:
         entries[key] = so
         if self.added is not None:
             self.added.append(so)
+        return s
 
     def _grow(self) -> None:
         """More fresh slots (not ready, no load, no content): the lists grow by blocks (and
@@ -167,12 +168,13 @@ class CPUTier:
             self.content_version += 1
         return to_store
 
-    def _drop(self, key) -> None:
-        """Evict the chunk of ``key`` (ready, no load in flight): its slot is free."""
+    def _drop(self, key) -> int:
+        """Evict the chunk of ``key`` (ready, no load in flight): its slot is free; the slot."""
         s = self.entries.pop(key)
         self.ready[s] = False
         self.content[s] = None
         self.free.append(s)
+        return s
 
     def lookup(self, key) -> int:
         s = self.entries.get(key)
@@ -342,8 +344,10 @@ class _ReqAccess:
 
     By index (``seen`` not None; 0.33.0 while the callers give each key's chunk index, see
     RankedCPUTier.prepare_store): a key's position follows from its group and chunk index, and
-    ``marks[group index][chunk index]`` is that chunk's key once the request accessed it (None
-    before: the walk at finish reads the key there);
+    ``marks[group index][chunk index]`` is not None once the request accessed that chunk: the
+    chunk's slot then (its int object; -1 if it had none yet), a guess the walk at finish checks
+    against ``RankedCPUTier.key_at`` (the key is the chunk's in the request's key list, looked
+    up if the slot does not hold that very object: evicted since, say);
     ``seen`` holds the request's offload keys entered so far (``counts`` per group, ``slots`` in
     all), only to tell that they are distinct (then a key and its chunk index name each other).
 
@@ -410,7 +414,9 @@ class RankedCPUTier(CPUTier):
     most recent. The connector never calls ``touch`` from 0.31.0 on.
 
     A chunk's rank is ``rank[slot]``, an int (see ``RANK_SHIFT``); ``entries`` is a plain dict
-    (eviction follows the ranks, not its order).
+    (eviction follows the ranks, not its order). ``key_at[slot]`` is the key object of a slot in
+    use (None: free), so that the marks of a request (see _ReqAccess) hold the slots of its
+    chunks: a slot that holds the very key object saves the finish walk a dict lookup.
     """
 
     def __init__(self, capacity: int, request_ranks: bool, cfgs):
@@ -464,6 +470,11 @@ class RankedCPUTier(CPUTier):
         self.walk: list[int] = [gi for gi, _, _ in by_order]
         self.steps: list[int] = [tpc // unit for _, tpc, _ in by_order]
         self.req_state: dict[str, _ReqAccess] = {}
+        self.key_at: list = [None] * len(self.ready)     # (see above)
+
+    def _grow(self) -> None:
+        super()._grow()
+        self.key_at.extend([None] * (len(self.ready) - len(self.key_at)))
 
     def touch(self, keys) -> None:
         return
@@ -596,8 +607,16 @@ class RankedCPUTier(CPUTier):
             klist: list = keys          # (a list here: read without generic lookups)
             base = 0                    # (the request rank << RANK_SHIFT, from the first access)
             # the new chunks are inserted at once while there is room (the keys are distinct
-            # here, and chunks not ready are no eviction candidates), the rest by _insert
-            room = self.capacity - len(entries)
+            # here, and chunks not ready are no eviction candidates), as _store_new does: each
+            # key offered the next fresh slot (``setdefault``: hashed once); none while a slot
+            # is free (only after an eviction that failed). The rest are inserted by _insert.
+            ents: dict = entries        # (untyped: the slot object compared by identity)
+            rank, key_at = self.rank, self.key_at
+            added = self.added          # (the slots taken, in order, if recorded: Job.slots)
+            room = 0 if self.free else self.capacity - len(entries)
+            sn = self.n_slots           # the slot offered next
+            ints = _ints_to(sn + min(room, len(klist)) + 1)
+            so: Any = ints[sn] if room > 0 else None     # (None: no room, looked up)
             p = 0
             for gi in range(len(group)):
                 c, cnt = spans[2 * gi], spans[2 * gi + 1]
@@ -609,30 +628,40 @@ class RankedCPUTier(CPUTier):
                     k = klist[x]
                     while gkeys[c] is not k:
                         c += 1                  # (a chunk of the span left out)
-                    s = entries.get(k)
-                    if s is None:
+                    sk: Any = ents.get(k) if so is None else ents.setdefault(k, so)
+                    if sk is so:                 # new: at slot ``so``, or to _insert (None)
                         to_store.append(k)
                         if m[c] is None:
-                            m[c] = k
+                            m[c] = so if so is not None else -1     # (-1: no slot yet)
                             order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
-                        if room > 0:
+                        if so is not None:
+                            if sn == len(self.ready):
+                                self._grow()
+                            rank[sn] = base - (c + 1) * tpc
+                            key_at[sn] = k
+                            if added is not None:
+                                added.append(so)
+                            sn += 1
                             room -= 1
-                            self._add(k, base - (c + 1) * tpc)
+                            so = ints[sn] if room > 0 else None
                         else:
                             to_rank.append(base - (c + 1) * tpc)
-                    elif ready[s] and m[c] is None:
-                        m[c] = k
-                        order.append(k)
-                        if not base:
-                            base = self._request_rank(a) << RANK_SHIFT
-                        r = base - (c + 1) * tpc
-                        rs: int = self.rank[s]     # (unboxed: r is not boxed to compare)
-                        if rs < r:
-                            self._set_rank(k, s, r)
+                    else:
+                        si: int = sk
+                        if ready[si] and m[c] is None:
+                            m[c] = sk
+                            order.append(k)
+                            if not base:
+                                base = self._request_rank(a) << RANK_SHIFT
+                            r = base - (c + 1) * tpc
+                            rs: int = rank[si]     # (unboxed: r is not boxed to compare)
+                            if rs < r:
+                                self._set_rank(k, si, r)
                     c += 1
                 p += cnt
+            self.n_slots = sn
             return self._insert(to_store, keys, to_rank, len(to_store) - len(to_rank))
         codes = self._codes(a, st)
         for k in keys:
@@ -676,18 +705,22 @@ class RankedCPUTier(CPUTier):
         if n_evict > 0:
             victims = self._lowest_evictable(n_evict, set(keys))
             if victims is None:
+                key_at = self.key_at
                 for i in range(done):
-                    self._drop(to_store[i])
+                    key_at[self._drop(to_store[i])] = None
                 return None
+            # (their slots are all taken again below, ``key_at`` with them: there is no free
+            # slot left after an insertion)
             for k in victims:
                 self._drop(k)
             self.evictions += n_evict
+        key_at = self.key_at
         for i, k in enumerate(to_store[done:] if done else to_store):
             r = to_rank[i] if to_rank is not None else None
             if r is None:
                 self.next_rank += 1
                 r = self.next_rank << RANK_SHIFT
-            self._add(k, r)                     # not evictable (not ready): not queued
+            key_at[self._add(k, r)] = k         # not evictable (not ready): not queued
         return to_store
 
     def _set_rank(self, k, s: int, r: int) -> None:
@@ -887,7 +920,7 @@ class RankedCPUTier(CPUTier):
                     s = slots[x]
                     refs[s] = refs[s] + 1
                     if m[c] is None:
-                        m[c] = k
+                        m[c] = _INTS[s]         # (its slot: see __init__)
                         order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
@@ -962,11 +995,13 @@ class RankedCPUTier(CPUTier):
         """on_request_finished for a request going by index: the keys it accessed, tail to head,
         found by walking its marks by position (grid point) down, ties in reverse group id
         order (see __init__), each take the next fresh rank; the keys are those of the request
-        state of its last access (as the dict mode's codes are: the marks hold them). (The
+        state of its last access (as the dict mode's codes are: its key lists, only appended). (The
         re-ranking of on_request_finished's loop, fused with the walk: no list of the keys.)"""
         steps = self.steps
         # (the marks in walk order, typed: no generic lookups in the walk)
         marks: list[list] = [a.marks[gi] for gi in self.walk]
+        gkeys: list[list] = [a.st.groups[gi].keys for gi in self.walk]
+        key_at = self.key_at
         end = 0
         for w in range(len(marks)):
             end = max(end, len(marks[w]) * steps[w])
@@ -988,16 +1023,23 @@ class RankedCPUTier(CPUTier):
                 m = marks[w]
                 if c >= len(m):
                     continue
-                k = m[c]
-                if k is not None:
-                    s = entries.get(k)
-                    if s is not None:
-                        nr += 1
-                        ro: object = nr << RANK_SHIFT      # (boxed once: as above)
-                        rank[s] = ro
-                        if queued and self.ready[s] and not self.refs[s]:
-                            fr.append(ro)
-                            fk.append(k)
+                so = m[c]
+                if so is not None:
+                    k = gkeys[w][c]
+                    s: int = so
+                    if s < 0 or key_at[s] is not k:
+                        # (no slot at the mark, see prepare_store, or not the key's any more:
+                        # evicted, maybe stored again since; or the key object another one)
+                        sk = entries.get(k)
+                        if sk is None:
+                            continue
+                        s = sk
+                    nr += 1
+                    ro: object = nr << RANK_SHIFT      # (boxed once: as above)
+                    rank[s] = ro
+                    if queued and self.ready[s] and not self.refs[s]:
+                        fr.append(ro)
+                        fk.append(k)
         self.next_rank = nr
 
     def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:

@@ -166,7 +166,8 @@ def test_ranked_tier_by_index_is_the_position_map():
     (with chunks of a span left out), loads, completions and finishes, over groups of other
     chunk sizes and group ids out of index order, with key lists that grow, and the rare cases
     that leave the index mode: a key met twice (in one group or two), a store whose key comes
-    without its index (a boundary store; sometimes a key of no list), another request state."""
+    without its index (a boundary store; sometimes a key of no list), another request state.
+    The marks hold the slots of the chunks accessed: ``key_at`` must name each slot's key."""
     import random
     from types import SimpleNamespace as NS
     from simsched.offload import RankedCPUTier
@@ -266,6 +267,9 @@ def test_ranked_tier_by_index_is_the_position_map():
                 sts[rid] = new_state(rid)                   # (a new request, same ID)
             ranks = [{k: t.rank[s] for k, s in t.entries.items()} for t in (by_index, by_dict)]
             assert ranks[0] == ranks[1]
+            for t in (by_index, by_dict):
+                assert all(t.key_at[s] is k for k, s in t.entries.items())
+                assert all(t.key_at[s] is None for s in t.free)
             assert (by_index.next_rank, by_index.evictions) == (by_dict.next_rank,
                                                                 by_dict.evictions)
     assert min(reasons.values()) > 15, reasons
