@@ -200,6 +200,12 @@ class Model:
         self.pending_reads = inv.ReadFences(layout.engine.num_gpu_blocks)
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
+        # the counters every step adds to, as native ints (a dict entry's += is a generic add
+        # and a boxed store per step); into ``counters`` when the run stops (run)
+        self.steps = 0
+        self.scheduled_tokens = 0
+        self.n_stores = 0
+        self.n_loads = 0
         self.step_no = 0
         self.unfinished = len(case.requests)
         self.future_events = 0      # arrivals and aborts not yet processed
@@ -485,9 +491,8 @@ class Model:
         """``Scheduler.schedule()`` with ``build_connector_meta``: the scheduled requests as
         ``(request, tokens, new blocks)`` (a quiet decode: the request alone) and the store jobs
         created."""
-        counters = self.counters
-        self.step_no = step = counters["steps"]
-        counters["steps"] = step + 1
+        self.step_no = step = self.steps
+        self.steps = step + 1
         if step >= self.max_steps:
             raise inv.InvariantViolation("INV-8", step, f"{self.unfinished} requests unfinished "
                                          f"after {self.max_steps} steps")
@@ -578,7 +583,7 @@ class Model:
         if not preempted:
             budget = self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
         # (every token of sched_reqs came out of the budget)
-        counters["scheduled_tokens"] += self.timing.max_num_batched_tokens - budget
+        self.scheduled_tokens += self.timing.max_num_batched_tokens - budget
         if tracing:
             empty = self.no_blocks_text       # fmt_alloc of no new block in any group
             for item in sched_reqs:
@@ -607,8 +612,8 @@ class Model:
                     q.schedule(store_t, ev.STORE_DONE, job.jid)
                 else:
                     asy.due[job.jid] = store_t
-            counters["stores"] += len(stores)
-        counters["loads"] += len(loads)
+            self.n_stores += len(stores)
+        self.n_loads += len(loads)
         if flush:
             self._emit("flush " + ",".join(map(str, sorted(flush))))
             for jid in sorted(flush):
@@ -1005,7 +1010,14 @@ class Model:
 
     # --- running ------------------------------------------------------------------------------
     def run(self) -> None:
-        self.q.run()
+        try:
+            self.q.run()
+        finally:        # (a finding or a crash stops the run: its counters are reported too)
+            counters = self.counters
+            counters["steps"] = self.steps
+            counters["scheduled_tokens"] = self.scheduled_tokens
+            counters["stores"] = self.n_stores
+            counters["loads"] = self.n_loads
         if self.unfinished > 0:
             raise inv.InvariantViolation("INV-8", self.step_no, f"{self.unfinished} requests "
                                          "never finished")
