@@ -43,8 +43,11 @@ from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
 MAX_STEPS: Final = 100_000
-# a scheduled request: (request, tokens, new block IDs per group; None for a quiet decode step)
-Sched = tuple[Request, int, list[list[int]] | None]
+# a scheduled request: (request, tokens, new block IDs per group), or the request alone for a
+# quiet decode step (one token, no new block, see Model._fast_bound): most scheduled requests
+# are quiet decodes, and the request alone makes no tuple (nor GC-tracked object) per step
+Sched = tuple[Request, int, list[list[int]]]
+Scheduled = Request | Sched
 STALL_STEPS: Final = 8
 
 
@@ -197,6 +200,12 @@ class Model:
         self.pending_reads = inv.ReadFences(layout.engine.num_gpu_blocks)
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
+        # the counters every step adds to, as native ints (a dict entry's += is a generic add
+        # and a boxed store per step); into ``counters`` when the run stops (run)
+        self.steps = 0
+        self.scheduled_tokens = 0
+        self.n_stores = 0
+        self.n_loads = 0
         self.step_no = 0
         self.unfinished = len(case.requests)
         self.future_events = 0      # arrivals and aborts not yet processed
@@ -480,12 +489,12 @@ class Model:
         self._execute(t, self.step_no, sched_reqs, stores)
         self._after_step(self.step_no)
 
-    def _schedule(self, t: int) -> tuple[list[Sched], list[Job]]:
+    def _schedule(self, t: int) -> tuple[list[Scheduled], list[Job]]:
         """``Scheduler.schedule()`` with ``build_connector_meta``: the scheduled requests as
-        ``(request, tokens, new blocks)`` and the store jobs created."""
-        counters = self.counters
-        self.step_no = step = counters["steps"]
-        counters["steps"] = step + 1
+        ``(request, tokens, new blocks)`` (a quiet decode: the request alone) and the store jobs
+        created."""
+        self.step_no = step = self.steps
+        self.steps = step + 1
         if step >= self.max_steps:
             raise inv.InvariantViolation("INV-8", step, f"{self.unfinished} requests unfinished "
                                          f"after {self.max_steps} steps")
@@ -498,8 +507,8 @@ class Model:
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list] = {}
-        # (request, tokens, new blocks) in scheduling order; new blocks None for a quiet decode
-        sched_reqs: list[Sched] = []
+        # (request, tokens, new blocks) in scheduling order; a quiet decode as the request alone
+        sched_reqs: list[Scheduled] = []
         if self.num_spec:       # (without drafts they stay empty: not made anew)
             self.sched_drafts = {}
             self.padded = set()
@@ -517,7 +526,7 @@ class Model:
                     and len(req.tokens) == c + 1):
                 # a quiet decode step (see _fast_bound): allocate, build_connector_meta and the
                 # store jobs would all be no-ops for it
-                sched_reqs.append((req, 1, None))
+                sched_reqs.append(req)
                 budget -= 1
                 i += 1
                 continue
@@ -576,13 +585,18 @@ class Model:
         if not preempted:
             budget = self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
         # (every token of sched_reqs came out of the budget)
-        counters["scheduled_tokens"] += self.timing.max_num_batched_tokens - budget
+        self.scheduled_tokens += self.timing.max_num_batched_tokens - budget
         if tracing:
             empty = self.no_blocks_text       # fmt_alloc of no new block in any group
-            for req, n, nb in sched_reqs:
-                rid = req.rid
-                lines.append(f"sched {rid} {n}")
-                lines.append(f"alloc {rid} {empty}" if nb is None else fmt_alloc(rid, nb))
+            for item in sched_reqs:
+                if isinstance(item, Request):       # a quiet decode
+                    rid = item.rid
+                    lines.append(f"sched {rid} 1")
+                    lines.append(f"alloc {rid} {empty}")
+                else:
+                    req, n, nb = item
+                    lines.append(f"sched {req.rid} {n}")
+                    lines.append(fmt_alloc(req.rid, nb))
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
         # (typed: unpacked and walked as native lists, not through iterators)
@@ -600,8 +614,8 @@ class Model:
                     q.schedule(store_t, ev.STORE_DONE, job.jid)
                 else:
                     asy.due[job.jid] = store_t
-            counters["stores"] += len(stores)
-        counters["loads"] += len(loads)
+            self.n_stores += len(stores)
+        self.n_loads += len(loads)
         if flush:
             self._emit("flush " + ",".join(map(str, sorted(flush))))
             for jid in sorted(flush):
@@ -616,7 +630,7 @@ class Model:
             asy.after_schedule(sched_reqs)
         return sched_reqs, stores
 
-    def _execute(self, t: int, step: int, sched_reqs: list[Sched], stores: list[Job]) -> None:
+    def _execute(self, t: int, step: int, sched_reqs: list[Scheduled], stores: list[Job]) -> None:
         """The model runner: computed tokens written (the shadow), one token sampled per
         request whose prefill is complete; finished requests leave (``FINISH``)."""
         kv, shadow = self.kv, self.shadow
@@ -628,12 +642,12 @@ class Model:
         inflight = self.inflight
         asy = self.async_
         fast = not self.num_spec and asy is None
-        for req, n, nb in sched_reqs:
-            start = req.num_computed
-            end = start + n
-            if nb is None:
+        for item in sched_reqs:
+            if isinstance(item, Request):
                 # quiet decode: write_computed of one token that completes no block, inlined
                 # (the content's ints as the shadow's objects, see Shadow.nums)
+                req = item
+                end = req.num_computed + 1
                 eo = nums[end] if end < len(nums) else shadow.num(end)
                 fb: list[tuple[Any, Any]] = req.fast_blocks
                 for go, bo in fb:
@@ -655,6 +669,9 @@ class Model:
                 if len(tokens) % unit == 0:
                     req._extend_ident()
                 continue
+            req, n, _ = item
+            start = req.num_computed
+            end = start + n
             d = self.sched_drafts.get(req.rid, 0) if self.num_spec else 0
             if d:
                 # verification (update_from_output): the accepted drafts are the request's next
@@ -823,7 +840,7 @@ class Model:
         req.fast_until = bound
 
     def _schedule_waiting(self, scheduled: dict[str, int], new_blocks: dict[str, list],
-                          budget: int, sched_reqs: list[Sched]) -> int:
+                          budget: int, sched_reqs: list[Scheduled]) -> int:
         """The waiting loop of ``Scheduler.schedule()``: returns the budget left."""
         kv, off, t = self.kv, self.off, self.q.now
         max_seqs = self.timing.max_num_seqs
@@ -995,7 +1012,14 @@ class Model:
 
     # --- running ------------------------------------------------------------------------------
     def run(self) -> None:
-        self.q.run()
+        try:
+            self.q.run()
+        finally:        # (a finding or a crash stops the run: its counters are reported too)
+            counters = self.counters
+            counters["steps"] = self.steps
+            counters["scheduled_tokens"] = self.scheduled_tokens
+            counters["stores"] = self.n_stores
+            counters["loads"] = self.n_loads
         if self.unfinished > 0:
             raise inv.InvariantViolation("INV-8", self.step_no, f"{self.unfinished} requests "
                                          "never finished")
@@ -1096,7 +1120,8 @@ class AsyncRun:
         return [_Held(blocks) for _, blocks in self.deferred]
 
     def after_schedule(self, sched_reqs: list) -> None:
-        """``_update_after_schedule`` (num_computed itself advances when the batch executes)."""
+        """``_update_after_schedule`` (num_computed itself advances when the batch executes).
+        (No quiet decodes with async scheduling: every entry is a ``Sched`` tuple.)"""
         self.batch = _Batch([(req, n) for req, n, _ in sched_reqs], bool(sched_reqs))
         if sched_reqs:
             self.sched_seq += 1
