@@ -14,8 +14,10 @@ scheduler loop only, no trace, shadow or checks; boot and request construction e
 start-up heap frozen as EngineCore freezes it, and so is this process's),
 alternating one model run and one real run N times; CPU-time medians and their ratio. The model
 is timed as the real side is: its event loop (``Model.run``) only, the model built before the
-clock starts and released after it stops (:func:`model_loop`); the whole ``run_case`` (building
-the model, the run, freeing it) is timed too and shown beside it.
+clock starts and released after it stops (:func:`model_loop`), right after a whole
+``run_case`` of the same case, as a campaign runs the model case after case. The whole
+``run_case`` (building the model, the run, freeing it), run first after the real run as the
+rounds before timed it, is shown beside it.
 
 The model runs compiled when the checkout was installed with ``pip install -e .`` (mypyc, see
 ``setup.py``); ``SIMSCHED_PURE=1`` in the environment runs its Python source instead. The first
@@ -123,10 +125,13 @@ def side_by_side(versions: list[str], sizes: list[int], runs: int) -> None:
                 run_case(case, prof, checks="fast", trace=False)
                 m_cpu, w_cpu, r_cpu, r_wall, ratios, w_ratios = [], [], [], [], [], []
                 for _ in range(runs):
-                    counters, mc = model_loop(case, prof)
+                    # the whole run_case first, right after the real run (as rounds before this
+                    # column was added timed the model), then the loop alone, as the model runs
+                    # case after case in a campaign (its code and data in the CPU's caches)
                     c0 = time.process_time()
                     m = run_case(case, prof, checks="fast", trace=False)
                     wc = time.process_time() - c0
+                    counters, mc = model_loop(case, prof)
                     assert m.ok, m.findings
                     assert counters["steps"] == m.counters["steps"], (counters, m.counters)
                     r = worker.call("run_case", timeout=600, case=case.to_json(), bare=True)

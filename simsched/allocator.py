@@ -75,6 +75,20 @@ _GROUP_END: Final[list[Any]] = [(2 * g + 1) << (KEY_GROUP_SHIFT - 1) for g in ra
 # objects make_key made (never converted to and from its native ints: most keys exceed them)
 Key = Any
 
+# The int objects 0, 1, 2, ..., made once per process and grown on demand (ints_to): the CPU
+# tier's slot numbers, a job's chunk and block indices and the shadow's ends are stored as these
+# objects (the compiled build makes a new int object each time it puts a native int above 256 in
+# a list or a tuple), so none is made again at each store or each run, nor freed with a run.
+INTS: Final[list[Any]] = list(range(257))
+
+
+def ints_to(n: int) -> list[Any]:
+    """``INTS``, grown to at least ``n`` objects."""
+    ints = INTS
+    if len(ints) < n:
+        ints.extend(range(len(ints), n))
+    return ints
+
 
 def make_key(gid: int, ident: Key) -> Key:
     """The key of group ``gid``'s KV for the prefix of identity ``ident``."""

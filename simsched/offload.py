@@ -21,7 +21,8 @@ import math
 from collections import OrderedDict
 from typing import Any, Final
 
-from simsched.allocator import ABORTED, NULL, Key, Request, key_group, make_key
+from simsched.allocator import (ABORTED, INTS, NULL, Key, Request, ints_to, key_group,
+                                make_key)
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
@@ -39,18 +40,6 @@ class ModelCrash(ConfigError):
         super().__init__(exception, function, file, stage, message)
 
 
-# the int objects 0, 1, 2, ..., made once per process and grown on demand (_ints_to): a tier's
-# slot numbers and a job's chunk and block indices are stored as these objects, not as a new int
-# object at each store (and none is freed with a run's dicts)
-_INTS: Final[list] = list(range(256))
-
-
-def _ints_to(n: int) -> list:
-    """``_INTS``, grown to at least ``n`` objects."""
-    ints = _INTS
-    if len(ints) < n:
-        ints.extend(range(len(ints), n))
-    return ints
 
 
 class CPUTier:
@@ -86,7 +75,7 @@ class CPUTier:
         self.refs: list[int] = [0] * m
         self.content: list = [None] * m
         self.rank: list = [0] * m           # (rank objects: compared and queued as they are)
-        _ints_to(m)
+        ints_to(m)
         self.free: list[int] = []
         self.n_slots = 0                    # slots ever used (the lists may be longer)
         # where the slots taken by new chunks are recorded, in order, while not None
@@ -113,8 +102,8 @@ class CPUTier:
             if s == len(self.ready):
                 self._grow()
         self.rank[s] = rank
-        entries: dict = self.entries        # (the slot as its shared int object: _INTS)
-        so = _INTS[s]
+        entries: dict = self.entries        # (the slot as its shared int object: INTS)
+        so = INTS[s]
         entries[key] = so
         if self.added is not None:
             self.added.append(so)
@@ -122,14 +111,14 @@ class CPUTier:
 
     def _grow(self) -> None:
         """More fresh slots (not ready, no load, no content): the lists grow by blocks (and
-        ``_INTS`` has an object for each slot)."""
+        ``INTS`` has an object for each slot)."""
         have = len(self.ready)
         n = max(64, have)
         self.ready.extend([False] * n)
         self.refs.extend([0] * n)
         self.content.extend([None] * n)
         self.rank.extend([0] * n)
-        _ints_to(have + n)
+        ints_to(have + n)
 
     def _store_new(self, keys: list) -> list:
         """``prepare_store(keys)`` when the tier has room for all of ``keys`` (no eviction): the
@@ -141,7 +130,7 @@ class CPUTier:
         entries: dict = self.entries    # (untyped: the slot object compared by identity)
         to_store: list | None = None    # (None while every key so far is new: keys[:i] then)
         s0 = s = self.n_slots           # the next slot, taken by the next new key
-        ints = _ints_to(s + len(keys) + 1)
+        ints = ints_to(s + len(keys) + 1)
         so = ints[s]
         for i in range(len(keys)):
             k = keys[i]
@@ -615,7 +604,7 @@ class RankedCPUTier(CPUTier):
             added = self.added          # (the slots taken, in order, if recorded: Job.slots)
             room = 0 if self.free else self.capacity - len(entries)
             sn = self.n_slots           # the slot offered next
-            ints = _ints_to(sn + min(room, len(klist)) + 1)
+            ints = ints_to(sn + min(room, len(klist)) + 1)
             so: Any = ints[sn] if room > 0 else None     # (None: no room, looked up)
             p = 0
             for gi in range(len(group)):
@@ -920,7 +909,7 @@ class RankedCPUTier(CPUTier):
                     s = slots[x]
                     refs[s] = refs[s] + 1
                     if m[c] is None:
-                        m[c] = _INTS[s]         # (its slot: see __init__)
+                        m[c] = INTS[s]         # (its slot: see __init__)
                         order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
@@ -2291,9 +2280,9 @@ class OffloadScheduler:
         return self._ints(hpc * c + hpc - 1, hpc * end, hpc)
 
     def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
-        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``_INTS``: a job's chunk
+        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``INTS``: a job's chunk
         and block indices are appended as slices of it (cheaper than iterating a range)."""
-        ints = _ints_to(hi)
+        ints = ints_to(hi)
         return ints[lo:hi] if step == 1 else ints[lo:hi:step]
 
     def _fence(self, b: Any, jid: Any) -> None:

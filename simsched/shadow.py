@@ -21,11 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
+from simsched.allocator import FULLISH, INTS, NULL, RING, GroupRule, Request, ints_to
 
-
-# Shadow.nums, shared: the int objects 0, 1, 2, ... (grown by Shadow.num)
-_NUMS: list[Any] = list(range(257))
 
 
 class Shadow:
@@ -36,18 +33,13 @@ class Shadow:
         self.idents: list[Any] = [None] * num_blocks
         self.bpc: int = blocks_per_chunk or 0     # (0: none; native, as write_chunk compares it)
         # nums[e] is the int e, one object each (grown on demand by num()): the group ids and
-        # ends of slot contents are stored as these objects. (The compiled build makes a new
-        # int object each time it puts a native int above 256 in a tuple or a list; see also
-        # allocator.BlockPool.ids.) One list for every shadow of the process (_NUMS): the ints
-        # of the ends a run writes are made by the first run that reaches them, not by each run
-        self.nums: list[Any] = _NUMS
+        # ends of slot contents are stored as these objects, the process's shared ints
+        # (allocator.INTS; see also allocator.BlockPool.ids)
+        self.nums: list[Any] = INTS
 
     def num(self, e: int) -> Any:
         """The int ``e`` (0 <= e), as the one object ``nums[e]``."""
-        nums = self.nums
-        if e >= len(nums):
-            nums.extend(range(len(nums), e + 1))
-        return nums[e]
+        return ints_to(e + 1)[e]
 
     def content(self, b: int) -> tuple | None:
         """Block ``b``'s content, ``(group_id, end, ident)`` (None: never written)."""
