@@ -275,6 +275,15 @@ def test_ranked_tier_by_index_is_the_position_map():
     assert min(reasons.values()) > 15, reasons
 
 
+def _key_lists(rng) -> list[list]:
+    """Four requests' key lists of 8 keys in random groups, some idents shared between them."""
+    lists = []
+    for r in range(4):
+        idents = [100 * r + rng.randrange(3) * 1000 + i for i in range(8)]   # some shared
+        lists.append([make_key(rng.randrange(3), h) for h in idents])
+    return lists
+
+
 def test_list_tier_evicts_as_the_evictable_list():
     """ListCPUTier (0.25.1-0.30.0's evictable list kept as stamps, touches and completions
     applied when an eviction needs them) evicts exactly what the OrderedDict evictable list
@@ -289,10 +298,7 @@ def test_list_tier_evicts_as_the_evictable_list():
     for seed in range(300):
         rng = random.Random(seed)
         ref, tier = CPUTier(8, True), ListCPUTier(8)
-        lists = []
-        for r in range(4):
-            idents = [100 * r + rng.randrange(3) * 1000 + i for i in range(8)]   # some shared
-            lists.append([make_key(rng.randrange(3), h) for h in idents])
+        lists = _key_lists(rng)
         writing, loading = [], []
         for _ in range(120):
             op = rng.randrange(6)
@@ -548,10 +554,7 @@ def test_jobs_keep_their_slots():
         make = [lambda: CPUTier(8), lambda: CPUTier(8, True), lambda: ListCPUTier(8),
                 lambda: RankedCPUTier(8, rng.random() < 0.5, [])][seed % 4]
         by_slots, by_keys = make(), make()
-        lists = []
-        for r in range(4):
-            idents = [100 * r + rng.randrange(3) * 1000 + i for i in range(8)]   # some shared
-            lists.append([make_key(rng.randrange(3), h) for h in idents])
+        lists = _key_lists(rng)
         writing, loading = [], []
         for _ in range(120):
             op = rng.randrange(5)
