@@ -1294,7 +1294,7 @@ class GroupState:
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
                  "finished_signaled", "next_key_at", "memo_version", "memo_local", "memo_tokens",
-                 "memo_hit")
+                 "memo_hit", "memo_evictions", "memo_missed", "memo_pending")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -1306,12 +1306,16 @@ class ReqOffload:
         self.num_local = 0
         self.finished_signaled = False
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
-        # the tier's content_version, num_local and num_tokens of the last _lookup, and its hit:
-        # the same inputs give the same hit (see OffloadScheduler._lookup_memo); version -1: none
+        # the last _lookup (see OffloadScheduler._lookup_memo): the tier's content_version and
+        # evictions, num_local and num_tokens then, its hit (before the being_loaded check), and
+        # the keys it read as missing and as pending (filled by _lookup); version -1: none
         self.memo_version = -1
+        self.memo_evictions = 0
         self.memo_local = 0
         self.memo_tokens = 0
         self.memo_hit: int | None = None
+        self.memo_missed: list = []
+        self.memo_pending: list = []
 
 
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
@@ -1611,18 +1615,57 @@ class OffloadScheduler:
         return hit
 
     def _lookup_memo(self, st: ReqOffload) -> int | None:
-        """``_lookup(st)``, or its last result when none of its inputs changed since: the tier's
-        content (``content_version``; ``being_loaded`` changes only with it), ``num_local`` and
-        the request's length (which fixes its offload keys). A waiting request that cannot be
-        admitted repeats the same lookup step after step."""
-        version, num_local, num_tokens = self.tier.content_version, st.num_local, len(st.req.tokens)
-        if st.memo_version == version and st.memo_local == num_local \
-                and st.memo_tokens == num_tokens:
-            return st.memo_hit
-        hit = self._lookup(st)
-        st.memo_version, st.memo_local, st.memo_tokens, st.memo_hit = \
-            version, num_local, num_tokens, hit
+        """``_lookup(st)``, or its last result when it would read the same again. A waiting
+        request that cannot be admitted repeats the same lookup step after step, while other
+        requests' stores complete (each moves the tier's ``content_version``).
+
+        Exact: with the same ``num_local`` and request length (which fix the request's offload
+        keys and every bound of the search), ``_lookup``'s search reads nothing of the tier but
+        whether each key it visits is there and if so ready, and its result follows from those
+        reads. A chunk leaves the tier (or stops being ready: a slot is freed and reused) only
+        by eviction, which moves ``evictions`` (a failed insertion takes out only the chunks it
+        added in the same call, never seen by a lookup); otherwise a chunk only comes in (not
+        ready) or becomes ready. So with no eviction since, every key read as ready still is;
+        the keys read as missing (``memo_missed``) and as pending (``memo_pending``, whether
+        in the first-miss walk of a full-attention group or in the sliding-window walk from the
+        end, where a pending chunk defers the lookup) are read again: if each still is, every
+        read repeats. ``being_loaded`` is not part of the search: its check of the hit's keys
+        runs each time (a hit of 0 has none to check: every group's range is empty or the
+        lookup returned early)."""
+        tier = self.tier
+        version, num_local, num_tokens = tier.content_version, st.num_local, len(st.req.tokens)
+        hit: int | None
+        if st.memo_local == num_local and st.memo_tokens == num_tokens and (
+                st.memo_version == version
+                or (st.memo_version >= 0 and st.memo_evictions == tier.evictions
+                    and self._reads_unchanged(st))):
+            hit = st.memo_hit
+        else:
+            st.memo_missed.clear()
+            st.memo_pending.clear()
+            hit = self._lookup(st)
+            st.memo_version, st.memo_evictions, st.memo_local, st.memo_tokens, st.memo_hit = \
+                version, tier.evictions, num_local, num_tokens, hit
+        st.memo_version = version
+        if hit and self.being_loaded and self._hits_being_loaded(st, hit):
+            return None
         return hit
+
+    def _reads_unchanged(self, st: ReqOffload) -> bool:
+        """Every key the last ``_lookup`` read as missing is still missing, every key it read as
+        pending is still pending."""
+        entries, ready = self.tier.entries, self.tier.ready
+        for k in st.memo_missed:
+            if k in entries:
+                return False
+        for k in st.memo_pending:
+            so = entries.get(k)
+            if so is None:
+                return False
+            s: int = so
+            if ready[s]:
+                return False
+        return True
 
     def _touch(self, st: ReqOffload) -> None:
         """Touch the request's keys in the CPU tier's LRU. Repeating a touch changes nothing when
@@ -1663,11 +1706,14 @@ class OffloadScheduler:
         return wi if wi >= n else n
 
     def _lookup(self, st: ReqOffload) -> int | None:
-        """``_lookup_complete_chunks`` without deferred backends and EAGLE pops."""
+        """``_lookup_complete_chunks`` without deferred backends and EAGLE pops, but for its
+        ``being_loaded`` check (``_hits_being_loaded``). Appends the keys it reads as missing to
+        ``st.memo_missed``, those it reads as pending to ``st.memo_pending`` (_lookup_memo)."""
         req, tier = st.req, self.tier
         # (tier.lookup of a key, inlined below: MISS when not in ``entries``, HIT_PENDING when
         # its chunk is not ready)
         entries, ready = tier.entries, tier.ready
+        missed, pending_keys = st.memo_missed, st.memo_pending
         num_computed = st.num_local
         max_hit = req.num_tokens
         if self.supports_max_load and st.max_load_tokens is not None:
@@ -1709,11 +1755,14 @@ class OffloadScheduler:
                 if w is None:
                     hits = 0
                     for j in range(start, num_chunks):         # (keys[start:num_chunks])
-                        s = entries.get(keys[j])
+                        k = keys[j]
+                        s = entries.get(k)
                         if s is None:
+                            missed.append(k)
                             break
                         if not ready[s]:
                             defer = True
+                            pending_keys.append(k)
                         hits += 1
                     n_hit = -1 if defer else hits
                 else:
@@ -1728,14 +1777,17 @@ class OffloadScheduler:
                     w_req = w + eagle
                     consecutive, found, pending = 0, False, False
                     for idx in range(len(sub) - 1, -1, -1):
-                        s = entries.get(sub[idx])
+                        k = sub[idx]
+                        s = entries.get(k)
                         if s is None:
+                            missed.append(k)
                             consecutive = 0
                             if v2:
                                 pending, need = False, w_req
                         else:
                             if not ready[s]:
                                 pending = True
+                                pending_keys.append(k)
                             consecutive += 1
                         if consecutive == need:
                             n_hit, found = idx + need, True
@@ -1768,27 +1820,33 @@ class OffloadScheduler:
                 num_hit = new_hit
         if defer:
             return None
-        bl = self.being_loaded
-        if bl:
-            for cfg, gs in zip(self.cfgs, st.groups):
-                tpc = cfg.tokens_per_chunk
-                gkeys = gs.keys
-                lo, hi = num_computed // tpc, -(-(num_computed + num_hit) // tpc)
-                if cfg.sliding_window_in_chunks is not None:
-                    sub = gkeys[lo:hi]
-                    sub = sub[-(self._load_window(cfg, num_computed + num_hit)
-                                if self.window_v2 else cfg.sliding_window_in_chunks):]
-                    if not bl.isdisjoint(sub):
-                        return None
-                    continue
-                # (gkeys[lo:hi] and bl disjoint, without the slice)
-                if hi > len(gkeys):
-                    hi = len(gkeys)
-                while lo < hi:
-                    if gkeys[lo] in bl:
-                        return None
-                    lo += 1
         return num_hit
+
+    def _hits_being_loaded(self, st: ReqOffload, num_hit: int) -> bool:
+        """The end of ``_lookup_complete_chunks``: a hit of ``num_hit`` tokens some of whose
+        chunks (in a sliding-window group, of its load window) are being loaded is deferred."""
+        bl = self.being_loaded
+        assert bl is not None
+        num_computed = st.num_local
+        for cfg, gs in zip(self.cfgs, st.groups):
+            tpc = cfg.tokens_per_chunk
+            gkeys = gs.keys
+            lo, hi = num_computed // tpc, -(-(num_computed + num_hit) // tpc)
+            if cfg.sliding_window_in_chunks is not None:
+                sub = gkeys[lo:hi]
+                sub = sub[-(self._load_window(cfg, num_computed + num_hit)
+                            if self.window_v2 else cfg.sliding_window_in_chunks):]
+                if not bl.isdisjoint(sub):
+                    return True
+                continue
+            # (gkeys[lo:hi] and bl disjoint, without the slice)
+            if hi > len(gkeys):
+                hi = len(gkeys)
+            while lo < hi:
+                if gkeys[lo] in bl:
+                    return True
+                lo += 1
+        return False
 
     def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
                                  block_keys: list | None) -> Job | None:

@@ -590,3 +590,142 @@ def test_jobs_keep_their_slots():
             assert state(by_slots) == state(by_keys)
         evicted += by_slots.evictions
     assert evicted > 1000
+
+
+_LOOKUP_MEMO_CHECK = '''
+import random
+import sys
+from simsched.allocator import make_key
+from simsched.case import Case
+from simsched.geometry import PROFILES
+from simsched.lockstep import LAYOUT_ENGINE, LAYOUTS, generate_case
+from simsched.model import Model
+from simsched.model import run_case
+from simsched.offload import OffloadScheduler
+import simsched
+assert not simsched.compiled()
+variant = sys.argv[1]
+memo, lookup, unchanged = (OffloadScheduler._lookup_memo, OffloadScheduler._lookup,
+                           OffloadScheduler._reads_unchanged)
+calls = [0, 0, 0]           # memo calls, fresh lookups inside them, wrong results
+def counted(self, st):
+    calls[1] += 1
+    return lookup(self, st)
+def fresh(self, st):
+    """What the unmemoized lookup returns (the memo's lists kept as they were)."""
+    saved = list(st.memo_missed), list(st.memo_pending)
+    del st.memo_missed[:], st.memo_pending[:]
+    hit = lookup(self, st)
+    if hit and self.being_loaded and self._hits_being_loaded(st, hit):
+        hit = None
+    st.memo_missed[:], st.memo_pending[:] = saved
+    return hit
+def checked(self, st):
+    if variant == "evictions-ignored":
+        st.memo_evictions = self.tier.evictions
+    calls[0] += 1
+    hit = memo(self, st)
+    if hit != fresh(self, st):
+        calls[2] += 1
+    return hit
+def missed_only(self, st):
+    entries = self.tier.entries
+    return all(k not in entries for k in st.memo_missed)
+def pending_only(self, st):
+    pending, st.memo_missed = st.memo_missed, []
+    try:
+        return unchanged(self, st)
+    finally:
+        st.memo_missed = pending
+OffloadScheduler._lookup_memo = checked
+OffloadScheduler._lookup = counted
+if variant == "pending-ignored":
+    OffloadScheduler._reads_unchanged = missed_only
+if variant == "missed-ignored":
+    OffloadScheduler._reads_unchanged = pending_only
+# generated cases (few repeated lookups there), then one request's lookups while the tier
+# changes at random under it: stores of its chunks and of others (with evictions: a small tier),
+# their completions, loads, being_loaded, its GPU hit (num_local)
+for layout in ("full16+sw16w128+full16", "full16+chunked16c64"):
+    for seed in range(10):
+        case = generate_case(seed, layout, n_requests=16, async_scheduling=seed % 3 == 0)
+        for profile in ("prefix-cacheable", "every-group", "prefix-cacheable-windows-in-config"):
+            run_case(case, profile, checks="fast", trace=False)
+for layout in ("full16", "full16+sw16w128+full16", "full16+sw16w64", "full16+chunked16c64",
+               "full16+full16drafter+eagle2"):
+    for profile in ("prefix-cacheable", "every-group", "prefix-cacheable-windows-in-config"):
+        for seed in range(8):
+            rng = random.Random(seed)
+            case = Case.from_json({
+                "layout": {"groups": LAYOUTS[layout], "engine": dict(
+                    {"num_gpu_blocks": 512, "cpu_chunks": rng.choice([12, 48, 4096])},
+                    **LAYOUT_ENGINE.get(layout, {}))},
+                "requests": [{"id": "a", "prompt": [[7, rng.randint(40, 240)]]}]})
+            m = Model(case, PROFILES[profile])
+            m.q.run_until(0)
+            off, tier = m.off, m.off.tier
+            st = off.req_status["a"]
+            off.update_offload_keys(st)
+            mine = [k for gs in st.groups for k in gs.keys]
+            others = [make_key(0, 10**6 * (seed + 1) + i) for i in range(64)]
+            jobs, loads = [], []
+            for _ in range(400):
+                op = rng.random()
+                if op < 0.3:
+                    pool = mine if rng.random() < 0.6 else others
+                    i = rng.randrange(len(pool))
+                    if rng.random() < 0.5:          # at a group's first missing chunk
+                        pool = rng.choice(st.groups).keys
+                        i = 0
+                        while i < len(pool) and pool[i] in tier.entries:
+                            i += 1
+                    keys = pool[i:i + rng.randint(1, 4)]
+                    new = tier.prepare_store(keys)
+                    if new:
+                        jobs.append(new)
+                elif op < 0.55 and jobs:
+                    keys = jobs.pop(rng.randrange(len(jobs)))
+                    tier.complete_store(keys, [None] * len(keys))
+                elif op < 0.65 and off.being_loaded is not None:
+                    k = rng.choice(mine)
+                    if k in off.being_loaded:
+                        off.being_loaded.discard(k)
+                    elif tier.is_ready(k):
+                        off.being_loaded.add(k)
+                        tier.prepare_load([k])
+                        loads.append(k)
+                elif op < 0.7 and loads:
+                    k = loads.pop(rng.randrange(len(loads)))
+                    off.being_loaded.discard(k)
+                    tier.complete_load([k])
+                elif op < 0.75:
+                    st.num_local = rng.choice([0, 0, 16, 32, 48])
+                off._lookup_memo(st)
+print("calls", *calls)
+'''
+
+
+def test_lookup_memo_is_a_fresh_lookup():
+    """``OffloadScheduler._lookup_memo`` reuses a lookup while the tier changed only where the
+    lookup did not read (no eviction; the keys it read as missing or pending still are):
+    checked against a fresh lookup at every call (sources, the methods wrapped), over generated
+    cases and over one request's lookups while its chunks and others are stored, completed,
+    evicted and loaded at random, on the tiers of 0.25.1-0.30.0 (evictable list; 0.30.0 the
+    sliding window's load window) and 0.33.0 (ranks). Each part of the check, left out
+    (evictions, the missed keys, the pending keys), gives wrong hits there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, SIMSCHED_PURE="1")
+    out = {}
+    for variant in ("exact", "evictions-ignored", "pending-ignored", "missed-ignored"):
+        r = subprocess.run([sys.executable, "-c", _LOOKUP_MEMO_CHECK, variant],
+                           cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                           env=env)
+        assert r.returncode == 0 and "calls" in r.stdout, r.stdout + r.stderr
+        out[variant] = [int(x) for x in r.stdout.split()[1:4]]
+    memo_calls, lookups, wrong = out["exact"]
+    assert wrong == 0 and lookups < memo_calls * 0.8, out
+    assert all(out[v][2] > 0 for v in ("evictions-ignored", "pending-ignored",
+                                        "missed-ignored")), out
