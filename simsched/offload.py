@@ -1294,7 +1294,7 @@ class GroupState:
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
                  "finished_signaled", "next_key_at", "memo_version", "memo_local", "memo_tokens",
-                 "memo_hit", "memo_evictions", "memo_missed", "memo_pending")
+                 "memo_hit", "memo_evictions", "memo_missed", "memo_pending", "memo_loading")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -1306,9 +1306,10 @@ class ReqOffload:
         self.num_local = 0
         self.finished_signaled = False
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
-        # the last _lookup (see OffloadScheduler._lookup_memo): the tier's content_version and
-        # evictions, num_local and num_tokens then, its hit (before the being_loaded check), and
-        # the keys it read as missing and as pending (filled by _lookup); version -1: none
+        # the last _lookup (see OffloadScheduler._lookup_memo): its hit (before the being_loaded
+        # check) and the keys it read as missing and as pending (filled by _lookup); num_local
+        # and num_tokens then; the tier's content_version and evictions at the last call, when
+        # the hit was still that (version -1: none), and whether being_loaded deferred it then
         self.memo_version = -1
         self.memo_evictions = 0
         self.memo_local = 0
@@ -1316,6 +1317,7 @@ class ReqOffload:
         self.memo_hit: int | None = None
         self.memo_missed: list = []
         self.memo_pending: list = []
+        self.memo_loading = False
 
 
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
@@ -1630,25 +1632,35 @@ class OffloadScheduler:
         in the first-miss walk of a full-attention group or in the sliding-window walk from the
         end, where a pending chunk defers the lookup) are read again: if each still is, every
         read repeats. ``being_loaded`` is not part of the search: its check of the hit's keys
-        runs each time (a hit of 0 has none to check: every group's range is empty or the
-        lookup returned early)."""
+        runs again whenever the content changed (a hit of 0 has none to check: every group's
+        range is empty or the lookup returned early)."""
         tier = self.tier
         version, num_local, num_tokens = tier.content_version, st.num_local, len(st.req.tokens)
         hit: int | None
-        if st.memo_local == num_local and st.memo_tokens == num_tokens and (
-                st.memo_version == version
-                or (st.memo_version >= 0 and st.memo_evictions == tier.evictions
-                    and self._reads_unchanged(st))):
-            hit = st.memo_hit
+        if st.memo_local == num_local and st.memo_tokens == num_tokens:
+            if st.memo_version == version:
+                # (``being_loaded`` changes only with the content: the same check's result)
+                return None if st.memo_loading else st.memo_hit
+            if st.memo_version >= 0 and st.memo_evictions == tier.evictions \
+                    and self._reads_unchanged(st):
+                hit = st.memo_hit
+            else:
+                hit = self._fresh_lookup(st)
         else:
-            st.memo_missed.clear()
-            st.memo_pending.clear()
-            hit = self._lookup(st)
-            st.memo_version, st.memo_evictions, st.memo_local, st.memo_tokens, st.memo_hit = \
-                version, tier.evictions, num_local, num_tokens, hit
-        st.memo_version = version
-        if hit and self.being_loaded and self._hits_being_loaded(st, hit):
-            return None
+            hit = self._fresh_lookup(st)
+        st.memo_version, st.memo_evictions, st.memo_local, st.memo_tokens = \
+            version, tier.evictions, num_local, num_tokens
+        loading = False
+        if hit and self.being_loaded:
+            loading = self._hits_being_loaded(st, hit)
+        st.memo_loading = loading
+        return None if loading else hit
+
+    def _fresh_lookup(self, st: ReqOffload) -> int | None:
+        """``_lookup(st)``, its result and what it read kept in ``st``'s memo."""
+        st.memo_missed.clear()
+        st.memo_pending.clear()
+        hit = st.memo_hit = self._lookup(st)
         return hit
 
     def _reads_unchanged(self, st: ReqOffload) -> bool:

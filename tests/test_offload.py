@@ -687,10 +687,9 @@ for layout in ("full16", "full16+sw16w128+full16", "full16+sw16w64", "full16+chu
                     keys = jobs.pop(rng.randrange(len(jobs)))
                     tier.complete_store(keys, [None] * len(keys))
                 elif op < 0.65 and off.being_loaded is not None:
+                    # (as update_state_after_alloc and complete_job: with the tier's loads)
                     k = rng.choice(mine)
-                    if k in off.being_loaded:
-                        off.being_loaded.discard(k)
-                    elif tier.is_ready(k):
+                    if k not in off.being_loaded and tier.is_ready(k):
                         off.being_loaded.add(k)
                         tier.prepare_load([k])
                         loads.append(k)
