@@ -614,11 +614,11 @@ class KVCacheManager:
             m = min(L // r.bs, len(keys))
             known = memo[r.gid]
             n = 0
-            nk = min(m, len(known))
-            while n < nk:
-                bi: int = known[n]
+            for bk, k in zip(known, keys):      # (items read inline, no bounds-checked calls)
+                if n == m:
+                    break
+                bi: int = bk
                 kb = pkey[bi]
-                k = keys[n]
                 if kb is None or (kb is not k and kb != k):
                     del known[n:]
                     break
