@@ -352,16 +352,17 @@ class Model:
         last_gid, tpb, stride = -1, 0, 0
         hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
         gkeys: list = []
-        for x in range(len(ckeys)):
-            gid = gids[x]
+        x = 0
+        # (zip: the chunk's fields read inline, not by bounds-checked calls; bpos[1:], the
+        # chunks' ends, one list per job)
+        for gid, key, h, c, nxt in zip(gids, ckeys, hidx, cidx, bpos[1:]):
             if gid != last_gid:
                 last_gid, tpb, stride = gid, tpbs[gid], strides[gid]
                 # the request's offload keys of the group (those the store's keys were taken
                 # from, see OffloadScheduler._update_offload_keys: compared by identity below)
                 gkeys = req.keys(gid, stride) if stride else []
-            key = ckeys[x]
-            end = (hidx[x] + 1) * tph
-            lo, hi = hi, bpos[x + 1]
+            end = (h + 1) * tph
+            lo, hi = hi, nxt
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
             # block holds (gid, its end, ident there), the last one ending at the key's end,
             # whose identity is key_ident(key)); anything else goes to check_stored_chunk, which
@@ -411,13 +412,13 @@ class Model:
                 # (idk: the last block's identity, that of the prefix [0, end); group 0's keys
                 # are mostly that very object, the others' mostly the group's key for it,
                 # make_key(gid, idk) itself when the chunk's tokens are the key list's chunk c)
-                c = cidx[x]
                 ok = ((c + 1) * stride == end and c < len(gkeys) and gkeys[c] is key) \
                     or make_key(gid, idk) == key
             if not ok:
                 v = inv.check_stored_chunk(step, job, job.chunk(x), content, req, geo, tpbs)
                 if v is not None:
                     raise v
+            x += 1
 
     def _store_done(self, jid: int) -> None:
         job = self.off.jobs.get(jid)

@@ -1175,15 +1175,16 @@ class ListCPUTier(CPUTier):
         self.content_version += 1
         ready, content, refs, rank = self.ready, self.content, self.refs, self.rank
         t: object = self.clock                  # (boxed once for all the keys)
-        ss = self.slots_of(keys, slots)
-        for x in range(len(keys)):
-            so = ss[x]
+        ss: list = self.slots_of(keys, slots)
+        # (zip: the slots and contents read inline, not by bounds-checked calls; both lists
+        # have one item per key)
+        for so, cx in zip(ss, contents):
             if so is None:
                 continue
             s: int = so
             if not ready[s]:
                 ready[s] = True
-                content[s] = contents[x]
+                content[s] = cx
                 if not refs[s]:
                     rank[s] = t                 # evictable now: placed when the log is applied
         self.log.append((keys, -1, len(keys), t))
