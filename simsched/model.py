@@ -436,11 +436,24 @@ class Model:
         tier = self.off.tier
         content = tier.content
         shadow = self.shadow
-        bpos = job.bpos
-        slots = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
-        for x in range(len(slots)):
-            s: int = slots[x]
-            shadow.write_chunk(job.bidx, job.bids, bpos[x], bpos[x + 1], content[s])
+        sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
+        bpos, bidx, bids = job.bpos, job.bidx, job.bids
+        slots: list = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
+        hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
+        # (zip: the slots and the chunks' ends read inline; bpos[1:], one list per job)
+        for so, nxt in zip(slots, bpos[1:]):
+            s: int = so
+            lo, hi = hi, nxt
+            c: tuple | None = content[s]
+            if hi - lo == 1 and c is not None and len(c) == 3:
+                # a one-block chunk into one block: its fields as they are (write_chunk, inlined:
+                # whole chunk or not, the block takes the chunk's only block)
+                b: int = bids[lo]
+                sgids[b] = c[0]
+                sends[b] = c[1]
+                sidents[b] = c[2]
+            else:
+                shadow.write_chunk(bidx, bids, lo, hi, c)
         written = job.bids          # every destination block, in order
         self._violation(self.pending_reads.check(self.step_no, written, "load", str(jid)))
         self.off.complete_job(jid)

@@ -1034,17 +1034,17 @@ class RankedCPUTier(CPUTier):
     def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
         self.version += 1
         self.content_version += 1
-        queued, ready = self.queued, self.ready
-        ss = self.slots_of(keys, slots)
-        for x in range(len(keys)):
-            k = keys[x]
-            so = ss[x]
+        queued, ready, content = self.queued, self.ready, self.content
+        ss: list = self.slots_of(keys, slots)
+        # (zip: the keys, slots and contents read inline, not by bounds-checked calls; the
+        # lists have one item per key)
+        for k, so, cx in zip(keys, ss, contents):
             if so is None:
                 continue
             s: int = so
             if not ready[s]:
                 ready[s] = True
-                self.content[s] = contents[x]
+                content[s] = cx
                 if queued and not self.refs[s]:
                     self._push(self.rank[s], k)       # evictable now
 
