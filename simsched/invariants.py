@@ -183,11 +183,11 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
     bids: list[int] = job.bids
     last_gid, tpb = -1, 0           # (a job's chunks come group by group)
     hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
-    for x in range(len(jgids)):
-        gid = jgids[x]
+    # (zip: the chunks' groups and ends read inline; bpos[1:], one list per job)
+    for gid, nxt in zip(jgids, bpos[1:]):
         if gid != last_gid:
             last_gid, tpb = gid, tpbs[gid]
-        lo, hi = hi, bpos[x + 1]
+        lo, hi = hi, nxt
         for y in range(lo, hi):
             # the common case decided here: the block holds (gid, e, ident_at(e)) with the
             # identity known; anything else goes to the walk below, which decides and names it

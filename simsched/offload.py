@@ -1215,9 +1215,9 @@ class ListCPUTier(CPUTier):
         self.content_version += 1
         refs, ready, rank = self.refs, self.ready, self.rank
         t: object = self.clock                  # (boxed once for all the keys)
-        ss = self.slots_of(keys, slots)
-        for x in range(len(keys)):
-            s: int = ss[x]
+        ss: list = self.slots_of(keys, slots)
+        for so in ss:                           # (one slot per key)
+            s: int = so
             r = refs[s] - 1                     # (not -=: a generic in-place subtraction when
             if r:                               # compiled)
                 refs[s] = r
