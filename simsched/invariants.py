@@ -98,9 +98,11 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     hidx: list[int] = job.hidx
     bpos: list[int] = job.bpos      # chunk x's blocks: [bpos[x], bpos[x + 1])
     last_gid, t = -1, 0
-    b_lo = bpos[0]                  # (each bound read once: the last chunk's end is the next's start)
-    for x in range(len(gids)):
-        gid = gids[x]
+    # (zip: the lists' items read inline, not by bounds-checked calls; chunk x gets bpos[x], its
+    # start, and the check of chunk x - 1, ending there, is made then: chunk 0's start
+    # compared with -1 passes; the last chunk's end is compared after the loop)
+    b_lo = -1
+    for gid, h, c, b_hi in zip(gids, hidx, cidx, bpos):
         if gid != last_gid:
             last_gid = gid
             for g in groups:            # the group's tokens per chunk
@@ -109,10 +111,11 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
                     break
             else:
                 raise KeyError(gid)
-        b_hi = bpos[x + 1]
-        if (hidx[x] + 1) * tph != (cidx[x] + 1) * t or b_hi == b_lo:
+        if (h + 1) * tph != (c + 1) * t or b_hi == b_lo:
             ok = False
         b_lo = b_hi
+    if ok and gids and bpos[len(gids)] == b_lo:
+        ok = False                      # the last chunk has no source block
     if ok:
         return None     # every key names its chunk and has source blocks: nothing to report
     return _check_store_job_named(step, job, geo)
@@ -180,11 +183,11 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
     bids: list[int] = job.bids
     last_gid, tpb = -1, 0           # (a job's chunks come group by group)
     hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
-    for x in range(len(jgids)):
-        gid = jgids[x]
+    # (zip: the chunks' groups and ends read inline; bpos[1:], one list per job)
+    for gid, nxt in zip(jgids, bpos[1:]):
         if gid != last_gid:
             last_gid, tpb = gid, tpbs[gid]
-        lo, hi = hi, bpos[x + 1]
+        lo, hi = hi, nxt
         for y in range(lo, hi):
             # the common case decided here: the block holds (gid, e, ident_at(e)) with the
             # identity known; anything else goes to the walk below, which decides and names it

@@ -352,16 +352,17 @@ class Model:
         last_gid, tpb, stride = -1, 0, 0
         hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
         gkeys: list = []
-        for x in range(len(ckeys)):
-            gid = gids[x]
+        x = 0
+        # (zip: the chunk's fields read inline, not by bounds-checked calls; bpos[1:], the
+        # chunks' ends, one list per job)
+        for gid, key, h, c, nxt in zip(gids, ckeys, hidx, cidx, bpos[1:]):
             if gid != last_gid:
                 last_gid, tpb, stride = gid, tpbs[gid], strides[gid]
                 # the request's offload keys of the group (those the store's keys were taken
                 # from, see OffloadScheduler._update_offload_keys: compared by identity below)
                 gkeys = req.keys(gid, stride) if stride else []
-            key = ckeys[x]
-            end = (hidx[x] + 1) * tph
-            lo, hi = hi, bpos[x + 1]
+            end = (h + 1) * tph
+            lo, hi = hi, nxt
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
             # block holds (gid, its end, ident there), the last one ending at the key's end,
             # whose identity is key_ident(key)); anything else goes to check_stored_chunk, which
@@ -411,13 +412,13 @@ class Model:
                 # (idk: the last block's identity, that of the prefix [0, end); group 0's keys
                 # are mostly that very object, the others' mostly the group's key for it,
                 # make_key(gid, idk) itself when the chunk's tokens are the key list's chunk c)
-                c = cidx[x]
                 ok = ((c + 1) * stride == end and c < len(gkeys) and gkeys[c] is key) \
                     or make_key(gid, idk) == key
             if not ok:
                 v = inv.check_stored_chunk(step, job, job.chunk(x), content, req, geo, tpbs)
                 if v is not None:
                     raise v
+            x += 1
 
     def _store_done(self, jid: int) -> None:
         job = self.off.jobs.get(jid)
@@ -435,11 +436,24 @@ class Model:
         tier = self.off.tier
         content = tier.content
         shadow = self.shadow
-        bpos = job.bpos
-        slots = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
-        for x in range(len(slots)):
-            s: int = slots[x]
-            shadow.write_chunk(job.bidx, job.bids, bpos[x], bpos[x + 1], content[s])
+        sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
+        bpos, bidx, bids = job.bpos, job.bidx, job.bids
+        slots: list = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
+        hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
+        # (zip: the slots and the chunks' ends read inline; bpos[1:], one list per job)
+        for so, nxt in zip(slots, bpos[1:]):
+            s: int = so
+            lo, hi = hi, nxt
+            c: tuple | None = content[s]
+            if hi - lo == 1 and c is not None and len(c) == 3:
+                # a one-block chunk into one block: its fields as they are (write_chunk, inlined:
+                # whole chunk or not, the block takes the chunk's only block)
+                b: int = bids[lo]
+                sgids[b] = c[0]
+                sends[b] = c[1]
+                sidents[b] = c[2]
+            else:
+                shadow.write_chunk(bidx, bids, lo, hi, c)
         written = job.bids          # every destination block, in order
         self._violation(self.pending_reads.check(self.step_no, written, "load", str(jid)))
         self.off.complete_job(jid)

@@ -1034,17 +1034,17 @@ class RankedCPUTier(CPUTier):
     def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
         self.version += 1
         self.content_version += 1
-        queued, ready = self.queued, self.ready
-        ss = self.slots_of(keys, slots)
-        for x in range(len(keys)):
-            k = keys[x]
-            so = ss[x]
+        queued, ready, content = self.queued, self.ready, self.content
+        ss: list = self.slots_of(keys, slots)
+        # (zip: the keys, slots and contents read inline, not by bounds-checked calls; the
+        # lists have one item per key)
+        for k, so, cx in zip(keys, ss, contents):
             if so is None:
                 continue
             s: int = so
             if not ready[s]:
                 ready[s] = True
-                self.content[s] = contents[x]
+                content[s] = cx
                 if queued and not self.refs[s]:
                     self._push(self.rank[s], k)       # evictable now
 
@@ -1175,15 +1175,16 @@ class ListCPUTier(CPUTier):
         self.content_version += 1
         ready, content, refs, rank = self.ready, self.content, self.refs, self.rank
         t: object = self.clock                  # (boxed once for all the keys)
-        ss = self.slots_of(keys, slots)
-        for x in range(len(keys)):
-            so = ss[x]
+        ss: list = self.slots_of(keys, slots)
+        # (zip: the slots and contents read inline, not by bounds-checked calls; both lists
+        # have one item per key)
+        for so, cx in zip(ss, contents):
             if so is None:
                 continue
             s: int = so
             if not ready[s]:
                 ready[s] = True
-                content[s] = contents[x]
+                content[s] = cx
                 if not refs[s]:
                     rank[s] = t                 # evictable now: placed when the log is applied
         self.log.append((keys, -1, len(keys), t))
@@ -1214,9 +1215,9 @@ class ListCPUTier(CPUTier):
         self.content_version += 1
         refs, ready, rank = self.refs, self.ready, self.rank
         t: object = self.clock                  # (boxed once for all the keys)
-        ss = self.slots_of(keys, slots)
-        for x in range(len(keys)):
-            s: int = ss[x]
+        ss: list = self.slots_of(keys, slots)
+        for so in ss:                           # (one slot per key)
+            s: int = so
             r = refs[s] - 1                     # (not -=: a generic in-place subtraction when
             if r:                               # compiled)
                 refs[s] = r

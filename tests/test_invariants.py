@@ -207,3 +207,40 @@ def test_inv6_read_fences_name_what_the_per_block_check_names():
         fences.pop(2)
         by_job.pop(2, None)
     assert fences.count == [1 if b in (10, 11, 12, 41) else 0 for b in range(64)]
+
+
+def test_inv3_quick_check_finds_what_the_named_walk_finds():
+    """check_store_job decides the common case itself (its chunks walked by zip, each chunk's
+    emptiness checked at the next chunk's start and the last one's after the walk) and hands
+    anything else to the item-by-item walk: both give the same finding, whichever chunk (first,
+    middle, last) has no source block or a key of the wrong hash."""
+    import random
+
+    from simsched import invariants as inv
+    from simsched.model import Model, resolve_profile
+    from simsched.offload import Job
+    groups = [{"kind": "full", "block_size": 16},
+              {"kind": "sliding_window", "block_size": 16, "sliding_window": 128}]
+    case = mk([{"id": "a", "prompt": [[1, 64]], "decode": 2}], groups=groups,
+              num_gpu_blocks=48)
+    geo = Model(case, resolve_profile("every-group"), checks="fast", trace=False).geo
+    tpc = {g.group_id: g.tokens_per_chunk for g in geo.groups}
+    rng = random.Random(5)
+    found = 0
+    for _ in range(2000):
+        items, b = [], 0
+        for gid in sorted(rng.choices(list(tpc), k=rng.randint(0, 6))):
+            c = rng.randint(0, 9)
+            h = (c + 1) * tpc[gid] // geo.tokens_per_hash - 1
+            if rng.random() < 0.05:
+                h += rng.choice((-1, 1))            # a key of another hash
+            n = rng.choice((0, 1, 1, 1, 2)) if rng.random() < 0.2 else 1
+            items.append((gid, c, h, 1000 + c, [(c, b + y) for y in range(n)]))
+            b += n
+        job = Job(3, "a", True, set())
+        job.set_chunks(items)
+        got = inv.check_store_job(2, job, geo)
+        want = inv._check_store_job_named(2, job, geo)
+        assert (got and got.to_json()) == (want and want.to_json()), items
+        found += want is not None
+    assert found > 200
