@@ -975,6 +975,13 @@ class KVCacheManager:
                     new += pool.get_new_blocks(n)
             elif n:
                 new = pool.get_new_blocks(n)
+                if n == 1:
+                    # one block (a decode step reaching a new block): appended (list.extend is
+                    # a slice assignment, about 300 instructions more, most of them a realloc)
+                    one: list[Any] = new        # (the block's int object as it is)
+                    tables[r.gid].append(one[0])
+                    out.append(new)
+                    continue
             else:
                 out.append([])
                 continue
