@@ -255,8 +255,9 @@ class BlockPool:
     The free queue (``FreeKVCacheBlockQueue``) is, as in vLLM, a doubly linked list over the
     blocks, kept in two int lists: ``nxt[b]`` / ``prv[b]`` are the blocks after / before ``b``,
     with the null block 0 (never free) as the sentinel closing the ring (``nxt[0]`` is the head,
-    ``prv[0]`` the tail); ``prv[b] == -1`` for a block not in the queue. ``free_queue()`` lists it
-    head first."""
+    ``prv[0]`` the tail). A block is in the queue exactly when its refcount is 0 (``ref[b] == 0``,
+    the null block's is 1): the links of a block out of the queue are left as they were (stale),
+    so that handing a block out writes its refcount only. ``free_queue()`` lists it head first."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -295,8 +296,8 @@ class BlockPool:
         return self.n_free
 
     def is_free(self, b: int) -> bool:
-        p: int = self.prv[b]
-        return p >= 0
+        r: int = self.ref[b]
+        return r == 0
 
     def free_queue(self) -> list[int]:
         """The free blocks, head (next allocated) first."""
@@ -329,8 +330,7 @@ class BlockPool:
                 if lb != NULL:
                     self._unchain(b)
                 key[b] = None
-            ref[b] = 1
-            prv[b] = -1
+            ref[b] = 1                  # (out of the queue: its links are left stale)
             bo = nxt[b]
             b = bo
             j += 1
@@ -396,14 +396,13 @@ class BlockPool:
         for b in blocks:
             if b == NULL:
                 continue
-            if ref[b] == 0:             # out of the free queue
+            if ref[b] == 0:             # out of the free queue (its links left stale)
                 po: Any = prv[b]
                 qo: Any = nxt[b]
                 p: int = po
                 q: int = qo
                 nxt[p] = qo
                 prv[q] = po
-                prv[b] = -1
                 self.n_free -= 1
                 ref[b] = 1              # (a constant: no int object made)
             else:
