@@ -892,19 +892,21 @@ class KVCacheManager:
             b: int = bo
             if b == NULL:
                 continue                # nothing (more) out of reach: no list made
-            group = []
-            while i >= 0:
-                bo = row[i]
+            lo = i                      # the run of real blocks ending at n - 1: [lo, n)
+            while lo > 0:
+                bo = row[lo - 1]
                 b = bo
                 if b == NULL:
                     break
-                group.append(bo)
+                lo -= 1
+            group = row[lo:n]           # (a slice and a reversal in C: no append per block)
+            group.reverse()             # tail first
+            while i >= lo:
                 table[i] = NULL
                 i -= 1
-            if group:
-                # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
-                # blocks of a later group go in front of an earlier group's
-                self.pool.free_blocks(group)
+            # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
+            # blocks of a later group go in front of an earlier group's
+            self.pool.free_blocks(group)
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
                  cache_upto: int | None = None, reserved: int = 0,
