@@ -255,8 +255,9 @@ class BlockPool:
     The free queue (``FreeKVCacheBlockQueue``) is, as in vLLM, a doubly linked list over the
     blocks, kept in two int lists: ``nxt[b]`` / ``prv[b]`` are the blocks after / before ``b``,
     with the null block 0 (never free) as the sentinel closing the ring (``nxt[0]`` is the head,
-    ``prv[0]`` the tail); ``prv[b] == -1`` for a block not in the queue. ``free_queue()`` lists it
-    head first."""
+    ``prv[0]`` the tail). A block is in the queue exactly when its refcount is 0 (``ref[b] == 0``,
+    the null block's is 1): the links of a block out of the queue are left as they were (stale),
+    so that handing a block out writes its refcount only. ``free_queue()`` lists it head first."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -295,8 +296,8 @@ class BlockPool:
         return self.n_free
 
     def is_free(self, b: int) -> bool:
-        p: int = self.prv[b]
-        return p >= 0
+        r: int = self.ref[b]
+        return r == 0
 
     def free_queue(self) -> list[int]:
         """The free blocks, head (next allocated) first."""
@@ -329,8 +330,7 @@ class BlockPool:
                 if lb != NULL:
                     self._unchain(b)
                 key[b] = None
-            ref[b] = 1
-            prv[b] = -1
+            ref[b] = 1                  # (out of the queue: its links are left stale)
             bo = nxt[b]
             b = bo
             j += 1
@@ -396,14 +396,13 @@ class BlockPool:
         for b in blocks:
             if b == NULL:
                 continue
-            if ref[b] == 0:             # out of the free queue
+            if ref[b] == 0:             # out of the free queue (its links left stale)
                 po: Any = prv[b]
                 qo: Any = nxt[b]
                 p: int = po
                 q: int = qo
                 nxt[p] = qo
                 prv[q] = po
-                prv[b] = -1
                 self.n_free -= 1
                 ref[b] = 1              # (a constant: no int object made)
             else:
@@ -893,19 +892,21 @@ class KVCacheManager:
             b: int = bo
             if b == NULL:
                 continue                # nothing (more) out of reach: no list made
-            group = []
-            while i >= 0:
-                bo = row[i]
+            lo = i                      # the run of real blocks ending at n - 1: [lo, n)
+            while lo > 0:
+                bo = row[lo - 1]
                 b = bo
                 if b == NULL:
                     break
-                group.append(bo)
+                lo -= 1
+            group = row[lo:n]           # (a slice and a reversal in C: no append per block)
+            group.reverse()             # tail first
+            while i >= lo:
                 table[i] = NULL
                 i -= 1
-            if group:
-                # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
-                # blocks of a later group go in front of an earlier group's
-                self.pool.free_blocks(group)
+            # one BlockPool.free_blocks call per group (_remove_blocks_in_range): unhashed
+            # blocks of a later group go in front of an earlier group's
+            self.pool.free_blocks(group)
 
     def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
                  cache_upto: int | None = None, reserved: int = 0,
@@ -975,6 +976,13 @@ class KVCacheManager:
                     new += pool.get_new_blocks(n)
             elif n:
                 new = pool.get_new_blocks(n)
+                if n == 1:
+                    # one block (a decode step reaching a new block): appended (list.extend is
+                    # a slice assignment, about 300 instructions more, most of them a realloc)
+                    one: list[Any] = new        # (the block's int object as it is)
+                    tables[r.gid].append(one[0])
+                    out.append(new)
+                    continue
             else:
                 out.append([])
                 continue

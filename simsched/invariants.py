@@ -58,17 +58,17 @@ def check_pool(step: int, pool, reqs) -> InvariantViolation | None:
     if n_free + len(holders) != pool.num_blocks - 1:
         return InvariantViolation("INV-1", step, f"free {n_free} + held {len(holders)} != pool "
                                   f"{pool.num_blocks - 1}")
-    ref, key, prv = pool.ref, pool.key, pool.prv     # prv[b] >= 0: b is in the free queue
+    ref, key = pool.ref, pool.key       # ref[b] == 0: b is in the free queue (BlockPool)
     if len(holders) > 1:
         # the common case decided in C; any doubt falls through to the walk that names the block
         get = itemgetter(*holders)
         counts = tuple(holders.values())
-        if max(get(prv)) < 0 and get(ref) == counts and max(
+        if get(ref) == counts and max(
                 compress(counts, map(is_, get(key), repeat(None))), default=1) <= 1:
             return None
     for b, n in holders.items():
-        free = prv[b] >= 0
-        if free or ref[b] != n:
+        free = ref[b] == 0
+        if ref[b] != n:
             return InvariantViolation("INV-1", step, f"block {b}: refcount {ref[b]} but held "
                                       f"{n} times{' and free' if free else ''}")
         if n > 1 and key[b] is None:

@@ -347,6 +347,14 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                 ref.uncache(b)
             assert pool.free_queue() == ref.free and pool.num_free() == len(ref.free)
             assert pool.ref == ref.ref and pool.key == ref.key
+            # the queue's back links hold (a held block's are left stale: membership is a
+            # zero refcount, BlockPool.is_free)
+            back, b = [], pool.prv[NULL]
+            while b != NULL:
+                back.append(b)
+                b = pool.prv[b]
+            assert back == ref.free[::-1]
+            assert [b for b in range(1, n) if pool.is_free(b)] == sorted(ref.free)
             assert all(pool.later[b] == pool.earlier[b] == NULL
                        for b in range(n) if pool.key[b] is None)
             for g in range(3):
