@@ -132,19 +132,22 @@ class CPUTier:
         s0 = s = self.n_slots           # the next slot, taken by the next new key
         ints = ints_to(s + len(keys) + 1)
         so = ints[s]
-        for i in range(len(keys)):
-            k = keys[i]
+        have = len(self.ready)          # slots the lists have room for
+        i = 0                           # (the index of k: the keys read inline, not by index)
+        for k in keys:
             if entries.setdefault(k, so) is not so:
                 # there already (its slot is in use: never the next slot s)
                 if to_store is None:
                     to_store = keys[:i]
-                continue
-            if to_store is not None:
-                to_store.append(k)
-            if s == len(self.ready):
-                self._grow()
-            s += 1                      # (fresh slots: rank 0 already, not ready, no load)
-            so = ints[s]
+            else:
+                if to_store is not None:
+                    to_store.append(k)
+                if s == have:
+                    self._grow()
+                    have = len(self.ready)
+                s += 1                  # (fresh slots: rank 0 already, not ready, no load)
+                so = ints[s]
+            i += 1
         self.n_slots = s
         if self.added is not None:
             # the new keys took the slots s0.. in order (the record is empty: a prepare_store
@@ -2081,179 +2084,199 @@ class OffloadScheduler:
 
     def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str], reqs: dict
                           ) -> list[Job]:
+        """The step's store jobs: the scheduled requests', in order, then those of the finished
+        requests not scheduled (the dict walked as it is, with no list of the IDs made)."""
+        out: list[Job] = []
+        for rid, n in scheduled.items():
+            self._store_job(rid, n, out)
+        for rid in finished:
+            if rid not in scheduled:
+                self._store_job(rid, 0, out)    # (finished: its scheduled tokens not read)
+        return out
+
+    def _store_job(self, rid: str, n_sched: int, out: list[Job]) -> None:
+        """Request ``rid``'s store job, if it has chunks to store, appended to ``out``
+        (``n_sched``: the tokens scheduled for it, read if it has not finished)."""
         bpc, asserts, tier = self.bpc, self.asserts, self.tier
         cfgs = self.cfgs
         masks: dict[int, _SlidingWindowStoreMask] = self.sw_store_mask
-        out = []
-        order = list(scheduled)
-        for r in finished:
-            if r not in scheduled:
-                order.append(r)
-        for rid in order:
-            st = self.req_status.get(rid)
-            if st is None:
+        st = self.req_status.get(rid)
+        if st is None:
+            return
+        req = st.req
+        if req.status == ABORTED:
+            n_after = req.num_computed
+        elif req.finished:
+            # 0.30.0+ clamp to the commit point: the final sampled token's slot is never
+            # written; 0.29.0 stores up to num_tokens (the block ending there is stale)
+            n_after = (max(req.num_prompt, req.num_tokens - 1) if self.finish_clamp
+                       else req.num_tokens)
+        else:
+            n_after = req.num_computed + n_sched
+        n_off = self._offloadable(st, n_after)
+        groups = st.groups
+        for cfg, gs in zip(cfgs, groups):
+            if n_off // cfg.tokens_per_chunk > gs.next_stored:
+                break
+        else:
+            return        # no group can store a chunk: advance_stored_idx is a no-op too
+        new_keys: list = []
+        ns = [self.storable_chunks(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
+        # per group: where its keys start in new_keys when they are all of its chunks
+        # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1;
+        # the chunk of its first key in new_keys (n if none: the walk below starts there); and
+        # (spans, for the tier) the chunk index they start from and how many there are
+        whole: list[int] = []
+        firsts: list[int] = []
+        spans: list[int] = []
+        cow = self.cow_groups
+        for cfg, gs, n in zip(cfgs, groups, ns):
+            start = gs.next_stored
+            whole.append(-1)
+            firsts.append(n)
+            spans.append(start)
+            spans.append(0)
+            if n <= start or cfg.group_id in cow:
                 continue
-            req = st.req
-            if req.status == ABORTED:
-                n_after = req.num_computed
-            elif req.finished:
-                # 0.30.0+ clamp to the commit point: the final sampled token's slot is never
-                # written; 0.29.0 stores up to num_tokens (the block ending there is stale)
-                n_after = (max(req.num_prompt, req.num_tokens - 1) if self.finish_clamp
-                           else req.num_tokens)
-            else:
-                n_after = req.num_computed + scheduled[rid]
-            n_off = self._offloadable(st, n_after)
-            groups = st.groups
-            for cfg, gs in zip(cfgs, groups):
-                if n_off // cfg.tokens_per_chunk > gs.next_stored:
-                    break
-            else:
-                continue        # no group can store a chunk: advance_stored_idx is a no-op too
-            new_keys: list = []
-            ns = [self.storable_chunks(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
-            # per group: where its keys start in new_keys when they are all of its chunks
-            # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1;
-            # and (spans, for the tier) the chunk index they start from and how many there are
-            whole: list[int] = []
-            spans: list[int] = []
-            cow = self.cow_groups
-            for cfg, gs, n in zip(cfgs, groups, ns):
-                start = gs.next_stored
-                whole.append(-1)
-                spans.append(start)
-                spans.append(0)
-                if n <= start or cfg.group_id in cow:
-                    continue
-                # the chunks' keys gs.keys[start:n] and their last blocks
-                # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
-                gkeys = gs.keys
-                bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
-                nk = max(0, min(n, len(gkeys)) - start)
-                b_lo, b_hi = start * bpc + bpc - 1, min(n * bpc, len(bl))
-                nb = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
-                if asserts and nk != nb:
-                    raise ModelCrash(
-                        "AssertionError", "_build_store_jobs", "build_store_jobs",
-                        f"assert len(offload_keys) == len(offload_block_ids) "
-                        f"({nk} != {nb}, group {cfg.group_id})")
-                k0, cnt = len(new_keys), min(nk, nb)
-                mask = masks.get(cfg.group_id) if masks else None
-                if mask is not None:
-                    reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
-                    cnt = min(cnt, len(reach))
+            # the chunks' keys gs.keys[start:n] and their last blocks
+            # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
+            gkeys = gs.keys
+            bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
+            nk = max(0, min(n, len(gkeys)) - start)
+            b_lo, b_hi = start * bpc + bpc - 1, min(n * bpc, len(bl))
+            nb = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
+            if asserts and nk != nb:
+                raise ModelCrash(
+                    "AssertionError", "_build_store_jobs", "build_store_jobs",
+                    f"assert len(offload_keys) == len(offload_block_ids) "
+                    f"({nk} != {nb}, group {cfg.group_id})")
+            k0, cnt = len(new_keys), min(nk, nb)
+            mask = masks.get(cfg.group_id) if masks else None
+            if mask is not None:
+                reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
+                cnt = min(cnt, len(reach))
+                for i in range(cnt):
+                    if reach[i] and bl[b_lo + i * bpc]:     # reachable, block not NULL (0)
+                        if len(new_keys) == k0:
+                            firsts[-1] = start + i
+                        new_keys.append(gkeys[start + i])
+            elif cnt:
+                # the keys whose block is not NULL (0): all cnt of them when no block is
+                # (one slice of keys)
+                lasts: list[int] = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
+                    bl[b_lo:b_lo + cnt]
+                null = False            # (a native loop: no call of all() nor compared objects)
+                for last in lasts:
+                    if last == NULL:
+                        null = True
+                        break
+                if not null:
+                    firsts[-1] = start
+                    new_keys.extend(gkeys[start:start + cnt])
+                else:
                     for i in range(cnt):
-                        if bl[b_lo + i * bpc] and reach[i]:     # block not NULL (0), reachable
+                        if lasts[i]:
+                            if len(new_keys) == k0:
+                                firsts[-1] = start + i
                             new_keys.append(gkeys[start + i])
-                elif cnt:
-                    # the keys whose block is not NULL (0): all cnt of them when no block is
-                    # (one slice of keys)
-                    lasts = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
-                        bl[b_lo:b_lo + cnt]
-                    if all(lasts):                      # (NULL is 0: false)
-                        new_keys.extend(gkeys[start:start + cnt])
-                    else:
-                        for i in range(cnt):
-                            if lasts[i]:
-                                new_keys.append(gkeys[start + i])
-                if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
-                    whole[-1] = k0
-                spans[-1] = len(new_keys) - k0
-            if not new_keys:
-                self.advance_stored_idx(st, n_off, ns)
-                continue
-            to_store, slots = tier.prepare_store_slots(new_keys, st, spans)
-            if to_store is None:
-                continue
-            if not to_store:
-                self.advance_stored_idx(st, n_off, ns)
-                continue
-            self._touch(st)
-            # (the evictable list's complete_store puts the keys in the order of their set,
-            # tuple_set_order, itself: when that order is needed)
-            job = Job(-1, rid, True, to_store, None, True)
-            job.slots = slots           # (those of to_store: the walk below lists the same keys)
-            fenced: list = []
-            gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
-            bpos, bidx, jbids = job.bpos, job.bidx, job.bids
-            # the keys to store are a subsequence of new_keys, in the order of the walk below
-            # (the same groups and chunks): each chunk's key is the next one to store or not one
-            # (a request's keys are distinct; the tier returns the key objects it was given, those
-            # of the groups' key lists: compared by identity). When they are all of new_keys
-            # (the same length: the same list), a group whose chunks all went into new_keys
-            # (whole) is stored whole when the walk reaches it at its first key
-            all_new = len(to_store) == len(new_keys)
-            j, n_store = 0, len(to_store)
-            gi = 0
-            for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
-                # (the blocks of the other groups are the job's deferred fences: _deferred)
-                sink = fenced if cfg.sliding_window_in_chunks is not None else None
-                start = gs.next_stored
-                bl = gs.block_ids
-                hpc, gid = cfg.hashes_per_chunk, cfg.group_id
-                keys = gs.keys
-                end = min(n, len(keys))
-                w = whole[gi]
-                gi += 1
-                if all_new and w == j:
-                    # chunks start..end-1 are the next keys to store (the same objects), each
-                    # with all its blocks (none NULL: checked above when a chunk is one block);
-                    # appended by slices, as the loop below would append them
-                    m = end - start
-                    lo, hi = start * bpc, end * bpc
-                    sources = bl[lo:hi]
-                    if bpc == 1 or NULL not in sources:
+            if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
+                whole[-1] = k0
+            spans[-1] = len(new_keys) - k0
+        if not new_keys:
+            self.advance_stored_idx(st, n_off, ns)
+            return
+        to_store, slots = tier.prepare_store_slots(new_keys, st, spans)
+        if to_store is None:
+            return
+        if not to_store:
+            self.advance_stored_idx(st, n_off, ns)
+            return
+        self._touch(st)
+        # (the evictable list's complete_store puts the keys in the order of their set,
+        # tuple_set_order, itself: when that order is needed)
+        job = Job(-1, rid, True, to_store, None, True)
+        job.slots = slots           # (those of to_store: the walk below lists the same keys)
+        fenced: list = []
+        gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
+        bpos, bidx, jbids = job.bpos, job.bidx, job.bids
+        # the keys to store are a subsequence of new_keys, in the order of the walk below
+        # (the same groups and chunks): each chunk's key is the next one to store or not one
+        # (a request's keys are distinct; the tier returns the key objects it was given, those
+        # of the groups' key lists: compared by identity). When they are all of new_keys
+        # (the same length: the same list), a group whose chunks all went into new_keys
+        # (whole) is stored whole when the walk reaches it at its first key
+        all_new = len(to_store) == len(new_keys)
+        j, n_store = 0, len(to_store)
+        gi = 0
+        for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
+            # (the blocks of the other groups are the job's deferred fences: _deferred)
+            sink = fenced if cfg.sliding_window_in_chunks is not None else None
+            start = gs.next_stored
+            bl = gs.block_ids
+            hpc, gid = cfg.hashes_per_chunk, cfg.group_id
+            keys = gs.keys
+            end = min(n, len(keys))
+            w = whole[gi]
+            first = firsts[gi]
+            gi += 1
+            if all_new and w == j:
+                # chunks start..end-1 are the next keys to store (the same objects), each
+                # with all its blocks (none NULL: checked above when a chunk is one block);
+                # appended by slices, as the loop below would append them
+                m = end - start
+                lo, hi = start * bpc, end * bpc
+                sources = bl[lo:hi]
+                if bpc == 1 or NULL not in sources:
+                    j += m
+                    self._add_run(job, sink, gid, hpc, keys, sources, start, end, bpc)
+                    gs.next_stored = max(gs.next_stored, n)
+                    continue
+            bulk = True             # the run test below is tried once per group
+            for c in range(first, end):     # (the chunks before first are not in new_keys)
+                k = keys[c]
+                if j == n_store or k is not to_store[j]:
+                    continue
+                if bulk:
+                    bulk = False
+                    # the common case: chunks c..end-1 are all stored, each with all its
+                    # blocks (none NULL); appended by slices, as the loop would append them
+                    m = end - c
+                    lo, hi = c * bpc, end * bpc
+                    run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
+                    # (a chunk of one block is in new_keys only with that block)
+                    if run is not None and (bpc == 1 or NULL not in run):
                         j += m
-                        self._add_run(job, sink, gid, hpc, keys, sources, start, end, bpc)
-                        gs.next_stored = max(gs.next_stored, n)
+                        self._add_run(job, sink, gid, hpc, keys, run, c, end, bpc)
+                        break
+                j += 1
+                gids.append(gid)
+                cidx.append(c)
+                hidx.append(hpc * c + hpc - 1)
+                ckeys.append(k)
+                for i in range(c * bpc, c * bpc + bpc):
+                    b = bl[i]
+                    if not b:                       # NULL (0): no source block
                         continue
-                bulk = True             # the run test below is tried once per group
-                for c in range(start, end):
-                    k = keys[c]
-                    if j == n_store or k is not to_store[j]:
-                        continue
-                    if bulk:
-                        bulk = False
-                        # the common case: chunks c..end-1 are all stored, each with all its
-                        # blocks (none NULL); appended by slices, as the loop would append them
-                        m = end - c
-                        lo, hi = c * bpc, end * bpc
-                        run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
-                        # (a chunk of one block is in new_keys only with that block)
-                        if run is not None and (bpc == 1 or NULL not in run):
-                            j += m
-                            self._add_run(job, sink, gid, hpc, keys, run, c, end, bpc)
-                            break
-                    j += 1
-                    gids.append(gid)
-                    cidx.append(c)
-                    hidx.append(hpc * c + hpc - 1)
-                    ckeys.append(k)
-                    for i in range(c * bpc, c * bpc + bpc):
-                        b = bl[i]
-                        if not b:                       # NULL (0): no source block
-                            continue
-                        bidx.append(i)
-                        jbids.append(b)
-                        if sink is not None:
-                            sink.append(b)
-                    bpos.append(len(jbids))
-                gs.next_stored = max(gs.next_stored, n)
-            job.fenced = fenced or None
-            self._new_job(job)
-            jid = job.jid
-            st.jobs.add(jid)
-            for b in fenced:
+                    bidx.append(i)
+                    jbids.append(b)
+                    if sink is not None:
+                        sink.append(b)
+                bpos.append(len(jbids))
+            gs.next_stored = max(gs.next_stored, n)
+        job.fenced = fenced or None
+        self._new_job(job)
+        jid = job.jid
+        st.jobs.add(jid)
+        for b in fenced:
+            self._fence(b, jid)
+        if req.finished:
+            # register the deferred fences; a block re-allocated in this very batch flushes
+            # the new job at once (as _build_store_jobs does for finished requests)
+            for b in self._deferred(job):
                 self._fence(b, jid)
-            if req.finished:
-                # register the deferred fences; a block re-allocated in this very batch flushes
-                # the new job at once (as _build_store_jobs does for finished requests)
-                for b in self._deferred(job):
-                    self._fence(b, jid)
-                    if self._allocated_now(b):
-                        self.batch_flush.add(jid)
-            out.append(job)
-        return out
+                if self._allocated_now(b):
+                    self.batch_flush.add(jid)
+        out.append(job)
 
     def _add_run(self, job: Job, sink: list | None, gid: int, hpc: int, keys: list,
                  sources: list, c: int, end: int, bpc: int) -> None:
