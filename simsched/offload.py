@@ -1425,6 +1425,9 @@ class OffloadScheduler:
         self.n = len(self.cfgs)
         self.bpc = geometry.blocks_per_chunk
         self.tph = geometry.tokens_per_hash
+        # one block and one hash per chunk in every group: a store job's chunk, hash and block
+        # indices are the same numbers (_store_job makes them one list)
+        self.one_index = self.bpc == 1 and all(g.hashes_per_chunk == 1 for g in self.cfgs)
         # the CPU tier's LRUCachePolicy: up to 0.30.0 an evictable list; from 0.31.0 recency ranks,
         # by request and token position from 0.33.0 (profile.extra["cpu_lru"])
         lru = profile.extra.get("cpu_lru", "ranks" if profile.offloaded_groups is
@@ -1554,7 +1557,11 @@ class OffloadScheduler:
             first = hpc * m + hpc - 1
             n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
             if n_new:
-                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
+                ks = req.keys(cfg.group_id, hpc * tph)
+                if n_new == 1 and m < len(ks):
+                    gs.keys.append(ks[m])       # (mostly one, as decoding completes a chunk)
+                else:
+                    gs.keys.extend(ks[m:m + n_new])
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -1907,14 +1914,15 @@ class OffloadScheduler:
         """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush).
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
         # _update_req_states: the new blocks are marked allocated first, the blocks held before
-        # them nulled where re-allocated, then the new ones appended (which are not nulled)
+        # them nulled where re-allocated, then the new ones appended (which are not nulled; only
+        # the sliding-window groups' blocks are nulled: the other groups' are appended at once)
         sw_groups, cfgs = self.sw_groups, self.cfgs
         rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
         mark = self.alloc_mark
         batch: object = self.alloc_batch       # (one int object, stored in every mark)
         marked = self.alloc_marked              # any block marked allocated in this batch
-        grown: list = []        # the states given new blocks and their blocks, in pairs
+        grown: list = []        # the states given new blocks and their blocks, in pairs (sw)
         for rid in scheduled:
             st = rs[rid]
             self.update_offload_keys(st, "build_connector_meta")
@@ -1928,10 +1936,12 @@ class OffloadScheduler:
                 continue        # all groups empty: nothing to mark or extend
             if sw_groups:
                 held[rid] = st
-            grown.append(st)
-            grown.append(nb)
-            for cfg in cfgs:
+                grown.append(st)
+                grown.append(nb)
+            for cfg, gs in zip(cfgs, st.groups):
                 new: list[int] = nb[cfg.group_id]
+                if cfg.sliding_window_in_chunks is None:
+                    gs.block_ids.extend(new)
                 if mark is None:
                     alloc.update(new)
                     continue
@@ -1978,9 +1988,9 @@ class OffloadScheduler:
                 del held[rid]
         for x in range(0, len(grown), 2):
             gst: ReqOffload = grown[x]
-            nb = grown[x + 1]
-            for gi in range(len(cfgs)):
-                gst.groups[gi].block_ids.extend(nb[cfgs[gi].group_id])
+            gnb: list = grown[x + 1]
+            for gi in sw_groups:
+                gst.groups[gi].block_ids.extend(gnb[cfgs[gi].group_id])
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
@@ -2199,6 +2209,7 @@ class OffloadScheduler:
         fenced: list = []
         gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
         bpos, bidx, jbids = job.bpos, job.bidx, job.bids
+        one = self.one_index        # (hidx, bidx and bpos made at the end)
         # the keys to store are a subsequence of new_keys, in the order of the walk below
         # (the same groups and chunks): each chunk's key is the next one to store or not one
         # (a request's keys are distinct; the tier returns the key objects it was given, those
@@ -2251,8 +2262,15 @@ class OffloadScheduler:
                 j += 1
                 gids.append(gid)
                 cidx.append(c)
-                hidx.append(hpc * c + hpc - 1)
                 ckeys.append(k)
+                if one:
+                    # its one block (not NULL: the chunk is in new_keys)
+                    b = bl[c]
+                    jbids.append(b)
+                    if sink is not None:
+                        sink.append(b)
+                    continue
+                hidx.append(hpc * c + hpc - 1)
                 for i in range(c * bpc, c * bpc + bpc):
                     b = bl[i]
                     if not b:                       # NULL (0): no source block
@@ -2263,6 +2281,11 @@ class OffloadScheduler:
                         sink.append(b)
                 bpos.append(len(jbids))
             gs.next_stored = max(gs.next_stored, n)
+        if one:
+            # every chunk's hash and block index is its chunk index and it has one block: the
+            # three index lists are one list (nothing changes a job's lists), bpos is 0..n
+            job.hidx = job.bidx = cidx
+            job.bpos = self._ints(0, len(cidx) + 1)
         job.fenced = fenced or None
         self._new_job(job)
         jid = job.jid
@@ -2283,18 +2306,21 @@ class OffloadScheduler:
         """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
         would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
         hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
-        of the run, in order), which also go to the fence list ``sink`` (if any)."""
+        of the run, in order), which also go to the fence list ``sink`` (if any). (With
+        ``one_index``, the hash and block indices and bpos are left to _store_job.)"""
         m = end - c
         b0 = len(job.bids)
         job.gids.extend([gid] * m)
         cs = self._ints(c, end)         # (also the hash and block indices of a chunk of one)
         job.cidx.extend(cs)
-        job.hidx.extend(cs if hpc == 1 else self._hash_indices(hpc, c, end))
         job.ckeys.extend(keys[c:end])
-        job.bidx.extend(cs if bpc == 1 else self._ints(c * bpc, end * bpc))
         job.bids.extend(sources)
         if sink is not None:
             sink.extend(sources)
+        if self.one_index:
+            return
+        job.hidx.extend(cs if hpc == 1 else self._hash_indices(hpc, c, end))
+        job.bidx.extend(cs if bpc == 1 else self._ints(c * bpc, end * bpc))
         job.bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
 
     def _hash_indices(self, hpc: int, c: int, end: int) -> list[int]:
@@ -2312,10 +2338,10 @@ class OffloadScheduler:
         """Record that job ``jid`` reads block ``b`` (``_block_id_to_pending_jobs``, see
         ``block_to_jobs``). (Untyped: the int objects as given go into the dict, not re-boxed.)"""
         btj: dict = self.block_to_jobs
-        cur = btj.get(b)
-        if cur is None:
-            btj[b] = jid
-        elif isinstance(cur, int):
+        cur = btj.setdefault(b, jid)    # (one dict operation when the block is not fenced yet)
+        if cur is jid:
+            return                      # (new, or this job's already)
+        if isinstance(cur, int):
             if cur != jid:
                 btj[b] = {cur, jid}
         else:
