@@ -2207,8 +2207,6 @@ class OffloadScheduler:
         job = Job(-1, rid, True, to_store, None, True)
         job.slots = slots           # (those of to_store: the walk below lists the same keys)
         fenced: list = []
-        gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
-        bpos, bidx, jbids = job.bpos, job.bidx, job.bids
         one = self.one_index        # (hidx, bidx and bpos made at the end)
         # the keys to store are a subsequence of new_keys, in the order of the walk below
         # (the same groups and chunks): each chunk's key is the next one to store or not one
@@ -2260,9 +2258,11 @@ class OffloadScheduler:
                         self._add_run(job, sink, gid, hpc, keys, run, c, end, bpc)
                         break
                 j += 1
-                gids.append(gid)
-                cidx.append(c)
-                ckeys.append(k)
+                # (the job's lists read from it: _add_run may have replaced them)
+                job.gids.append(gid)
+                job.cidx.append(c)
+                job.ckeys.append(k)
+                jbids = job.bids
                 if one:
                     # its one block (not NULL: the chunk is in new_keys)
                     b = bl[c]
@@ -2270,20 +2270,21 @@ class OffloadScheduler:
                     if sink is not None:
                         sink.append(b)
                     continue
-                hidx.append(hpc * c + hpc - 1)
+                job.hidx.append(hpc * c + hpc - 1)
                 for i in range(c * bpc, c * bpc + bpc):
                     b = bl[i]
                     if not b:                       # NULL (0): no source block
                         continue
-                    bidx.append(i)
+                    job.bidx.append(i)
                     jbids.append(b)
                     if sink is not None:
                         sink.append(b)
-                bpos.append(len(jbids))
+                job.bpos.append(len(jbids))
             gs.next_stored = max(gs.next_stored, n)
         if one:
             # every chunk's hash and block index is its chunk index and it has one block: the
             # three index lists are one list (nothing changes a job's lists), bpos is 0..n
+            cidx = job.cidx
             job.hidx = job.bidx = cidx
             job.bpos = self._ints(0, len(cidx) + 1)
         job.fenced = fenced or None
@@ -2306,17 +2307,26 @@ class OffloadScheduler:
         """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
         would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
         hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
-        of the run, in order), which also go to the fence list ``sink`` (if any). (With
-        ``one_index``, the hash and block indices and bpos are left to _store_job.)"""
+        of the run, in order, a list the job may keep), which also go to the fence list ``sink``
+        (if any). (With ``one_index``, the hash and block indices and bpos are left to
+        _store_job.)"""
         m = end - c
         b0 = len(job.bids)
-        job.gids.extend([gid] * m)
         cs = self._ints(c, end)         # (also the hash and block indices of a chunk of one)
-        job.cidx.extend(cs)
-        job.ckeys.extend(keys[c:end])
-        job.bids.extend(sources)
         if sink is not None:
             sink.extend(sources)
+        if not job.ckeys:
+            # the job's first chunks: the lists made here are its lists (``sources``: the
+            # caller's own slice), not copied into its empty ones
+            job.gids = [gid] * m
+            job.cidx = cs
+            job.ckeys = keys[c:end]
+            job.bids = sources
+        else:
+            job.gids.extend([gid] * m)
+            job.cidx.extend(cs)
+            job.ckeys.extend(keys[c:end])
+            job.bids.extend(sources)
         if self.one_index:
             return
         job.hidx.extend(cs if hpc == 1 else self._hash_indices(hpc, c, end))
