@@ -1274,8 +1274,8 @@ class _SlidingWindowStoreMask:
             aligned = boundary // self.align * self.align
             e = aligned // bs + shift
             lo, hi = max(start, e - need), min(end_b, e)
-            if lo < hi:
-                mask[lo - start:hi - start] = [True] * (hi - lo)
+            for i in range(lo - start, hi - start):
+                mask[i] = True          # (item stores: no list made for a slice assignment)
         if bpc == 1:
             return mask                 # a chunk is one block
         return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
@@ -1923,8 +1923,10 @@ class OffloadScheduler:
         batch: object = self.alloc_batch       # (one int object, stored in every mark)
         marked = self.alloc_marked              # any block marked allocated in this batch
         grown: list = []        # the states given new blocks and their blocks, in pairs (sw)
+        sts: list[ReqOffload] = []      # the scheduled requests' states, in order (store jobs)
         for rid in scheduled:
             st = rs[rid]
+            sts.append(st)
             self.update_offload_keys(st, "build_connector_meta")
             nb = new_blocks.get(rid)
             if not nb:
@@ -2005,9 +2007,9 @@ class OffloadScheduler:
                     self.batch_flush.update(pending)
         if offers:          # (the boundary jobs first: they take the lower job IDs)
             stores = self._build_boundary_store_jobs(offers)
-            stores += self._build_store_jobs(scheduled, finished, reqs)
+            stores += self._build_store_jobs(scheduled, finished, sts)
         else:
-            stores = self._build_store_jobs(scheduled, finished, reqs)
+            stores = self._build_store_jobs(scheduled, finished, sts)
         loads, flush = self.batch_loads, self.batch_flush
         for rid in finished:
             fst = rs.get(rid)
@@ -2092,28 +2094,32 @@ class OffloadScheduler:
                 out.append(job)
         return out
 
-    def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str], reqs: dict
-                          ) -> list[Job]:
-        """The step's store jobs: the scheduled requests', in order, then those of the finished
-        requests not scheduled (the dict walked as it is, with no list of the IDs made)."""
+    def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str],
+                          states: list[ReqOffload]) -> list[Job]:
+        """The step's store jobs: the scheduled requests' (``states``: theirs, in order, as
+        build_connector_meta looked them up: no list of the IDs made, no second lookup), then
+        those of the finished requests not scheduled."""
         out: list[Job] = []
-        for rid, n in scheduled.items():
-            self._store_job(rid, n, out)
+        x = 0
+        for n in scheduled.values():
+            self._store_job(states[x], n, out)
+            x += 1
+        rs = self.req_status
         for rid in finished:
             if rid not in scheduled:
-                self._store_job(rid, 0, out)    # (finished: its scheduled tokens not read)
+                fst = rs.get(rid)
+                if fst is not None:
+                    self._store_job(fst, 0, out)    # (finished: its scheduled tokens not read)
         return out
 
-    def _store_job(self, rid: str, n_sched: int, out: list[Job]) -> None:
-        """Request ``rid``'s store job, if it has chunks to store, appended to ``out``
+    def _store_job(self, st: ReqOffload, n_sched: int, out: list[Job]) -> None:
+        """The store job of the request of ``st``, if it has chunks to store, appended to ``out``
         (``n_sched``: the tokens scheduled for it, read if it has not finished)."""
         bpc, asserts, tier = self.bpc, self.asserts, self.tier
         cfgs = self.cfgs
         masks: dict[int, _SlidingWindowStoreMask] = self.sw_store_mask
-        st = self.req_status.get(rid)
-        if st is None:
-            return
         req = st.req
+        rid = req.rid
         if req.status == ABORTED:
             n_after = req.num_computed
         elif req.finished:
