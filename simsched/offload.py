@@ -2171,11 +2171,15 @@ class OffloadScheduler:
             if mask is not None:
                 reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
                 cnt = min(cnt, len(reach))
-                for i in range(cnt):
-                    if reach[i] and bl[b_lo + i * bpc]:     # reachable, block not NULL (0)
+                i = 0                   # (the mask read inline: mostly not reachable)
+                for r in reach:
+                    if i == cnt:
+                        break
+                    if r and bl[b_lo + i * bpc]:        # reachable, block not NULL (0)
                         if len(new_keys) == k0:
                             firsts[-1] = start + i
                         new_keys.append(gkeys[start + i])
+                    i += 1
             elif cnt:
                 # the keys whose block is not NULL (0): all cnt of them when no block is
                 # (one slice of keys)
