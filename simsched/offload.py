@@ -1576,8 +1576,8 @@ class OffloadScheduler:
 
     def storable_chunks(self, st: ReqOffload, cfg: GroupGeometry, gs: GroupState,
                         num_tokens: int) -> int:
-        """Never more than ``num_tokens // tokens_per_chunk`` (``_build_store_jobs``'s quick exit
-        relies on it)."""
+        """Never more than ``num_tokens // tokens_per_chunk`` (``_store_job``'s quick exit relies
+        on it)."""
         n = num_tokens // cfg.tokens_per_chunk
         if cfg.drafter and num_tokens > st.req.num_prompt and not (
                 self.profile.keyed_chunk_clamp and st.req.finished):
