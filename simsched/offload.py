@@ -132,19 +132,22 @@ class CPUTier:
         s0 = s = self.n_slots           # the next slot, taken by the next new key
         ints = ints_to(s + len(keys) + 1)
         so = ints[s]
-        for i in range(len(keys)):
-            k = keys[i]
+        have = len(self.ready)          # slots the lists have room for
+        i = 0                           # (the index of k: the keys read inline, not by index)
+        for k in keys:
             if entries.setdefault(k, so) is not so:
                 # there already (its slot is in use: never the next slot s)
                 if to_store is None:
                     to_store = keys[:i]
-                continue
-            if to_store is not None:
-                to_store.append(k)
-            if s == len(self.ready):
-                self._grow()
-            s += 1                      # (fresh slots: rank 0 already, not ready, no load)
-            so = ints[s]
+            else:
+                if to_store is not None:
+                    to_store.append(k)
+                if s == have:
+                    self._grow()
+                    have = len(self.ready)
+                s += 1                  # (fresh slots: rank 0 already, not ready, no load)
+                so = ints[s]
+            i += 1
         self.n_slots = s
         if self.added is not None:
             # the new keys took the slots s0.. in order (the record is empty: a prepare_store
@@ -1272,8 +1275,8 @@ class _SlidingWindowStoreMask:
             aligned = boundary // self.align * self.align
             e = aligned // bs + shift
             lo, hi = max(start, e - need), min(end_b, e)
-            if lo < hi:
-                mask[lo - start:hi - start] = [True] * (hi - lo)
+            for i in range(lo - start, hi - start):
+                mask[i] = True          # (item stores: no list made for a slice assignment)
         if bpc == 1:
             return mask                 # a chunk is one block
         return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
@@ -1429,6 +1432,9 @@ class OffloadScheduler:
         self.n = len(self.cfgs)
         self.bpc = geometry.blocks_per_chunk
         self.tph = geometry.tokens_per_hash
+        # one block and one hash per chunk in every group: a store job's chunk, hash and block
+        # indices are the same numbers (_store_job makes them one list)
+        self.one_index = self.bpc == 1 and all(g.hashes_per_chunk == 1 for g in self.cfgs)
         # the CPU tier's LRUCachePolicy: up to 0.30.0 an evictable list; from 0.31.0 recency ranks,
         # by request and token position from 0.33.0 (profile.extra["cpu_lru"])
         lru = profile.extra.get("cpu_lru", "ranks" if profile.offloaded_groups is
@@ -1558,7 +1564,11 @@ class OffloadScheduler:
             first = hpc * m + hpc - 1
             n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
             if n_new:
-                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
+                ks = req.keys(cfg.group_id, hpc * tph)
+                if n_new == 1 and m < len(ks):
+                    gs.keys.append(ks[m])       # (mostly one, as decoding completes a chunk)
+                else:
+                    gs.keys.extend(ks[m:m + n_new])
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -1573,8 +1583,8 @@ class OffloadScheduler:
 
     def storable_chunks(self, st: ReqOffload, cfg: GroupGeometry, gs: GroupState,
                         num_tokens: int) -> int:
-        """Never more than ``num_tokens // tokens_per_chunk`` (``_build_store_jobs``'s quick exit
-        relies on it)."""
+        """Never more than ``num_tokens // tokens_per_chunk`` (``_store_job``'s quick exit relies
+        on it)."""
         n = num_tokens // cfg.tokens_per_chunk
         if cfg.drafter and num_tokens > st.req.num_prompt and not (
                 self.profile.keyed_chunk_clamp and st.req.finished):
@@ -1975,16 +1985,19 @@ class OffloadScheduler:
         """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush).
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
         # _update_req_states: the new blocks are marked allocated first, the blocks held before
-        # them nulled where re-allocated, then the new ones appended (which are not nulled)
+        # them nulled where re-allocated, then the new ones appended (which are not nulled; only
+        # the sliding-window groups' blocks are nulled: the other groups' are appended at once)
         sw_groups, cfgs = self.sw_groups, self.cfgs
         rs, held = self.req_status, self.sw_held
         alloc = self.batch_allocated
         mark = self.alloc_mark
         batch: object = self.alloc_batch       # (one int object, stored in every mark)
         marked = self.alloc_marked              # any block marked allocated in this batch
-        grown: list = []        # the states given new blocks and their blocks, in pairs
+        grown: list = []        # the states given new blocks and their blocks, in pairs (sw)
+        sts: list[ReqOffload] = []      # the scheduled requests' states, in order (store jobs)
         for rid in scheduled:
             st = rs[rid]
+            sts.append(st)
             self.update_offload_keys(st, "build_connector_meta")
             nb = new_blocks.get(rid)
             if not nb:
@@ -1996,10 +2009,12 @@ class OffloadScheduler:
                 continue        # all groups empty: nothing to mark or extend
             if sw_groups:
                 held[rid] = st
-            grown.append(st)
-            grown.append(nb)
-            for cfg in cfgs:
+                grown.append(st)
+                grown.append(nb)
+            for cfg, gs in zip(cfgs, st.groups):
                 new: list[int] = nb[cfg.group_id]
+                if cfg.sliding_window_in_chunks is None:
+                    gs.block_ids.extend(new)
                 if mark is None:
                     alloc.update(new)
                     continue
@@ -2046,9 +2061,9 @@ class OffloadScheduler:
                 del held[rid]
         for x in range(0, len(grown), 2):
             gst: ReqOffload = grown[x]
-            nb = grown[x + 1]
-            for gi in range(len(cfgs)):
-                gst.groups[gi].block_ids.extend(nb[cfgs[gi].group_id])
+            gnb: list = grown[x + 1]
+            for gi in sw_groups:
+                gst.groups[gi].block_ids.extend(gnb[cfgs[gi].group_id])
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
@@ -2063,9 +2078,9 @@ class OffloadScheduler:
                     self.batch_flush.update(pending)
         if offers:          # (the boundary jobs first: they take the lower job IDs)
             stores = self._build_boundary_store_jobs(offers)
-            stores += self._build_store_jobs(scheduled, finished, reqs)
+            stores += self._build_store_jobs(scheduled, finished, sts)
         else:
-            stores = self._build_store_jobs(scheduled, finished, reqs)
+            stores = self._build_store_jobs(scheduled, finished, sts)
         loads, flush = self.batch_loads, self.batch_flush
         for rid in finished:
             fst = rs.get(rid)
@@ -2150,199 +2165,253 @@ class OffloadScheduler:
                 out.append(job)
         return out
 
-    def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str], reqs: dict
-                          ) -> list[Job]:
+    def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str],
+                          states: list[ReqOffload]) -> list[Job]:
+        """The step's store jobs: the scheduled requests' (``states``: theirs, in order, as
+        build_connector_meta looked them up: no list of the IDs made, no second lookup), then
+        those of the finished requests not scheduled."""
+        out: list[Job] = []
+        x = 0
+        for n in scheduled.values():
+            self._store_job(states[x], n, out)
+            x += 1
+        rs = self.req_status
+        for rid in finished:
+            if rid not in scheduled:
+                fst = rs.get(rid)
+                if fst is not None:
+                    self._store_job(fst, 0, out)    # (finished: its scheduled tokens not read)
+        return out
+
+    def _store_job(self, st: ReqOffload, n_sched: int, out: list[Job]) -> None:
+        """The store job of the request of ``st``, if it has chunks to store, appended to ``out``
+        (``n_sched``: the tokens scheduled for it, read if it has not finished)."""
         bpc, asserts, tier = self.bpc, self.asserts, self.tier
         cfgs = self.cfgs
         masks: dict[int, _SlidingWindowStoreMask] = self.sw_store_mask
-        out = []
-        order = list(scheduled)
-        for r in finished:
-            if r not in scheduled:
-                order.append(r)
-        for rid in order:
-            st = self.req_status.get(rid)
-            if st is None:
+        req = st.req
+        rid = req.rid
+        if req.status == ABORTED:
+            n_after = req.num_computed
+        elif req.finished:
+            # 0.30.0+ clamp to the commit point: the final sampled token's slot is never
+            # written; 0.29.0 stores up to num_tokens (the block ending there is stale)
+            n_after = (max(req.num_prompt, req.num_tokens - 1) if self.finish_clamp
+                       else req.num_tokens)
+        else:
+            n_after = req.num_computed + n_sched
+        n_off = self._offloadable(st, n_after)
+        groups = st.groups
+        for cfg, gs in zip(cfgs, groups):
+            if n_off // cfg.tokens_per_chunk > gs.next_stored:
+                break
+        else:
+            return        # no group can store a chunk: advance_stored_idx is a no-op too
+        new_keys: list = []
+        ns = [self.storable_chunks(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
+        # per group: where its keys start in new_keys when they are all of its chunks
+        # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1;
+        # the chunk of its first key in new_keys (n if none: the walk below starts there); and
+        # (spans, for the tier) the chunk index they start from and how many there are
+        whole: list[int] = []
+        firsts: list[int] = []
+        spans: list[int] = []
+        cow = self.cow_groups
+        for cfg, gs, n in zip(cfgs, groups, ns):
+            start = gs.next_stored
+            whole.append(-1)
+            firsts.append(n)
+            spans.append(start)
+            spans.append(0)
+            if n <= start or cfg.group_id in cow:
                 continue
-            req = st.req
-            if req.status == ABORTED:
-                n_after = req.num_computed
-            elif req.finished:
-                # 0.30.0+ clamp to the commit point: the final sampled token's slot is never
-                # written; 0.29.0 stores up to num_tokens (the block ending there is stale)
-                n_after = (max(req.num_prompt, req.num_tokens - 1) if self.finish_clamp
-                           else req.num_tokens)
-            else:
-                n_after = req.num_computed + scheduled[rid]
-            n_off = self._offloadable(st, n_after)
-            groups = st.groups
-            for cfg, gs in zip(cfgs, groups):
-                if n_off // cfg.tokens_per_chunk > gs.next_stored:
-                    break
-            else:
-                continue        # no group can store a chunk: advance_stored_idx is a no-op too
-            new_keys: list = []
-            ns = [self.storable_chunks(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
-            # per group: where its keys start in new_keys when they are all of its chunks
-            # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1;
-            # and (spans, for the tier) the chunk index they start from and how many there are
-            whole: list[int] = []
-            spans: list[int] = []
-            cow = self.cow_groups
-            for cfg, gs, n in zip(cfgs, groups, ns):
-                start = gs.next_stored
-                whole.append(-1)
-                spans.append(start)
-                spans.append(0)
-                if n <= start or cfg.group_id in cow:
-                    continue
-                # the chunks' keys gs.keys[start:n] and their last blocks
-                # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
-                gkeys = gs.keys
-                bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
-                nk = max(0, min(n, len(gkeys)) - start)
-                b_lo, b_hi = start * bpc + bpc - 1, min(n * bpc, len(bl))
-                nb = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
-                if asserts and nk != nb:
-                    raise ModelCrash(
-                        "AssertionError", "_build_store_jobs", "build_store_jobs",
-                        f"assert len(offload_keys) == len(offload_block_ids) "
-                        f"({nk} != {nb}, group {cfg.group_id})")
-                k0, cnt = len(new_keys), min(nk, nb)
-                mask = masks.get(cfg.group_id) if masks else None
-                if mask is not None:
-                    reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
-                    cnt = min(cnt, len(reach))
+            # the chunks' keys gs.keys[start:n] and their last blocks
+            # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
+            gkeys = gs.keys
+            bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
+            nk = max(0, min(n, len(gkeys)) - start)
+            b_lo, b_hi = start * bpc + bpc - 1, min(n * bpc, len(bl))
+            nb = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
+            if asserts and nk != nb:
+                raise ModelCrash(
+                    "AssertionError", "_build_store_jobs", "build_store_jobs",
+                    f"assert len(offload_keys) == len(offload_block_ids) "
+                    f"({nk} != {nb}, group {cfg.group_id})")
+            k0, cnt = len(new_keys), min(nk, nb)
+            mask = masks.get(cfg.group_id) if masks else None
+            if mask is not None:
+                reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
+                cnt = min(cnt, len(reach))
+                i = 0                   # (the mask read inline: mostly not reachable)
+                for r in reach:
+                    if i == cnt:
+                        break
+                    if r and bl[b_lo + i * bpc]:        # reachable, block not NULL (0)
+                        if len(new_keys) == k0:
+                            firsts[-1] = start + i
+                        new_keys.append(gkeys[start + i])
+                    i += 1
+            elif cnt:
+                # the keys whose block is not NULL (0): all cnt of them when no block is
+                # (one slice of keys)
+                lasts: list[int] = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
+                    bl[b_lo:b_lo + cnt]
+                null = False            # (a native loop: no call of all() nor compared objects)
+                for last in lasts:
+                    if last == NULL:
+                        null = True
+                        break
+                if not null:
+                    firsts[-1] = start
+                    new_keys.extend(gkeys[start:start + cnt])
+                else:
                     for i in range(cnt):
-                        if bl[b_lo + i * bpc] and reach[i]:     # block not NULL (0), reachable
+                        if lasts[i]:
+                            if len(new_keys) == k0:
+                                firsts[-1] = start + i
                             new_keys.append(gkeys[start + i])
-                elif cnt:
-                    # the keys whose block is not NULL (0): all cnt of them when no block is
-                    # (one slice of keys)
-                    lasts = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
-                        bl[b_lo:b_lo + cnt]
-                    if all(lasts):                      # (NULL is 0: false)
-                        new_keys.extend(gkeys[start:start + cnt])
-                    else:
-                        for i in range(cnt):
-                            if lasts[i]:
-                                new_keys.append(gkeys[start + i])
-                if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
-                    whole[-1] = k0
-                spans[-1] = len(new_keys) - k0
-            if not new_keys:
-                self.advance_stored_idx(st, n_off, ns)
-                continue
-            to_store, slots = tier.prepare_store_slots(new_keys, st, spans)
-            if to_store is None:
-                continue
-            if not to_store:
-                self.advance_stored_idx(st, n_off, ns)
-                continue
-            self._touch(st)
-            # (the evictable list's complete_store puts the keys in the order of their set,
-            # tuple_set_order, itself: when that order is needed)
-            job = Job(-1, rid, True, to_store, None, True)
-            job.slots = slots           # (those of to_store: the walk below lists the same keys)
-            fenced: list = []
-            gids, cidx, hidx, ckeys = job.gids, job.cidx, job.hidx, job.ckeys
-            bpos, bidx, jbids = job.bpos, job.bidx, job.bids
-            # the keys to store are a subsequence of new_keys, in the order of the walk below
-            # (the same groups and chunks): each chunk's key is the next one to store or not one
-            # (a request's keys are distinct; the tier returns the key objects it was given, those
-            # of the groups' key lists: compared by identity). When they are all of new_keys
-            # (the same length: the same list), a group whose chunks all went into new_keys
-            # (whole) is stored whole when the walk reaches it at its first key
-            all_new = len(to_store) == len(new_keys)
-            j, n_store = 0, len(to_store)
-            gi = 0
-            for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
-                # (the blocks of the other groups are the job's deferred fences: _deferred)
-                sink = fenced if cfg.sliding_window_in_chunks is not None else None
-                start = gs.next_stored
-                bl = gs.block_ids
-                hpc, gid = cfg.hashes_per_chunk, cfg.group_id
-                keys = gs.keys
-                end = min(n, len(keys))
-                w = whole[gi]
-                gi += 1
-                if all_new and w == j:
-                    # chunks start..end-1 are the next keys to store (the same objects), each
-                    # with all its blocks (none NULL: checked above when a chunk is one block);
-                    # appended by slices, as the loop below would append them
-                    m = end - start
-                    lo, hi = start * bpc, end * bpc
-                    sources = bl[lo:hi]
-                    if bpc == 1 or NULL not in sources:
+            if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
+                whole[-1] = k0
+            spans[-1] = len(new_keys) - k0
+        if not new_keys:
+            self.advance_stored_idx(st, n_off, ns)
+            return
+        to_store, slots = tier.prepare_store_slots(new_keys, st, spans)
+        if to_store is None:
+            return
+        if not to_store:
+            self.advance_stored_idx(st, n_off, ns)
+            return
+        self._touch(st)
+        # (the evictable list's complete_store puts the keys in the order of their set,
+        # tuple_set_order, itself: when that order is needed)
+        job = Job(-1, rid, True, to_store, None, True)
+        job.slots = slots           # (those of to_store: the walk below lists the same keys)
+        fenced: list = []
+        one = self.one_index        # (hidx, bidx and bpos made at the end)
+        # the keys to store are a subsequence of new_keys, in the order of the walk below
+        # (the same groups and chunks): each chunk's key is the next one to store or not one
+        # (a request's keys are distinct; the tier returns the key objects it was given, those
+        # of the groups' key lists: compared by identity). When they are all of new_keys
+        # (the same length: the same list), a group whose chunks all went into new_keys
+        # (whole) is stored whole when the walk reaches it at its first key
+        all_new = len(to_store) == len(new_keys)
+        j, n_store = 0, len(to_store)
+        gi = 0
+        for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
+            # (the blocks of the other groups are the job's deferred fences: _deferred)
+            sink = fenced if cfg.sliding_window_in_chunks is not None else None
+            start = gs.next_stored
+            bl = gs.block_ids
+            hpc, gid = cfg.hashes_per_chunk, cfg.group_id
+            keys = gs.keys
+            end = min(n, len(keys))
+            w = whole[gi]
+            first = firsts[gi]
+            gi += 1
+            if all_new and w == j:
+                # chunks start..end-1 are the next keys to store (the same objects), each
+                # with all its blocks (none NULL: checked above when a chunk is one block);
+                # appended by slices, as the loop below would append them
+                m = end - start
+                lo, hi = start * bpc, end * bpc
+                sources = bl[lo:hi]
+                if bpc == 1 or NULL not in sources:
+                    j += m
+                    self._add_run(job, sink, gid, hpc, keys, sources, start, end, bpc)
+                    gs.next_stored = max(gs.next_stored, n)
+                    continue
+            bulk = True             # the run test below is tried once per group
+            for c in range(first, end):     # (the chunks before first are not in new_keys)
+                k = keys[c]
+                if j == n_store or k is not to_store[j]:
+                    continue
+                if bulk:
+                    bulk = False
+                    # the common case: chunks c..end-1 are all stored, each with all its
+                    # blocks (none NULL); appended by slices, as the loop would append them
+                    m = end - c
+                    lo, hi = c * bpc, end * bpc
+                    run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
+                    # (a chunk of one block is in new_keys only with that block)
+                    if run is not None and (bpc == 1 or NULL not in run):
                         j += m
-                        self._add_run(job, sink, gid, hpc, keys, sources, start, end, bpc)
-                        gs.next_stored = max(gs.next_stored, n)
+                        self._add_run(job, sink, gid, hpc, keys, run, c, end, bpc)
+                        break
+                j += 1
+                # (the job's lists read from it: _add_run may have replaced them)
+                job.gids.append(gid)
+                job.cidx.append(c)
+                job.ckeys.append(k)
+                jbids = job.bids
+                if one:
+                    # its one block (not NULL: the chunk is in new_keys)
+                    b = bl[c]
+                    jbids.append(b)
+                    if sink is not None:
+                        sink.append(b)
+                    continue
+                job.hidx.append(hpc * c + hpc - 1)
+                for i in range(c * bpc, c * bpc + bpc):
+                    b = bl[i]
+                    if not b:                       # NULL (0): no source block
                         continue
-                bulk = True             # the run test below is tried once per group
-                for c in range(start, end):
-                    k = keys[c]
-                    if j == n_store or k is not to_store[j]:
-                        continue
-                    if bulk:
-                        bulk = False
-                        # the common case: chunks c..end-1 are all stored, each with all its
-                        # blocks (none NULL); appended by slices, as the loop would append them
-                        m = end - c
-                        lo, hi = c * bpc, end * bpc
-                        run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
-                        # (a chunk of one block is in new_keys only with that block)
-                        if run is not None and (bpc == 1 or NULL not in run):
-                            j += m
-                            self._add_run(job, sink, gid, hpc, keys, run, c, end, bpc)
-                            break
-                    j += 1
-                    gids.append(gid)
-                    cidx.append(c)
-                    hidx.append(hpc * c + hpc - 1)
-                    ckeys.append(k)
-                    for i in range(c * bpc, c * bpc + bpc):
-                        b = bl[i]
-                        if not b:                       # NULL (0): no source block
-                            continue
-                        bidx.append(i)
-                        jbids.append(b)
-                        if sink is not None:
-                            sink.append(b)
-                    bpos.append(len(jbids))
-                gs.next_stored = max(gs.next_stored, n)
-            job.fenced = fenced or None
-            self._new_job(job)
-            jid = job.jid
-            st.jobs.add(jid)
-            for b in fenced:
+                    job.bidx.append(i)
+                    jbids.append(b)
+                    if sink is not None:
+                        sink.append(b)
+                job.bpos.append(len(jbids))
+            gs.next_stored = max(gs.next_stored, n)
+        if one:
+            # every chunk's hash and block index is its chunk index and it has one block: the
+            # three index lists are one list (nothing changes a job's lists), bpos is 0..n
+            cidx = job.cidx
+            job.hidx = job.bidx = cidx
+            job.bpos = self._ints(0, len(cidx) + 1)
+        job.fenced = fenced or None
+        self._new_job(job)
+        jid = job.jid
+        st.jobs.add(jid)
+        for b in fenced:
+            self._fence(b, jid)
+        if req.finished:
+            # register the deferred fences; a block re-allocated in this very batch flushes
+            # the new job at once (as _build_store_jobs does for finished requests)
+            for b in self._deferred(job):
                 self._fence(b, jid)
-            if req.finished:
-                # register the deferred fences; a block re-allocated in this very batch flushes
-                # the new job at once (as _build_store_jobs does for finished requests)
-                for b in self._deferred(job):
-                    self._fence(b, jid)
-                    if self._allocated_now(b):
-                        self.batch_flush.add(jid)
-            out.append(job)
-        return out
+                if self._allocated_now(b):
+                    self.batch_flush.add(jid)
+        out.append(job)
 
     def _add_run(self, job: Job, sink: list | None, gid: int, hpc: int, keys: list,
                  sources: list, c: int, end: int, bpc: int) -> None:
         """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
         would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
         hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
-        of the run, in order), which also go to the fence list ``sink`` (if any)."""
+        of the run, in order, a list the job may keep), which also go to the fence list ``sink``
+        (if any). (With ``one_index``, the hash and block indices and bpos are left to
+        _store_job.)"""
         m = end - c
         b0 = len(job.bids)
-        job.gids.extend([gid] * m)
         cs = self._ints(c, end)         # (also the hash and block indices of a chunk of one)
-        job.cidx.extend(cs)
-        job.hidx.extend(cs if hpc == 1 else self._hash_indices(hpc, c, end))
-        job.ckeys.extend(keys[c:end])
-        job.bidx.extend(cs if bpc == 1 else self._ints(c * bpc, end * bpc))
-        job.bids.extend(sources)
         if sink is not None:
             sink.extend(sources)
+        if not job.ckeys:
+            # the job's first chunks: the lists made here are its lists (``sources``: the
+            # caller's own slice), not copied into its empty ones
+            job.gids = [gid] * m
+            job.cidx = cs
+            job.ckeys = keys[c:end]
+            job.bids = sources
+        else:
+            job.gids.extend([gid] * m)
+            job.cidx.extend(cs)
+            job.ckeys.extend(keys[c:end])
+            job.bids.extend(sources)
+        if self.one_index:
+            return
+        job.hidx.extend(cs if hpc == 1 else self._hash_indices(hpc, c, end))
+        job.bidx.extend(cs if bpc == 1 else self._ints(c * bpc, end * bpc))
         job.bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
 
     def _hash_indices(self, hpc: int, c: int, end: int) -> list[int]:
@@ -2360,10 +2429,10 @@ class OffloadScheduler:
         """Record that job ``jid`` reads block ``b`` (``_block_id_to_pending_jobs``, see
         ``block_to_jobs``). (Untyped: the int objects as given go into the dict, not re-boxed.)"""
         btj: dict = self.block_to_jobs
-        cur = btj.get(b)
-        if cur is None:
-            btj[b] = jid
-        elif isinstance(cur, int):
+        cur = btj.setdefault(b, jid)    # (one dict operation when the block is not fenced yet)
+        if cur is jid:
+            return                      # (new, or this job's already)
+        if isinstance(cur, int):
             if cur != jid:
                 btj[b] = {cur, jid}
         else:
