@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, Iterator
 
+from mypy_extensions import i64
+
 from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
@@ -345,14 +347,29 @@ class Model:
         strides = self.key_strides
         self.pending_reads.pop(job.jid, None)
         ident: list = req.ident         # (untyped: compared as the int objects they are)
-        unit, tph = req.unit, geo.tokens_per_hash
-        nid = len(ident)
-        gids, cidx, hidx, ckeys, bpos, bidx, bids = job.gids, job.cidx, job.hidx, job.ckeys, \
-            job.bpos, job.bidx, job.bids
-        last_gid, tpb, stride = -1, 0, 0
-        hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
+        # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
+        # in the arithmetic, comparisons and list indexing; the lists typed list[i64] so their
+        # items are unboxed to them directly)
+        unit: i64 = req.unit
+        tph: i64 = geo.tokens_per_hash
+        nid: i64 = len(ident)
+        gids: list[i64] = job.gids
+        cidx: list[i64] = job.cidx
+        hidx: list[i64] = job.hidx
+        bpos: list[i64] = job.bpos
+        bidx: list[i64] = job.bidx
+        ckeys, bids = job.ckeys, job.bids
+        last_gid: i64 = -1
+        tpb: i64 = 0
+        stride: i64 = 0
+        hi: i64 = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
+        lo: i64
         gkeys: list = []
-        x = 0
+        x: i64 = 0
+        gid: i64
+        h: i64
+        c: i64
+        nxt: i64
         # (zip: the chunk's fields read inline, not by bounds-checked calls; bpos[1:], the
         # chunks' ends, one list per job)
         for gid, key, h, c, nxt in zip(gids, ckeys, hidx, cidx, bpos[1:]):
@@ -361,7 +378,7 @@ class Model:
                 # the request's offload keys of the group (those the store's keys were taken
                 # from, see OffloadScheduler._update_offload_keys: compared by identity below)
                 gkeys = req.keys(gid, stride) if stride else []
-            end = (h + 1) * tph
+            end: i64 = (h + 1) * tph
             lo, hi = hi, nxt
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
             # block holds (gid, its end, ident there), the last one ending at the key's end,
@@ -374,13 +391,13 @@ class Model:
             if hi - lo == 1:
                 # a one-block chunk: its content is the block's (read_chunk, inlined: the
                 # fields read once, for the content and for the check)
-                b: int = bids[lo]
+                b: i64 = bids[lo]
                 g0 = sgids[b]
                 g1 = sends[b]
                 g2 = sidents[b]
                 content: tuple = (g0, g1, g2)
                 if ok:
-                    k = end // unit - 1                     # req.ident_at, inlined
+                    k: i64 = end // unit - 1                # req.ident_at, inlined
                     if 0 <= k < nid:
                         idk = ident[k]
                         ok = (isinstance(g1, int) and g1 == end and isinstance(g0, int)
@@ -390,8 +407,9 @@ class Model:
             else:
                 content = shadow.read_chunk(bids, lo, hi)
                 if ok:
+                    y: i64
                     for y in range(lo, hi):     # (the blocks just read, as the chunk holds them)
-                        e = (bidx[y] + 1) * tpb
+                        e: i64 = (bidx[y] + 1) * tpb
                         k = e // unit - 1                   # req.ident_at, inlined
                         if not 0 <= k < nid:
                             ok = False
@@ -665,7 +683,7 @@ class Model:
                 eo = nums[end] if end < len(nums) else shadow.num(end)
                 fb: list[tuple[Any, Any]] = req.fast_blocks
                 for go, bo in fb:
-                    b: int = bo
+                    b: i64 = bo             # (i64: the lists indexed with no tagged-int checks)
                     gids[b] = go
                     ends[b] = eo
                     idents[b] = None

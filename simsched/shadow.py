@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mypy_extensions import i64
+
 from simsched.allocator import FULLISH, INTS, NULL, RING, GroupRule, Request, ints_to
 
 
@@ -46,8 +48,8 @@ class Shadow:
         g = self.gids[b]
         return None if g is None else (g, self.ends[b], self.idents[b])
 
-    def write_computed(self, req: Request, rules: list[GroupRule], start: int,
-                       end: int, collect: bool = True,
+    def write_computed(self, req: Request, rules: list[GroupRule], start: i64,
+                       end: i64, collect: bool = True,
                        fenced: list[int] | None = None) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
         block IDs written (``collect`` False: an empty list, nothing collected). ``fenced``: a
@@ -58,11 +60,14 @@ class Shadow:
         nums = self.nums
         # (nums grows to end: every end written is in it)
         eo = nums[end] if end < len(nums) else self.num(end)
-        unit, tables = req.unit, req.tables
+        # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
+        # in the arithmetic, comparisons and list indexing; start and end too)
+        unit: i64 = req.unit
+        tables = req.tables
         ident: list[Any] = req.ident    # (the hashes stay the int objects hash() made)
-        nid = len(ident)
+        nid: i64 = len(ident)
         for r in rules:
-            gid = r.gid
+            gid: i64 = r.gid
             go = nums[gid]
             # (the table's items read as the int objects they are, stored as is into written:
             # see allocator.BlockPool.ids)
@@ -71,28 +76,29 @@ class Shadow:
                 continue
             if r.code == RING:
                 bo = table[0]
-                b: int = bo
+                b: i64 = bo
                 gids[b] = go
                 ends[b] = eo
                 idents[b] = None
                 if collect and (fenced is None or (fenced[b] and not written)):
                     written.append(bo)
                 continue
-            bs = r.bs
-            full = end // bs                # blocks [i0, full) are complete at end
+            bs: i64 = r.bs
+            full: i64 = end // bs           # blocks [i0, full) are complete at end
             # (end - 1) // bs + 1: the blocks holding [0, end), from full (one division)
-            last = full if full * bs == end else full + 1
+            last: i64 = full if full * bs == end else full + 1
             if last > len(table):
                 last = len(table)
                 if full > last:
                     full = last
-            i0 = start // bs
+            i0: i64 = start // bs
             if full > i0:
                 # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1] (None when
                 # not known, as ident_at)
-                per = bs // unit
-                k = i0 * per + per - 1          # block i: ident index (i + 1) * per - 1,
-                e = i0 * bs + bs                # end (i + 1) * bs (both stepped)
+                per: i64 = bs // unit
+                k: i64 = i0 * per + per - 1     # block i: ident index (i + 1) * per - 1,
+                e: i64 = i0 * bs + bs           # end (i + 1) * bs (both stepped)
+                i: i64
                 for i in range(i0, full):
                     bo = table[i]
                     b = bo
