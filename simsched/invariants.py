@@ -314,7 +314,7 @@ def check_load_ready(step: int, tier, job) -> InvariantViolation | None:
     slots: list = tier.slots_of(job.ckeys, job.slots)
     for x in range(len(slots)):
         so = slots[x]
-        s: int = so if so is not None else -1       # (-1: not in the tier)
+        s: i64 = so if so is not None else -1       # (-1: not in the tier)
         if s < 0 or not ready[s]:
             return InvariantViolation("INV-7", step, f"load of chunk g{job.gids[x]}:"
                                       f"{job.hidx[x]} whose store has not completed")

@@ -455,18 +455,21 @@ class Model:
         content = tier.content
         shadow = self.shadow
         sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
-        bpos, bidx, bids = job.bpos, job.bidx, job.bids
+        bidx, bids = job.bidx, job.bids
+        bpos: list[i64] = job.bpos      # (i64: no tagged-int checks, see _read_store)
         slots: list = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
-        hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
+        hi: i64 = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
+        lo: i64
+        nxt: i64
         # (zip: the slots and the chunks' ends read inline; bpos[1:], one list per job)
         for so, nxt in zip(slots, bpos[1:]):
-            s: int = so
+            s: i64 = so
             lo, hi = hi, nxt
             c: tuple | None = content[s]
             if hi - lo == 1 and c is not None and len(c) == 3:
                 # a one-block chunk into one block: its fields as they are (write_chunk, inlined:
                 # whole chunk or not, the block takes the chunk's only block)
-                b: int = bids[lo]
+                b: i64 = bids[lo]
                 sgids[b] = c[0]
                 sends[b] = c[1]
                 sidents[b] = c[2]

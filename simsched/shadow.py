@@ -121,13 +121,14 @@ class Shadow:
                         written.append(bo)
         return written
 
-    def read_chunk(self, bids: list, lo: int, hi: int) -> tuple:
+    def read_chunk(self, bids: list, lo: i64, hi: i64) -> tuple:
         """The content of a chunk read from the blocks ``bids[lo:hi]`` (flat, see the module)."""
         gids, ends, idents = self.gids, self.ends, self.idents
         if hi - lo == 1:
-            b: int = bids[lo]
+            b: i64 = bids[lo]
             return (gids[b], ends[b], idents[b])
         fields: list[Any] = []
+        y: i64
         for y in range(lo, hi):
             b = bids[y]
             fields.append(gids[b])
@@ -144,20 +145,21 @@ class Shadow:
         :meth:`write_chunk`)."""
         self.write_chunk([i for i, _ in blocks], [b for _, b in blocks], 0, len(blocks), content)
 
-    def write_chunk(self, idx: list[int], bids: list[int], lo: int, hi: int,
+    def write_chunk(self, idx: list[i64], bids: list[i64], lo: i64, hi: i64,
                     content: tuple | None) -> None:
         """A chunk's ``content`` into the blocks ``bids[lo:hi]``, at block indices ``idx[lo:hi]`` of
         the request's table (a model ``Job`` keeps its blocks as such parallel lists)."""
         if not content:
             return
         gids, ends, idents = self.gids, self.ends, self.idents
-        n = len(content) // 3                          # the blocks the store read
+        n: i64 = len(content) // 3                     # the blocks the store read
+        y: i64
         if n == self.bpc:
             # a whole chunk: each destination block takes the chunk's block at its own offset
             # (the offloading worker skips block_index % blocks_per_chunk blocks of the chunk)
             for y in range(lo, hi):
-                j = idx[y] % n * 3
-                b = bids[y]
+                j: i64 = idx[y] % n * 3
+                b: i64 = bids[y]
                 gids[b] = content[j]
                 ends[b] = content[j + 1]
                 idents[b] = content[j + 2]
@@ -165,7 +167,7 @@ class Shadow:
         # a chunk whose store read only some blocks (windowed groups): its content lines up
         # with the tail of the destination blocks, blocks [n - (hi - lo), n) of it (a negative
         # start counts from the end, as slices do), paired with the blocks in order
-        start = n - (hi - lo)
+        start: i64 = n - (hi - lo)
         if start < 0:
             start = max(0, n + start)
         for y in range(lo, min(hi, lo + n - start)):
