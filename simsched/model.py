@@ -821,24 +821,27 @@ class Model:
         ``(gid, c + 1, None)`` into the same block). Those quantities only grow outside a full
         step (``next_stored`` too), so the bound stays safe until the next full step recomputes
         it; a preemption resets ``quiet_until``."""
-        c = req.num_computed
+        # (i64: the positions and bounds as plain 64-bit ints, no tagged-int checks)
+        c: i64 = req.num_computed
         st = req.off
-        bound = -1
+        bound: i64 = -1
         if len(req.tokens) == c + 1 and st is not None and \
                 self.off.req_status.get(req.rid) is st:
             bound = min(req.max_tokens - 3, st.next_key_at - 2)
             cfgs = self.off.cfgs
             # the first chunk end past what some group stored; -1: no store to bound it (no
             # group offloaded), or a group whose tokens_per_chunk <= 0 (then bound -1)
-            store_at = -1
+            store_at: i64 = -1
             gstates = st.groups                         # (a state per group of cfgs)
+            x: i64
             for x in range(min(len(cfgs), len(gstates))):
                 cfg, gs = cfgs[x], gstates[x]
-                tpc: int = cfg.tokens_per_chunk
+                tpc: i64 = cfg.tokens_per_chunk
                 if tpc <= 0:
                     bound = store_at = -1
                     break
-                e: int = (gs.next_stored + 1) * tpc
+                ns: i64 = gs.next_stored
+                e: i64 = (ns + 1) * tpc
                 if store_at < 0 or e < store_at:
                     store_at = e
             if store_at >= 0:
@@ -846,7 +849,7 @@ class Model:
                 # Optional compared as objects)
                 mo: int | None = st.max_offload_tokens
                 capped = mo is not None
-                cap: int = mo if mo is not None else 0
+                cap: i64 = mo if mo is not None else 0
                 if self.off.prompt_only and (not capped or req.num_prompt < cap):
                     capped, cap = True, req.num_prompt
                 if not capped or cap >= store_at:
@@ -862,13 +865,14 @@ class Model:
                 if r.code == RING:
                     blocks.append((nums[r.gid], table[0]))
                     continue
-                i = c // r.bs
-                b = (i + 1) * r.bs - 2
+                bs: i64 = r.bs
+                i: i64 = c // bs
+                b: i64 = (i + 1) * bs - 2
                 if b < bound:
                     bound = b
                 if i < len(table):
                     bo = table[i]
-                    bi: int = bo
+                    bi: i64 = bo
                     if bi != NULL:
                         blocks.append((nums[r.gid], bo))
             req.fast_blocks = blocks
