@@ -82,7 +82,10 @@ class RunResult:
 _TOKENS: Final[list[Any]] = list(range(VOCAB))
 
 
-def _token(seed: int, index: int, pos: int) -> Any:
+def _token(seed: i64, index: i64, pos: i64) -> Any:
+    """The token request ``index`` samples at ``pos`` in a case whose seed is ``seed`` mod VOCAB
+    (the token depends on the seed's residue only: the caller passes it reduced, which keeps
+    every term far below 2**63, i64's plain 64-bit arithmetic exact)."""
     return _TOKENS[(seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB]
 
 
@@ -673,7 +676,7 @@ class Model:
         fenced = fences.count           # per block: the pending store jobs that read it
         gids, ends, idents, unit = shadow.gids, shadow.ends, shadow.idents, self.unit
         nums: list[Any] = shadow.nums
-        seed = self.case.seed
+        seed = self.case.seed % VOCAB    # (see _token)
         inflight = self.inflight
         asy = self.async_
         fast = not self.num_spec and asy is None
@@ -859,11 +862,12 @@ class Model:
             nums = self.shadow.nums
             blocks: list[tuple[Any, Any]] = []
             for r in self.kv.rules:
-                table: list[Any] = req.tables[r.gid]
+                gid: i64 = r.gid
+                table: list[Any] = req.tables[gid]
                 if not table:
                     continue
                 if r.code == RING:
-                    blocks.append((nums[r.gid], table[0]))
+                    blocks.append((nums[gid], table[0]))
                     continue
                 bs: i64 = r.bs
                 i: i64 = c // bs
@@ -874,7 +878,7 @@ class Model:
                     bo = table[i]
                     bi: i64 = bo
                     if bi != NULL:
-                        blocks.append((nums[r.gid], bo))
+                        blocks.append((nums[gid], bo))
             req.fast_blocks = blocks
         req.fast_until = bound
 
