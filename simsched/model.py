@@ -556,7 +556,9 @@ class Model:
         k = self.num_spec
         asy = self.async_
         fast = not k and asy is None
-        i = 0
+        # (i64: the index and positions as plain 64-bit ints, no tagged-int checks)
+        i: i64 = 0
+        c: i64
         while i < len(running) and budget > 0:
             req = running[i]
             c = req.num_computed
@@ -674,9 +676,13 @@ class Model:
         kv, shadow = self.kv, self.shadow
         rules, fences = kv.rules, self.pending_reads
         fenced = fences.count           # per block: the pending store jobs that read it
-        gids, ends, idents, unit = shadow.gids, shadow.ends, shadow.idents, self.unit
+        gids, ends, idents = shadow.gids, shadow.ends, shadow.idents
         nums: list[Any] = shadow.nums
-        seed = self.case.seed % VOCAB    # (see _token)
+        # (i64: the positions as plain 64-bit ints, no tagged-int checks)
+        unit: i64 = self.unit
+        seed: i64 = self.case.seed % VOCAB      # (see _token)
+        start: i64
+        end: i64
         inflight = self.inflight
         asy = self.async_
         fast = not self.num_spec and asy is None
