@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, Iterator
 
+from mypy_extensions import i64
+
 from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
@@ -80,7 +82,10 @@ class RunResult:
 _TOKENS: Final[list[Any]] = list(range(VOCAB))
 
 
-def _token(seed: int, index: int, pos: int) -> Any:
+def _token(seed: i64, index: i64, pos: i64) -> Any:
+    """The token request ``index`` samples at ``pos`` in a case whose seed is ``seed`` mod VOCAB
+    (the token depends on the seed's residue only: the caller passes it reduced, which keeps
+    every term far below 2**63, i64's plain 64-bit arithmetic exact)."""
     return _TOKENS[(seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB]
 
 
@@ -345,14 +350,29 @@ class Model:
         strides = self.key_strides
         self.pending_reads.pop(job.jid, None)
         ident: list = req.ident         # (untyped: compared as the int objects they are)
-        unit, tph = req.unit, geo.tokens_per_hash
-        nid = len(ident)
-        gids, cidx, hidx, ckeys, bpos, bidx, bids = job.gids, job.cidx, job.hidx, job.ckeys, \
-            job.bpos, job.bidx, job.bids
-        last_gid, tpb, stride = -1, 0, 0
-        hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
+        # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
+        # in the arithmetic, comparisons and list indexing; the lists typed list[i64] so their
+        # items are unboxed to them directly)
+        unit: i64 = req.unit
+        tph: i64 = geo.tokens_per_hash
+        nid: i64 = len(ident)
+        gids: list[i64] = job.gids
+        cidx: list[i64] = job.cidx
+        hidx: list[i64] = job.hidx
+        bpos: list[i64] = job.bpos
+        bidx: list[i64] = job.bidx
+        ckeys, bids = job.ckeys, job.bids
+        last_gid: i64 = -1
+        tpb: i64 = 0
+        stride: i64 = 0
+        hi: i64 = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
+        lo: i64
         gkeys: list = []
-        x = 0
+        x: i64 = 0
+        gid: i64
+        h: i64
+        c: i64
+        nxt: i64
         # (zip: the chunk's fields read inline, not by bounds-checked calls; bpos[1:], the
         # chunks' ends, one list per job)
         for gid, key, h, c, nxt in zip(gids, ckeys, hidx, cidx, bpos[1:]):
@@ -361,7 +381,7 @@ class Model:
                 # the request's offload keys of the group (those the store's keys were taken
                 # from, see OffloadScheduler._update_offload_keys: compared by identity below)
                 gkeys = req.keys(gid, stride) if stride else []
-            end = (h + 1) * tph
+            end: i64 = (h + 1) * tph
             lo, hi = hi, nxt
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
             # block holds (gid, its end, ident there), the last one ending at the key's end,
@@ -374,13 +394,13 @@ class Model:
             if hi - lo == 1:
                 # a one-block chunk: its content is the block's (read_chunk, inlined: the
                 # fields read once, for the content and for the check)
-                b: int = bids[lo]
+                b: i64 = bids[lo]
                 g0 = sgids[b]
                 g1 = sends[b]
                 g2 = sidents[b]
                 content: tuple = (g0, g1, g2)
                 if ok:
-                    k = end // unit - 1                     # req.ident_at, inlined
+                    k: i64 = end // unit - 1                # req.ident_at, inlined
                     if 0 <= k < nid:
                         idk = ident[k]
                         ok = (isinstance(g1, int) and g1 == end and isinstance(g0, int)
@@ -390,8 +410,9 @@ class Model:
             else:
                 content = shadow.read_chunk(bids, lo, hi)
                 if ok:
+                    y: i64
                     for y in range(lo, hi):     # (the blocks just read, as the chunk holds them)
-                        e = (bidx[y] + 1) * tpb
+                        e: i64 = (bidx[y] + 1) * tpb
                         k = e // unit - 1                   # req.ident_at, inlined
                         if not 0 <= k < nid:
                             ok = False
@@ -437,18 +458,21 @@ class Model:
         content = tier.content
         shadow = self.shadow
         sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
-        bpos, bidx, bids = job.bpos, job.bidx, job.bids
+        bidx, bids = job.bidx, job.bids
+        bpos: list[i64] = job.bpos      # (i64: no tagged-int checks, see _read_store)
         slots: list = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
-        hi = bpos[0]                    # (chunk x's blocks start where chunk x - 1's end)
+        hi: i64 = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
+        lo: i64
+        nxt: i64
         # (zip: the slots and the chunks' ends read inline; bpos[1:], one list per job)
         for so, nxt in zip(slots, bpos[1:]):
-            s: int = so
+            s: i64 = so
             lo, hi = hi, nxt
             c: tuple | None = content[s]
             if hi - lo == 1 and c is not None and len(c) == 3:
                 # a one-block chunk into one block: its fields as they are (write_chunk, inlined:
                 # whole chunk or not, the block takes the chunk's only block)
-                b: int = bids[lo]
+                b: i64 = bids[lo]
                 sgids[b] = c[0]
                 sends[b] = c[1]
                 sidents[b] = c[2]
@@ -532,7 +556,9 @@ class Model:
         k = self.num_spec
         asy = self.async_
         fast = not k and asy is None
-        i = 0
+        # (i64: the index and positions as plain 64-bit ints, no tagged-int checks)
+        i: i64 = 0
+        c: i64
         while i < len(running) and budget > 0:
             req = running[i]
             c = req.num_computed
@@ -650,9 +676,13 @@ class Model:
         kv, shadow = self.kv, self.shadow
         rules, fences = kv.rules, self.pending_reads
         fenced = fences.count           # per block: the pending store jobs that read it
-        gids, ends, idents, unit = shadow.gids, shadow.ends, shadow.idents, self.unit
+        gids, ends, idents = shadow.gids, shadow.ends, shadow.idents
         nums: list[Any] = shadow.nums
-        seed = self.case.seed
+        # (i64: the positions as plain 64-bit ints, no tagged-int checks)
+        unit: i64 = self.unit
+        seed: i64 = self.case.seed % VOCAB      # (see _token)
+        start: i64
+        end: i64
         inflight = self.inflight
         asy = self.async_
         fast = not self.num_spec and asy is None
@@ -665,7 +695,7 @@ class Model:
                 eo = nums[end] if end < len(nums) else shadow.num(end)
                 fb: list[tuple[Any, Any]] = req.fast_blocks
                 for go, bo in fb:
-                    b: int = bo
+                    b: i64 = bo             # (i64: the lists indexed with no tagged-int checks)
                     gids[b] = go
                     ends[b] = eo
                     idents[b] = None
@@ -800,24 +830,27 @@ class Model:
         ``(gid, c + 1, None)`` into the same block). Those quantities only grow outside a full
         step (``next_stored`` too), so the bound stays safe until the next full step recomputes
         it; a preemption resets ``quiet_until``."""
-        c = req.num_computed
+        # (i64: the positions and bounds as plain 64-bit ints, no tagged-int checks)
+        c: i64 = req.num_computed
         st = req.off
-        bound = -1
+        bound: i64 = -1
         if len(req.tokens) == c + 1 and st is not None and \
                 self.off.req_status.get(req.rid) is st:
             bound = min(req.max_tokens - 3, st.next_key_at - 2)
             cfgs = self.off.cfgs
             # the first chunk end past what some group stored; -1: no store to bound it (no
             # group offloaded), or a group whose tokens_per_chunk <= 0 (then bound -1)
-            store_at = -1
+            store_at: i64 = -1
             gstates = st.groups                         # (a state per group of cfgs)
+            x: i64
             for x in range(min(len(cfgs), len(gstates))):
                 cfg, gs = cfgs[x], gstates[x]
-                tpc: int = cfg.tokens_per_chunk
+                tpc: i64 = cfg.tokens_per_chunk
                 if tpc <= 0:
                     bound = store_at = -1
                     break
-                e: int = (gs.next_stored + 1) * tpc
+                ns: i64 = gs.next_stored
+                e: i64 = (ns + 1) * tpc
                 if store_at < 0 or e < store_at:
                     store_at = e
             if store_at >= 0:
@@ -825,7 +858,7 @@ class Model:
                 # Optional compared as objects)
                 mo: int | None = st.max_offload_tokens
                 capped = mo is not None
-                cap: int = mo if mo is not None else 0
+                cap: i64 = mo if mo is not None else 0
                 if self.off.prompt_only and (not capped or req.num_prompt < cap):
                     capped, cap = True, req.num_prompt
                 if not capped or cap >= store_at:
@@ -835,21 +868,23 @@ class Model:
             nums = self.shadow.nums
             blocks: list[tuple[Any, Any]] = []
             for r in self.kv.rules:
-                table: list[Any] = req.tables[r.gid]
+                gid: i64 = r.gid
+                table: list[Any] = req.tables[gid]
                 if not table:
                     continue
                 if r.code == RING:
-                    blocks.append((nums[r.gid], table[0]))
+                    blocks.append((nums[gid], table[0]))
                     continue
-                i = c // r.bs
-                b = (i + 1) * r.bs - 2
+                bs: i64 = r.bs
+                i: i64 = c // bs
+                b: i64 = (i + 1) * bs - 2
                 if b < bound:
                     bound = b
                 if i < len(table):
                     bo = table[i]
-                    bi: int = bo
+                    bi: i64 = bo
                     if bi != NULL:
-                        blocks.append((nums[r.gid], bo))
+                        blocks.append((nums[gid], bo))
             req.fast_blocks = blocks
         req.fast_until = bound
 

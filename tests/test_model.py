@@ -158,3 +158,27 @@ def test_run_leaves_no_cyclic_garbage():
     finally:
         gc.enable()
     assert kinds == {"crash", "invariant"}          # the corpus reaches both kinds of finding
+
+
+def test_token_depends_on_the_seed_mod_vocab():
+    """_token takes the case's seed reduced mod VOCAB (its i64 arithmetic stays exact): the
+    token of the plain formula, for any seed up to 2**63 - 1 (Case's bound); a case of a large
+    seed runs as one of its residue."""
+    import random
+
+    from simsched.case import VOCAB
+    from simsched.model import _token
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        seed = rng.choice([0, 1, VOCAB - 1, VOCAB, (1 << 63) - 1, rng.randrange(1 << 63)])
+        index, pos = rng.randrange(1 << 20), rng.randrange(1 << 32)
+        want = (seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB
+        assert _token(seed % VOCAB, index, pos) == want
+    reqs = [{"id": "a", "prompt": [[1, 40]], "decode": 20},
+            {"id": "b", "prompt": [[1, 40], [2, 9]], "decode": 12, "arrival": 2}]
+    big = (1 << 63) - 1
+    obj = {"layout": {"groups": FULL16, "engine": {"num_gpu_blocks": 64}}, "requests": reqs}
+    runs = [run_case(Case.from_json({**obj, "seed": s}), "prefix-cacheable").trace_text()
+            for s in (big, big % VOCAB)]
+    assert runs[0] == runs[1]
