@@ -1567,8 +1567,12 @@ class OffloadScheduler:
                 ks = req.keys(cfg.group_id, hpc * tph)
                 if n_new == 1 and m < len(ks):
                     gs.keys.append(ks[m])       # (mostly one, as decoding completes a chunk)
-                else:
+                elif m:
                     gs.keys.extend(ks[m:m + n_new])
+                else:
+                    # the group's first keys: the slice is its list (nothing else holds the
+                    # empty one), not copied into it (a list.extend is a slice assignment)
+                    gs.keys = ks[:n_new]
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
