@@ -2030,7 +2030,14 @@ class OffloadScheduler:
             for cfg, gs in zip(cfgs, st.groups):
                 new: list[int] = nb[cfg.group_id]
                 if cfg.sliding_window_in_chunks is None:
-                    gs.block_ids.extend(new)
+                    bl: list = gs.block_ids     # (the block ID objects appended as they are)
+                    if len(new) == 1:
+                        # one block (a decode step reaching a new block): appended (list.extend
+                        # is a slice assignment with a realloc, about 300 instructions more)
+                        one: list = new
+                        bl.append(one[0])
+                    else:
+                        bl.extend(new)
                 if mark is None:
                     alloc.update(new)
                     continue
@@ -2079,7 +2086,12 @@ class OffloadScheduler:
             gst: ReqOffload = grown[x]
             gnb: list = grown[x + 1]
             for gi in sw_groups:
-                gst.groups[gi].block_ids.extend(gnb[cfgs[gi].group_id])
+                gnew: list = gnb[cfgs[gi].group_id]
+                gbl: list = gst.groups[gi].block_ids
+                if len(gnew) == 1:
+                    gbl.append(gnew[0])         # (one block: appended, as above)
+                else:
+                    gbl.extend(gnew)
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
