@@ -2291,7 +2291,10 @@ class OffloadScheduler:
                         break
                 if not null:
                     firsts[-1] = start
-                    new_keys.extend(gkeys[start:start + cnt])
+                    if new_keys:
+                        new_keys.extend(gkeys[start:start + cnt])
+                    else:
+                        new_keys = gkeys[start:start + cnt]     # (not copied into the empty one)
                 else:
                     for i in range(cnt):
                         if lasts[i]:
