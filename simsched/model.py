@@ -641,7 +641,7 @@ class Model:
         finished, self.finished_ids = self.finished_ids, []
         # (typed: unpacked and walked as native lists, not through iterators)
         meta: tuple[list[Job], list[Job], set[int]] = off.build_connector_meta(
-            scheduled, new_blocks, preempted, finished, self.reqs, kv.take_offers())
+            scheduled, new_blocks, preempted, finished, kv.take_offers())
         stores, loads, flush = meta
         if stores:
             store_t = t + self.timing.store_latency
@@ -823,7 +823,7 @@ class Model:
         A decode step (one token, ``num_tokens == num_computed + 1``) with ``num_computed = c`` is
         quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step) and:
         ``build_connector_meta`` adds no offload key (``c + 1 < next_key_at``); no group can store
-        a chunk (``_build_store_jobs``'s quick exit: the offloadable tokens ``min(c + 1, cap)``,
+        a chunk (``_store_job``'s quick exit: the offloadable tokens ``min(c + 1, cap)``,
         ``cap`` from ``max_offload_tokens`` and ``offload_prompt_only``, stay below ``store_at``,
         the first chunk end past what some group stored); the request does not finish
         (``c + 2 < max_tokens``); and the token completes no block (so each group's write is

@@ -1567,8 +1567,12 @@ class OffloadScheduler:
                 ks = req.keys(cfg.group_id, hpc * tph)
                 if n_new == 1 and m < len(ks):
                     gs.keys.append(ks[m])       # (mostly one, as decoding completes a chunk)
-                else:
+                elif m:
                     gs.keys.extend(ks[m:m + n_new])
+                else:
+                    # the group's first keys: the slice is its list (nothing else holds the
+                    # empty one), not copied into it (a list.extend is a slice assignment)
+                    gs.keys = ks[:n_new]
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -1913,8 +1917,7 @@ class OffloadScheduler:
         keys: list[Key] = []
         spans: list[int] = []       # per group: its keys' first chunk index and count (the tier)
         job = Job(-1, req.rid, False, None)     # (its ID is given by _new_job, at the end)
-        gids, cidx, hidx, bpos, bidx, jbids = job.gids, job.cidx, job.hidx, job.bpos, job.bidx, \
-            job.bids
+        bpos = job.bpos
         for cfg, gs in zip(self.cfgs, st.groups):
             gid = cfg.group_id
             spans.append(0)
@@ -1939,23 +1942,37 @@ class OffloadScheduler:
                 # chunks [start, cend), chunk c loading the blocks [max(c * bpc, n_local),
                 # min((c + 1) * bpc, n_gpu)) (tokens_per_chunk = bpc * tokens_per_block): together
                 # the blocks [n_local, min(cend * bpc, n_gpu)); the lists of the chunks' keys,
-                # hash indices and blocks are slices, added at once
+                # hash indices and blocks are slices, added at once (the first group's are the
+                # job's lists, not copied into its empty ones: a list.extend is a slice assignment)
                 cend = min(end, len(gkeys))
                 if start < cend:
-                    spans[-2], spans[-1] = start, cend - start
-                    gids.extend([gid] * (cend - start))
-                    cidx.extend(self._ints(start, cend))
-                    hidx.extend(self._hash_indices(cfg.hashes_per_chunk, start, cend))
-                    keys.extend(gkeys[start:cend])      # (the job's ckeys: the same list)
+                    m = cend - start
+                    spans[-2], spans[-1] = start, m
                     top = min(cend * bpc, n_gpu)
-                    shift = len(jbids) - n_local        # block i goes to position shift + i
-                    jbids.extend(blocks[n_local:top])
-                    bidx.extend(self._ints(n_local, top))
+                    shift = len(job.bids) - n_local     # block i goes to position shift + i
+                    if not keys:
+                        job.gids = [gid] * m
+                        job.cidx = self._ints(start, cend)
+                        job.hidx = self._hash_indices(cfg.hashes_per_chunk, start, cend)
+                        keys = gkeys[start:cend]        # (the job's ckeys: the same list)
+                        job.bids = blocks[n_local:top]
+                        job.bidx = self._ints(n_local, top)
+                    else:
+                        job.gids.extend([gid] * m)
+                        job.cidx.extend(self._ints(start, cend))
+                        job.hidx.extend(self._hash_indices(cfg.hashes_per_chunk, start, cend))
+                        keys.extend(gkeys[start:cend])
+                        job.bids.extend(blocks[n_local:top])
+                        job.bidx.extend(self._ints(n_local, top))
                     # chunk c's blocks end at (c + 1) * bpc for c < n_gpu // bpc, else at n_gpu
+                    # (mostly the last chunk alone: appended, no list made)
                     k = max(start, min(cend, n_gpu // bpc))
                     if k > start:
                         bpos.extend(self._ints(shift + (start + 1) * bpc, shift + k * bpc + 1, bpc))
-                    bpos.extend([shift + n_gpu] * (cend - k))
+                    if cend - k == 1:
+                        bpos.append(shift + n_gpu)
+                    elif cend > k:
+                        bpos.extend([shift + n_gpu] * (cend - k))
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
         job.slots = self.tier.prepare_load(keys, st, spans)
         job.ckeys = keys
@@ -1980,8 +1997,7 @@ class OffloadScheduler:
         return job
 
     def build_connector_meta(self, scheduled: dict[str, int], new_blocks: dict[str, list],
-                             preempted: list[str], finished: list[str], reqs: dict,
-                             offers=()):
+                             preempted: list[str], finished: list[str], offers=()):
         """``build_connector_meta``: returns (store jobs, load jobs, job IDs to flush).
         ``offers``: the step's Mamba boundary states (``KVCacheManager.take_offers``)."""
         # _update_req_states: the new blocks are marked allocated first, the blocks held before
@@ -2014,7 +2030,14 @@ class OffloadScheduler:
             for cfg, gs in zip(cfgs, st.groups):
                 new: list[int] = nb[cfg.group_id]
                 if cfg.sliding_window_in_chunks is None:
-                    gs.block_ids.extend(new)
+                    bl: list = gs.block_ids     # (the block ID objects appended as they are)
+                    if len(new) == 1:
+                        # one block (a decode step reaching a new block): appended (list.extend
+                        # is a slice assignment with a realloc, about 300 instructions more)
+                        one: list = new
+                        bl.append(one[0])
+                    else:
+                        bl.extend(new)
                 if mark is None:
                     alloc.update(new)
                     continue
@@ -2063,7 +2086,12 @@ class OffloadScheduler:
             gst: ReqOffload = grown[x]
             gnb: list = grown[x + 1]
             for gi in sw_groups:
-                gst.groups[gi].block_ids.extend(gnb[cfgs[gi].group_id])
+                gnew: list = gnb[cfgs[gi].group_id]
+                gbl: list = gst.groups[gi].block_ids
+                if len(gnew) == 1:
+                    gbl.append(gnew[0])         # (one block: appended, as above)
+                else:
+                    gbl.extend(gnew)
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
@@ -2263,7 +2291,10 @@ class OffloadScheduler:
                         break
                 if not null:
                     firsts[-1] = start
-                    new_keys.extend(gkeys[start:start + cnt])
+                    if new_keys:
+                        new_keys.extend(gkeys[start:start + cnt])
+                    else:
+                        new_keys = gkeys[start:start + cnt]     # (not copied into the empty one)
                 else:
                     for i in range(cnt):
                         if lasts[i]:
