@@ -1019,16 +1019,17 @@ class RankedCPUTier(CPUTier):
         fr, fk = self.fresh_rank, self.fresh_key
         nr = self.next_rank
         nw = len(marks)
+        ones = max(steps) == 1 if steps else True     # (every group's chunk at every point)
         for t in range(end, 0, -1):
             w = nw
             while w:
                 w -= 1
-                r = steps[w]
-                if r == 1:
+                if ones:
                     c = t - 1
-                elif t % r:
-                    continue
                 else:
+                    r = steps[w]
+                    if t % r:
+                        continue
                     c = t // r - 1
                 m = marks[w]
                 if c >= len(m):
