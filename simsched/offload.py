@@ -436,8 +436,9 @@ class RankedCPUTier(CPUTier):
         # again or no longer evictable (dropped as they surface). Keys order as their
         # (group id, ident) pairs (see make_key): the order is (rank, group id, ident).
         # An item is current when it holds the very rank object of its chunk's slot (``is``: no
-        # unboxing): every rank given is a new object, and an item keeps its object alive, so
-        # no later rank of any chunk is that object
+        # unboxing): every rank given is a new object (prepare_store gives one to the new
+        # chunks of the groups that end at the same token), and an item keeps its object alive,
+        # so no later rank of any chunk is that object
         self.queued = False
         self.fresh_rank: list = []
         self.fresh_key: list = []
@@ -461,6 +462,8 @@ class RankedCPUTier(CPUTier):
         by_order = sorted(self.group, key=lambda g: g[2])
         self.walk: list[int] = [gi for gi, _, _ in by_order]
         self.steps: list[int] = [tpc // unit for _, tpc, _ in by_order]
+        # (the same steps by group index: prepare_store's new ranks by grid point)
+        self.grid: list[int] = [tpc // unit for _, tpc, _ in self.group]
         self.req_state: dict[str, _ReqAccess] = {}
         self.key_at: list = [None] * len(self.ready)     # (see above)
 
@@ -604,18 +607,26 @@ class RankedCPUTier(CPUTier):
             # is free (only after an eviction that failed). The rest are inserted by _insert.
             ents: dict = entries        # (untyped: the slot object compared by identity)
             rank, key_at = self.rank, self.key_at
-            added = self.added          # (the slots taken, in order, if recorded: Job.slots)
             room = 0 if self.free else self.capacity - len(entries)
-            sn = self.n_slots           # the slot offered next
+            s0 = sn = self.n_slots      # the slot offered next
             ints = ints_to(sn + min(room, len(klist)) + 1)
             so: Any = ints[sn] if room > 0 else None     # (None: no room, looked up)
+            # the new chunks' rank objects by grid point (see __init__), made once for the
+            # chunks of the groups that end there (the same rank: one int boxed, not one per
+            # group; an object shared by chunks of distinct keys still tells a queue item
+            # current by identity, see __init__: it is new, and no chunk takes it twice)
+            grid = self.grid
+            n_grid = 0
+            for gi in range(len(group)):
+                n_grid = max(n_grid, len(groups[gi].keys) * grid[gi] + 1)
+            made: list = [None] * n_grid
             p = 0
             for gi in range(len(group)):
                 c, cnt = spans[2 * gi], spans[2 * gi + 1]
                 if not cnt:
                     continue
                 gkeys: list = groups[gi].keys
-                m, tpc = marks[gi], group[gi][1]
+                m, tpc, gs = marks[gi], group[gi][1], grid[gi]
                 for x in range(p, p + cnt):
                     k = klist[x]
                     while gkeys[c] is not k:
@@ -628,18 +639,21 @@ class RankedCPUTier(CPUTier):
                             order.append(k)
                         if not base:
                             base = self._request_rank(a) << RANK_SHIFT
+                        t = (c + 1) * gs
+                        ro: Any = made[t]
+                        if ro is None:
+                            ro = base - (c + 1) * tpc
+                            made[t] = ro
                         if so is not None:
                             if sn == len(self.ready):
                                 self._grow()
-                            rank[sn] = base - (c + 1) * tpc
+                            rank[sn] = ro
                             key_at[sn] = k
-                            if added is not None:
-                                added.append(so)
                             sn += 1
                             room -= 1
                             so = ints[sn] if room > 0 else None
                         else:
-                            to_rank.append(base - (c + 1) * tpc)
+                            to_rank.append(ro)
                     else:
                         si: int = sk
                         if ready[si] and m[c] is None:
@@ -654,6 +668,10 @@ class RankedCPUTier(CPUTier):
                     c += 1
                 p += cnt
             self.n_slots = sn
+            if self.added is not None:
+                # the slots taken, in order, if recorded (Job.slots): s0.. here (one slice, no
+                # append per chunk), then those _insert takes
+                self.added.extend(ints[s0:sn])
             return self._insert(to_store, keys, to_rank, len(to_store) - len(to_rank))
         codes = self._codes(a, st)
         for k in keys:
@@ -1001,16 +1019,17 @@ class RankedCPUTier(CPUTier):
         fr, fk = self.fresh_rank, self.fresh_key
         nr = self.next_rank
         nw = len(marks)
+        ones = max(steps) == 1 if steps else True     # (every group's chunk at every point)
         for t in range(end, 0, -1):
             w = nw
             while w:
                 w -= 1
-                r = steps[w]
-                if r == 1:
+                if ones:
                     c = t - 1
-                elif t % r:
-                    continue
                 else:
+                    r = steps[w]
+                    if t % r:
+                        continue
                     c = t // r - 1
                 m = marks[w]
                 if c >= len(m):
