@@ -179,16 +179,20 @@ class Request:
         """``ident[k] = hash((ident[k - 1], tuple(tokens[k * unit:(k + 1) * unit])))``
         (``ident[-1]`` read as ``0x5EED``) for every whole unit of known tokens. The units' token
         tuples are slices of one tuple of the new tokens: equal tuples, so the same hashes."""
-        unit, tokens = self.unit, self.tokens
+        tokens = self.tokens
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
-        k, n = len(ident), len(tokens) // unit
+        # (i64: the positions as plain 64-bit ints, no tagged-int checks)
+        unit: i64 = self.unit
+        k: i64 = len(ident)
+        n: i64 = len(tokens) // unit
         if k >= n:
             return
         # (Any, not object: mypy does not narrow an Any variable to int on assignment, so the
         # compiled build appends the int object hash() made instead of unboxing and re-boxing it)
         prev: Any = ident[-1] if ident else 0x5EED
         new = tuple(tokens[k * unit:n * unit])
-        j, end = 0, (n - k) * unit
+        j: i64 = 0
+        end: i64 = (n - k) * unit
         while j < end:
             prev = hash((prev, new[j:j + unit]))
             ident.append(prev)
@@ -201,11 +205,14 @@ class Request:
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
         if not gid and stride == self.unit:
             return self.ident       # group 0's keys a unit apart: the identities themselves
-        tag, tags = stride * 16 + gid, self.key_tags
-        s, ns = 0, len(tags)
+        # (i64: the tags, indices and positions as plain 64-bit ints, no tagged-int checks)
+        tag: i64 = stride * 16 + gid
+        tags = self.key_tags
+        s: i64 = 0
+        ns: i64 = len(tags)
         while s < ns and tags[s] != tag:
             s += 1
-        per = stride // self.unit
+        per: i64 = stride // self.unit
         if s < ns:
             keys = self.key_lists[s]
         else:
@@ -216,10 +223,12 @@ class Request:
             tags.append(tag)
             self.key_lists.append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
-        have, n = len(keys), len(ident) // per
+        have: i64 = len(keys)
+        n: i64 = len(ident) // per
         # the keys past the shared prefix, appended one by one (mostly one key at a time, as
         # decoded tokens complete a stride: no slice or list made for it)
-        j, end = (have + 1) * per - 1, n * per
+        j: i64 = (have + 1) * per - 1
+        end: i64 = n * per
         if gid:                 # make_key(gid, h), inlined
             base = _GROUP_BASE[gid]
             while j < end:
@@ -596,8 +605,11 @@ class KVCacheManager:
         if not self.hits_possible or not self.cacheable_rules:
             return 0
         pool = self.pool
-        cached, pkey, align = pool.cached, pool.key, self.align
-        L = (req.num_tokens - 1) // align * align
+        cached, pkey = pool.cached, pool.key
+        # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
+        # in the arithmetic, comparisons and list indexing)
+        align: i64 = self.align
+        L: i64 = (req.num_tokens - 1) // align * align
         if self.eagle_drop and self.eagle_margin and L >= 0:
             # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
             L += min(r.bs for r in self.cacheable_rules)
@@ -617,13 +629,17 @@ class KVCacheManager:
             # the longest run of cached blocks from the start (a block whose tokens are not all
             # known has no key: the run stops there)
             keys = req.keys(r.gid, r.bs)
-            m = min(L // r.bs, len(keys))
+            bs: i64 = r.bs
+            m: i64 = L // bs
+            nkeys: i64 = len(keys)
+            if nkeys < m:
+                m = nkeys
             known = memo[r.gid]
-            n = 0
+            n: i64 = 0
             for bk, k in zip(known, keys):      # (items read inline, no bounds-checked calls)
                 if n == m:
                     break
-                bi: int = bk
+                bi: i64 = bk
                 kb = pkey[bi]
                 if kb is None or (kb is not k and kb != k):
                     del known[n:]
@@ -641,7 +657,9 @@ class KVCacheManager:
                 if n == len(known):
                     known.append(bo)
                 n += 1
-            L = min(L, n * r.bs) // align * align
+            if n * bs < L:
+                L = n * bs
+            L = L // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
         # check below only needs the other groups. Where a group misses block j of its reach
         # at L, it misses it at every smaller L whose reach still covers j (the reach's start,
@@ -651,11 +669,11 @@ class KVCacheManager:
         # the reach is searched from its start; the run of blocks found cached ([ok_lo[x],
         # ok_hi[x]) for the x-th rest group) is not looked up again at a smaller L
         rest = self.rest_rules
-        full_hit = L
+        full_hit: i64 = L
         if rest:
             # (scratch lists of this manager, reset here: no lists made per search)
             ok_lo, ok_hi, rest_keys = self.reach_lo, self.reach_hi, self.reach_keys
-            x = 0
+            x: i64 = 0
             for r in rest:
                 ok_lo[x] = ok_hi[x] = 0
                 rest_keys[x] = req.keys(r.gid, r.bs)
@@ -664,12 +682,14 @@ class KVCacheManager:
                 x = 0
                 for r in rest:
                     bs = r.bs
-                    hi, lo = L // bs, r.skipped_tokens(L) // bs
+                    hi: i64 = L // bs
+                    lo: i64 = r.skipped_tokens(L) // bs
                     keys = rest_keys[x]
                     known = memo[r.gid]
                     n = len(keys)
-                    a, z = ok_lo[x], ok_hi[x]
-                    j = lo
+                    a: i64 = ok_lo[x]
+                    z: i64 = ok_hi[x]
+                    j: i64 = lo
                     while j < hi:
                         if a <= j < z:
                             j = z
@@ -677,7 +697,7 @@ class KVCacheManager:
                         if j >= n:
                             break
                         k = keys[j]
-                        nk = len(known)
+                        nk: i64 = len(known)
                         if j < nk:
                             bi = known[j]
                             kb = pkey[bi]
@@ -828,7 +848,10 @@ class KVCacheManager:
         a request that already holds blocks (after a load) needs ``required - held``; a fresh one
         needs ``required - max(skipped blocks, hit blocks)`` plus its evictable hit blocks (ref 0,
         taken out of the free queue when touched); a ring needs its one block."""
-        need = 0
+        # (i64: the counts and indices as plain 64-bit ints, no tagged-int checks)
+        need: i64 = 0
+        nt: i64 = num_tokens
+        j: i64
         pool = self.pool
         for r, cap in zip(self.rules, self.admission_cap):
             table = req.tables[r.gid]
@@ -840,27 +863,31 @@ class KVCacheManager:
                 # another request cached in this step cannot be used yet (num_gpu_blocks + 1:
                 # never fits); the blocks still missing, at most one (the new running state;
                 # num_speculative_blocks is 0), plus the evictable hit block
-                n = -(-num_tokens // r.bs) - len(table)
+                n: i64 = -(-nt // r.bs) - len(table)
                 if not table and r.cacheable and hit:
-                    n_hit = hit // r.bs
+                    n_hit: i64 = hit // r.bs
                     n -= n_hit
                     k = req.keys(r.gid, r.bs)[n_hit - 1]
                     if k in self.cached_this_step:
                         return pool.num_blocks + 1
-                    hb: int = pool.cached[k]
+                    hb: i64 = pool.cached[k]
                     if pool.ref[hb] == 0:
                         need += 1
                 need += 1 if n > 0 else n
                 continue
-            required = -(-num_tokens // r.bs)
+            required: i64 = -(-nt // r.bs)
             if capped and cap is not None and cap < required:
                 required = cap
             if table:
-                need += max(required - len(table), 0)
+                have: i64 = len(table)
+                if required > have:
+                    need += required - have
                 continue
             n_hit = hit // r.bs if (r.cacheable and hit) else 0
-            skipped = r.skipped_tokens(total) // r.bs
-            need += max(required - max(skipped, n_hit), 0)
+            skipped: i64 = r.skipped_tokens(total) // r.bs
+            hi: i64 = n_hit if n_hit > skipped else skipped
+            if required > hi:
+                need += required - hi
             if skipped < n_hit:
                 # the evictable hit blocks (refcount 0)
                 ref, keys = pool.ref, req.keys(r.gid, r.bs)
