@@ -198,14 +198,15 @@ class Request:
             ident.append(prev)
             j += unit
 
-    def keys(self, gid: int, stride: int) -> list[Key]:
+    def keys(self, gid: i64, stride: i64) -> list[Key]:
         """``[make_key(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
         if not gid and stride == self.unit:
             return self.ident       # group 0's keys a unit apart: the identities themselves
-        # (i64: the tags, indices and positions as plain 64-bit ints, no tagged-int checks)
+        # (i64: the group id, tags, indices and positions as plain 64-bit ints, no tagged-int
+        # checks)
         tag: i64 = stride * 16 + gid
         tags = self.key_tags
         s: i64 = 0
@@ -762,8 +763,11 @@ class KVCacheManager:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
                 continue
-            n = L // r.bs
-            first = min(r.skipped_tokens(total) // r.bs, n)
+            # (i64: the block indices as plain 64-bit ints, no tagged-int checks)
+            n: i64 = L // r.bs
+            first: i64 = r.skipped_tokens(total) // r.bs
+            if n < first:
+                first = n
             table.extend([NULL] * first)
             keys = req.keys(r.gid, r.bs)
             known = memo[r.gid] if memo else []
