@@ -509,8 +509,9 @@ class GroupRule:
         # (see KVCacheManager.allocate, remove_skipped_blocks, admission_blocks, cache_blocks)
         self.align: bool = group.kind == "mamba" and group.mamba_cache_mode == "align"
 
-    def skipped_tokens(self, computed: int) -> int:
-        """``get_num_skipped_tokens``: tokens out of this group's reach."""
+    def skipped_tokens(self, computed: i64) -> i64:
+        """``get_num_skipped_tokens``: tokens out of this group's reach (i64: its callers'
+        positions as they are)."""
         code = self.code
         if code == SLIDING:
             return max(0, computed - self.window + 1)
