@@ -1067,7 +1067,9 @@ class KVCacheManager:
         block to offer to the prefix cache); -1 if none. Freeing blocks, a hit or caching only
         make the real bound larger, so a stale bound is safe; ``free``/``apply_hit`` reset it."""
         # (i64: the positions and indices as plain 64-bit ints, no tagged-int checks)
-        bound: i64 = 1 << 62    # no bound yet (every bound below is smaller)
+        # no bound yet: past every position (and below 2**62, the compiled build's tagged ints,
+        # so a constant, not an int object converted at each call)
+        bound: i64 = (1 << 62) - 1
         tables, done, leads = req.tables, req.num_cached_blocks, req.leads
         for r in self.rules:
             table = tables[r.gid]
