@@ -356,7 +356,10 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[int]) -> None:
         """``BlockPool.free_blocks``: blocks without a hash are prepended to the free queue in
         the order given (LIFO reuse), blocks carrying a hash are appended (LRU eviction)."""
-        ref, key, nxt, prv = self.ref, self.key, self.nxt, self.prv
+        key, nxt, prv = self.key, self.nxt, self.prv
+        # (the refcounts read as objects, unboxed to i64 directly instead of through a tagged
+        # int; the constants stored as the int objects they are)
+        ref: list[Any] = self.ref
         first: list[Any] = []
         n: i64 = 0
         # (items read as the int objects they are, see ids; a list walked by index)
@@ -371,7 +374,8 @@ class BlockPool:
             b: i64 = bo
             if b == NULL:
                 continue
-            r: i64 = ref[b] - 1
+            r: i64 = ref[b]
+            r -= 1
             if r == 0:
                 ref[b] = 0              # (a constant: no int object made from r)
                 n += 1
@@ -407,7 +411,8 @@ class BlockPool:
         self.n_free += n
 
     def touch(self, blocks: Iterable[int]) -> None:
-        ref, nxt, prv = self.ref, self.nxt, self.prv
+        nxt, prv = self.nxt, self.prv
+        ref: list[Any] = self.ref       # (see free_blocks)
         b: i64                          # (i64: see get_new_blocks)
         for b in blocks:
             if b == NULL:
