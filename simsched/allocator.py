@@ -679,7 +679,10 @@ class KVCacheManager:
         full_hit: i64 = L
         if rest:
             # (scratch lists of this manager, reset here: no lists made per search)
-            ok_lo, ok_hi, rest_keys = self.reach_lo, self.reach_hi, self.reach_keys
+            # (items unboxed to i64 directly: see BlockPool.free_blocks)
+            ok_lo: list[Any] = self.reach_lo
+            ok_hi: list[Any] = self.reach_hi
+            rest_keys = self.reach_keys
             x: i64 = 0
             for r in rest:
                 ok_lo[x] = ok_hi[x] = 0
@@ -786,7 +789,8 @@ class KVCacheManager:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
         key, cached = pool.key, pool.cached
-        done = req.num_cached_blocks
+        # (items unboxed to i64 directly: see BlockPool.free_blocks)
+        done: list[Any] = req.num_cached_blocks
         # (i64: the indices and block IDs as plain 64-bit ints, no tagged-int checks in the
         # arithmetic, comparisons and list indexing)
         i: i64
@@ -993,7 +997,9 @@ class KVCacheManager:
         self.remove_skipped_blocks(req, c if processed is None else processed)
         total: i64 = c + num_new_tokens + lookahead
         tables = req.tables
-        plan = self.plan           # per rule: null placeholders, new blocks
+        # per rule: null placeholders, new blocks (items unboxed to i64 directly: see
+        # BlockPool.free_blocks)
+        plan: list[Any] = self.plan
         need: i64 = 0
         x: i64 = 0
         n: i64
@@ -1075,7 +1081,10 @@ class KVCacheManager:
         # no bound yet: past every position (and below 2**62, the compiled build's tagged ints,
         # so a constant, not an int object converted at each call)
         bound: i64 = (1 << 62) - 1
-        tables, done, leads = req.tables, req.num_cached_blocks, req.leads
+        tables = req.tables
+        # (items unboxed to i64 directly: see BlockPool.free_blocks)
+        done: list[Any] = req.num_cached_blocks
+        leads: list[Any] = req.leads
         for r in self.rules:
             table = tables[r.gid]
             have: i64 = len(table)
