@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final, Iterable, Sequence
 
+from mypy_extensions import i64
+
 if TYPE_CHECKING:
     from simsched.offload import ReqOffload
 
@@ -177,33 +179,41 @@ class Request:
         """``ident[k] = hash((ident[k - 1], tuple(tokens[k * unit:(k + 1) * unit])))``
         (``ident[-1]`` read as ``0x5EED``) for every whole unit of known tokens. The units' token
         tuples are slices of one tuple of the new tokens: equal tuples, so the same hashes."""
-        unit, tokens = self.unit, self.tokens
+        tokens = self.tokens
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
-        k, n = len(ident), len(tokens) // unit
+        # (i64: the positions as plain 64-bit ints, no tagged-int checks)
+        unit: i64 = self.unit
+        k: i64 = len(ident)
+        n: i64 = len(tokens) // unit
         if k >= n:
             return
         # (Any, not object: mypy does not narrow an Any variable to int on assignment, so the
         # compiled build appends the int object hash() made instead of unboxing and re-boxing it)
         prev: Any = ident[-1] if ident else 0x5EED
         new = tuple(tokens[k * unit:n * unit])
-        j, end = 0, (n - k) * unit
+        j: i64 = 0
+        end: i64 = (n - k) * unit
         while j < end:
             prev = hash((prev, new[j:j + unit]))
             ident.append(prev)
             j += unit
 
-    def keys(self, gid: int, stride: int) -> list[Key]:
+    def keys(self, gid: i64, stride: i64) -> list[Key]:
         """``[make_key(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
         if not gid and stride == self.unit:
             return self.ident       # group 0's keys a unit apart: the identities themselves
-        tag, tags = stride * 16 + gid, self.key_tags
-        s, ns = 0, len(tags)
+        # (i64: the group id, tags, indices and positions as plain 64-bit ints, no tagged-int
+        # checks)
+        tag: i64 = stride * 16 + gid
+        tags = self.key_tags
+        s: i64 = 0
+        ns: i64 = len(tags)
         while s < ns and tags[s] != tag:
             s += 1
-        per = stride // self.unit
+        per: i64 = stride // self.unit
         if s < ns:
             keys = self.key_lists[s]
         else:
@@ -214,10 +224,12 @@ class Request:
             tags.append(tag)
             self.key_lists.append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
-        have, n = len(keys), len(ident) // per
+        have: i64 = len(keys)
+        n: i64 = len(ident) // per
         # the keys past the shared prefix, appended one by one (mostly one key at a time, as
         # decoded tokens complete a stride: no slice or list made for it)
-        j, end = (have + 1) * per - 1, n * per
+        j: i64 = (have + 1) * per - 1
+        end: i64 = n * per
         if gid:                 # make_key(gid, h), inlined
             base = _GROUP_BASE[gid]
             while j < end:
@@ -313,20 +325,22 @@ class BlockPool:
         """The free queue as an ordered dict of its blocks (a copy, for tests and checks)."""
         return dict.fromkeys(self.free_queue())
 
-    def get_new_blocks(self, n: int) -> list[int]:
+    def get_new_blocks(self, n: i64) -> list[int]:
         key, ref, later = self.key, self.ref, self.later
         nxt, prv = self.nxt, self.prv
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
         out: list[int] = []
         bo: Any = nxt[NULL]             # (the queue holds the ids objects: appended as they are)
-        b: int = bo
-        j = 0
+        # (i64: the block IDs and counts as plain 64-bit ints, no tagged-int checks in the
+        # comparisons and list indexing)
+        b: i64 = bo
+        j: i64 = 0
         while j < n:                            # the head of the free queue, in order
             out.append(bo)
             if key[b] is not None:      # evict from the GPU prefix cache (uncache, inlined
                 # for a block alone under its key: its entry in ``cached`` goes stale)
-                lb: int = later[b]
+                lb: i64 = later[b]
                 if lb != NULL:
                     self._unchain(b)
                 key[b] = None
@@ -342,21 +356,26 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[int]) -> None:
         """``BlockPool.free_blocks``: blocks without a hash are prepended to the free queue in
         the order given (LIFO reuse), blocks carrying a hash are appended (LRU eviction)."""
-        ref, key, nxt, prv = self.ref, self.key, self.nxt, self.prv
+        key, nxt, prv = self.key, self.nxt, self.prv
+        # (the refcounts read as objects, unboxed to i64 directly instead of through a tagged
+        # int; the constants stored as the int objects they are)
+        ref: list[Any] = self.ref
         first: list[Any] = []
-        n = 0
+        n: i64 = 0
         # (items read as the int objects they are, see ids; a list walked by index)
         given: list[Any] = blocks if isinstance(blocks, list) else list(blocks)
         # the blocks going to the tail are chained after the tail as they come; the chain is
         # closed (nxt[last] = NULL, prv[NULL] = last) once, after the loop
         to: Any = prv[NULL]             # the tail (the null block: an empty queue)
-        t: int = to
+        # (i64: block IDs, refcounts and counts as plain 64-bit ints, see get_new_blocks)
+        t: i64 = to
         tail = t
         for bo in given:
-            b: int = bo
+            b: i64 = bo
             if b == NULL:
                 continue
-            r = ref[b] - 1
+            r: i64 = ref[b]
+            r -= 1
             if r == 0:
                 ref[b] = 0              # (a constant: no int object made from r)
                 n += 1
@@ -378,8 +397,8 @@ class BlockPool:
             prv[NULL] = to
         if first:                       # to the head, in the order given
             ho: Any = nxt[NULL]
-            h: int = ho
-            i = len(first) - 1
+            h: i64 = ho
+            i: i64 = len(first) - 1
             while i >= 0:
                 bo = first[i]
                 b = bo
@@ -392,21 +411,24 @@ class BlockPool:
         self.n_free += n
 
     def touch(self, blocks: Iterable[int]) -> None:
-        ref, nxt, prv = self.ref, self.nxt, self.prv
+        nxt, prv = self.nxt, self.prv
+        ref: list[Any] = self.ref       # (see free_blocks)
+        b: i64                          # (i64: see get_new_blocks)
         for b in blocks:
             if b == NULL:
                 continue
-            if ref[b] == 0:             # out of the free queue (its links left stale)
+            r: i64 = ref[b]
+            if r == 0:                  # out of the free queue (its links left stale)
                 po: Any = prv[b]
                 qo: Any = nxt[b]
-                p: int = po
-                q: int = qo
+                p: i64 = po
+                q: i64 = qo
                 nxt[p] = qo
                 prv[q] = po
                 self.n_free -= 1
                 ref[b] = 1              # (a constant: no int object made)
             else:
-                ref[b] = ref[b] + 1     # (not +=: a generic in-place add when compiled)
+                ref[b] = r + 1
 
     def holder(self, k: Key) -> Any:
         """The block a hit on key ``k`` takes, None if no block carries ``k``."""
@@ -426,14 +448,14 @@ class BlockPool:
         if held != b:
             self._join(b, k, held)
 
-    def _join(self, b: int, k: Key, held: int) -> None:
+    def _join(self, b: i64, k: Key, held: i64) -> None:
         """``cache``'s rest, where ``cached[k]`` was ``held``, not b: b joins the blocks
         carrying ``k``, or holds ``k`` if the entry was stale."""
         kh = self.key[held]
         if kh is not None and (kh is k or kh == k):     # b comes last in held's chain
             later = self.later
-            t: int = held
-            lt: int = later[t]
+            t: i64 = held               # (i64: see get_new_blocks)
+            lt: i64 = later[t]
             while lt > NULL:            # (NULL: held alone, LAST: the last of its chain)
                 t = lt
                 lt = later[t]
@@ -453,21 +475,21 @@ class BlockPool:
             self._unchain(b)
         self.key[b] = None          # (alone under its key: the entry goes stale)
 
-    def _unchain(self, b: int) -> None:
+    def _unchain(self, b: i64) -> None:
         """Take ``b`` out of the chain of blocks carrying its key (two or more blocks)."""
         later, earlier = self.later, self.earlier
         lo: Any = later[b]
         eo: Any = earlier[b]
-        lb: int = lo
-        eb: int = eo
+        lb: i64 = lo                    # (i64: see get_new_blocks)
+        eb: i64 = eo
         if eb == NULL:                  # b held the key: the next block (lb > 0) holds it
             self.cached[self.key[b]] = lo
             earlier[lb] = NULL
-            nb: int = later[lb]
+            nb: i64 = later[lb]
             if nb == LAST:              # ... alone now
                 later[lb] = NULL
         elif lb == LAST:                # b came last: eb does now, or is alone if it holds it
-            pb: int = earlier[eb]
+            pb: i64 = earlier[eb]
             later[eb] = LAST if pb != NULL else NULL
         else:
             later[eb] = lo
@@ -492,8 +514,9 @@ class GroupRule:
         # (see KVCacheManager.allocate, remove_skipped_blocks, admission_blocks, cache_blocks)
         self.align: bool = group.kind == "mamba" and group.mamba_cache_mode == "align"
 
-    def skipped_tokens(self, computed: int) -> int:
-        """``get_num_skipped_tokens``: tokens out of this group's reach."""
+    def skipped_tokens(self, computed: i64) -> i64:
+        """``get_num_skipped_tokens``: tokens out of this group's reach (i64: its callers'
+        positions as they are)."""
         code = self.code
         if code == SLIDING:
             return max(0, computed - self.window + 1)
@@ -589,8 +612,11 @@ class KVCacheManager:
         if not self.hits_possible or not self.cacheable_rules:
             return 0
         pool = self.pool
-        cached, pkey, align = pool.cached, pool.key, self.align
-        L = (req.num_tokens - 1) // align * align
+        cached, pkey = pool.cached, pool.key
+        # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
+        # in the arithmetic, comparisons and list indexing)
+        align: i64 = self.align
+        L: i64 = (req.num_tokens - 1) // align * align
         if self.eagle_drop and self.eagle_margin and L >= 0:
             # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
             L += min(r.bs for r in self.cacheable_rules)
@@ -610,13 +636,17 @@ class KVCacheManager:
             # the longest run of cached blocks from the start (a block whose tokens are not all
             # known has no key: the run stops there)
             keys = req.keys(r.gid, r.bs)
-            m = min(L // r.bs, len(keys))
+            bs: i64 = r.bs
+            m: i64 = L // bs
+            nkeys: i64 = len(keys)
+            if nkeys < m:
+                m = nkeys
             known = memo[r.gid]
-            n = 0
+            n: i64 = 0
             for bk, k in zip(known, keys):      # (items read inline, no bounds-checked calls)
                 if n == m:
                     break
-                bi: int = bk
+                bi: i64 = bk
                 kb = pkey[bi]
                 if kb is None or (kb is not k and kb != k):
                     del known[n:]
@@ -634,7 +664,9 @@ class KVCacheManager:
                 if n == len(known):
                     known.append(bo)
                 n += 1
-            L = min(L, n * r.bs) // align * align
+            if n * bs < L:
+                L = n * bs
+            L = L // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
         # check below only needs the other groups. Where a group misses block j of its reach
         # at L, it misses it at every smaller L whose reach still covers j (the reach's start,
@@ -644,11 +676,14 @@ class KVCacheManager:
         # the reach is searched from its start; the run of blocks found cached ([ok_lo[x],
         # ok_hi[x]) for the x-th rest group) is not looked up again at a smaller L
         rest = self.rest_rules
-        full_hit = L
+        full_hit: i64 = L
         if rest:
             # (scratch lists of this manager, reset here: no lists made per search)
-            ok_lo, ok_hi, rest_keys = self.reach_lo, self.reach_hi, self.reach_keys
-            x = 0
+            # (items unboxed to i64 directly: see BlockPool.free_blocks)
+            ok_lo: list[Any] = self.reach_lo
+            ok_hi: list[Any] = self.reach_hi
+            rest_keys = self.reach_keys
+            x: i64 = 0
             for r in rest:
                 ok_lo[x] = ok_hi[x] = 0
                 rest_keys[x] = req.keys(r.gid, r.bs)
@@ -657,12 +692,14 @@ class KVCacheManager:
                 x = 0
                 for r in rest:
                     bs = r.bs
-                    hi, lo = L // bs, r.skipped_tokens(L) // bs
+                    hi: i64 = L // bs
+                    lo: i64 = r.skipped_tokens(L) // bs
                     keys = rest_keys[x]
                     known = memo[r.gid]
                     n = len(keys)
-                    a, z = ok_lo[x], ok_hi[x]
-                    j = lo
+                    a: i64 = ok_lo[x]
+                    z: i64 = ok_hi[x]
+                    j: i64 = lo
                     while j < hi:
                         if a <= j < z:
                             j = z
@@ -670,7 +707,7 @@ class KVCacheManager:
                         if j >= n:
                             break
                         k = keys[j]
-                        nk = len(known)
+                        nk: i64 = len(known)
                         if j < nk:
                             bi = known[j]
                             kb = pkey[bi]
@@ -705,7 +742,7 @@ class KVCacheManager:
             L = (L - min(align, min(r.bs for r in self.cacheable_rules))) // align * align
         return L
 
-    def _hit_block(self, known: list[Any], j: int, k: Key) -> Any:
+    def _hit_block(self, known: list[Any], j: i64, k: Key) -> Any:
         """The block a hit on ``k``, a group's ``j``-th key, takes (``cached[k]``, valid: a hit's
         blocks carry their keys): ``known[j]``, find_hit's block (``Request.hit_blocks``), if it
         still carries ``k`` first of its chain (``earlier`` NULL: then it is ``cached[k]``), for
@@ -713,8 +750,8 @@ class KVCacheManager:
         pool = self.pool
         if j < len(known):
             bo = known[j]
-            b: int = bo
-            e: int = pool.earlier[b]
+            b: i64 = bo                 # (i64: see BlockPool.get_new_blocks)
+            e: i64 = pool.earlier[b]
             kb = pool.key[b]
             if e == NULL and kb is not None and (kb is k or kb == k):
                 return bo
@@ -735,8 +772,11 @@ class KVCacheManager:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
                 continue
-            n = L // r.bs
-            first = min(r.skipped_tokens(total) // r.bs, n)
+            # (i64: the block indices as plain 64-bit ints, no tagged-int checks)
+            n: i64 = L // r.bs
+            first: i64 = r.skipped_tokens(total) // r.bs
+            if n < first:
+                first = n
             table.extend([NULL] * first)
             keys = req.keys(r.gid, r.bs)
             known = memo[r.gid] if memo else []
@@ -749,7 +789,12 @@ class KVCacheManager:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
         key, cached = pool.key, pool.cached
-        done = req.num_cached_blocks
+        # (items unboxed to i64 directly: see BlockPool.free_blocks)
+        done: list[Any] = req.num_cached_blocks
+        # (i64: the indices and block IDs as plain 64-bit ints, no tagged-int checks in the
+        # arithmetic, comparisons and list indexing)
+        i: i64
+        j: i64
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
             # the tokens the coordinator caches: min(num_tokens, known tokens), aligned down by
@@ -765,34 +810,41 @@ class KVCacheManager:
                     if r.cacheable and i < len(table) and table[i] != NULL \
                             and key[table[i]] is not None and t % r.bs == 0:
                         self.cached_this_step.add(key[table[i]])
+        nt: i64 = num_tokens
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
-            n = min(num_tokens // r.bs, len(table))
+            bs: i64 = r.bs
+            n: i64 = nt // bs
+            nb: i64 = len(table)
+            if n > nb:
+                n = nb
             if i >= n:
                 continue
             keys = req.keys(r.gid, r.bs)
-            m = min(n, len(keys))
+            m: i64 = len(keys)
+            if n < m:
+                m = n
             row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
             for j in range(i, m):
                 bo = row[j]
-                b: int = bo
+                b: i64 = bo
                 if b != NULL and key[b] is None:      # BlockPool.cache, inlined
                     k = keys[j]
                     key[b] = k
-                    held: int = cached.setdefault(k, bo)
+                    held: i64 = cached.setdefault(k, bo)
                     if held != b:
                         pool._join(b, k, held)
             if r.align:
                 # MambaManager.cache_blocks: every state block cached now is offered to the
                 # connector with the boundary it summarises, and marked cached this step
-                bs = r.bs
                 for j in range(i, m):
                     b = table[j]
                     if b != NULL and key[b] is not None:
                         self.offers.append((req.rid, gid, b, (j + 1) * bs))
                         self.cached_this_step.add(key[b])
-            i = max(i, m)
+            if i < m:
+                i = m
             while i < n:                              # past the known tokens: no key
                 b = table[i]
                 if b != NULL and key[b] is None:
@@ -810,7 +862,10 @@ class KVCacheManager:
         a request that already holds blocks (after a load) needs ``required - held``; a fresh one
         needs ``required - max(skipped blocks, hit blocks)`` plus its evictable hit blocks (ref 0,
         taken out of the free queue when touched); a ring needs its one block."""
-        need = 0
+        # (i64: the counts and indices as plain 64-bit ints, no tagged-int checks)
+        need: i64 = 0
+        nt: i64 = num_tokens
+        j: i64
         pool = self.pool
         for r, cap in zip(self.rules, self.admission_cap):
             table = req.tables[r.gid]
@@ -822,27 +877,31 @@ class KVCacheManager:
                 # another request cached in this step cannot be used yet (num_gpu_blocks + 1:
                 # never fits); the blocks still missing, at most one (the new running state;
                 # num_speculative_blocks is 0), plus the evictable hit block
-                n = -(-num_tokens // r.bs) - len(table)
+                n: i64 = -(-nt // r.bs) - len(table)
                 if not table and r.cacheable and hit:
-                    n_hit = hit // r.bs
+                    n_hit: i64 = hit // r.bs
                     n -= n_hit
                     k = req.keys(r.gid, r.bs)[n_hit - 1]
                     if k in self.cached_this_step:
                         return pool.num_blocks + 1
-                    hb: int = pool.cached[k]
+                    hb: i64 = pool.cached[k]
                     if pool.ref[hb] == 0:
                         need += 1
                 need += 1 if n > 0 else n
                 continue
-            required = -(-num_tokens // r.bs)
+            required: i64 = -(-nt // r.bs)
             if capped and cap is not None and cap < required:
                 required = cap
             if table:
-                need += max(required - len(table), 0)
+                have: i64 = len(table)
+                if required > have:
+                    need += required - have
                 continue
             n_hit = hit // r.bs if (r.cacheable and hit) else 0
-            skipped = r.skipped_tokens(total) // r.bs
-            need += max(required - max(skipped, n_hit), 0)
+            skipped: i64 = r.skipped_tokens(total) // r.bs
+            hi: i64 = n_hit if n_hit > skipped else skipped
+            if required > hi:
+                need += required - hi
             if skipped < n_hit:
                 # the evictable hit blocks (refcount 0)
                 ref, keys = pool.ref, req.keys(r.gid, r.bs)
@@ -863,11 +922,16 @@ class KVCacheManager:
     def remove_skipped_blocks(self, req: Request, computed: int) -> None:
         """``remove_skipped_blocks``: every group frees its blocks out of reach at ``computed``
         tokens (the null block takes their place)."""
+        # (i64: the indices and block IDs as plain 64-bit ints, no tagged-int checks)
+        i: i64
         for r in self.rules:
             if r.code in (FULLISH, RING):
                 continue
             table = req.tables[r.gid]
-            n = min(r.skipped_tokens(computed) // r.bs, len(table))
+            n: i64 = r.skipped_tokens(computed) // r.bs
+            nb: i64 = len(table)
+            if nb < n:
+                n = nb
             if r.align:
                 # MambaManager._remove_blocks_in_range, align mode: prefill leaves null gaps
                 # between states; every state block in [retired, n) is freed, tail first.
@@ -889,10 +953,10 @@ class KVCacheManager:
             if i < 0:
                 continue
             bo = row[i]
-            b: int = bo
+            b: i64 = bo
             if b == NULL:
                 continue                # nothing (more) out of reach: no list made
-            lo = i                      # the run of real blocks ending at n - 1: [lo, n)
+            lo: i64 = i                 # the run of real blocks ending at n - 1: [lo, n)
             while lo > 0:
                 bo = row[lo - 1]
                 b = bo
@@ -920,7 +984,9 @@ class KVCacheManager:
 
         Returns the new block IDs per group (null placeholders included, as vLLM reports them).
         """
-        # (c: computed as a native int; computed = req.num_computed would box it)
+        # (c: computed as a native int; computed = req.num_computed would box it. i64: the
+        # positions and counts as plain 64-bit ints, no tagged-int checks)
+        c: i64
         if computed is None:
             c = req.num_computed
             if (num_new_tokens == 1 and c <= req.quiet_until
@@ -929,13 +995,17 @@ class KVCacheManager:
         else:
             c = computed
         self.remove_skipped_blocks(req, c if processed is None else processed)
-        total = c + num_new_tokens + lookahead
+        total: i64 = c + num_new_tokens + lookahead
         tables = req.tables
-        plan = self.plan           # per rule: null placeholders, new blocks
-        need = 0
-        x = 0
+        # per rule: null placeholders, new blocks (items unboxed to i64 directly: see
+        # BlockPool.free_blocks)
+        plan: list[Any] = self.plan
+        need: i64 = 0
+        x: i64 = 0
+        n: i64
+        nulls: i64
         for r in self.rules:
-            have = len(tables[r.gid])
+            have: i64 = len(tables[r.gid])
             if r.code == RING:
                 n = 0 if have else 1
                 plan[x] = 0
@@ -943,7 +1013,8 @@ class KVCacheManager:
                 need += n
                 x += 2
                 continue
-            target = -(-total // r.bs)
+            bs: i64 = r.bs
+            target: i64 = -(-total // bs)
             if target <= have:
                 plan[x] = 0
                 plan[x + 1] = 0
@@ -957,7 +1028,12 @@ class KVCacheManager:
                 need += 1
                 x += 2
                 continue
-            nulls = max(0, min(r.skipped_tokens(c) // r.bs, target) - have)
+            nulls = r.skipped_tokens(c) // bs
+            if target < nulls:
+                nulls = target
+            nulls -= have
+            if nulls < 0:
+                nulls = 0
             n = target - have - nulls
             plan[x] = nulls
             plan[x + 1] = n
@@ -968,8 +1044,11 @@ class KVCacheManager:
         if need > pool.n_free - reserved:
             return None
         out: list[list[int]] = []
-        for i, r in enumerate(self.rules):
-            nulls, n = plan[2 * i], plan[2 * i + 1]
+        x = 0
+        for r in self.rules:
+            nulls = plan[x]
+            n = plan[x + 1]
+            x += 2
             if nulls:
                 new = [NULL] * nulls
                 if n:
@@ -998,28 +1077,35 @@ class KVCacheManager:
         1)`` is a no-op given the current tables (no skipped block to free, no block to add, no
         block to offer to the prefix cache); -1 if none. Freeing blocks, a hit or caching only
         make the real bound larger, so a stale bound is safe; ``free``/``apply_hit`` reset it."""
-        bound = -1
-        unset = True        # no bound yet (1 << 62, past the compiled build's native ints)
-        tables, done, leads = req.tables, req.num_cached_blocks, req.leads
+        # (i64: the positions and indices as plain 64-bit ints, no tagged-int checks)
+        # no bound yet: past every position (and below 2**62, the compiled build's tagged ints,
+        # so a constant, not an int object converted at each call)
+        bound: i64 = (1 << 62) - 1
+        tables = req.tables
+        # (items unboxed to i64 directly: see BlockPool.free_blocks)
+        done: list[Any] = req.num_cached_blocks
+        leads: list[Any] = req.leads
         for r in self.rules:
             table = tables[r.gid]
-            have, bs, code = len(table), r.bs, r.code
+            have: i64 = len(table)
+            bs: i64 = r.bs
+            code = r.code
             if code == RING:
                 if not have:
                     return -1
                 continue
-            b = have * bs - 1                          # ceil((c + 1) / bs) <= have
-            if unset or b < bound:
+            b: i64 = have * bs - 1                     # ceil((c + 1) / bs) <= have
+            if b < bound:
                 bound = b
-                unset = False
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                lead = first = leads[r.gid]            # the index of the first real block
+                lead: i64 = leads[r.gid]               # the index of the first real block
+                first = lead
                 while lead < have and table[lead] == NULL:
                     lead += 1
                 if lead != first:
                     leads[r.gid] = lead
                 if lead < have:
-                    m = (lead + 1) * bs                # skipped_tokens(c) < m
+                    m: i64 = (lead + 1) * bs           # skipped_tokens(c) < m
                     if code == SLIDING:
                         b = m + r.window - 2
                     elif code == CHUNKED:
@@ -1029,12 +1115,12 @@ class KVCacheManager:
                     if b < bound:
                         bound = b
             if r.cacheable:                            # cache_blocks stays a no-op
-                d = done[r.gid]
+                d: i64 = done[r.gid]
                 if d < have:
                     b = (d + 1) * bs - 2
                     if b < bound:
                         bound = b
-        return (1 << 62) if unset else bound
+        return bound
 
     def free(self, req: Request) -> None:
         """Free every block of ``req``, tail first."""
