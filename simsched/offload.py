@@ -21,6 +21,8 @@ import math
 from collections import OrderedDict
 from typing import Any, Final
 
+from mypy_extensions import i64
+
 from simsched.allocator import (ABORTED, INTS, NULL, Key, Request, ints_to, key_group,
                                 make_key)
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
@@ -129,11 +131,14 @@ class CPUTier:
         assert not self.free
         entries: dict = self.entries    # (untyped: the slot object compared by identity)
         to_store: list | None = None    # (None while every key so far is new: keys[:i] then)
-        s0 = s = self.n_slots           # the next slot, taken by the next new key
+        # (i64: slots and indices as plain 64-bit ints, no tagged-int checks; INTS indexed
+        # with no bounds-checked call on a tagged int)
+        s0: i64 = self.n_slots
+        s: i64 = s0                     # the next slot, taken by the next new key
         ints = ints_to(s + len(keys) + 1)
         so = ints[s]
-        have = len(self.ready)          # slots the lists have room for
-        i = 0                           # (the index of k: the keys read inline, not by index)
+        have: i64 = len(self.ready)     # slots the lists have room for
+        i: i64 = 0                      # (the index of k: the keys read inline, not by index)
         for k in keys:
             if entries.setdefault(k, so) is not so:
                 # there already (its slot is in use: never the next slot s)
@@ -1176,7 +1181,8 @@ class ListCPUTier(CPUTier):
             return
         self.version += 1
         self.content_version += 1
-        ready, content, refs, rank = self.ready, self.content, self.refs, self.rank
+        ready, content, rank = self.ready, self.content, self.rank
+        refs: list[i64] = self.refs             # (i64: the counts unboxed directly)
         t: object = self.clock                  # (boxed once for all the keys)
         ss: list = self.slots_of(keys, slots)
         # (zip: the slots and contents read inline, not by bounds-checked calls; both lists
@@ -1184,7 +1190,7 @@ class ListCPUTier(CPUTier):
         for so, cx in zip(ss, contents):
             if so is None:
                 continue
-            s: int = so
+            s: i64 = so                         # (i64: the lists indexed with no tagged checks)
             if not ready[s]:
                 ready[s] = True
                 content[s] = cx
@@ -1199,11 +1205,11 @@ class ListCPUTier(CPUTier):
         self.version += 1
         self.content_version += 1
         entries: dict = self.entries    # (untyped: the slot objects go into the list)
-        refs = self.refs
+        refs: list[i64] = self.refs     # (i64: the counts and slots as plain 64-bit ints)
         ks: list = keys
         slots = [entries[k] for k in ks]
-        for x in range(len(slots)):
-            s: int = slots[x]
+        for so in slots:
+            s: i64 = so
             refs[s] = refs[s] + 1               # not evictable while loaded
         return slots
 
@@ -1216,12 +1222,13 @@ class ListCPUTier(CPUTier):
             return
         self.version += 1
         self.content_version += 1
-        refs, ready, rank = self.refs, self.ready, self.rank
+        ready, rank = self.ready, self.rank
+        refs: list[i64] = self.refs     # (i64: the counts and slots as plain 64-bit ints)
         t: object = self.clock                  # (boxed once for all the keys)
         ss: list = self.slots_of(keys, slots)
         for so in ss:                           # (one slot per key)
-            s: int = so
-            r = refs[s] - 1                     # (not -=: a generic in-place subtraction when
+            s: i64 = so
+            r: i64 = refs[s] - 1                # (not -=: a generic in-place subtraction when
             if r:                               # compiled)
                 refs[s] = r
                 continue
@@ -2028,7 +2035,7 @@ class OffloadScheduler:
                 grown.append(st)
                 grown.append(nb)
             for cfg, gs in zip(cfgs, st.groups):
-                new: list[int] = nb[cfg.group_id]
+                new: list[i64] = nb[cfg.group_id]   # (i64: the IDs unboxed directly)
                 if cfg.sliding_window_in_chunks is None:
                     bl: list = gs.block_ids     # (the block ID objects appended as they are)
                     if len(new) == 1:
@@ -2041,14 +2048,18 @@ class OffloadScheduler:
                 if mark is None:
                     alloc.update(new)
                     continue
+                blk: i64
                 for blk in new:
                     if blk != NULL:    # null placeholders are not allocations
                         mark[blk] = batch
                         marked = True
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and (alloc or marked):
-            bpc, prompt_only = self.bpc, self.prompt_only
-            now, in_set = self.alloc_batch, bool(alloc)
+            # (i64: the positions, block IDs and batch numbers as plain 64-bit ints)
+            bpc: i64 = self.bpc
+            prompt_only = self.prompt_only
+            now: i64 = self.alloc_batch
+            in_set = bool(alloc)
             # every state in req_status, but those whose windows hold no block to visit (not in
             # held; a state with none left leaves it here); only the blocks from next_stored on
             # that a store can still read: with offload_prompt_only, those of the prompt's whole
@@ -2061,18 +2072,21 @@ class OffloadScheduler:
                 for gi in sw_groups:
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
-                    stop = len(bids)
+                    stop: i64 = len(bids)
                     if prompt_only:
-                        stop = min(stop, num_prompt // cfgs[gi].tokens_per_chunk * bpc)
-                    start = gs.next_stored * bpc
+                        top: i64 = num_prompt // cfgs[gi].tokens_per_chunk * bpc
+                        if top < stop:
+                            stop = top
+                    start: i64 = gs.next_stored * bpc
                     if start < stop:
                         visit = True
+                    j: i64
                     for j in range(start, stop):
                         # _allocated_now(bids[j]), inlined (a NULL block is never marked)
                         bo = bids[j]
-                        b: int = bo
+                        b: i64 = bo
                         if mark is not None:
-                            m: int = mark[b]
+                            m: i64 = mark[b]
                             if m == now:
                                 bids[j] = NULL
                                 continue
