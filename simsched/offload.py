@@ -1788,6 +1788,7 @@ class OffloadScheduler:
                 # int)
                 if w is None:
                     hits = 0
+                    j: i64                  # (i64: keys indexed with no tagged-int checks)
                     for j in range(start, num_chunks):         # (keys[start:num_chunks])
                         k = keys[j]
                         s = entries.get(k)
@@ -1934,8 +1935,9 @@ class OffloadScheduler:
             n_gpu = -(-num_cached // tpb)
             n_local = n_gpu
             assert block_keys is not None         # (num_external > 0: given)
+            i: i64                  # (i64: the lists indexed with no tagged-int checks)
             for i in range(n_gpu):
-                bi: int = blocks[i]
+                bi: i64 = blocks[i]
                 if bi != NULL and block_keys[bi] is None:
                     n_local = i
                     break
@@ -2228,7 +2230,10 @@ class OffloadScheduler:
     def _store_job(self, st: ReqOffload, n_sched: int, out: list[Job]) -> None:
         """The store job of the request of ``st``, if it has chunks to store, appended to ``out``
         (``n_sched``: the tokens scheduled for it, read if it has not finished)."""
-        bpc, asserts, tier = self.bpc, self.asserts, self.tier
+        # (i64: the positions, indices and counts as plain 64-bit ints, no tagged-int checks
+        # in the arithmetic, comparisons and list indexing)
+        bpc: i64 = self.bpc
+        asserts, tier = self.asserts, self.tier
         cfgs = self.cfgs
         masks: dict[int, _SlidingWindowStoreMask] = self.sw_store_mask
         req = st.req
@@ -2259,6 +2264,8 @@ class OffloadScheduler:
         firsts: list[int] = []
         spans: list[int] = []
         cow = self.cow_groups
+        start: i64
+        i: i64
         for cfg, gs, n in zip(cfgs, groups, ns):
             start = gs.next_stored
             whole.append(-1)
@@ -2271,15 +2278,17 @@ class OffloadScheduler:
             # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
             gkeys = gs.keys
             bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
-            nk = max(0, min(n, len(gkeys)) - start)
-            b_lo, b_hi = start * bpc + bpc - 1, min(n * bpc, len(bl))
-            nb = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
+            nk: i64 = max(0, min(n, len(gkeys)) - start)
+            b_lo: i64 = start * bpc + bpc - 1
+            b_hi: i64 = min(n * bpc, len(bl))
+            nb: i64 = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
             if asserts and nk != nb:
                 raise ModelCrash(
                     "AssertionError", "_build_store_jobs", "build_store_jobs",
                     f"assert len(offload_keys) == len(offload_block_ids) "
                     f"({nk} != {nb}, group {cfg.group_id})")
-            k0, cnt = len(new_keys), min(nk, nb)
+            k0: i64 = len(new_keys)
+            cnt: i64 = min(nk, nb)
             mask = masks.get(cfg.group_id) if masks else None
             if mask is not None:
                 reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
@@ -2341,8 +2350,10 @@ class OffloadScheduler:
         # (the same length: the same list), a group whose chunks all went into new_keys
         # (whole) is stored whole when the walk reaches it at its first key
         all_new = len(to_store) == len(new_keys)
-        j, n_store = 0, len(to_store)
-        gi = 0
+        j: i64 = 0
+        n_store: i64 = len(to_store)
+        gi: i64 = 0
+        c: i64
         for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
             # (the blocks of the other groups are the job's deferred fences: _deferred)
             sink = fenced if cfg.sliding_window_in_chunks is not None else None
@@ -2350,16 +2361,17 @@ class OffloadScheduler:
             bl = gs.block_ids
             hpc, gid = cfg.hashes_per_chunk, cfg.group_id
             keys = gs.keys
-            end = min(n, len(keys))
-            w = whole[gi]
-            first = firsts[gi]
+            end: i64 = min(n, len(keys))
+            w: i64 = whole[gi]
+            first: i64 = firsts[gi]
             gi += 1
             if all_new and w == j:
                 # chunks start..end-1 are the next keys to store (the same objects), each
                 # with all its blocks (none NULL: checked above when a chunk is one block);
                 # appended by slices, as the loop below would append them
-                m = end - start
-                lo, hi = start * bpc, end * bpc
+                m: i64 = end - start
+                lo: i64 = start * bpc
+                hi: i64 = end * bpc
                 sources = bl[lo:hi]
                 if bpc == 1 or NULL not in sources:
                     j += m
@@ -2376,7 +2388,8 @@ class OffloadScheduler:
                     # the common case: chunks c..end-1 are all stored, each with all its
                     # blocks (none NULL); appended by slices, as the loop would append them
                     m = end - c
-                    lo, hi = c * bpc, end * bpc
+                    lo = c * bpc
+                    hi = end * bpc
                     run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
                     # (a chunk of one block is in new_keys only with that block)
                     if run is not None and (bpc == 1 or NULL not in run):
