@@ -1874,13 +1874,14 @@ class OffloadScheduler:
                 if not bl.isdisjoint(sub):
                     return True
                 continue
-            # (gkeys[lo:hi] and bl disjoint, without the slice)
-            if hi > len(gkeys):
-                hi = len(gkeys)
-            while lo < hi:
-                if gkeys[lo] in bl:
+            # (gkeys[lo:hi] and bl disjoint, without the slice; i64: gkeys indexed with no
+            # tagged-int checks)
+            x: i64 = lo
+            end: i64 = len(gkeys) if hi > len(gkeys) else hi
+            while x < end:
+                if gkeys[x] in bl:
                     return True
-                lo += 1
+                x += 1
         return False
 
     def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
@@ -1905,6 +1906,7 @@ class OffloadScheduler:
         if self.alloc_mark is not None:
             mark: list = self.alloc_mark        # (typed list, not Optional: native item stores)
             batch: object = self.alloc_batch    # (one int object, stored in every mark)
+            blk: i64                # (i64: the marks indexed with no tagged-int checks)
             for table in marked:
                 for blk in table:
                     if blk != NULL:             # null placeholders are not allocations
