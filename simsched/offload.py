@@ -1745,8 +1745,10 @@ class OffloadScheduler:
         ``st.memo_missed``, those it reads as pending to ``st.memo_pending`` (_lookup_memo)."""
         req, tier = st.req, self.tier
         # (tier.lookup of a key, inlined below: MISS when not in ``entries``, HIT_PENDING when
-        # its chunk is not ready)
-        entries, ready = tier.entries, tier.ready
+        # its chunk is not ready; i64: the slot found unboxed directly, ``ready`` indexed with
+        # no tagged-int checks)
+        entries: dict[Key, i64] = tier.entries
+        ready = tier.ready
         missed, pending_keys = st.memo_missed, st.memo_pending
         num_computed = st.num_local
         max_hit = req.num_tokens
@@ -1811,6 +1813,7 @@ class OffloadScheduler:
                             if v2 else w) + eagle
                     w_req = w + eagle
                     consecutive, found, pending = 0, False, False
+                    idx: i64
                     for idx in range(len(sub) - 1, -1, -1):
                         k = sub[idx]
                         s = entries.get(k)
@@ -2307,7 +2310,7 @@ class OffloadScheduler:
             elif cnt:
                 # the keys whose block is not NULL (0): all cnt of them when no block is
                 # (one slice of keys)
-                lasts: list[int] = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
+                lasts: list[i64] = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
                     bl[b_lo:b_lo + cnt]
                 null = False            # (a native loop: no call of all() nor compared objects)
                 for last in lasts:
