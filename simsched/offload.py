@@ -1552,13 +1552,16 @@ class OffloadScheduler:
             raise
 
     def _update_offload_keys(self, st: ReqOffload) -> None:
-        req, tph, profile = st.req, self.tph, self.profile
-        num_hashes = req.num_tokens // tph
+        req, profile = st.req, self.profile
+        # (i64: the hash and key counts as plain 64-bit ints, no tagged-int checks)
+        tph: i64 = self.tph
+        num_hashes: i64 = req.num_tokens // tph
+        hpc: i64
         for cfg, gs in zip(self.cfgs, st.groups):
             hpc = cfg.hashes_per_chunk
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
-            m = len(gs.keys)
+            m: i64 = len(gs.keys)
             if hpc <= 0:
                 # offload_key_indices raises islice's ValueError or, for a group of no hashes
                 # skipped, gives no index: no key
@@ -1568,8 +1571,8 @@ class OffloadScheduler:
             # hash indices range(first, num_hashes, hpc), of which there are n_new; key m (hash
             # index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
             # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
-            first = hpc * m + hpc - 1
-            n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
+            first: i64 = hpc * m + hpc - 1
+            n_new: i64 = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
             if n_new:
                 ks = req.keys(cfg.group_id, hpc * tph)
                 if n_new == 1 and m < len(ks):
@@ -1696,7 +1699,7 @@ class OffloadScheduler:
             so = entries.get(k)
             if so is None:
                 return False
-            s: int = so
+            s: i64 = so                 # (i64: ``ready`` indexed with no tagged-int checks)
             if ready[s]:
                 return False
         return True
