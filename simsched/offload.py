@@ -1753,15 +1753,18 @@ class OffloadScheduler:
         entries: dict[Key, i64] = tier.entries
         ready = tier.ready
         missed, pending_keys = st.memo_missed, st.memo_pending
-        num_computed = st.num_local
-        max_hit = req.num_tokens
+        # (i64: the token counts, chunk indices and hits as plain 64-bit ints, no tagged-int
+        # checks in the arithmetic and comparisons)
+        num_computed: i64 = st.num_local
+        max_hit: i64 = req.num_tokens
         if self.supports_max_load and st.max_load_tokens is not None:
             max_hit = min(max_hit, num_computed + st.max_load_tokens)
         if self.sw_groups:
             max_hit -= 1
             if self.mamba_align is not None:
                 max_hit = max_hit // self.mamba_align * self.mamba_align
-        num_hit = 0
+        num_hit: i64 = 0
+        n_hit: i64
         defer = False
         lookup_groups = self.lookup_groups
         # EAGLE drafter groups (is_eagle_group): each looks up one chunk more and pops it (its
@@ -1774,7 +1777,8 @@ class OffloadScheduler:
             groups, lookup_groups = lookup_groups, ()
             for gi in groups:
                 cfg, gs = self.cfgs[gi], st.groups[gi]
-                tpc, keys = cfg.tokens_per_chunk, gs.keys
+                tpc: i64 = cfg.tokens_per_chunk
+                keys = gs.keys
                 eagle = cfg.drafter and not (eagle_verified >> gi) & 1
                 if self.asserts and len(keys) < req.num_tokens // tpc:
                     raise ModelCrash("AssertionError", "_lookup_complete_chunks", "lookup",
@@ -1786,13 +1790,13 @@ class OffloadScheduler:
                 if max_hit - num_computed < tpc:
                     return 0
                 w = cfg.sliding_window_in_chunks
-                query_max = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
-                num_chunks = min(-(-query_max // tpc), len(keys))
-                start = num_computed // tpc
+                query_max: i64 = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
+                num_chunks: i64 = min(-(-query_max // tpc), len(keys))
+                start: i64 = num_computed // tpc
                 # n_hit: the group's hit in chunks from ``start``; -1: deferred (not None: a native
                 # int)
                 if w is None:
-                    hits = 0
+                    hits: i64 = 0
                     j: i64                  # (i64: keys indexed with no tagged-int checks)
                     for j in range(start, num_chunks):         # (keys[start:num_chunks])
                         k = keys[j]
@@ -1845,7 +1849,7 @@ class OffloadScheduler:
                         n_hit -= 1
                         eagle_verified |= 1 << gi
                     max_hit = min(max_hit, tpc * (start + n_hit))
-                new_hit = max_hit - num_computed
+                new_hit: i64 = max_hit - num_computed
                 if new_hit < tpc:
                     return 0
                 if new_hit < num_hit:
