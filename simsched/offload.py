@@ -1900,7 +1900,7 @@ class OffloadScheduler:
         block tables (every KV cache group), ``block_keys[block]`` is the block hash a block
         carries (its GPU prefix-cache key, ``BlockPool.key``: a GPU prefix hit), None if none
         (``is_cached``). Without a load the request is scheduled in this step."""
-        bpc = self.bpc
+        bpc: i64 = self.bpc         # (i64: positions and counts with no tagged-int checks)
         marked: list[list[int]]         # the tables whose blocks this batch allocated
         if self.alloc_all_groups:
             # a request scheduled in this step: its new blocks are its whole tables, which
@@ -1932,8 +1932,7 @@ class OffloadScheduler:
         if num_external == 0:
             return None
         st = self.req_status[req.rid]
-        num_local = st.num_local
-        num_cached = num_local + num_external
+        num_cached: i64 = st.num_local + num_external
         keys: list[Key] = []
         spans: list[int] = []       # per group: its keys' first chunk index and count (the tier)
         job = Job(-1, req.rid, False, None)     # (its ID is given by _new_job, at the end)
@@ -1943,9 +1942,10 @@ class OffloadScheduler:
             spans.append(0)
             spans.append(0)
             blocks: list = tables[gid]     # (untyped: the block ID objects go into the job)
-            tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
-            n_gpu = -(-num_cached // tpb)
-            n_local = n_gpu
+            tpb: i64 = cfg.tokens_per_block
+            tpc: i64 = cfg.tokens_per_chunk
+            n_gpu: i64 = -(-num_cached // tpb)
+            n_local: i64 = n_gpu
             assert block_keys is not None         # (num_external > 0: given)
             i: i64                  # (i64: the lists indexed with no tagged-int checks)
             for i in range(n_gpu):
@@ -1954,8 +1954,8 @@ class OffloadScheduler:
                     n_local = i
                     break
             if n_gpu - n_local:
-                start = n_local // bpc
-                end = -(-num_cached // tpc)
+                start: i64 = n_local // bpc
+                end: i64 = -(-num_cached // tpc)
                 gkeys = gs.keys
                 if self.asserts and len(gkeys) < end:
                     raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
@@ -1965,12 +1965,12 @@ class OffloadScheduler:
                 # the blocks [n_local, min(cend * bpc, n_gpu)); the lists of the chunks' keys,
                 # hash indices and blocks are slices, added at once (the first group's are the
                 # job's lists, not copied into its empty ones: a list.extend is a slice assignment)
-                cend = min(end, len(gkeys))
+                cend: i64 = min(end, len(gkeys))
                 if start < cend:
-                    m = cend - start
+                    m: i64 = cend - start
                     spans[-2], spans[-1] = start, m
-                    top = min(cend * bpc, n_gpu)
-                    shift = len(job.bids) - n_local     # block i goes to position shift + i
+                    top: i64 = min(cend * bpc, n_gpu)
+                    shift: i64 = len(job.bids) - n_local    # block i goes to position shift + i
                     if not keys:
                         job.gids = [gid] * m
                         job.cidx = self._ints(start, cend)
@@ -1987,7 +1987,7 @@ class OffloadScheduler:
                         job.bidx.extend(self._ints(n_local, top))
                     # chunk c's blocks end at (c + 1) * bpc for c < n_gpu // bpc, else at n_gpu
                     # (mostly the last chunk alone: appended, no list made)
-                    k = max(start, min(cend, n_gpu // bpc))
+                    k: i64 = max(start, min(cend, n_gpu // bpc))
                     if k > start:
                         bpos.extend(self._ints(shift + (start + 1) * bpc, shift + k * bpc + 1, bpc))
                     if cend - k == 1:
