@@ -2259,7 +2259,7 @@ class OffloadScheduler:
                        else req.num_tokens)
         else:
             n_after = req.num_computed + n_sched
-        n_off = self._offloadable(st, n_after)
+        n_off: i64 = self._offloadable(st, n_after)
         groups = st.groups
         for cfg, gs in zip(cfgs, groups):
             if n_off // cfg.tokens_per_chunk > gs.next_stored:
@@ -2453,16 +2453,16 @@ class OffloadScheduler:
                     self.batch_flush.add(jid)
         out.append(job)
 
-    def _add_run(self, job: Job, sink: list | None, gid: int, hpc: int, keys: list,
-                 sources: list, c: int, end: int, bpc: int) -> None:
+    def _add_run(self, job: Job, sink: list | None, gid: int, hpc: i64, keys: list,
+                 sources: list, c: i64, end: i64, bpc: i64) -> None:
         """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
         would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
         hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
         of the run, in order, a list the job may keep), which also go to the fence list ``sink``
         (if any). (With ``one_index``, the hash and block indices and bpos are left to
-        _store_job.)"""
-        m = end - c
-        b0 = len(job.bids)
+        _store_job.) (i64: the positions and counts with no tagged-int checks.)"""
+        m: i64 = end - c
+        b0: i64 = len(job.bids)
         cs = self._ints(c, end)         # (also the hash and block indices of a chunk of one)
         if sink is not None:
             sink.extend(sources)
