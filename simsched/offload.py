@@ -131,8 +131,8 @@ class CPUTier:
         assert not self.free
         entries: dict = self.entries    # (untyped: the slot object compared by identity)
         to_store: list | None = None    # (None while every key so far is new: keys[:i] then)
-        # (i64: slots and indices as plain 64-bit ints, no tagged-int checks; INTS indexed
-        # with no bounds-checked call on a tagged int)
+        # (i64: slots and indices as plain 64-bit ints, no tagged-int checks; INTS read by
+        # the 64-bit item read, cheaper than the tagged-int one)
         s0: i64 = self.n_slots
         s: i64 = s0                     # the next slot, taken by the next new key
         ints = ints_to(s + len(keys) + 1)
