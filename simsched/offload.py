@@ -21,6 +21,8 @@ import math
 from collections import OrderedDict
 from typing import Any, Final
 
+from mypy_extensions import i64
+
 from simsched.allocator import (ABORTED, INTS, NULL, Key, Request, ints_to, key_group,
                                 make_key)
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
@@ -129,11 +131,14 @@ class CPUTier:
         assert not self.free
         entries: dict = self.entries    # (untyped: the slot object compared by identity)
         to_store: list | None = None    # (None while every key so far is new: keys[:i] then)
-        s0 = s = self.n_slots           # the next slot, taken by the next new key
+        # (i64: slots and indices as plain 64-bit ints, no tagged-int checks; INTS read by
+        # the 64-bit item read, cheaper than the tagged-int one)
+        s0: i64 = self.n_slots
+        s: i64 = s0                     # the next slot, taken by the next new key
         ints = ints_to(s + len(keys) + 1)
         so = ints[s]
-        have = len(self.ready)          # slots the lists have room for
-        i = 0                           # (the index of k: the keys read inline, not by index)
+        have: i64 = len(self.ready)     # slots the lists have room for
+        i: i64 = 0                      # (the index of k: the keys read inline, not by index)
         for k in keys:
             if entries.setdefault(k, so) is not so:
                 # there already (its slot is in use: never the next slot s)
@@ -1195,7 +1200,8 @@ class ListCPUTier(CPUTier):
             return
         self.version += 1
         self.content_version += 1
-        ready, content, refs, rank = self.ready, self.content, self.refs, self.rank
+        ready, content, rank = self.ready, self.content, self.rank
+        refs: list[i64] = self.refs             # (i64: the counts unboxed directly)
         t: object = self.clock                  # (boxed once for all the keys)
         ss: list = self.slots_of(keys, slots)
         # (zip: the slots and contents read inline, not by bounds-checked calls; both lists
@@ -1203,7 +1209,7 @@ class ListCPUTier(CPUTier):
         for so, cx in zip(ss, contents):
             if so is None:
                 continue
-            s: int = so
+            s: i64 = so                         # (i64: the lists indexed with no tagged checks)
             if not ready[s]:
                 ready[s] = True
                 content[s] = cx
@@ -1218,11 +1224,11 @@ class ListCPUTier(CPUTier):
         self.version += 1
         self.content_version += 1
         entries: dict = self.entries    # (untyped: the slot objects go into the list)
-        refs = self.refs
+        refs: list[i64] = self.refs     # (i64: the counts and slots as plain 64-bit ints)
         ks: list = keys
         slots = [entries[k] for k in ks]
-        for x in range(len(slots)):
-            s: int = slots[x]
+        for so in slots:
+            s: i64 = so
             refs[s] = refs[s] + 1               # not evictable while loaded
         return slots
 
@@ -1235,12 +1241,13 @@ class ListCPUTier(CPUTier):
             return
         self.version += 1
         self.content_version += 1
-        refs, ready, rank = self.refs, self.ready, self.rank
+        ready, rank = self.ready, self.rank
+        refs: list[i64] = self.refs     # (i64: the counts and slots as plain 64-bit ints)
         t: object = self.clock                  # (boxed once for all the keys)
         ss: list = self.slots_of(keys, slots)
         for so in ss:                           # (one slot per key)
-            s: int = so
-            r = refs[s] - 1                     # (not -=: a generic in-place subtraction when
+            s: i64 = so
+            r: i64 = refs[s] - 1                # (not -=: a generic in-place subtraction when
             if r:                               # compiled)
                 refs[s] = r
                 continue
@@ -1564,13 +1571,16 @@ class OffloadScheduler:
             raise
 
     def _update_offload_keys(self, st: ReqOffload) -> None:
-        req, tph, profile = st.req, self.tph, self.profile
-        num_hashes = req.num_tokens // tph
+        req, profile = st.req, self.profile
+        # (i64: the hash and key counts as plain 64-bit ints, no tagged-int checks)
+        tph: i64 = self.tph
+        num_hashes: i64 = req.num_tokens // tph
+        hpc: i64
         for cfg, gs in zip(self.cfgs, st.groups):
             hpc = cfg.hashes_per_chunk
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
-            m = len(gs.keys)
+            m: i64 = len(gs.keys)
             if hpc <= 0:
                 # offload_key_indices raises islice's ValueError or, for a group of no hashes
                 # skipped, gives no index: no key
@@ -1580,8 +1590,8 @@ class OffloadScheduler:
             # hash indices range(first, num_hashes, hpc), of which there are n_new; key m (hash
             # index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
             # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
-            first = hpc * m + hpc - 1
-            n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
+            first: i64 = hpc * m + hpc - 1
+            n_new: i64 = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
             if n_new:
                 ks = req.keys(cfg.group_id, hpc * tph)
                 if n_new == 1 and m < len(ks):
@@ -1708,7 +1718,7 @@ class OffloadScheduler:
             so = entries.get(k)
             if so is None:
                 return False
-            s: int = so
+            s: i64 = so                 # (i64: ``ready`` indexed with no tagged-int checks)
             if ready[s]:
                 return False
         return True
@@ -1757,18 +1767,23 @@ class OffloadScheduler:
         ``st.memo_missed``, those it reads as pending to ``st.memo_pending`` (_lookup_memo)."""
         req, tier = st.req, self.tier
         # (tier.lookup of a key, inlined below: MISS when not in ``entries``, HIT_PENDING when
-        # its chunk is not ready)
-        entries, ready = tier.entries, tier.ready
+        # its chunk is not ready; i64: the slot found unboxed directly, ``ready`` indexed with
+        # no tagged-int checks)
+        entries: dict[Key, i64] = tier.entries
+        ready = tier.ready
         missed, pending_keys = st.memo_missed, st.memo_pending
-        num_computed = st.num_local
-        max_hit = req.num_tokens
+        # (i64: the token counts, chunk indices and hits as plain 64-bit ints, no tagged-int
+        # checks in the arithmetic and comparisons)
+        num_computed: i64 = st.num_local
+        max_hit: i64 = req.num_tokens
         if self.supports_max_load and st.max_load_tokens is not None:
             max_hit = min(max_hit, num_computed + st.max_load_tokens)
         if self.sw_groups:
             max_hit -= 1
             if self.mamba_align is not None:
                 max_hit = max_hit // self.mamba_align * self.mamba_align
-        num_hit = 0
+        num_hit: i64 = 0
+        n_hit: i64
         defer = False
         lookup_groups = self.lookup_groups
         # EAGLE drafter groups (is_eagle_group): each looks up one chunk more and pops it (its
@@ -1781,7 +1796,8 @@ class OffloadScheduler:
             groups, lookup_groups = lookup_groups, ()
             for gi in groups:
                 cfg, gs = self.cfgs[gi], st.groups[gi]
-                tpc, keys = cfg.tokens_per_chunk, gs.keys
+                tpc: i64 = cfg.tokens_per_chunk
+                keys = gs.keys
                 eagle = cfg.drafter and not (eagle_verified >> gi) & 1
                 if self.asserts and len(keys) < req.num_tokens // tpc:
                     raise ModelCrash("AssertionError", "_lookup_complete_chunks", "lookup",
@@ -1793,13 +1809,14 @@ class OffloadScheduler:
                 if max_hit - num_computed < tpc:
                     return 0
                 w = cfg.sliding_window_in_chunks
-                query_max = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
-                num_chunks = min(-(-query_max // tpc), len(keys))
-                start = num_computed // tpc
+                query_max: i64 = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
+                num_chunks: i64 = min(-(-query_max // tpc), len(keys))
+                start: i64 = num_computed // tpc
                 # n_hit: the group's hit in chunks from ``start``; -1: deferred (not None: a native
                 # int)
                 if w is None:
-                    hits = 0
+                    hits: i64 = 0
+                    j: i64                  # (i64: keys indexed with no tagged-int checks)
                     for j in range(start, num_chunks):         # (keys[start:num_chunks])
                         k = keys[j]
                         s = entries.get(k)
@@ -1822,6 +1839,7 @@ class OffloadScheduler:
                             if v2 else w) + eagle
                     w_req = w + eagle
                     consecutive, found, pending = 0, False, False
+                    idx: i64
                     for idx in range(len(sub) - 1, -1, -1):
                         k = sub[idx]
                         s = entries.get(k)
@@ -1850,7 +1868,7 @@ class OffloadScheduler:
                         n_hit -= 1
                         eagle_verified |= 1 << gi
                     max_hit = min(max_hit, tpc * (start + n_hit))
-                new_hit = max_hit - num_computed
+                new_hit: i64 = max_hit - num_computed
                 if new_hit < tpc:
                     return 0
                 if new_hit < num_hit:
@@ -1885,13 +1903,14 @@ class OffloadScheduler:
                 if not bl.isdisjoint(sub):
                     return True
                 continue
-            # (gkeys[lo:hi] and bl disjoint, without the slice)
-            if hi > len(gkeys):
-                hi = len(gkeys)
-            while lo < hi:
-                if gkeys[lo] in bl:
+            # (gkeys[lo:hi] and bl disjoint, without the slice; i64: gkeys indexed with no
+            # tagged-int checks)
+            x: i64 = lo
+            end: i64 = len(gkeys) if hi > len(gkeys) else hi
+            while x < end:
+                if gkeys[x] in bl:
                     return True
-                lo += 1
+                x += 1
         return False
 
     def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
@@ -1900,7 +1919,7 @@ class OffloadScheduler:
         block tables (every KV cache group), ``block_keys[block]`` is the block hash a block
         carries (its GPU prefix-cache key, ``BlockPool.key``: a GPU prefix hit), None if none
         (``is_cached``). Without a load the request is scheduled in this step."""
-        bpc = self.bpc
+        bpc: i64 = self.bpc         # (i64: positions and counts with no tagged-int checks)
         marked: list[list[int]]         # the tables whose blocks this batch allocated
         if self.alloc_all_groups:
             # a request scheduled in this step: its new blocks are its whole tables, which
@@ -1916,6 +1935,7 @@ class OffloadScheduler:
         if self.alloc_mark is not None:
             mark: list = self.alloc_mark        # (typed list, not Optional: native item stores)
             batch: object = self.alloc_batch    # (one int object, stored in every mark)
+            blk: i64                # (i64: the marks indexed with no tagged-int checks)
             for table in marked:
                 for blk in table:
                     if blk != NULL:             # null placeholders are not allocations
@@ -1931,8 +1951,7 @@ class OffloadScheduler:
         if num_external == 0:
             return None
         st = self.req_status[req.rid]
-        num_local = st.num_local
-        num_cached = num_local + num_external
+        num_cached: i64 = st.num_local + num_external
         keys: list[Key] = []
         spans: list[int] = []       # per group: its keys' first chunk index and count (the tier)
         job = Job(-1, req.rid, False, None)     # (its ID is given by _new_job, at the end)
@@ -1942,18 +1961,20 @@ class OffloadScheduler:
             spans.append(0)
             spans.append(0)
             blocks: list = tables[gid]     # (untyped: the block ID objects go into the job)
-            tpb, tpc = cfg.tokens_per_block, cfg.tokens_per_chunk
-            n_gpu = -(-num_cached // tpb)
-            n_local = n_gpu
+            tpb: i64 = cfg.tokens_per_block
+            tpc: i64 = cfg.tokens_per_chunk
+            n_gpu: i64 = -(-num_cached // tpb)
+            n_local: i64 = n_gpu
             assert block_keys is not None         # (num_external > 0: given)
+            i: i64                  # (i64: the lists indexed with no tagged-int checks)
             for i in range(n_gpu):
-                bi: int = blocks[i]
+                bi: i64 = blocks[i]
                 if bi != NULL and block_keys[bi] is None:
                     n_local = i
                     break
             if n_gpu - n_local:
-                start = n_local // bpc
-                end = -(-num_cached // tpc)
+                start: i64 = n_local // bpc
+                end: i64 = -(-num_cached // tpc)
                 gkeys = gs.keys
                 if self.asserts and len(gkeys) < end:
                     raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
@@ -1963,12 +1984,12 @@ class OffloadScheduler:
                 # the blocks [n_local, min(cend * bpc, n_gpu)); the lists of the chunks' keys,
                 # hash indices and blocks are slices, added at once (the first group's are the
                 # job's lists, not copied into its empty ones: a list.extend is a slice assignment)
-                cend = min(end, len(gkeys))
+                cend: i64 = min(end, len(gkeys))
                 if start < cend:
-                    m = cend - start
+                    m: i64 = cend - start
                     spans[-2], spans[-1] = start, m
-                    top = min(cend * bpc, n_gpu)
-                    shift = len(job.bids) - n_local     # block i goes to position shift + i
+                    top: i64 = min(cend * bpc, n_gpu)
+                    shift: i64 = len(job.bids) - n_local    # block i goes to position shift + i
                     if not keys:
                         job.gids = [gid] * m
                         job.cidx = self._ints(start, cend)
@@ -1985,7 +2006,7 @@ class OffloadScheduler:
                         job.bidx.extend(self._ints(n_local, top))
                     # chunk c's blocks end at (c + 1) * bpc for c < n_gpu // bpc, else at n_gpu
                     # (mostly the last chunk alone: appended, no list made)
-                    k = max(start, min(cend, n_gpu // bpc))
+                    k: i64 = max(start, min(cend, n_gpu // bpc))
                     if k > start:
                         bpos.extend(self._ints(shift + (start + 1) * bpc, shift + k * bpc + 1, bpc))
                     if cend - k == 1:
@@ -2047,7 +2068,7 @@ class OffloadScheduler:
                 grown.append(st)
                 grown.append(nb)
             for cfg, gs in zip(cfgs, st.groups):
-                new: list[int] = nb[cfg.group_id]
+                new: list[i64] = nb[cfg.group_id]   # (i64: the IDs unboxed directly)
                 if cfg.sliding_window_in_chunks is None:
                     bl: list = gs.block_ids     # (the block ID objects appended as they are)
                     if len(new) == 1:
@@ -2060,14 +2081,18 @@ class OffloadScheduler:
                 if mark is None:
                     alloc.update(new)
                     continue
+                blk: i64
                 for blk in new:
                     if blk != NULL:    # null placeholders are not allocations
                         mark[blk] = batch
                         marked = True
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and (alloc or marked):
-            bpc, prompt_only = self.bpc, self.prompt_only
-            now, in_set = self.alloc_batch, bool(alloc)
+            # (i64: the positions, block IDs and batch numbers as plain 64-bit ints)
+            bpc: i64 = self.bpc
+            prompt_only = self.prompt_only
+            now: i64 = self.alloc_batch
+            in_set = bool(alloc)
             # every state in req_status, but those whose windows hold no block to visit (not in
             # held; a state with none left leaves it here); only the blocks from next_stored on
             # that a store can still read: with offload_prompt_only, those of the prompt's whole
@@ -2080,18 +2105,21 @@ class OffloadScheduler:
                 for gi in sw_groups:
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
-                    stop = len(bids)
+                    stop: i64 = len(bids)
                     if prompt_only:
-                        stop = min(stop, num_prompt // cfgs[gi].tokens_per_chunk * bpc)
-                    start = gs.next_stored * bpc
+                        top: i64 = num_prompt // cfgs[gi].tokens_per_chunk * bpc
+                        if top < stop:
+                            stop = top
+                    start: i64 = gs.next_stored * bpc
                     if start < stop:
                         visit = True
+                    j: i64
                     for j in range(start, stop):
                         # _allocated_now(bids[j]), inlined (a NULL block is never marked)
                         bo = bids[j]
-                        b: int = bo
+                        b: i64 = bo
                         if mark is not None:
-                            m: int = mark[b]
+                            m: i64 = mark[b]
                             if m == now:
                                 bids[j] = NULL
                                 continue
@@ -2233,7 +2261,10 @@ class OffloadScheduler:
     def _store_job(self, st: ReqOffload, n_sched: int, out: list[Job]) -> None:
         """The store job of the request of ``st``, if it has chunks to store, appended to ``out``
         (``n_sched``: the tokens scheduled for it, read if it has not finished)."""
-        bpc, asserts, tier = self.bpc, self.asserts, self.tier
+        # (i64: the positions, indices and counts as plain 64-bit ints, no tagged-int checks
+        # in the arithmetic, comparisons and list indexing)
+        bpc: i64 = self.bpc
+        asserts, tier = self.asserts, self.tier
         cfgs = self.cfgs
         masks: dict[int, _SlidingWindowStoreMask] = self.sw_store_mask
         req = st.req
@@ -2247,7 +2278,7 @@ class OffloadScheduler:
                        else req.num_tokens)
         else:
             n_after = req.num_computed + n_sched
-        n_off = self._offloadable(st, n_after)
+        n_off: i64 = self._offloadable(st, n_after)
         groups = st.groups
         for cfg, gs in zip(cfgs, groups):
             if n_off // cfg.tokens_per_chunk > gs.next_stored:
@@ -2264,6 +2295,8 @@ class OffloadScheduler:
         firsts: list[int] = []
         spans: list[int] = []
         cow = self.cow_groups
+        start: i64
+        i: i64
         for cfg, gs, n in zip(cfgs, groups, ns):
             start = gs.next_stored
             whole.append(-1)
@@ -2276,15 +2309,17 @@ class OffloadScheduler:
             # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
             gkeys = gs.keys
             bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
-            nk = max(0, min(n, len(gkeys)) - start)
-            b_lo, b_hi = start * bpc + bpc - 1, min(n * bpc, len(bl))
-            nb = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
+            nk: i64 = max(0, min(n, len(gkeys)) - start)
+            b_lo: i64 = start * bpc + bpc - 1
+            b_hi: i64 = min(n * bpc, len(bl))
+            nb: i64 = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
             if asserts and nk != nb:
                 raise ModelCrash(
                     "AssertionError", "_build_store_jobs", "build_store_jobs",
                     f"assert len(offload_keys) == len(offload_block_ids) "
                     f"({nk} != {nb}, group {cfg.group_id})")
-            k0, cnt = len(new_keys), min(nk, nb)
+            k0: i64 = len(new_keys)
+            cnt: i64 = min(nk, nb)
             mask = masks.get(cfg.group_id) if masks else None
             if mask is not None:
                 reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
@@ -2301,7 +2336,7 @@ class OffloadScheduler:
             elif cnt:
                 # the keys whose block is not NULL (0): all cnt of them when no block is
                 # (one slice of keys)
-                lasts: list[int] = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
+                lasts: list[i64] = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
                     bl[b_lo:b_lo + cnt]
                 null = False            # (a native loop: no call of all() nor compared objects)
                 for last in lasts:
@@ -2346,8 +2381,10 @@ class OffloadScheduler:
         # (the same length: the same list), a group whose chunks all went into new_keys
         # (whole) is stored whole when the walk reaches it at its first key
         all_new = len(to_store) == len(new_keys)
-        j, n_store = 0, len(to_store)
-        gi = 0
+        j: i64 = 0
+        n_store: i64 = len(to_store)
+        gi: i64 = 0
+        c: i64
         for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
             # (the blocks of the other groups are the job's deferred fences: _deferred)
             sink = fenced if cfg.sliding_window_in_chunks is not None else None
@@ -2355,16 +2392,17 @@ class OffloadScheduler:
             bl = gs.block_ids
             hpc, gid = cfg.hashes_per_chunk, cfg.group_id
             keys = gs.keys
-            end = min(n, len(keys))
-            w = whole[gi]
-            first = firsts[gi]
+            end: i64 = min(n, len(keys))
+            w: i64 = whole[gi]
+            first: i64 = firsts[gi]
             gi += 1
             if all_new and w == j:
                 # chunks start..end-1 are the next keys to store (the same objects), each
                 # with all its blocks (none NULL: checked above when a chunk is one block);
                 # appended by slices, as the loop below would append them
-                m = end - start
-                lo, hi = start * bpc, end * bpc
+                m: i64 = end - start
+                lo: i64 = start * bpc
+                hi: i64 = end * bpc
                 sources = bl[lo:hi]
                 if bpc == 1 or NULL not in sources:
                     j += m
@@ -2381,7 +2419,8 @@ class OffloadScheduler:
                     # the common case: chunks c..end-1 are all stored, each with all its
                     # blocks (none NULL); appended by slices, as the loop would append them
                     m = end - c
-                    lo, hi = c * bpc, end * bpc
+                    lo = c * bpc
+                    hi = end * bpc
                     run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
                     # (a chunk of one block is in new_keys only with that block)
                     if run is not None and (bpc == 1 or NULL not in run):
@@ -2433,16 +2472,16 @@ class OffloadScheduler:
                     self.batch_flush.add(jid)
         out.append(job)
 
-    def _add_run(self, job: Job, sink: list | None, gid: int, hpc: int, keys: list,
-                 sources: list, c: int, end: int, bpc: int) -> None:
+    def _add_run(self, job: Job, sink: list | None, gid: int, hpc: i64, keys: list,
+                 sources: list, c: i64, end: i64, bpc: i64) -> None:
         """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
         would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
         hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
         of the run, in order, a list the job may keep), which also go to the fence list ``sink``
         (if any). (With ``one_index``, the hash and block indices and bpos are left to
-        _store_job.)"""
-        m = end - c
-        b0 = len(job.bids)
+        _store_job.) (i64: the positions and counts with no tagged-int checks.)"""
+        m: i64 = end - c
+        b0: i64 = len(job.bids)
         cs = self._ints(c, end)         # (also the hash and block indices of a chunk of one)
         if sink is not None:
             sink.extend(sources)
