@@ -28,9 +28,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final, Iterable, Sequence
 
-from mypy_extensions import i64
-
 if TYPE_CHECKING:
+    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
+    # import annotations), so that nothing at run time needs mypy_extensions: the release
+    # workers import these modules in vLLM's environments
+    from mypy_extensions import i64
+
     from simsched.offload import ReqOffload
 
 # (Final: constants mypyc inlines, no module-dict lookup at each use)

@@ -11,9 +11,13 @@ import math
 from collections import Counter
 from itertools import chain, compress, repeat
 from operator import is_, itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mypy_extensions import i64
+if TYPE_CHECKING:
+    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
+    # import annotations), so that nothing at run time needs mypy_extensions: the release
+    # workers import these modules in vLLM's environments
+    from mypy_extensions import i64
 
 from simsched.allocator import NULL, key_ident
 from simsched.geometry import GroupGeometry

@@ -29,9 +29,13 @@ import sys
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, Iterator
+from typing import TYPE_CHECKING, Any, Final, Iterator
 
-from mypy_extensions import i64
+if TYPE_CHECKING:
+    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
+    # import annotations), so that nothing at run time needs mypy_extensions: the release
+    # workers import these modules in vLLM's environments
+    from mypy_extensions import i64
 
 from simsched import events as ev
 from simsched import invariants as inv

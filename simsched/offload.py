@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from mypy_extensions import i64
+if TYPE_CHECKING:
+    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
+    # import annotations), so that nothing at run time needs mypy_extensions: the release
+    # workers import these modules in vLLM's environments
+    from mypy_extensions import i64
 
 from simsched.allocator import (ABORTED, INTS, NULL, Key, Request, ints_to, key_group,
                                 make_key)

@@ -19,9 +19,13 @@ one-block chunk's content is thus its slot's content).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mypy_extensions import i64
+if TYPE_CHECKING:
+    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
+    # import annotations), so that nothing at run time needs mypy_extensions: the release
+    # workers import these modules in vLLM's environments
+    from mypy_extensions import i64
 
 from simsched.allocator import FULLISH, INTS, NULL, RING, GroupRule, Request, ints_to
 
