@@ -1,12 +1,24 @@
-"""A time-boxed fuzz campaign: generate cases, run them on every target, shrink each new finding.
+"""A time-boxed fuzz campaign: generate cases, run them on every target, shrink each new cause.
 
-One campaign round is one hypothesis run. The test body runs a case on every target and turns the
-outcomes into signatures. While no finding is being hunted, a signature the campaign has not seen
-makes the body fail, and hypothesis shrinks the case; while shrinking, the body fails only when the
-hunted signature is still present, on the same targets and with the same model fingerprint (the
-profiles showing it, see :meth:`Campaign.fingerprint`), so the shrunk case shows the same finding.
-Each shrunk finding is replayed on every installed release and every profile, written to disk at
-once (case, pytest repro, report) and becomes known; the next round looks for the next one.
+One campaign round is one hypothesis run. The test body runs a case (:meth:`Campaign.evaluate`):
+
+* the model under every behaviour profile, every step: the fast pre-screen;
+* every release's config chain (boot and the first ``update_offload_keys``);
+* the **real Scheduler, step by step**, of the releases the pre-screen points at (the model
+  under the release's profile shows something, or the release's config differs from the
+  model's), and of the newest release on a steady share of all cases whatever the model says
+  (:data:`REAL_SHARE`), so that bugs the model does not foresee are still found.
+
+Each observation is triaged (:mod:`fuzz.triage`): a class (bug, validation, model-gap,
+proposal, predicted, tool-error) and a cluster key, the cause it stands for. While no cause is
+being hunted, a cluster the campaign has not seen makes the body fail and hypothesis shrinks the
+case; while shrinking, the body fails only when the hunted cluster still shows on the same
+targets (and, for a crash, the same profiles' config stage shows it: see
+:meth:`Campaign.fingerprint`). Each shrunk finding is then run step by step on every installed
+release and every profile (so ``releases_clean`` means: ran every step there, nothing showed),
+written to disk at once (case, pytest repro, report) and becomes known; a known cluster seen
+again on another layout is a variant of it. A tool error (simsched itself raised) is never a
+finding: its case is saved under ``tool-errors/`` and ``simsched fuzz`` exits non-zero.
 
 Nothing is kept only in memory: ``report.json`` is rewritten atomically after every finding, and
 a campaign started on an output folder that already holds findings resumes from them (and from the
@@ -29,16 +41,17 @@ from hypothesis.internal.conjecture import engine as hypothesis_engine
 
 from fuzz import report as report_mod
 from fuzz import repro as repro_mod
+from fuzz import triage as tri
 from fuzz.database import open_database
 from fuzz.strategies import cases, edge_scores, family_of
 from simsched.case import Case, Timing
-from simsched.layout import Engine, Layout, LayoutError
 from simsched.geometry import PROFILES
-from simsched.outcome import Signature, crash_signature, describe
-from simsched.replay import Observation, observe
+from simsched.layout import Engine, Layout, LayoutError
+from simsched.outcome import Observation, Signature, crash_signature, describe
+from simsched.replay import observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
 
-TARGET_CHOICES = "model, a release such as 0.30.0, releases, lockstep, or all"
+TARGET_CHOICES = "all, config, lockstep, model, releases, or a release such as 0.30.0"
 
 # How generation is steered toward the edges (``--steer``): ``target`` scores each case with
 # :func:`fuzz.strategies.edge_scores` through ``hypothesis.target``; ``coverage`` scores it with
@@ -46,6 +59,14 @@ TARGET_CHOICES = "model, a release such as 0.30.0, releases, lockstep, or all"
 # the campaign, and a rarity score: see :mod:`simsched.vllm.inside.coverage`); ``both``; ``none``.
 STEER_CHOICES = ("target", "coverage", "both", "none")
 DEFAULT_STEER = "target"
+
+#: the share of generated cases run step by step on the newest release whatever the pre-screen
+#: says (BENCHMARKS.md, "The real side in the main campaign", measures the choice)
+REAL_SHARE = 0.25
+
+#: how the releases run each case: ``screen`` (the pre-screen and the share, the default),
+#: ``every`` (every case step by step on every release), ``none`` (the config chain only)
+STEP_MODES = ("screen", "every", "none")
 
 
 class CampaignError(Exception):
@@ -55,10 +76,12 @@ class CampaignError(Exception):
 @dataclass
 class Finding:
     id: str
+    key: tuple                     # the cluster key (fuzz.triage): one cause
+    klass: str                     # bug, validation, model-gap, proposal, predicted
     signature: Signature
     case: Case
-    present_on: tuple[str, ...]    # the campaign's targets showing it when found: part of its key
-    fingerprint: tuple[str, ...]   # the profiles whose config stage shows it: part of its key
+    present_on: tuple[str, ...]    # the campaign's targets showing it when found
+    fingerprint: tuple[str, ...]   # the profiles whose config stage shows it (a shrink guard)
     first_target: str
     outcome: dict
     found_after_s: float
@@ -66,23 +89,33 @@ class Finding:
     releases_affected: list[str] = field(default_factory=list)
     releases_clean: list[str] = field(default_factory=list)
     profiles_affected: list[str] = field(default_factory=list)
-    releases_not_run: dict = field(default_factory=dict)  # release -> why (unsupported, worker)
+    releases_not_run: dict = field(default_factory=dict)  # release -> why it did not run
     outcomes: dict = field(default_factory=dict)     # target -> outcome of the shrunk case
+    aliases: list[tuple] = field(default_factory=list)   # keys of the same cause (asserts twins)
+    variants: list[dict] = field(default_factory=list)   # other cases showing it, unshrunk
+    installed: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         o = self.outcome
+        step = o.get("step") if o.get("stage") not in tri.START_UP_STAGES else None
         return {
-            "id": self.id, "signature": str(self.signature), "kind": self.signature.kind,
+            "id": self.id, "class": self.klass, "cluster": tri.cluster_name(self.key),
+            "cluster_key": list(self.key), "aliases": [list(a) for a in self.aliases],
+            "signature": str(self.signature), "kind": self.signature.kind,
             "exception": self.signature.exception or None,
             "function": (self.signature.function if self.signature.kind == "crash" else None),
             "field": (self.signature.function if self.signature.kind == "divergence" else None),
             "invariant": self.signature.invariant or None,
-            "file": o.get("file"), "line": o.get("line"), "stage": o.get("stage"),
-            "message": o.get("message"),
+            "op": o.get("op") or tri.INVARIANT_OP.get(self.signature.invariant),
+            "file": o.get("file"), "line": o.get("line"), "source": o.get("source"),
+            "stage": o.get("stage"), "message": o.get("message") or o.get("detail"),
+            "first_bad_step": step,
             "asserts": self.case.asserts,
             "releases_affected": self.releases_affected, "releases_clean": self.releases_clean,
-            "profiles_affected": self.profiles_affected,
             "releases_not_run": self.releases_not_run,
+            "range": tri.regressed_fixed(self.releases_affected, self.releases_clean,
+                                         list(self.installed)),
+            "profiles_affected": self.profiles_affected,
             "present_on": list(self.present_on),
             "fingerprint": list(self.fingerprint),
             "first_target": self.first_target,
@@ -90,12 +123,14 @@ class Finding:
             "case": f"repros/{self.id}/case.json",
             "groups": len(self.case.layout.groups), "requests": len(self.case.requests),
             "steps": o.get("steps", 1),
+            "variants": self.variants,
             "found_after_s": round(self.found_after_s, 3),
             "examples_before": self.examples_before,
         }
 
 
 SHRINK_SECONDS = 10.0
+MAX_VARIANTS = 12
 
 
 def simplify(case: Case, still_shows, obs):
@@ -139,7 +174,7 @@ def load_findings(out: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
     for path in sorted((Path(out) / "repros").glob("*/finding.json")):
         try:
             data = json.loads(path.read_text())
-            finding_key(data)
+            finding_keys(data)
         except (OSError, ValueError, KeyError, TypeError) as e:
             damaged.append((path, str(e)))
             continue
@@ -147,59 +182,65 @@ def load_findings(out: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
     return found, damaged
 
 
-def present_on(targets: list[str]) -> tuple[str, ...]:
-    """Where a finding shows, as part of its key: the releases if any, else the model profiles."""
+def present_on(targets) -> tuple[str, ...]:
+    """Where a finding shows: the releases if any, else the model profiles."""
     releases = sorted({t for t in targets if not t.startswith("model:")})
     return tuple(releases) if releases else tuple(sorted(set(targets)))
 
 
-def finding_id(sig: Signature, present_on: tuple[str, ...],
-               fingerprint: tuple[str, ...] = ()) -> str:
-    """A stable, readable id: the signature, then a digest of the targets it was found on (and
-    of its fingerprint, when it has one)."""
-    text = str(sig).replace(":", "-").replace(".", "_")
-    slug = "".join(ch for ch in text if ch.isalnum() or ch in "-_")[:72]
-    where = " ".join(present_on) + (" | " + " ".join(fingerprint) if fingerprint else "")
-    return f"{slug}-{hashlib.sha1(where.encode()).hexdigest()[:6]}"
+def finding_id(key: tuple) -> str:
+    """A stable, readable id: the cluster's name."""
+    return tri.cluster_name(key)
 
 
-def finding_key(data: dict) -> tuple:
-    """The key of a finding read from disk (a finding written before fingerprints has none)."""
-    return (Signature.parse(data["signature"]), tuple(data["present_on"]),
-            tuple(data.get("fingerprint", ())))
+def _as_key(value) -> tuple:
+    return tuple(_as_key(v) if isinstance(v, list) else v for v in value)
 
 
-def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str]]:
-    """(run the model?, releases to run) for a ``--target`` value."""
+def finding_keys(data: dict) -> set[tuple]:
+    """The cluster keys a finding read from disk stands for (its own and its aliases')."""
+    return {_as_key(data["cluster_key"])} | {_as_key(a) for a in data.get("aliases", [])}
+
+
+def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str], str]:
+    """(run the model?, releases to run, step mode) for a ``--target`` value."""
+    def need(what: str) -> None:
+        if not installed:
+            raise CampaignError(f"--target {what}: no vLLM release is installed "
+                                "(run: simsched releases install)")
     if target == "all":
-        return True, installed
+        return True, installed, "screen" if installed else "none"
     if target == "model":
-        return True, []
-    if target == "releases":
-        if not installed:
-            raise CampaignError("--target releases: no vLLM release is installed "
-                                "(run: simsched releases install)")
-        return False, installed
-    if target == "lockstep":
-        if not installed:
-            raise CampaignError("--target lockstep: no vLLM release is installed "
-                                "(run: simsched releases install)")
-        return True, installed
+        return True, [], "none"
+    if target == "config":
+        return True, installed, "none"
+    if target in ("releases", "lockstep"):
+        need(target)
+        return target == "lockstep", installed, "every"
     if target.count(".") == 2 and all(p.isdigit() for p in target.split(".")):
         if target not in installed:
             raise CampaignError(f"--target {target}: release not installed "
                                 f"(installed: {', '.join(installed) or 'none'}); "
                                 f"run: simsched releases install {target}")
-        return False, [target]
+        return False, [target], "every"
     raise CampaignError(f"--target {target!r}: expected {TARGET_CHOICES}")
+
+
+@dataclass
+class Seen:
+    """One triaged observation of a case: the observation, its class and its cluster key."""
+
+    obs: Observation
+    klass: str
+    key: tuple
 
 
 class Campaign:
     def __init__(self, out: Path, releases: Releases, *, model: bool = True,
                  run_releases: list[str] | None = None, budget: float = 120.0, seed_: int = 0,
                  asserts: bool | None = True, progress: Callable[[str], None] | None = None,
-                 round_examples: int = 300, lockstep: bool = False,
-                 steer: str | bool = DEFAULT_STEER,
+                 round_examples: int = 300, steps: str | None = None,
+                 steer: str | bool = DEFAULT_STEER, real_share: float = REAL_SHARE,
                  database=None, stats_name: str = "report",
                  stop_when: Callable[[Finding], bool] | None = None):
         self.out = Path(out)
@@ -210,12 +251,17 @@ class Campaign:
         # Each shrunk finding is replayed on every installed release, unless only the model runs.
         self.all_release_targets = ([ReleaseTarget(v, releases) for v in releases.versions]
                                     if run_releases else [])
+        self.steps_mode = steps or ("screen" if self.release_targets else "none")
+        if self.steps_mode not in STEP_MODES:
+            raise CampaignError(f"steps {self.steps_mode!r}: expected one of {STEP_MODES}")
+        self.newest = (max(self.release_targets, key=lambda t: tri._vkey(t.version))
+                       if self.release_targets else None)
+        self.real_share = real_share
         self.budget = budget
         self.seed = seed_
         self.asserts = asserts
         self.progress = progress or (lambda s: print(s, file=sys.stderr, flush=True))
         self.round_examples = round_examples
-        self.lockstep = lockstep
         if steer is True or steer is False:
             steer = DEFAULT_STEER if steer else "none"
         if steer not in STEER_CHOICES:
@@ -239,40 +285,101 @@ class Campaign:
         self.stats_name = stats_name     # a worker process writes workers/<name>.json instead
         self.stop_when = stop_when       # ends the campaign early (benchmarks)
         self.interrupted = False
-        self.steps = 0
+        self.steps = 0                   # model steps
+        self.per_release: dict[str, dict] = {}   # version -> cases, real steps, seconds
+        self.model_s = 0.0
         self.findings: dict[tuple, Finding] = {}
         self.prior: list[dict] = []
         self.damaged: set[Path] = set()
+        self.tool_errors: dict[tuple, dict] = {}
         self.examples = 0
         self.families: dict[str, int] = {}
         self.knobs: dict[str, int] = {}
         self.timeline: list[dict] = []
         self.started = 0.0
         self.warmup_s = 0.0
+        self._stepped_last: set[str] = set()
 
     # --- evaluating one case ---------------------------------------------------------------
 
-    def observe(self, case: Case, releases: list[ReleaseTarget] | None = None,
-                outcomes: dict | None = None) -> list[Observation]:
-        return observe(case, self.model_targets,
-                       self.release_targets if releases is None else releases, outcomes,
-                       lockstep=self.lockstep)
+    def _release_stats(self, version: str) -> dict:
+        return self.per_release.setdefault(version, {"config_cases": 0, "step_cases": 0,
+                                                     "real_steps": 0, "seconds": 0.0})
+
+    def _account(self, outcomes: dict, t0: float, t_model: float, stepped) -> None:
+        """Count what ran: model seconds, per release its config and step cases, real steps."""
+        self.model_s += t_model
+        for name, out in outcomes.items():
+            if name.startswith("model:"):
+                self.steps += out.get("steps", 0)
+        for t in self.release_targets:
+            self._release_stats(t.version)["config_cases"] += 1
+        for t in stepped:
+            st = self._release_stats(t.version)
+            st["step_cases"] += 1
+            out = outcomes.get(t.name) or {}
+            st["real_steps"] += out.get("steps", 0) if out.get("status") == "ran" else 0
+            st["seconds"] += out.get("wall") or 0.0
+
+    def screen(self, case: Case, obs: list[Observation], outcomes: dict,
+               sampled: bool) -> list[ReleaseTarget]:
+        """The releases worth real steps for ``case``: where the model under the release's
+        profile shows something, or the release's config differs from the model's; and the
+        newest release on ``sampled`` cases. A release whose config chain already crashed or
+        cannot express the case boots no Scheduler worth stepping."""
+        if self.steps_mode == "none":
+            return []
+        if self.steps_mode == "every":
+            return list(self.release_targets)
+        shown_models = {o.target for o in obs if o.level == "model"}
+        shown_configs = {o.target for o in obs if o.level == "config"}
+        out = []
+        for t in self.release_targets:
+            if outcomes.get(t.name, {}).get("status") != "ok":
+                continue
+            if (f"model:{t.profile.name}" in shown_models or t.name in shown_configs
+                    or (sampled and t is self.newest)):
+                out.append(t)
+        return out
+
+    def evaluate(self, case: Case, sampled: bool = False) -> list[Seen]:
+        """Run ``case`` on the model and the releases as :meth:`screen` decides; triaged."""
+        outcomes: dict = {}
+        t0 = time.perf_counter()
+        obs = observe(case, self.model_targets, self.release_targets, outcomes, steps=[])
+        t1 = time.perf_counter()
+        stepped = self.screen(case, obs, outcomes, sampled)
+        self._stepped_last = {t.name for t in stepped}
+        if stepped:
+            obs += observe(case, [], stepped, outcomes, config=False)
+        self._account(outcomes, t0, t1 - t0, stepped)
+        return self.triage(case, obs, outcomes)
+
+    def triage(self, case: Case, obs: list[Observation], outcomes: dict) -> list[Seen]:
+        ran = {name: not out.get("findings") for name, out in outcomes.items()
+               if not name.startswith("model:") and out.get("status") == "ran"}
+        seen = []
+        for o in obs:
+            if o.level == "model":
+                t = tri.triage_model(o, ran, self.steps_mode != "none")
+            else:
+                t = tri.triage_release(o, case.layout, ran.get(o.target))
+            if t is not None:
+                seen.append(Seen(o, t.klass, t.key))
+        return tri.only_proposals(seen)
 
     def fingerprint(self, case: Case, sig: Signature,
                     outcomes: dict | None = None) -> tuple[str, ...]:
         """The profiles whose config stage shows the crash ``sig`` on ``case`` (empty for findings
-        that are not configuration crashes): part of a finding's key, and kept fixed by shrinking.
+        that are not configuration crashes): kept fixed while shrinking a crash.
 
-        Different bugs can raise from the same vLLM function, so that on one release they share
-        a signature, while the releases they are present in differ: on 0.30.0 the ring group of
-        upstream PR #55037 (present in 0.29.0-0.30.0), a lone Mamba group under DCP (0.27.0-
-        0.30.0) and ``offload_block_size`` with mixed block sizes all fail an assert of
-        ``build_offloading_config``. The model's profiles tell them apart (the issue's "affected
-        release set", predicted), so each becomes its own finding, and a shrunk case does not
-        slip from one to another (hypothesis guards against slips only by the line a test fails
-        at, which is the same here). Cheap: the config stage only, no step runs, and none at
-        all for a profile whose outcome ``outcomes`` (target name -> outcome, as
-        :func:`simsched.replay.observe` fills it) already holds.
+        Different bugs can raise from the same line of vLLM: on 0.30.0 the ring group of
+        upstream PR #55037 (present in 0.29.0-0.30.0) and a lone Mamba group under DCP (0.27.0-
+        0.30.0) fail the same assert of ``build_offloading_config``. They are one cluster (one
+        crash state), with the release ranges of its variants listed; the model's profiles tell
+        the variants apart, so a shrunk case does not slip from one variant to another
+        (hypothesis guards against slips only by the line a test fails at, which is the same).
+        Cheap: the config stage only, no step runs.
         """
         if sig.kind != "crash":
             return ()
@@ -280,8 +387,8 @@ class Campaign:
         return tuple(t.profile.name for t in self.fingerprint_targets
                      if crash_signature(outcomes.get(t.name) or t.config(case)) == sig)
 
-    def same_bug(self, case: Case, hunt: tuple) -> bool:
-        return self.fingerprint(case, hunt[0]) == hunt[3]
+    def same_bug(self, case: Case, hunt: "Hunt") -> bool:
+        return self.fingerprint(case, hunt.signature) == hunt.fingerprint
 
     # --- the rounds -----------------------------------------------------------------------
 
@@ -296,8 +403,56 @@ class Campaign:
         for k in kinds:
             self.knobs[f"kind:{k}"] = self.knobs.get(f"kind:{k}", 0) + 1
 
+    def _sampled(self) -> bool:
+        """Is the current example one of the share run on the newest release regardless?"""
+        every = max(1, round(1 / self.real_share)) if self.real_share > 0 else 0
+        return bool(every) and self.examples % every == 1 % every
+
+    def _hunt_targets(self, seen: list[Seen], key: tuple) -> tuple[list, list, list, set]:
+        """What to run while shrinking toward ``key``: the model targets, the releases' config
+        chains and step runs that showed it (a model prediction also needs the step runs of
+        its profile's releases, which tell a gap from a bug), and the targets that must still
+        show it."""
+        shown = {s.obs.target for s in seen if s.key == key}
+        levels = {(s.obs.target, s.obs.level) for s in seen if s.key == key}
+        models = [t for t in self.model_targets if t.name in shown]
+        configs = [t for t in self.release_targets if (t.name, "config") in levels]
+        step_names = {name for name, lvl in levels if lvl == "steps"}
+        for m in models:
+            step_names |= {v for v in m.profile.releases if v in self._stepped_last}
+        steps = [t for t in self.release_targets if t.name in step_names]
+        return models, configs, steps, shown
+
+    def _note_tool_error(self, case: Case, s: Seen) -> None:
+        """simsched's own failure: the case saved under tool-errors/, never a finding."""
+        if s.key in self.tool_errors:
+            self.tool_errors[s.key]["count"] += 1
+            return
+        name = tri.cluster_name(s.key)
+        folder = self.out / "tool-errors" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "case.json").write_text(case.dumps())
+        entry = {"id": name, "exception": s.obs.signature.exception,
+                 "function": s.obs.signature.function, "target": s.obs.target,
+                 "message": s.obs.outcome.get("message"), "layout": case.layout.describe(),
+                 "case": f"tool-errors/{name}/case.json", "count": 1}
+        (folder / "error.json").write_text(json.dumps(entry, indent=1) + "\n")
+        self.tool_errors[s.key] = entry
+        self.progress(f"tool error (simsched, not vLLM): {entry['exception']} in "
+                      f"{entry['function']} on {entry['target']}; case saved in {entry['case']}")
+
+    def _note_variant(self, case: Case, s: Seen) -> None:
+        f = next((f for f in self.findings.values() if s.key == f.key or s.key in f.aliases),
+                 None)
+        if f is None or len(f.variants) >= MAX_VARIANTS:
+            return
+        v = {"layout": case.layout.describe(), "asserts": case.asserts, "target": s.obs.target,
+             "signature": str(s.obs.signature)}
+        if v not in f.variants:
+            f.variants.append(v)
+
     def _round(self, round_no: int, deadline: float, db) -> Finding | None:
-        state = {"hunting": None, "case": None, "obs": None, "t": 0.0, "n": 0}
+        state: dict = {"hunt": None, "case": None, "seen": None, "t": 0.0, "n": 0}
         known = self.known_keys()
         if self.collect_coverage:
             self._take_coverage()   # replaying the last finding is no generated case's novelty
@@ -313,7 +468,8 @@ class Campaign:
         @seed(self.seed * 1_000_003 + round_no)
         @given(cases(asserts=self.asserts))
         def body(case: Case) -> None:
-            if state["hunting"] is None:
+            hunt: Hunt | None = state["hunt"]
+            if hunt is None:
                 if time.monotonic() > deadline:
                     return
                 self._count(case)
@@ -321,42 +477,39 @@ class Campaign:
                 if self.steer in ("target", "both"):
                     for label, score in edge_scores(case).items():
                         target(score, label=label)
-            hunt = state["hunting"]
-            if hunt is None:
-                outcomes: dict = {}
-                obs = self.observe(case, outcomes=outcomes)
-                self.steps += sum(o.get("steps", 0) for o in outcomes.values())
+                seen = self.evaluate(case, sampled=self._sampled())
                 if self.collect_coverage:
                     cov = self._take_coverage()
                     if self.steer in ("coverage", "both"):
                         target(float(cov["new"]), label="coverage-new")
                         target(float(cov["rare"]), label="coverage-rare")
-            else:   # while shrinking, run only the targets the hunted finding showed on
-                obs = observe(case, [t for t in self.model_targets if t.name in hunt[2]],
-                              [t for t in self.release_targets if t.name in hunt[2]],
-                              lockstep=self.lockstep)
-                if self.collect_coverage:
-                    self._take_coverage()    # what shrinking covers is nobody's novelty
-            where: dict[Signature, list[str]] = {}
-            for o in obs:
-                where.setdefault(o.signature, []).append(o.target)
-            if hunt is None:
-                keys = {(sig, present_on(ts), self.fingerprint(case, sig, outcomes)): ts
-                        for sig, ts in where.items()}
-                # the most specific first: a finding on fewer targets tells releases apart
-                new = sorted(set(keys) - known, key=lambda k: (len(k[1]), k))
+                for s in seen:
+                    if s.klass == tri.TOOL_ERROR:
+                        self._note_tool_error(case, s)
+                    elif s.key in known:
+                        self._note_variant(case, s)
+                new = sorted({(tri.CLASSES.index(s.klass), s.key): s for s in seen
+                              if s.klass != tri.TOOL_ERROR and s.key not in known}.items(),
+                             key=lambda kv: (kv[0][0], repr(kv[0][1])))
                 if not new:
                     return
+                first = new[0][1]
                 state["t"] = time.monotonic() - self.started
                 state["n"] = self.examples
-                sig, shown_on, fp = new[0]
-                hunt = state["hunting"] = (sig, shown_on, frozenset(keys[new[0]]), fp)
-            elif not self.same_bug(case, hunt):
-                return
-            if hunt[2] <= set(where.get(hunt[0], ())):   # still shows on every hunted target
+                models, configs, steps, shown = self._hunt_targets(seen, first.key)
+                hunt = state["hunt"] = Hunt(first.key, first.klass, first.obs.signature,
+                                            self.fingerprint(case, first.obs.signature),
+                                            models, configs, steps, frozenset(shown))
+            else:   # while shrinking, run only the targets the hunted cause needs
+                if not self.same_bug(case, hunt):
+                    return
+                seen = self.shrink_run(case, hunt)
+                if self.collect_coverage:
+                    self._take_coverage()    # what shrinking covers is nobody's novelty
+            if hunt.still_shown(seen):
                 state["case"] = case
-                state["obs"] = next(o for o in obs if o.signature == hunt[0])
-                raise Found(str(hunt[0]))
+                state["seen"] = next(s for s in seen if s.key == hunt.key)
+                raise Found(repr(hunt.key))
 
         # Shrinking is bounded by hypothesis's own MAX_SHRINKING_SECONDS (300 s); a campaign keeps
         # its budget and looks for more than one finding, so a round shrinks for at most
@@ -366,24 +519,66 @@ class Campaign:
             with mock.patch.object(hypothesis_engine, "MAX_SHRINKING_SECONDS", shrink_s):
                 body()
         except Found:
-            sig, shown_on, targets, fp = hunt = state["hunting"]
+            hunt = state["hunt"]
 
-            def still_shows(case: Case) -> Observation | None:
+            def still_shows(case: Case) -> Seen | None:
                 if not self.same_bug(case, hunt):
                     return None
-                obs = observe(case, [t for t in self.model_targets if t.name in targets],
-                              [t for t in self.release_targets if t.name in targets],
-                              lockstep=self.lockstep)
-                where = {o.target for o in obs if o.signature == sig}
-                return next((o for o in obs if o.signature == sig), None) \
-                    if targets <= where else None
+                seen = self.shrink_run(case, hunt)
+                return next(s for s in seen if s.key == hunt.key) \
+                    if hunt.still_shown(seen) else None
 
-            case, o = simplify(state["case"], still_shows, state["obs"])
-            return Finding(id=finding_id(sig, shown_on, fp), signature=sig, case=case,
-                           present_on=shown_on, fingerprint=fp, first_target=o.target,
-                           outcome=o.outcome, found_after_s=state["t"],
-                           examples_before=state["n"])
+            case, s = simplify(state["case"], still_shows, state["seen"])
+            return Finding(id=finding_id(hunt.key), key=hunt.key, klass=hunt.klass,
+                           signature=s.obs.signature, case=case,
+                           present_on=present_on(hunt.shown), fingerprint=hunt.fingerprint,
+                           first_target=s.obs.target, outcome=s.obs.outcome,
+                           found_after_s=state["t"], examples_before=state["n"],
+                           installed=tuple(self.pool.versions))
         return None
+
+    def shrink_run(self, case: Case, hunt: "Hunt") -> list[Seen]:
+        outcomes: dict = {}
+        obs = observe(case, hunt.models, hunt.configs, outcomes, steps=[])
+        if hunt.steps:
+            obs += observe(case, [], hunt.steps, outcomes, config=False)
+        return self.triage(case, obs, outcomes)
+
+    def replay_everywhere(self, finding: Finding) -> None:
+        """Run a shrunk finding on every profile and, step by step, on every installed release;
+        fill in where its cause shows, where it ran clean, and where it could not run. A crash
+        seen with asserts stripped is run with asserts on too (and the other way round): what
+        the other mode shows on the same releases is the same cause (its aliases)."""
+        outcomes: dict = {}
+        obs = observe(finding.case, self.fingerprint_targets, self.all_release_targets, outcomes)
+        seen = self.triage(finding.case, obs, outcomes)
+        finding.outcomes = outcomes
+        classes = [s.klass for s in seen if s.key == finding.key]
+        if classes:   # every release and profile ran now: the class they say
+            finding.klass = min(classes, key=lambda k: (tri.CLASSES + (tri.TOOL_ERROR,)).index(k))
+        hit = {s.obs.target for s in seen if s.key == finding.key}
+        finding.profiles_affected = [p for p in PROFILES if any(
+            s.obs.target == f"model:{p}" and s.obs.signature == finding.signature for s in seen)]
+        for t in self.all_release_targets:
+            outcome = outcomes[t.name]
+            if t.name in hit:
+                finding.releases_affected.append(t.name)
+            elif outcome.get("status") == "ran" or (
+                    not self.all_release_targets and outcome.get("status") == "ok"):
+                finding.releases_clean.append(t.name)
+            else:
+                finding.releases_not_run[t.name] = describe(outcome)
+        if finding.signature.kind == "crash" and finding.releases_affected:
+            finding.aliases = self._twins(finding)
+
+    def _twins(self, finding: Finding) -> list[tuple]:
+        """The crash keys the case shows in the other asserts mode on the affected releases."""
+        other = replace(finding.case, asserts=not finding.case.asserts)
+        targets = [t for t in self.all_release_targets if t.name in finding.releases_affected]
+        outcomes: dict = {}
+        seen = self.triage(other, observe(other, [], targets, outcomes, config=False), outcomes)
+        return sorted({s.key for s in seen if s.klass == tri.BUG and s.key != finding.key
+                       and s.obs.signature.kind == "crash"}, key=repr)
 
     def _sample(self) -> None:
         """Record (seconds, examples, findings) about every second; past 400 samples, every
@@ -413,29 +608,13 @@ class Campaign:
         el = now - self.started
         kinds = sum(1 for k in self.knobs if k.startswith("kind:"))
         knobs = sum(1 for k in self.knobs if not k.startswith("kind:"))
+        real = sum(st["real_steps"] for st in self.per_release.values())
         self.progress(f"[{el:6.1f}s] {self.examples} examples ({self.examples / max(el, 1e-9):.0f}/s)"
                       f", {self.steps / max(el, 1e-9):,.0f} model steps/s, "
+                      f"{real / max(el, 1e-9):,.0f} real steps/s, "
                       f"{len(self.findings) + len(self.prior)} findings, families "
                       f"{len(self.families)}/7, kinds {kinds}/8, knobs {knobs}"
                       + (f", {self.arcs} vLLM arcs" if self.collect_coverage else ""))
-
-    def replay_everywhere(self, finding: Finding) -> None:
-        """Fill in where a shrunk finding's signature is present and where it is absent."""
-        saved, self.model_targets = self.model_targets, self.fingerprint_targets
-        try:
-            obs = self.observe(finding.case, self.all_release_targets, finding.outcomes)
-        finally:
-            self.model_targets = saved
-        hit = {o.target for o in obs if o.signature == finding.signature}
-        finding.profiles_affected = [p for p in PROFILES if f"model:{p}" in hit]
-        for t in self.all_release_targets:
-            outcome = finding.outcomes[t.name]
-            if t.name in hit:
-                finding.releases_affected.append(t.name)
-            elif outcome.get("status") == "unsupported" or outcome.get("stage") == "worker":
-                finding.releases_not_run[t.name] = describe(outcome)
-            else:
-                finding.releases_clean.append(t.name)
 
     def load_prior(self) -> None:
         """Findings already on disk, from this or another process (see :func:`load_findings`)."""
@@ -448,8 +627,14 @@ class Campaign:
         self.prior = [f for f in found if f["id"] not in seen]
 
     def known_keys(self) -> set:
-        self.load_prior()   # other worker processes may have written findings since
-        return set(self.findings) | {finding_key(f) for f in self.prior}
+        """The cluster keys found so far, here and by other worker processes (on disk)."""
+        self.load_prior()
+        keys = set(self.findings)
+        for f in self.findings.values():
+            keys.update(f.aliases)
+        for data in self.prior:
+            keys |= finding_keys(data)
+        return keys
 
     def run(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -489,13 +674,13 @@ class Campaign:
 
     def _record(self, finding: Finding) -> None:
         self.replay_everywhere(finding)
-        self.findings[(finding.signature, finding.present_on, finding.fingerprint)] = finding
+        self.findings[finding.key] = finding
         repro_mod.write_repro(self.out, finding)     # the durable record, first
         self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,
                               "examples": finding.examples_before})
         self.write_report()
         self.progress(f"[{time.monotonic() - self.started:6.1f}s] finding {finding.id}: "
-                      f"{finding.case.layout.describe()} | affected "
+                      f"[{finding.klass}] {finding.case.layout.describe()} | affected "
                       f"{', '.join(finding.releases_affected) or '-'} | profiles "
                       f"{', '.join(finding.profiles_affected) or '-'}")
 
@@ -506,6 +691,7 @@ class Campaign:
         el = time.monotonic() - self.started if self.started else 0.0
         new = [f.to_json() for f in self.findings.values()]
         new_ids = {f["id"] for f in new}
+        findings = [f for f in self.prior if f["id"] not in new_ids] + new
         data = {
             "format": "simsched-report/1",
             "seed": self.seed, "budget_s": self.budget, "elapsed_s": round(el, 3),
@@ -518,6 +704,7 @@ class Campaign:
             "model_steps_per_s": round(self.steps / el, 1) if el else 0.0,
             "targets": ([t.name for t in self.model_targets]
                         + [t.name for t in self.release_targets]),
+            "steps_mode": self.steps_mode, "real_share": self.real_share,
             "releases_installed": list(self.pool.versions),
             "families": dict(sorted(self.families.items())),
             "knobs": dict(sorted(self.knobs.items())),
@@ -525,14 +712,41 @@ class Campaign:
             "samples": self.samples + [{"t": round(el, 3), "examples": self.examples,
                                         "findings": len(self.findings)}],
             "steer": self.steer,
-            "findings": [f for f in self.prior if f["id"] not in new_ids] + new,
+            "per_release": {v: dict(st, seconds=round(st["seconds"], 3))
+                            for v, st in sorted(self.per_release.items(),
+                                                key=lambda kv: tri._vkey(kv[0]))},
+            "seconds": {"model": round(self.model_s, 3), "shrinking": round(self.shrinking_s, 3),
+                        **{v: round(st["seconds"], 3) for v, st in self.per_release.items()}},
+            "tool_errors": list(self.tool_errors.values()),
+            "findings": findings,
         }
+        data["summary"] = report_mod.summary(data)
         if self.collect_coverage:
             data["vllm_arcs"] = self.arcs
             data["arcs_timeline"] = self.arcs_timeline + [
                 {"t": round(el, 3), "examples": self.examples, "arcs": self.arcs}]
+        if final:   # the variants seen since each finding was written
+            for f in self.findings.values():
+                repro_mod.write_finding(self.out, f)
         if self.stats_name == "report":
             report_mod.write(self.out, data, plots=final)
         else:
             report_mod.write_worker_stats(self.out, self.stats_name, data)
         return data
+
+
+@dataclass
+class Hunt:
+    """The cause a round shrinks toward, and what must run to see it."""
+
+    key: tuple
+    klass: str
+    signature: Signature
+    fingerprint: tuple[str, ...]
+    models: list
+    configs: list
+    steps: list
+    shown: frozenset       # the targets that must still show it
+
+    def still_shown(self, seen: list[Seen]) -> bool:
+        return self.shown <= {s.obs.target for s in seen if s.key == self.key}

@@ -4,7 +4,13 @@
 list; every finding has ``id``, ``signature``, ``kind`` (crash, invariant, divergence),
 ``exception``, ``function``, ``file`` (relative to the ``vllm`` package, or to the project for a
 model finding), ``releases_affected``, ``releases_clean``, ``profiles_affected``, ``case`` (path
-relative to the output folder) and the sizes ``groups``, ``requests``, ``steps``. Both files are
+relative to the output folder) and the sizes ``groups``, ``requests``, ``steps``; its ``class``
+(bug, validation, model-gap, proposal, predicted: :mod:`fuzz.triage`), its ``cluster`` (the
+cause: findings with one cluster are variants of one bug), ``first_bad_step`` and ``range``
+("regressed in / fixed in"). A release is in ``releases_clean`` only when the case ran there step
+by step and nothing showed; ``releases_not_run`` says why a release could not run it. The report
+also has ``summary`` (clusters per class, cases and real steps per release, examples per second,
+seconds per target) and ``tool_errors`` (simsched's own failures, never findings). Both files are
 written atomically: a campaign killed at any moment leaves the last complete report. At the end
 of a campaign, report.md links PNG plots written beside it (:data:`simsched.plots.REPORT_PLOTS`):
 findings over time, examples per second (from ``samples``), coverage of layout families and
@@ -25,26 +31,129 @@ def _atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def clusters(findings: list[dict]) -> dict[str, list[dict]]:
+    """Findings grouped by cluster (one cause), in the order first found."""
+    out: dict[str, list[dict]] = {}
+    for f in findings:
+        out.setdefault(f.get("cluster") or f["id"], []).append(f)
+    return out
+
+
+def summary(data: dict) -> dict:
+    """The headline figures: clusters per class, what ran per release, where the time went."""
+    per_class: dict[str, int] = {}
+    for members in clusters(data["findings"]).values():
+        k = members[0].get("class", "unclassified")
+        per_class[k] = per_class.get(k, 0) + 1
+    newest = _newest(data.get("releases_installed", []))
+    bugs_newest = sum(1 for m in clusters(data["findings"]).values()
+                      if m[0].get("class") == "bug"
+                      and any(newest in f["releases_affected"] for f in m))
+    per_release = data.get("per_release", {})
+    el = data.get("elapsed_s") or 0.0
+    real = sum(st.get("real_steps", 0) for st in per_release.values())
+    return {"clusters": per_class, "clusters_total": sum(per_class.values()),
+            "bugs_in_newest": bugs_newest, "newest": newest,
+            "tool_errors": len(data.get("tool_errors", [])),
+            "examples": data.get("examples", 0), "examples_per_s": data.get("examples_per_s", 0),
+            "real_steps": real, "real_steps_per_s": round(real / el, 1) if el else 0.0,
+            "cases_per_release": {v: st.get("step_cases", 0) for v, st in per_release.items()},
+            "real_steps_per_release": {v: st.get("real_steps", 0)
+                                       for v, st in per_release.items()},
+            "seconds": data.get("seconds", {})}
+
+
+def _vkey(v: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
+
+
+def _newest(versions: list[str]) -> str:
+    return max(versions, key=_vkey) if versions else ""
+
+
+def _what(f: dict) -> str:
+    if f["kind"] == "invariant":
+        return f"{f['invariant']} ({f.get('op') or '?'}): {(f.get('message') or '')[:90]}"
+    if f["kind"] == "crash":
+        return f"{f['exception']} in `{f['function']}`" + (
+            f" (`{f['source'][:60]}`)" if f.get("source") else "")
+    return f"{f.get('field') or f['signature']}"
+
+
+def _step(f: dict) -> str:
+    if f.get("first_bad_step") is not None:
+        return f"step {f['first_bad_step']}"
+    return "start-up" if f["kind"] == "crash" else "-"
+
+
+def _rows(members_by_cluster: list[list[dict]]) -> list[str]:
+    lines = ["| cluster | what broke | minimal layout | first bad step | present in | "
+             "regressed in / fixed in | variants | repro |", "|---|---|---|---|---|---|---|---|"]
+    for members in members_by_cluster:
+        f = min(members, key=lambda m: (m["groups"], m["requests"], m["id"]))
+        affected = sorted({v for m in members for v in m["releases_affected"]}, key=_vkey)
+        variants = sum(1 + len(m.get("variants", [])) for m in members)
+        folder = f["case"].rsplit("/", 1)[0]
+        lines.append(f"| {f.get('cluster') or f['id']} | {_what(f)} | `{f['layout']}` | "
+                     f"{_step(f)} | {', '.join(affected) or '-'} | {f.get('range', '-')} | "
+                     f"{variants} | [{f['id']}]({folder}/README.md) |")
+    return lines
+
+
+SECTIONS = (
+    ("validation", "Validation: vLLM refused the configuration at start-up, naming the problem"),
+    ("model-gap", "Model gaps: the model disagrees with a release whose run broke nothing"),
+    ("proposal", "Proposals: shows only under a hypothetical fix profile"),
+    ("predicted", "Predicted by the model, not checked step by step on a release"),
+)
+
+
 def markdown(data: dict, plots: list[tuple[str, str]] | None = None,
              plot_error: str | None = None) -> str:
+    summ = data.get("summary") or summary(data)
+    newest = summ["newest"]
+    by_cluster = clusters(data["findings"])
+    per_class = summ["clusters"]
+    head = ", ".join(f"{per_class.get(k, 0)} {k}" for k in
+                     ("bug", "validation", "model-gap", "proposal", "predicted")
+                     if per_class.get(k) or k == "bug")
     lines = ["# simsched campaign report", "",
+             f"**{head}** clusters ({summ['clusters_total']} in all"
+             + (f"; {summ['bugs_in_newest']} bug(s) present in the newest installed release, "
+                f"{newest}" if newest else "") + f"); {summ['tool_errors']} tool error(s).", "",
              f"Seed {data['seed']}, budget {data['budget_s']} s, elapsed {data['elapsed_s']} s, "
-             f"{data['examples']} examples ({data['examples_per_s']}/s).  ",
+             f"{data['examples']} examples ({data['examples_per_s']}/s), "
+             f"{summ['real_steps']:,} real Scheduler steps ({summ['real_steps_per_s']}/s).  ",
              f"Targets: {', '.join(data['targets']) or 'none'}.  ",
-             f"Releases installed: {', '.join(data['releases_installed']) or 'none'}.", "",
-             f"## Findings ({len(data['findings'])})", ""]
-    if data["findings"]:
-        lines += ["| id | kind | what | layout | present in | absent from | profiles | asserts |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for f in data["findings"]:
-            what = f"{f.get('exception') or ''} {f.get('function') or f.get('field') or ''}".strip()
-            lines.append(
-                f"| [{f['id']}]({f['case'].rsplit('/', 1)[0]}/README.md) | {f['kind']} | {what} | "
-                f"`{f['layout']}` | {', '.join(f['releases_affected']) or '-'} | "
-                f"{', '.join(f['releases_clean']) or '-'} | "
-                f"{', '.join(f['profiles_affected']) or '-'} | {'on' if f['asserts'] else 'off'} |")
-    else:
-        lines.append("No findings.")
+             f"Releases installed: {', '.join(data['releases_installed']) or 'none'}.", ""]
+    bugs = [m for m in by_cluster.values() if m[0].get("class") == "bug"]
+    present = [m for m in bugs if any(newest in f["releases_affected"] for f in m)]
+    fixed = [m for m in bugs if m not in present]
+    lines += [f"## Bugs present in {newest or 'the newest release'} ({len(present)})", ""]
+    lines += _rows(present) if present else ["None."]
+    lines += ["", f"## Bugs fixed since ({len(fixed)})", ""]
+    lines += _rows(fixed) if fixed else ["None."]
+    for klass, title in SECTIONS:
+        members = [m for m in by_cluster.values() if m[0].get("class") == klass]
+        if not members:
+            continue
+        lines += ["", f"<details><summary>{title} ({len(members)})</summary>", ""]
+        lines += _rows(members) + ["", "</details>"]
+    if data.get("tool_errors"):
+        lines += ["", f"## Tool errors ({len(data['tool_errors'])}): simsched itself raised",
+                  "", "Not findings about vLLM; each case is saved for simsched's developers.", "",
+                  "| exception | where | target | layout | seen | case |", "|---|---|---|---|---|---|"]
+        lines += [f"| {e['exception']} | `{e['function']}` | {e['target']} | `{e['layout']}` | "
+                  f"{e['count']} | [{e['case']}]({e['case']}) |" for e in data["tool_errors"]]
+    if data.get("per_release"):
+        lines += ["", "## What ran on each release", "",
+                  "| release | config chains | cases run step by step | real steps | seconds |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {v} | {st['config_cases']} | {st['step_cases']} | {st['real_steps']:,} | "
+                  f"{st['seconds']} |" for v, st in data["per_release"].items()]
+        secs = data.get("seconds", {})
+        lines += ["", f"Seconds in the model: {secs.get('model', 0)}; shrinking and recording: "
+                  f"{secs.get('shrinking', 0)}."]
     if plots or plot_error:
         lines += ["", "## Plots", ""]
         for title, name in plots or []:
@@ -104,6 +213,19 @@ def merge(out: Path, findings: list[dict], base: dict) -> dict:
     if parts:
         data["steer"] = parts[0].get("steer")
     data["findings"] = findings
+    data["per_release"] = {}
+    for p in parts:
+        for v, st in p.get("per_release", {}).items():
+            tot = data["per_release"].setdefault(v, {"config_cases": 0, "step_cases": 0,
+                                                     "real_steps": 0, "seconds": 0.0})
+            for k in tot:
+                tot[k] = round(tot[k] + st.get(k, 0), 3)
+    data["tool_errors"] = [e for p in parts for e in p.get("tool_errors", [])]
+    data["seconds"] = {}
+    for p in parts:
+        for k, v in p.get("seconds", {}).items():
+            data["seconds"][k] = round(data["seconds"].get(k, 0.0) + v, 3)
+    data["summary"] = summary(data)
     write(out, data, plots=True)
     return data
 

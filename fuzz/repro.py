@@ -127,5 +127,11 @@ def write_repro(out: Path, finding) -> Path:
         path=f"repros/{finding.id}/test_repro.py"))
     _write(folder / "README.md", issue_text(data, case_text, finding.outcomes,
                                             model_trace(finding.case, data)))
-    _write(folder / "finding.json", json.dumps(data, indent=1) + "\n")
+    write_finding(out, finding)
     return folder
+
+
+def write_finding(out: Path, finding) -> None:
+    """``finding.json``: the durable record of a finding, read back on resume."""
+    _write(Path(out) / "repros" / finding.id / "finding.json",
+           json.dumps(finding.to_json(), indent=1) + "\n")

@@ -49,13 +49,13 @@ def run_campaign(opts: FuzzOptions, index: int | None = None) -> dict:
     only = opts.releases.split(",") if opts.releases else None
     with Releases.installed(only, timeout=opts.timeout,
                             coverage=opts.steer in ("coverage", "both")) as pool:
-        model, rels = parse_target(opts.target, list(pool.versions))
+        model, rels, steps = parse_target(opts.target, list(pool.versions))
         prefix = "" if index is None else f"[w{index}] "
         campaign = Campaign(
             Path(opts.out), pool, model=model, run_releases=rels, budget=opts.budget,
             seed_=opts.seed if index is None else opts.seed * 1009 + index,
             asserts={"on": True, "off": False, "both": None}[opts.asserts],
-            lockstep=opts.target == "lockstep", steer=opts.steer,
+            steps=steps, steer=opts.steer,
             database=open_database(opts.db, Path(opts.out)),
             stats_name="report" if index is None else f"w{index}",
             progress=lambda s: print(prefix + s, file=sys.stderr, flush=True))
@@ -82,7 +82,7 @@ def fuzz(opts: FuzzOptions) -> dict:
     if opts.steer not in STEER_CHOICES:
         raise CampaignError(f"--steer {opts.steer!r}: expected one of {', '.join(STEER_CHOICES)}")
     with Releases.installed(only) as pool:      # check targets and the database up front
-        _, rels = parse_target(opts.target, list(pool.versions))
+        _, rels, _ = parse_target(opts.target, list(pool.versions))
         versions = list(pool.versions)
     if opts.steer in ("coverage", "both") and not rels:
         raise CampaignError(f"--steer {opts.steer}: coverage steering measures vLLM's code inside "

@@ -45,6 +45,10 @@ def cmd_geometry(args) -> int:
 
 
 def cmd_replay(args) -> int:
+    """Run a case; exit 1 exactly when something shows: on a release, a crash or a broken
+    invariant of its real run (step by step, or its config chain with ``--config-only``); on the
+    model, any finding. A release where the case could not run says why; if nothing showed and
+    no release could run it, exit 3."""
     from simsched.case import load_case
     from simsched.geometry import PROFILES, get_profile
     from simsched.outcome import describe
@@ -59,23 +63,50 @@ def cmd_replay(args) -> int:
         models, only = [], args.release
     else:
         models, only = [], None
+    traces: dict = {}
     with Releases.installed(only) as pool:
         if only is None and not pool.versions:
             return _fail("no vLLM release installed: run `simsched releases install`")
         outcomes: dict = {}
-        obs = observe(case, models, pool.targets() if only != [] else [], outcomes)
-    print(f"case: {case.layout.describe()}  (asserts {'on' if case.asserts else 'off'})")
+        releases = pool.targets() if only != [] else []
+        obs = observe(case, models, releases, outcomes, config=args.config_only,
+                      steps=[] if args.config_only else None, traces=traces)
+    # a release's difference from the model is the model's to explain, not the release's fault
+    shown = [o for o in obs if o.signature.kind != "divergence" or o.level == "model"]
+    print(f"case: {case.layout.describe()}  (asserts {'on' if case.asserts else 'off'}; "
+          f"{'config chain only' if args.config_only else 'every step on the real Scheduler'})")
     for name, outcome in outcomes.items():
-        sigs = sorted({str(o.signature) for o in obs if o.target == name})
-        print(f"  {name:>38}: {'FAIL ' + ', '.join(sigs) if sigs else 'pass'}  | {describe(outcome)}")
+        sigs = sorted({str(o.signature) for o in shown if o.target == name})
+        print(f"  {name:>38}: {'FAIL ' + ', '.join(sigs) if sigs else 'pass'}  | "
+              f"{describe(outcome)}")
+    for name, res in traces.items():
+        bad = _first_bad_step(res)
+        if bad:
+            print(f"\n{name}: the first bad step, with the steps before it (real trace):")
+            print("\n".join(f"    {x}" for x in bad))
     by_sig: dict[str, list[str]] = {}
-    for o in obs:
+    for o in shown:
         by_sig.setdefault(str(o.signature), []).append(o.target)
     for sig, where in sorted(by_sig.items()):
         present = sorted(set(where))
         absent = [n for n in outcomes if n not in present]
         print(f"{sig}: present in {', '.join(present)}; absent from {', '.join(absent) or '-'}")
-    return 1 if obs else 0
+    if shown:
+        return 1
+    ran = [o for name, o in outcomes.items()
+           if name.startswith("model:") or o.get("status") in ("ran", "ok", "error")]
+    return 0 if ran or not outcomes else 3
+
+
+def _first_bad_step(res, before: int = 3) -> list[str]:
+    """The real trace from ``before`` steps ahead of the first crash or violation to it."""
+    trace = res.real.get("trace") or []
+    bad = next((i for i, x in enumerate(trace) if x.startswith(("crash ", "violation "))), None)
+    if bad is None:
+        return []
+    starts = [i for i in range(bad + 1) if trace[i].startswith("step ")]
+    first = starts[-before - 1] if len(starts) > before else (starts[0] if starts else 0)
+    return trace[first:bad + 1]
 
 
 def cmd_run(args) -> int:
@@ -95,13 +126,24 @@ def cmd_fuzz(args) -> int:
         data = fuzz(opts)
     except (CampaignError, DatabaseError) as e:
         return _fail(str(e))
-    print(f"{len(data['findings'])} findings in {args.out}/report.md "
-          f"({data['examples']} examples, {data['examples_per_s']}/s)"
+    summ = data.get("summary", {})
+    per_class = ", ".join(f"{n} {k}" for k, n in summ.get("clusters", {}).items()) or "none"
+    print(f"{summ.get('clusters_total', 0)} clusters ({per_class}) from "
+          f"{len(data['findings'])} findings in {args.out}/report.md "
+          f"({data['examples']} examples, {data['examples_per_s']}/s, "
+          f"{summ.get('real_steps', 0):,} real steps)"
           + ("; interrupted: run the same command to resume" if data.get("interrupted") else ""))
     for f in data["findings"]:
-        print(f"  {f['id']}: {f['layout']} | present in {', '.join(f['releases_affected']) or '-'}"
-              f" | profiles {', '.join(f['profiles_affected']) or '-'}")
-    return 130 if data.get("interrupted") else 0
+        print(f"  [{f.get('class', '?')}] {f['id']}: {f['layout']} | present in "
+              f"{', '.join(f['releases_affected']) or '-'} | profiles "
+              f"{', '.join(f['profiles_affected']) or '-'}")
+    errors = data.get("tool_errors") or []
+    for e in errors:
+        print(f"  tool error (simsched, not vLLM): {e['exception']} in {e['function']} on "
+              f"{e['target']}, case {args.out}/{e['case']}", file=sys.stderr)
+    if data.get("interrupted"):
+        return 130
+    return 1 if errors else 0
 
 
 def cmd_releases(args) -> int:
@@ -120,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--budget", type=float, default=120.0, help="seconds (default 120)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--target", default="all",
-                   help="model, a release such as 0.30.0, releases, lockstep (every release, "
-                   "whole cases on the real Scheduler), or all (default)")
+                   help="all (default: the model, every release's config chain, and real "
+                   "Scheduler steps where the model points and on a share of all cases), config "
+                   "(the model and the config chains only), lockstep (every case step by step "
+                   "on every release, diffed with the model), releases (every case step by step, "
+                   "no model), a release such as 0.30.0, or model")
     f.add_argument("--out", default="simsched-out", help="output folder (default simsched-out/)")
     f.add_argument("--asserts", choices=("on", "off", "both"), default="both",
                    help="run vLLM with asserts on, stripped (python -O), or both (default)")
@@ -138,8 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--no-steer", action="store_true", help="same as --steer none")
     f.set_defaults(fn=cmd_fuzz)
 
-    r = sub.add_parser("replay", help="run one case; exit 1 when it shows a finding")
+    r = sub.add_parser("replay", help="run one case step by step on real releases; exit 1 when "
+                       "it shows a finding")
     r.add_argument("case")
+    r.add_argument("--config-only", action="store_true",
+                   help="run only the releases' config chain (boot, first offload keys)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--release", action="append", help="a release (repeatable)")
     g.add_argument("--all-releases", action="store_true", help="every installed release (default)")

@@ -38,8 +38,7 @@ from typing import Any
 
 from simsched.case import Case
 from simsched.geometry import profile_for_release
-from simsched.outcome import Signature
-from simsched.replay import Observation
+from simsched.outcome import Observation, Signature
 from simsched.targets import model_crash
 
 DEFAULT_CASE_TIMEOUT = 120.0

@@ -11,6 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass
+class Observation:
+    """One signature seen on one target for one case; ``level``: what ran to see it (``model``:
+    the model, every step; ``config``: a release's config chain; ``steps``: a release's real
+    Scheduler, every step)."""
+
+    signature: "Signature"
+    target: str
+    outcome: dict
+    level: str = "config"
+
+
 @dataclass(frozen=True, order=True)
 class Signature:
     """What makes two findings the same finding."""
@@ -94,10 +106,32 @@ def describe(outcome: dict) -> str:
                 f"{outcome.get('message', '')}")
     if status == "unsupported":
         return f"unsupported: {outcome.get('reason', '')}"
-    if status == "lockstep":
-        return ("lockstep: " + ", ".join(outcome["signatures"]) if outcome["signatures"]
-                else "lockstep: agrees with the model, no finding")
+    if status == "ran":
+        return describe_run(outcome)
+    if status == "refused":
+        return f"refused at start-up: {outcome.get('reason', '')}"
+    if status == "worker":
+        return (f"not run: the release worker failed ({outcome.get('exception')}: "
+                f"{outcome.get('message', '')})")
+    if status == "invalid":
+        return f"not run: invalid case ({outcome.get('reason', '')})"
     g = outcome["geometry"]
     groups = ", ".join(f"g{x['group_id']}: {x['tokens_per_chunk']} tok/chunk, "
                        f"{x['hashes_per_chunk']} hash/chunk" for x in g["groups"])
     return f"ok: hash unit {g['tokens_per_hash']}, {groups}"
+
+
+def describe_run(outcome: dict) -> str:
+    """A real step-by-step run (status ``ran``) in one line."""
+    steps, found = outcome.get("steps", 0), outcome.get("findings") or []
+    if not found:
+        gap = outcome.get("divergence")
+        return (f"ran {steps} steps: clean" + (f" (the model differs at step {gap['step']}: "
+                                               f"{gap['kind']})" if gap else ""))
+    f = found[0]
+    where = "at start-up" if f.get("stage") in ("boot", "add_request") and not f.get("step") \
+        else f"at step {f.get('step')}"
+    if f.get("kind") == "invariant":
+        return f"ran {steps} steps: {f['inv_id']} {where}: {f.get('detail', '')}"
+    return (f"ran {steps} steps: {f.get('exception')} in {f.get('function')} {where}: "
+            f"{f.get('message', '')}")

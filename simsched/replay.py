@@ -1,31 +1,31 @@
 """Running one case on chosen targets and naming what it shows: the core of ``simsched replay``.
 
-:func:`observe` is the one place that turns outcomes into finding signatures: a crash on any
-target, and a divergence wherever a release's outcome differs from the model's prediction under
-the profile that stands for that release. Campaigns and repro files call it too.
+:func:`observe` is the one place that turns outcomes into finding signatures. Three levels:
+
+* the model runs the whole case (every step, every invariant) under each profile given;
+* a release's **config chain** (boot and the first ``update_offload_keys``, batched and cheap):
+  a crash, and a divergence wherever it differs from the model under the release's profile;
+* a release's **real Scheduler, step by step** (:mod:`simsched.lockstep`): its crashes, the
+  invariants its real run breaks (checked on a content shadow of the real run, not on the
+  model), and the first step where its trace differs from the model's.
+
+A release's step run is what a claim about the release rests on: ``releases_clean`` means it ran
+every step there and nothing showed. Its outcome (``outcomes[version]``) has status ``ran``, or
+says why the case could not run (``unsupported``, ``refused``, ``worker``, ``invalid``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from simsched.case import Case
-from simsched.outcome import (Signature, crash_signature, describe, diff_config,
+from simsched.outcome import (Observation, Signature, crash_signature, describe, diff_config,
                               finding_signature)
 from simsched.targets import ModelTarget, ReleaseTarget
 
-
-@dataclass
-class Observation:
-    """One signature seen on one target for one case."""
-
-    signature: Signature
-    target: str
-    outcome: dict
+__all__ = ["Observation", "observe", "shows", "run_release", "step_outcome"]
 
 
 def run_release(target: ReleaseTarget, case: Case) -> dict:
-    """A release's outcome; a worker that died or hung becomes an error outcome, not a stop."""
+    """A release's config outcome; a worker that died or hung becomes an error outcome."""
     try:
         return target.config(case)
     except Exception as e:
@@ -34,51 +34,86 @@ def run_release(target: ReleaseTarget, case: Case) -> dict:
                 "function": "release_worker", "file": None, "message": first}
 
 
-def observe(case: Case, models: list[ModelTarget], releases: list[ReleaseTarget],
-            outcomes: dict | None = None, lockstep: bool = False) -> list[Observation]:
-    """Run ``case`` on every target; ``outcomes`` (target name -> outcome) is filled if given.
-
-    The model runs the whole case (every step, every invariant) under each profile. A release
-    runs the config-level chain, compared with the model's prediction under the release's
-    profile, or, with ``lockstep``, the whole case on the real Scheduler, step by step.
-    """
-    obs: list[Observation] = []
-    predicted: dict[str, dict] = {}
+def _observe_models(case: Case, models: list[ModelTarget], outcomes: dict,
+                    predicted: dict) -> list[Observation]:
+    obs = []
     for t in models:
         outcome = predicted[t.profile.name] = t.config(case)
         if outcome["status"] == "error":   # fails while configuring: no step would run
             findings, steps = [dict(outcome, kind="crash")], 1
         else:
             findings, steps = t.run(case)
-        if outcomes is not None:
-            outcomes[t.name] = dict(outcome, findings=findings, steps=steps)
+        outcomes[t.name] = dict(outcome, findings=findings, steps=steps)
         for f in findings:
-            obs.append(Observation(finding_signature(f), t.name, dict(f, steps=steps)))
-    if lockstep:
-        from simsched.lockstep import lockstep_observations
-        for t in releases:
-            found = lockstep_observations(case, t)
-            if outcomes is not None:
-                outcomes[t.name] = {"status": "lockstep",
-                                    "signatures": [str(o.signature) for o in found]}
-            obs.extend(found)
-        return obs
+            obs.append(Observation(finding_signature(f), t.name, dict(f, steps=steps), "model"))
+    return obs
+
+
+def _observe_configs(case: Case, releases: list[ReleaseTarget], outcomes: dict,
+                     predicted: dict) -> list[Observation]:
+    obs = []
     for t in releases:
-        outcome = run_release(t, case)
-        if outcomes is not None:
-            outcomes[t.name] = outcome
+        outcome = outcomes[t.name] = run_release(t, case)
         if sig := crash_signature(outcome):
             obs.append(Observation(sig, t.name, outcome))
         model = predicted.get(t.profile.name) or ModelTarget(t.profile).config(case)
         for f in diff_config(model, outcome):
-            obs.append(Observation(Signature("divergence", function=f), t.name,
+            obs.append(Observation(Signature("divergence", function=f"config.{f}"), t.name,
                                    {"model": model, "release": outcome}))
     return obs
 
 
+def step_outcome(res) -> dict:
+    """A :class:`simsched.lockstep.LockstepResult` as the outcome of a release's step run."""
+    real = res.real
+    status = real.get("status")
+    if status != "ok":
+        return {k: v for k, v in real.items() if k not in ("trace",)}
+    gap = res.divergence.to_json() if res.divergence is not None else None
+    return {"status": "ran", "steps": real.get("counters", {}).get("steps", 0),
+            "findings": real.get("findings", []), "counters": real.get("counters", {}),
+            "divergence": gap and {"step": gap["step"], "kind": gap["kind"]},
+            "wall": real.get("wall")}
+
+
+def _observe_steps(case: Case, releases: list[ReleaseTarget], outcomes: dict,
+                   traces: dict | None) -> list[Observation]:
+    from simsched.lockstep import lockstep
+    obs = []
+    for t in releases:
+        res = lockstep(case, t.version, t.pool)
+        outcomes[t.name] = dict(step_outcome(res), config=outcomes.get(t.name))
+        if traces is not None:
+            traces[t.name] = res
+        obs.extend(Observation(o.signature, o.target, o.outcome, "steps")
+                   for o in res.observations)
+    return obs
+
+
+def observe(case: Case, models: list[ModelTarget], releases: list[ReleaseTarget],
+            outcomes: dict | None = None, *, config: bool = True,
+            steps: list[ReleaseTarget] | None = None,
+            traces: dict | None = None) -> list[Observation]:
+    """Run ``case`` on every target; ``outcomes`` (target name -> outcome) is filled if given.
+
+    ``config``: run the config chain of every release of ``releases``; ``steps``: the releases
+    to run step by step on the real Scheduler (default: every release of ``releases``). A
+    release's step outcome replaces its config outcome in ``outcomes`` (keeping it under
+    ``config``). ``traces`` gets each step run's :class:`~simsched.lockstep.LockstepResult`.
+    """
+    outcomes = {} if outcomes is None else outcomes
+    predicted: dict[str, dict] = {}
+    obs = _observe_models(case, models, outcomes, predicted)
+    if config:
+        obs += _observe_configs(case, releases, outcomes, predicted)
+    obs += _observe_steps(case, releases if steps is None else steps, outcomes, traces)
+    return obs
+
+
 def shows(case: Case, target: ReleaseTarget, signature: str | Signature) -> tuple[bool, str]:
-    """Does ``case`` on ``target`` show ``signature``? And the outcome in one line."""
+    """Does ``case`` on ``target``'s real Scheduler, run step by step, show ``signature``? And
+    the outcome in one line."""
     sig = Signature.parse(signature) if isinstance(signature, str) else signature
     outcomes: dict = {}
-    obs = observe(case, [], [target], outcomes)
+    obs = observe(case, [], [target], outcomes, config=False)
     return any(o.signature == sig for o in obs), describe(outcomes[target.name])

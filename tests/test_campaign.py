@@ -71,10 +71,13 @@ def test_damaged_finding_is_named_and_kept(tmp_path):
 
 
 @pytest.mark.parametrize("target, installed, expect", [
-    ("all", ["0.30.0"], (True, ["0.30.0"])),
-    ("model", ["0.30.0"], (True, [])),
-    ("releases", ["0.30.0", "0.33.0"], (False, ["0.30.0", "0.33.0"])),
-    ("0.33.0", ["0.30.0", "0.33.0"], (False, ["0.33.0"])),
+    ("all", ["0.30.0"], (True, ["0.30.0"], "screen")),
+    ("all", [], (True, [], "none")),
+    ("config", ["0.30.0"], (True, ["0.30.0"], "none")),
+    ("model", ["0.30.0"], (True, [], "none")),
+    ("lockstep", ["0.30.0"], (True, ["0.30.0"], "every")),
+    ("releases", ["0.30.0", "0.33.0"], (False, ["0.30.0", "0.33.0"], "every")),
+    ("0.33.0", ["0.30.0", "0.33.0"], (False, ["0.33.0"], "every")),
 ])
 def test_parse_target(target, installed, expect):
     assert parse_target(target, installed) == expect

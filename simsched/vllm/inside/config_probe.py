@@ -103,9 +103,11 @@ class ConfigProbe:
         out = {"status": "error", "stage": stage, "exception": type(exc).__name__,
                "function": None, "file": None, "line": None, "message": _first_line(exc)}
         if inner is not None:
+            # the raising line's text: a cluster's key (line numbers move between releases),
+            # and whether vLLM raised on purpose (``raise ValueError(...)``: a refusal)
             out.update(function=inner.name,
                        file=os.path.relpath(os.path.abspath(inner.filename), self.vllm_dir),
-                       line=inner.lineno)
+                       line=inner.lineno, source=(inner.line or "").strip()[:200])
         return out
 
     def run_batch(self, items: list[dict]) -> list[dict]:

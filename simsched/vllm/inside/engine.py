@@ -213,7 +213,24 @@ class _Run:
             self.findings.append(info)
         except inv.InvariantViolation as v:
             self.lines.append(f"violation {v.inv_id} {v.detail}")
-            self.findings.append(v.to_json())
+            self.findings.append(dict(v.to_json(), group_kinds=self._kinds_named(v.detail)))
+
+    def _kinds_named(self, detail: str) -> str | None:
+        """The kinds of the KV cache groups a violation names (``group 2``, ``g1:3``, or a
+        block some request's table of that group holds), for the finding's cluster; None
+        where it names none."""
+        import re
+        groups = {int(a or b) for a, b in re.findall(r"\bgroup (\d+)|\bg(\d+):", detail)}
+        blocks = {int(b) for b in re.findall(r"\bblock (\d+)", detail)}
+        if blocks and hasattr(self, "sched"):
+            for rid in self.reqs:
+                for gid, table in enumerate(self._tables(rid)):
+                    if blocks & set(table):
+                        groups.add(gid)
+        layout = self.case.layout.groups
+        kinds = sorted({layout[g].kind + ("-drafter" if layout[g].drafter else "")
+                        for g in groups if g < len(layout)})
+        return "+".join(kinds) or None
 
     def _call(self, stage: str, fn, *args, **kw):
         try:

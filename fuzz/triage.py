@@ -1,0 +1,182 @@
+"""Triage: what an observation says about vLLM, and which observations share a cause.
+
+Every observation of a case (:class:`simsched.replay.Observation`) gets a **class**:
+
+``bug``
+    a real release crashed with an exception that is not a clean refusal (an ``AssertionError``,
+    an ``IndexError``, a ``ValueError`` out of ``islice``...), at start-up or later, or broke an
+    invariant on its real, step-by-step run;
+``validation``
+    a real release refused the configuration at start-up with an exception that names the
+    problem: a ``ValueError``, ``TypeError`` or ``NotImplementedError`` with a message, raised by
+    a ``raise`` statement of vLLM's own code (vLLM doing its job);
+``model-gap``
+    the model disagrees with a release whose run broke no invariant (a configuration or trace
+    difference, or an invariant the model predicts for a release that ran clean);
+``proposal``
+    shows only under a hypothetical fix profile (it judges a fix; no release has it);
+``predicted``
+    the model predicts it under a release's profile, and the campaign ran no real step to
+    check it (``--target model`` or ``--target config`` only);
+``tool-error``
+    simsched itself raised (the model, the harness, a release worker that died or hung):
+    never a finding about vLLM.
+
+and a **cluster key**, the cause it stands for (ClusterFuzz's crash state): a crash by its
+exception, vLLM file, function and the text of the raising line (the text, not the number:
+lines move between releases); an invariant by its ID, the first bad operation and the group
+kinds of the layout; a model gap by what differs. Observations with one key are one cluster,
+whatever the layout, the profiles, the asserts mode or the releases they show on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simsched.geometry import PROFILES
+from simsched.layout import Layout
+
+BUG, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED, TOOL_ERROR = (
+    "bug", "validation", "model-gap", "proposal", "predicted", "tool-error")
+#: the order in which a campaign hunts new clusters and a report lists them
+CLASSES = (BUG, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED)
+
+#: configuration stages of a release (the config chain and the real engine's boot): a clean
+#: refusal can only happen here; later, the same exception is a bug
+START_UP_STAGES = frozenset({"resolve", "build_offloading_config", "spec", "from_spec",
+                             "scheduler", "boot", "add_request"})
+REFUSAL_EXCEPTIONS = frozenset({"ValueError", "TypeError", "NotImplementedError"})
+#: a release worker's own failures: the case is saved, the cause is not known to be vLLM's
+WORKER_FAILURES = frozenset({"WorkerDied", "WorkerTimeout", "HarnessError", "WorkerError"})
+
+#: the first bad operation of an invariant, where the finding does not name it
+INVARIANT_OP = {"INV-1": "pool", "INV-2": "pool", "INV-3": "store", "INV-4": "store",
+                "INV-5": "load", "INV-6": "write", "INV-7": "load", "INV-8": "liveness",
+                "INV-9": "lookup", "INV-10": "cap"}
+
+
+@dataclass(frozen=True)
+class Triage:
+    klass: str
+    key: tuple          # the cluster key: equal keys, one cause
+
+    @property
+    def cluster(self) -> str:
+        return cluster_name(self.key)
+
+
+def group_kinds(layout: Layout) -> str:
+    """The kinds of a layout's groups, as a cluster sees them: ``full+ring``, ``full+mamba``."""
+    kinds = sorted({g.kind + ("-drafter" if g.drafter else "") for g in layout.groups})
+    return "+".join(kinds)
+
+
+def is_refusal(outcome: dict) -> bool:
+    """vLLM refused the configuration: a named exception, with a message, raised at start-up
+    by a ``raise`` statement of vLLM's own code (not by Python under it: ``islice``'s
+    ValueError in ``update_offload_keys`` is a bug)."""
+    source = (outcome.get("source") or "").lstrip()
+    return (outcome.get("stage") in START_UP_STAGES
+            and outcome.get("exception") in REFUSAL_EXCEPTIONS
+            and bool(outcome.get("message"))
+            and source.startswith("raise "))
+
+
+def crash_key(outcome: dict) -> tuple:
+    source = " ".join((outcome.get("source") or "").split())
+    return ("crash", outcome.get("exception") or "?", outcome.get("file") or "",
+            outcome.get("function") or "?", source)
+
+
+def triage_release(obs, layout: Layout, run_clean: bool | None) -> Triage | None:
+    """An observation on a real release. ``run_clean``: the release's step-by-step run broke
+    nothing (None: no step ran). None: a divergence on a run that broke something (the
+    broken invariant or the crash is the finding; the divergence is its consequence)."""
+    sig, out = obs.signature, obs.outcome
+    if sig.kind == "crash":
+        if sig.exception in WORKER_FAILURES or sig.function == "release_worker":
+            return Triage(TOOL_ERROR, ("tool", sig.exception, sig.function))
+        return Triage(VALIDATION if is_refusal(out) else BUG, crash_key(out))
+    if sig.kind == "invariant":
+        # the kinds of the groups where it broke, where the run names them; else the layout's
+        op = out.get("op") or INVARIANT_OP.get(sig.invariant, "?")
+        kinds = out.get("group_kinds") or group_kinds(layout)
+        return Triage(BUG, ("invariant", sig.invariant, op, kinds))
+    # a divergence from the model: the model's gap, unless the release's run broke something
+    # (then the bug of that run is the finding, and this is its consequence)
+    if run_clean is False:
+        return None
+    return Triage(MODEL_GAP, ("model-gap", sig.function))
+
+
+def triage_model(obs, releases_run: dict[str, bool], stepping: bool = True) -> Triage | None:
+    """An observation on the model under a profile; ``releases_run``: release -> its real run
+    was clean, for the releases that ran the case step by step; ``stepping``: the campaign runs
+    real steps at all. None: nothing to report on its own (the real runs of the profile's
+    releases show it, and the release's observation is the finding; or its releases did not
+    run the case, where real steps were the check)."""
+    sig, out = obs.signature, obs.outcome
+    if (out.get("function") or "").startswith("simsched") or out.get("stage") == "model":
+        return Triage(TOOL_ERROR, ("tool", sig.exception, sig.function))
+    profile = PROFILES.get(obs.target.split(":", 1)[1])
+    if profile is None or not profile.releases:
+        return Triage(PROPOSAL, ("proposal", str(sig)))
+    ran = {v: clean for v, clean in releases_run.items() if v in profile.releases}
+    if not ran:
+        return None if stepping else Triage(PREDICTED, ("predicted", str(sig)))
+    if all(ran.values()):
+        return Triage(MODEL_GAP, ("model-gap", f"model predicts {sig}"))
+    return None
+
+
+def only_proposals(seen: list) -> list:
+    """Drop a proposal whose signature also shows on a release or under a release's profile in
+    the same case: a proposal is what shows only under hypothetical fixes."""
+    real = {str(s.obs.signature) for s in seen if s.klass != PROPOSAL}
+    real |= {str(s.obs.signature) for s in seen if s.obs.level == "model"
+             and (p := PROFILES.get(s.obs.target.split(":", 1)[1])) is not None and p.releases}
+    return [s for s in seen if s.klass != PROPOSAL or str(s.obs.signature) not in real]
+
+
+def cluster_name(key: tuple) -> str:
+    """A short, stable, readable name for a cluster key."""
+    import hashlib
+    head = {"crash": lambda k: f"{k[1]}-{k[3]}", "invariant": lambda k: f"{k[1]}-{k[2]}-{k[3]}",
+            "model-gap": lambda k: f"gap-{k[1]}", "proposal": lambda k: f"proposal-{k[1]}",
+            "predicted": lambda k: f"predicted-{k[1]}", "tool": lambda k: f"tool-{k[1]}"}
+    text = head.get(key[0], lambda k: "-".join(map(str, k)))(key)
+    slug = "".join(ch if ch.isalnum() or ch in "-_+" else "_" for ch in text)[:60].strip("_")
+    return f"{slug}-{hashlib.sha1(repr(key).encode()).hexdigest()[:6]}"
+
+
+# --- release ranges ----------------------------------------------------------------------------
+
+def _vkey(v: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
+
+
+def ranges(affected: list[str], installed: list[str]) -> list[tuple[str, str]]:
+    """The affected releases as runs of consecutive installed releases: [(first, last)]."""
+    order = sorted(installed, key=_vkey)
+    hit = set(affected)
+    out: list[tuple[str, str]] = []
+    for v in order:
+        if v in hit:
+            if out and order.index(out[-1][1]) == order.index(v) - 1:
+                out[-1] = (out[-1][0], v)
+            else:
+                out.append((v, v))
+    return out
+
+
+def regressed_fixed(affected: list[str], clean: list[str], installed: list[str]) -> str:
+    """"regressed in / fixed in" as ClusterFuzz says it, over the releases that really ran."""
+    ran = sorted(set(affected) | set(clean), key=_vkey)
+    parts = []
+    for first, last in ranges(affected, ran):
+        i, j = ran.index(first), ran.index(last)
+        before = f"regressed in {first}" if i > 0 else f"present since {first} (oldest run)"
+        after = f"fixed in {ran[j + 1]}" if j + 1 < len(ran) else "not fixed in the newest"
+        span = first if first == last else f"{first} to {last}"
+        parts.append(f"{span}: {before}, {after}")
+    return "; ".join(parts) or "-"
