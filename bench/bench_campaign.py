@@ -91,7 +91,7 @@ def steer_run(pool: Releases, seed: int, budget: float, target: str, steer: str)
     with tempfile.TemporaryDirectory() as out:
         campaign = Campaign(Path(out), pool, model=False, run_releases=[version], budget=budget,
                             seed_=seed, asserts=True, progress=lambda s: None, steer=steer,
-                            lockstep=target.startswith("lockstep:"))
+                            steps="every" if target.startswith("lockstep:") else "none")
         data = campaign.run()
     first = min((f.found_after_s for f in campaign.findings.values() if of_the_class(f)),
                 default=None)

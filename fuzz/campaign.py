@@ -287,7 +287,7 @@ class Campaign:
         self.interrupted = False
         self.steps = 0                   # model steps
         self.per_release: dict[str, dict] = {}   # version -> cases, real steps, seconds
-        self.model_s = 0.0
+        self.model_s = 0.0               # seconds in the model under every profile
         self.findings: dict[tuple, Finding] = {}
         self.prior: list[dict] = []
         self.damaged: set[Path] = set()
@@ -303,12 +303,12 @@ class Campaign:
     # --- evaluating one case ---------------------------------------------------------------
 
     def _release_stats(self, version: str) -> dict:
-        return self.per_release.setdefault(version, {"config_cases": 0, "step_cases": 0,
-                                                     "real_steps": 0, "seconds": 0.0})
+        return self.per_release.setdefault(version, {
+            "config_cases": 0, "step_cases": 0, "real_steps": 0,
+            "config_seconds": 0.0, "step_seconds": 0.0})
 
-    def _account(self, outcomes: dict, t0: float, t_model: float, stepped) -> None:
-        """Count what ran: model seconds, per release its config and step cases, real steps."""
-        self.model_s += t_model
+    def _account(self, outcomes: dict, stepped) -> None:
+        """Count what ran: model steps; per release its config and step cases, real steps."""
         for name, out in outcomes.items():
             if name.startswith("model:"):
                 self.steps += out.get("steps", 0)
@@ -319,7 +319,6 @@ class Campaign:
             st["step_cases"] += 1
             out = outcomes.get(t.name) or {}
             st["real_steps"] += out.get("steps", 0) if out.get("status") == "ran" else 0
-            st["seconds"] += out.get("wall") or 0.0
 
     def screen(self, case: Case, obs: list[Observation], outcomes: dict,
                sampled: bool) -> list[ReleaseTarget]:
@@ -346,13 +345,19 @@ class Campaign:
         """Run ``case`` on the model and the releases as :meth:`screen` decides; triaged."""
         outcomes: dict = {}
         t0 = time.perf_counter()
-        obs = observe(case, self.model_targets, self.release_targets, outcomes, steps=[])
-        t1 = time.perf_counter()
+        obs = observe(case, self.model_targets, [], outcomes, steps=[])
+        self.model_s += time.perf_counter() - t0
+        for t in self.release_targets:
+            t0 = time.perf_counter()
+            obs += observe(case, [], [t], outcomes, steps=[])
+            self._release_stats(t.version)["config_seconds"] += time.perf_counter() - t0
         stepped = self.screen(case, obs, outcomes, sampled)
         self._stepped_last = {t.name for t in stepped}
-        if stepped:
-            obs += observe(case, [], stepped, outcomes, config=False)
-        self._account(outcomes, t0, t1 - t0, stepped)
+        for t in stepped:
+            t0 = time.perf_counter()
+            obs += observe(case, [], [t], outcomes, config=False)
+            self._release_stats(t.version)["step_seconds"] += time.perf_counter() - t0
+        self._account(outcomes, stepped)
         return self.triage(case, obs, outcomes)
 
     def triage(self, case: Case, obs: list[Observation], outcomes: dict) -> list[Seen]:
@@ -712,11 +717,13 @@ class Campaign:
             "samples": self.samples + [{"t": round(el, 3), "examples": self.examples,
                                         "findings": len(self.findings)}],
             "steer": self.steer,
-            "per_release": {v: dict(st, seconds=round(st["seconds"], 3))
+            # step_seconds: the real run and the model's trace it is diffed with (lockstep)
+            "per_release": {v: {k: round(x, 3) for k, x in st.items()}
                             for v, st in sorted(self.per_release.items(),
                                                 key=lambda kv: tri._vkey(kv[0]))},
             "seconds": {"model": round(self.model_s, 3), "shrinking": round(self.shrinking_s, 3),
-                        **{v: round(st["seconds"], 3) for v, st in self.per_release.items()}},
+                        **{v: round(st["config_seconds"] + st["step_seconds"], 3)
+                           for v, st in self.per_release.items()}},
             "tool_errors": list(self.tool_errors.values()),
             "findings": findings,
         }

@@ -56,7 +56,8 @@ def _observe_configs(case: Case, releases: list[ReleaseTarget], outcomes: dict,
         outcome = outcomes[t.name] = run_release(t, case)
         if sig := crash_signature(outcome):
             obs.append(Observation(sig, t.name, outcome))
-        model = predicted.get(t.profile.name) or ModelTarget(t.profile).config(case)
+        model = (predicted.get(t.profile.name) or outcomes.get(f"model:{t.profile.name}")
+                 or ModelTarget(t.profile).config(case))
         for f in diff_config(model, outcome):
             obs.append(Observation(Signature("divergence", function=f"config.{f}"), t.name,
                                    {"model": model, "release": outcome}))

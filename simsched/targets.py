@@ -102,11 +102,12 @@ class Releases:
     versions: tuple[str, ...]
     timeout: float = 60.0
     coverage: bool = False      # workers collect arc coverage of vLLM's offloading code
+    mutant: str | None = None   # workers run their release with this mutant (benchmarks)
     _workers: dict = field(default_factory=dict)
 
     @classmethod
     def installed(cls, only: list[str] | None = None, timeout: float = 60.0,
-                  coverage: bool = False) -> "Releases":
+                  coverage: bool = False, mutant: str | None = None) -> "Releases":
         from simsched.vllm import releases
         have = [r.version for r in releases.installed()]
         if only is not None:
@@ -117,7 +118,7 @@ class Releases:
                     f"(installed: {', '.join(have) or 'none'}); run: simsched releases install "
                     + " ".join(missing))
             have = [v for v in have if v in only]
-        return cls(tuple(have), timeout, coverage)
+        return cls(tuple(have), timeout, coverage, mutant)
 
     def targets(self) -> list[ReleaseTarget]:
         return [ReleaseTarget(v, self) for v in self.versions]
@@ -127,7 +128,8 @@ class Releases:
         if key not in self._workers:
             from simsched.vllm.worker import ReleaseWorker, spec_for
             self._workers[key] = ReleaseWorker(
-                spec_for(version, asserts=asserts, coverage=self.coverage), timeout=self.timeout)
+                spec_for(version, asserts=asserts, coverage=self.coverage, mutant=self.mutant),
+                timeout=self.timeout)
         return self._workers[key]
 
     def take_coverage(self, versions=None) -> dict:
@@ -159,17 +161,23 @@ class Releases:
              versions=None) -> tuple[float, list[BaseException]]:
         """Start the workers (in parallel) and build each one's base config: the seconds taken,
         and what went wrong (a worker that failed to start restarts on its first call)."""
+        import os
         import threading
         import time
         t0 = time.monotonic()
         probe = {"layout": {"groups": [{"kind": "full", "block_size": 16}]}, "num_tokens": 16}
         errors: list[BaseException] = []
 
+        # at most one start per core at a time: twenty workers importing torch and vLLM at
+        # once on two cores each take minutes, past their start-up time limit
+        slots = threading.Semaphore(max(1, os.cpu_count() or 1))
+
         def start(version: str, asserts: bool) -> None:
-            try:
-                self.worker(version, asserts).call("config_batch", items=[probe])
-            except BaseException as e:   # reported below; the campaign records worker failures
-                errors.append(e)
+            with slots:
+                try:
+                    self.worker(version, asserts).call("config_batch", items=[probe])
+                except BaseException as e:   # reported below; the campaign records failures
+                    errors.append(e)
 
         keys = [(v, a) for v in (versions or self.versions) for a in asserts_modes]
         for key in keys:   # create serially: the dict is not shared across threads

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from fuzz.campaign import Campaign, CampaignError, parse_target
+from fuzz.campaign import Campaign, CampaignError, Hunt, parse_target
 from simsched.case import load_case
 from simsched.targets import Releases
 
@@ -128,7 +128,7 @@ def test_steer_choices(tmp_path):
 
 def test_shrinking_keeps_the_bug_not_just_the_signature(tmp_path):
     """On one release, the ring group of upstream PR #55037 and a lone Mamba group under DCP raise
-    the same assert of ``build_offloading_config`` (one signature), but they are different bugs:
+    the same assert of ``build_offloading_config`` (one cluster), but they are different variants:
     the ring one needs a ring spec and the every-group assert (0.29.0-0.30.0 in vLLM), the Mamba one
     the DCP-scaled hash unit of a single group, from 0.27.0 (``replay --all-releases`` on real
     vLLM shows exactly these release sets). A shrink step from one to the other is refused."""
@@ -148,7 +148,7 @@ def test_shrinking_keeps_the_bug_not_just_the_signature(tmp_path):
         c = Campaign(tmp_path, pool, model=True, run_releases=[], budget=1.0, seed_=1,
                      asserts=True, progress=lambda s: None)
         fp_ring, fp_mamba = c.fingerprint(ring, sig), c.fingerprint(mamba_dcp, sig)
-        hunt = (sig, ("0.30.0",), frozenset({"0.30.0"}), fp_ring)
+        hunt = Hunt(("crash",), "bug", sig, fp_ring, [], [], [], frozenset({"0.30.0"}))
         assert c.same_bug(ring_smaller, hunt)
         assert not c.same_bug(mamba_dcp, hunt)
     # both fail under 0.30.0's profile and neither under 0.31.0's; the upstream fix of the assert

@@ -50,9 +50,13 @@ class WorkerSpec:
         return WorkerSpec(self.version, self.python, dict(self.env), optimize)
 
 
-def spec_for(version: str, *, asserts: bool = True, coverage: bool = False) -> WorkerSpec:
+def spec_for(version: str, *, asserts: bool = True, coverage: bool = False,
+             mutant: str | None = None) -> WorkerSpec:
     """The :class:`WorkerSpec` of an installed release, via :mod:`simsched.vllm.releases`;
-    ``coverage``: the worker collects arc coverage of the offloading code (op ``coverage``)."""
+    ``coverage``: the worker collects arc coverage of the offloading code (op ``coverage``);
+    ``mutant``: the worker runs the release with that mutant of
+    :mod:`simsched.vllm.inside.mutants` patched in for its whole life (the mutation benchmark:
+    a campaign against a mutated release that gives it no hint)."""
     from simsched.vllm import releases  # lazy: written and owned elsewhere
 
     for rel in releases.installed():
@@ -61,6 +65,8 @@ def spec_for(version: str, *, asserts: bool = True, coverage: bool = False) -> W
             env = dict(releases.worker_env(rel))
             if coverage:
                 env["SIMSCHED_COVERAGE"] = "1"
+            if mutant:
+                env["SIMSCHED_MUTANT"] = mutant
             return WorkerSpec(version=version, python=cmd[0], env=env, optimize=not asserts)
     raise LookupError(f"vLLM release {version} is not installed")
 

@@ -55,6 +55,11 @@ def main() -> int:
         out.write(json.dumps(obj, separators=(",", ":")) + "\n")
         out.flush()
 
+    mutant = os.environ.get("SIMSCHED_MUTANT")
+    if mutant:   # the whole worker runs the mutated release (bench/bench_mutants.py)
+        from simsched.vllm.inside import mutants
+        mutants.apply(mutant)
+
     tracer = None
     if os.environ.get("SIMSCHED_COVERAGE") == "1":
         from simsched.vllm.inside.coverage import ArcTracer
@@ -62,7 +67,8 @@ def main() -> int:
         tracer.start()
 
     send({"ready": True, "version": vllm.__version__, "optimize": sys.flags.optimize,
-          **({"coverage": True} if tracer is not None else {})})
+          **({"coverage": True} if tracer is not None else {}),
+          **({"mutant": mutant} if mutant else {})})
     for line in inp:
         line = line.strip()
         if not line:
