@@ -194,7 +194,11 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
     # every request admissible on its own, so that waiting forever is a finding, not a given.
     need = max(sum(1 if g.kind == "ring" else -(-(r.prompt_len + r.decode) // g.block_size)
                    for g in layout.groups) for r in requests)
-    if layout.engine.num_gpu_blocks <= need + 1:
+    if draw(_ints(0, 3)) == 0:
+        # a pool that barely holds the longest request: the GPU prefix cache evicts what the
+        # next request would hit, so that the CPU tier serves it (loads, fences, preemption)
+        layout = layout.with_engine(num_gpu_blocks=need + 1 + draw(_pick((2, 4, 8))))
+    elif layout.engine.num_gpu_blocks <= need + 1:
         layout = layout.with_engine(num_gpu_blocks=need + 16)
     timing = _timing(draw)
     spec = layout.engine.speculative
