@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fuzz.campaign import Campaign  # noqa: E402
+from fuzz.campaign import REAL_SHARE, Campaign  # noqa: E402
 from simsched.replay import observe  # noqa: E402
 from simsched.targets import Releases  # noqa: E402
 from simsched.vllm.inside.mutants import MUTANTS  # noqa: E402  (imports no vLLM)
@@ -42,7 +42,8 @@ def the_mutants_effect(finding, clean_pool: Releases, release: str) -> bool:
     return not any(o.signature == finding.signature for o in obs)
 
 
-def one_run(mutant: str, seed: int, release: str, budget: float, clean_pool: Releases) -> dict:
+def one_run(mutant: str, seed: int, release: str, budget: float, clean_pool: Releases,
+            real_share: float = REAL_SHARE) -> dict:
     with tempfile.TemporaryDirectory() as out, \
             Releases.installed([release], mutant=mutant, timeout=120) as pool:
         hits: list = []
@@ -54,10 +55,11 @@ def one_run(mutant: str, seed: int, release: str, budget: float, clean_pool: Rel
             return False
 
         campaign = Campaign(Path(out), pool, model=True, run_releases=[release], budget=budget,
-                            seed_=seed, asserts=True, progress=lambda s: None, stop_when=stop)
+                            seed_=seed, asserts=True, progress=lambda s: None, stop_when=stop,
+                            real_share=real_share)
         t0 = time.monotonic()
         data = campaign.run()
-        row = {"mutant": mutant, "seed": seed, "found": bool(hits),
+        row = {"mutant": mutant, "seed": seed, "share": real_share, "found": bool(hits),
                "examples": data["examples"], "wall_s": round(time.monotonic() - t0, 1),
                "real_steps": data["summary"]["real_steps"]}
         if hits:
@@ -73,17 +75,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--mutants", default=",".join(MUTANTS))
+    ap.add_argument("--real-share", type=float, default=REAL_SHARE)
     args = ap.parse_args(argv)
     names = args.mutants.split(",")
     rows = []
     with Releases.installed([args.release], timeout=120) as clean_pool:
         for name in names:
             for seed in range(args.seeds):
-                row = one_run(name, seed, args.release, args.budget, clean_pool)
+                row = one_run(name, seed, args.release, args.budget, clean_pool,
+                              args.real_share)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print(f"Mutants against {args.release}, {args.seeds} seeds x {args.budget:g} s, default "
-          "campaign (no hint of the mutant).\n")
+          f"campaign (no hint of the mutant), real share {args.real_share:g}.\n")
     print("| mutant | found (seeds) | median time to it (s) | what the campaign reported |")
     print("|---|---|---|---|")
     found_mutants = 0

@@ -33,6 +33,7 @@ class FuzzOptions:
     workers: int = 1
     db: str | None = None
     steer: str = "target"     # see fuzz.campaign.STEER_CHOICES
+    real_share: float | None = None   # see fuzz.campaign.REAL_SHARE
 
 
 def _sigterm_as_interrupt(*_):
@@ -56,6 +57,7 @@ def run_campaign(opts: FuzzOptions, index: int | None = None) -> dict:
             seed_=opts.seed if index is None else opts.seed * 1009 + index,
             asserts={"on": True, "off": False, "both": None}[opts.asserts],
             steps=steps, steer=opts.steer,
+            **({} if opts.real_share is None else {"real_share": opts.real_share}),
             database=open_database(opts.db, Path(opts.out)),
             stats_name="report" if index is None else f"w{index}",
             progress=lambda s: print(prefix + s, file=sys.stderr, flush=True))

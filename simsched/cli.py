@@ -121,7 +121,8 @@ def cmd_fuzz(args) -> int:
     opts = FuzzOptions(out=args.out, budget=args.budget, seed=args.seed, target=args.target,
                        asserts=args.asserts, releases=args.releases, timeout=args.timeout,
                        workers=args.workers, db=args.db,
-                       steer="none" if args.no_steer else args.steer)
+                       steer="none" if args.no_steer else args.steer,
+                       real_share=args.real_share)
     try:
         data = fuzz(opts)
     except (CampaignError, DatabaseError) as e:
@@ -181,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "scores of the case, default), coverage (arcs of vLLM's offloading code "
                    "covered inside the release workers), both, or none")
     f.add_argument("--no-steer", action="store_true", help="same as --steer none")
+    f.add_argument("--real-share", type=float, default=None,
+                   help="share of cases run step by step on the newest release whatever the "
+                   "model says (default 0.25; with --target all)")
     f.set_defaults(fn=cmd_fuzz)
 
     r = sub.add_parser("replay", help="run one case step by step on real releases; exit 1 when "

@@ -826,18 +826,23 @@ def trace_steps(trace: list[str]) -> list[tuple[str, list[str]]]:
 
 def release_states(signature: str, outcomes: dict) -> dict[str, str]:
     """Per target: affected (shows ``signature``), clean, not run, or the other crash it shows."""
-    from simsched.outcome import crash_signature
+    from simsched.outcome import crash_signature, finding_signature
     states = {}
     for name, o in outcomes.items():
         status = o.get("status")
-        if status == "unsupported" or status == "worker" or o.get("stage") == "worker":
+        if status in ("unsupported", "worker", "refused", "invalid") or o.get("stage") == "worker":
             states[name] = NOT_RUN
             continue
-        sig = crash_signature(o) if status == "error" else None
-        if sig is not None and str(sig) == signature:
+        # a config outcome's crash, or what a step-by-step run (status ``ran``) found
+        sigs = ([crash_signature(o)] if status == "error" else
+                [finding_signature(f) for f in o.get("findings") or []] if status == "ran"
+                else [])
+        if any(str(sig) == signature for sig in sigs if sig is not None):
             states[name] = AFFECTED
-        elif sig is not None:
-            states[name] = f"other: {sig.exception} in {sig.function}"
+        elif sigs and sigs[0] is not None:
+            sig = sigs[0]
+            states[name] = (f"other: {sig.exception} in {sig.function}" if sig.kind == "crash"
+                            else f"other: {sig.invariant}")
         else:
             states[name] = CLEAN
     return states

@@ -157,3 +157,55 @@ def test_shrinking_keeps_the_bug_not_just_the_signature(tmp_path):
     assert "prefix-cacheable" not in fp_ring and "prefix-cacheable" not in fp_mamba
     assert "fix-assert-only" in fp_mamba and "fix-assert-only" not in fp_ring
     assert c.fingerprint(ring, Signature.parse("invariant:INV-4")) == ()
+
+
+def test_simsched_own_crash_is_a_tool_error_not_a_finding(tmp_path, monkeypatch):
+    """An exception inside the model is simsched's, not vLLM's: it never becomes a finding;
+    its case is saved under tool-errors/ and ``simsched fuzz`` exits 1."""
+    import simsched.model
+    from simsched.cli import main
+
+    real = simsched.model.run_case
+
+    def broken(case, profile, **kw):
+        if len(case.layout.groups) == 1 and case.layout.groups[0].kind == "full":
+            raise KeyError("the model's own bug")
+        return real(case, profile, **kw)
+
+    monkeypatch.setattr(simsched.model, "run_case", broken)
+    rc = main(["fuzz", "--target", "model", "--budget", "4", "--seed", "1",
+               "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["tool_errors"], data["summary"]
+    e = data["tool_errors"][0]
+    assert e["exception"] == "KeyError" and e["function"].startswith("simsched.")
+    assert (tmp_path / e["case"]).is_file()
+    assert all(f["class"] != "tool-error" and not (f["function"] or "").startswith("simsched")
+               for f in data["findings"])
+    assert rc == 1
+    assert "Tool errors" in (tmp_path / "report.md").read_text()
+
+
+def test_report_leads_with_the_bugs_of_the_newest_release():
+    from fuzz.report import markdown, summary
+
+    def finding(fid, klass, affected, clean):
+        return {"id": fid, "class": klass, "cluster": fid, "kind": "crash",
+                "signature": "crash:AssertionError:f", "exception": "AssertionError",
+                "function": "f", "source": "assert x", "layout": "full/16 + ring/4",
+                "case": f"repros/{fid}/case.json", "groups": 2, "requests": 1,
+                "releases_affected": affected, "releases_clean": clean, "range": "r",
+                "first_bad_step": None}
+    data = {"seed": 1, "budget_s": 1, "elapsed_s": 1.0, "examples": 1, "examples_per_s": 1.0,
+            "targets": [], "releases_installed": ["0.30.0", "0.33.0"], "families": {},
+            "knobs": {}, "findings": [finding("old-bug", "bug", ["0.30.0"], ["0.33.0"]),
+                                      finding("refusal", "validation", ["0.33.0"], []),
+                                      finding("new-bug", "bug", ["0.33.0"], ["0.30.0"])]}
+    data["summary"] = summary(data)
+    assert data["summary"]["clusters"] == {"bug": 2, "validation": 1}
+    assert data["summary"]["bugs_in_newest"] == 1
+    md = markdown(data)
+    present, fixed = md.index("## Bugs present in 0.33.0 (1)"), md.index("## Bugs fixed since (1)")
+    assert present < md.index("new-bug") < fixed < md.index("old-bug")
+    assert md.index("<details><summary>Validation") > md.index("old-bug")
+    assert md.index("refusal") > md.index("<details><summary>Validation")
