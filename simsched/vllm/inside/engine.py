@@ -277,6 +277,7 @@ class _Run:
         self.num_spec = (spec.num_tokens if spec is not None and not layout.engine.async_scheduling
                          else 0)
         self.verified: dict[str, int] = {}       # rid -> verification steps so far
+        self._boot_caps()
 
     def _add_request(self, i: int, spec) -> None:
         eng = self.eng
@@ -375,6 +376,46 @@ class _Run:
                     items.append((gid, c, hidx, make_key(gid, ident.ident_at((hidx + 1) * self.tph)),
                                   per_chunk.get(c, [])))
         return items
+
+    # -- per-request caps (INV-10) ----------------------------------------------------------
+    def _boot_caps(self) -> None:
+        """Which per-request caps this release honours, read from what its code has: the
+        fields ``RequestOffloadState.__post_init__`` parses out of ``kv_transfer_params``
+        (``max_offload_tokens`` in every release, ``max_load_tokens`` from 0.31.0; 0.30.0's
+        connector bounds a load only by ``OffloadingConnector._max_loadable_tokens``, the
+        groups it does not offload). A cap the release does not parse is not checked."""
+        import dataclasses
+        import importlib
+        mod = importlib.import_module(
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+        cls = getattr(mod, "RequestOffloadState", None)
+        names: set[str] = set()
+        if cls is not None and dataclasses.is_dataclass(cls):
+            names = {f.name for f in dataclasses.fields(cls)}
+        self.caps_supported = {n: n in names for n in ("max_offload_tokens", "max_load_tokens")}
+        self.tpbs = {g.group_id: g.tokens_per_block for g in self.gcfgs}
+
+    def _cap(self, rid: str, name: str) -> int | None:
+        """The request's cap ``name`` as the case gives it (not as the release parsed it), or
+        None when it has none or the release does not support it. 0 is a cap: the release's
+        ``_calc_num_offloadable_tokens`` takes ``min(n, 0)`` (nothing stored) and
+        ``_lookup_complete_chunks`` ``num_computed_tokens + 0`` (nothing loaded)."""
+        if not self.caps_supported.get(name):
+            return None
+        return getattr(self.case.requests[self.index[rid]], name)
+
+    def _check_caps(self, step: int, job: _Job) -> None:
+        """INV-10 where the job is built: the token positions its chunks cover against the
+        request's cap (a store's against ``max_offload_tokens``, a load's against
+        ``max_load_tokens``)."""
+        if job.is_store:
+            v = inv.check_store_cap(step, job, self._cap(job.rid, "max_offload_tokens"),
+                                    self.tph)
+        else:
+            v = inv.check_load_cap(step, job, self._cap(job.rid, "max_load_tokens"),
+                                   self.tph, self.tpbs)
+        if v is not None:
+            raise v
 
     # -- the shadow ------------------------------------------------------------------------
     def _tables(self, rid: str) -> list[list[int]]:
@@ -612,6 +653,7 @@ class _Run:
             job = _Job(jid, tj.req_id, False, items, t + case.timing.load_latency)
             self.jobs[jid] = job
             self.emit(fmt_job(job))
+            self._check_caps(step, job)
             for item in items:
                 if item[3] not in self.tier:
                     raise inv.InvariantViolation(
@@ -633,6 +675,7 @@ class _Run:
             self.jobs[jid] = job
             new_stores.append(job)
             self.emit(fmt_job(job))
+            self._check_caps(step, job)
             v = inv.check_store_job(step, job, self.geo)
             if v is not None:
                 raise v
