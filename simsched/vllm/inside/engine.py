@@ -278,6 +278,7 @@ class _Run:
                          else 0)
         self.verified: dict[str, int] = {}       # rid -> verification steps so far
         self._boot_caps()
+        self._boot_slots()
 
     def _add_request(self, i: int, spec) -> None:
         eng = self.eng
@@ -417,6 +418,64 @@ class _Run:
         if v is not None:
             raise v
 
+    # -- the CPU tier's slots (INV-5, INV-7) ------------------------------------------------
+    def _boot_slots(self) -> None:
+        """The CPU tier as the worker sees it: chunk slots, not keys. A store job's
+        ``dst_spec`` and a load job's ``src_spec`` (``CPULoadStoreSpec.block_ids``: chunk
+        indices into the CPU cache, one per key, in the order ``prepare_store`` /
+        ``prepare_load`` took the keys: group by group, chunk by chunk, as the job's items)
+        name the slots the worker writes or reads. A slot holds what the last completed store
+        wrote there, whatever key the manager maps to it now."""
+        self.slot_content: dict[int, Any] = {}      # CPU slot -> chunk content
+        self.job_slots: dict[int, list[int]] = {}   # job id -> the slot of each item
+        self.slot_writer: dict[int, int] = {}       # CPU slot -> pending store writing it
+        self.slot_readers: dict[int, set[int]] = {}  # CPU slot -> pending loads reading it
+
+    def _bind_slots(self, step: int, job: _Job, tjob) -> None:
+        """The slots of a new job; INV-7 when a store is handed a slot a pending load still
+        reads (the manager evicted a chunk in use: ``prepare_load`` pins it with ``ref_cnt``),
+        or a load reads a slot a pending store is writing."""
+        spec = tjob.dst_spec if job.is_store else tjob.src_spec
+        ids = getattr(spec, "block_ids", None)
+        if ids is None or len(ids) != len(job.items):
+            return              # not one slot per chunk: nothing to pair
+        slots = [int(s) for s in ids]
+        self.job_slots[job.jid] = slots
+        for item, s in zip(job.items, slots):
+            if job.is_store and self.slot_readers.get(s):
+                raise inv.InvariantViolation(
+                    "INV-7", step, f"store {job.jid} writes CPU slot {s} (g{item[0]}:{item[2]}) "
+                    f"while load {min(self.slot_readers[s])} still reads it")
+            if not job.is_store and s in self.slot_writer:
+                raise inv.InvariantViolation(
+                    "INV-7", step, f"load {job.jid} reads CPU slot {s} (g{item[0]}:{item[2]}) "
+                    f"while store {self.slot_writer[s]} still writes it")
+            if job.is_store:
+                self.slot_writer[s] = job.jid
+            else:
+                self.slot_readers.setdefault(s, set()).add(job.jid)
+
+    def _write_slots(self, job: _Job) -> None:
+        """A store completed: its chunks are in their slots."""
+        for item, s in zip(job.items, self.job_slots.pop(job.jid, ())):
+            self.slot_content[s] = job.contents.get(item[3])
+            if self.slot_writer.get(s) == job.jid:
+                del self.slot_writer[s]
+
+    def _read_slot(self, job: _Job, x: int, item) -> Any:
+        """What a completing load reads for its item ``x``: its slot's content (the key's, if
+        the job's slots are not known)."""
+        slots = self.job_slots.get(job.jid)
+        if slots is None:
+            return self.tier.get(item[3])
+        s = slots[x]
+        readers = self.slot_readers.get(s)
+        if readers is not None:
+            readers.discard(job.jid)
+        if x == len(slots) - 1:
+            del self.job_slots[job.jid]
+        return self.slot_content.get(s)
+
     # -- the shadow ------------------------------------------------------------------------
     def _tables(self, rid: str) -> list[list[int]]:
         mgrs = self.sched.kv_cache_manager.coordinator.single_type_managers
@@ -451,10 +510,11 @@ class _Run:
             self._read_store(job)
             for item in job.items:
                 self.tier[item[3]] = job.contents.get(item[3])
+            self._write_slots(job)
             return
         written = []
-        for item in job.items:
-            content = self.tier.get(item[3])
+        for x, item in enumerate(job.items):
+            content = self._read_slot(job, x, item)
             self.shadow.write(item[4], content or ())
             written.extend(b for _, b in item[4])
         v = inv.check_writes(self.step_no, written, self.pending_reads, f"load {job.jid}")
@@ -654,6 +714,7 @@ class _Run:
             self.jobs[jid] = job
             self.emit(fmt_job(job))
             self._check_caps(step, job)
+            self._bind_slots(step, job, tj)
             for item in items:
                 if item[3] not in self.tier:
                     raise inv.InvariantViolation(
@@ -676,6 +737,7 @@ class _Run:
             new_stores.append(job)
             self.emit(fmt_job(job))
             self._check_caps(step, job)
+            self._bind_slots(step, job, tj)
             v = inv.check_store_job(step, job, self.geo)
             if v is not None:
                 raise v
