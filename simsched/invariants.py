@@ -434,3 +434,28 @@ def check_load_cap(step: int, job, cap: int | None, tokens_per_hash: int, tpbs: 
         return InvariantViolation("INV-10", step, f"load {job.jid} brings tokens {lo} to {hi} "
                                   f"({hi - lo}) beyond max_load_tokens {cap}")
     return None
+
+
+def check_stored_tail(step: int, job, item, content, req, writer, tokens_per_hash: int,
+                      exact: bool) -> InvariantViolation | None:
+    """INV-4 for a partial-tail chunk (``_build_partial_tail_store_jobs``: one block per group,
+    its key naming the tokens ``[0, e)`` with ``e`` inside the block). The block read holds the
+    request's tokens up to ``e``: it is the item's group's, written up to ``e`` at least
+    (exactly ``e`` when ``exact``: a Mamba state summarises one position), and what wrote it
+    has the request's identity at ``e`` (the block's own identity when it is complete, else
+    ``writer``'s: the identity tracker of the request whose forward last wrote it, None if
+    unknown)."""
+    gid, c, hidx, key, blocks = item
+    end = (hidx + 1) * tokens_per_hash
+    got = chunk_block(content, 0) if content else None
+    want = key_ident(key)
+    ok = got is not None and got[0] == gid and (got[1] == end if exact else got[1] >= end)
+    if ok and got is not None:
+        if got[2] is not None:
+            ok = req.ident_at(got[1]) == got[2]
+        else:
+            ok = writer is not None and writer.ident_at(end) == want
+    if ok:
+        return None
+    return InvariantViolation("INV-4", step, f"job {job.jid} partial tail g{gid}:{hidx} (tokens "
+                              f"up to {end}) holds {got}")

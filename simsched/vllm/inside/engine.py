@@ -279,6 +279,7 @@ class _Run:
         self.verified: dict[str, int] = {}       # rid -> verification steps so far
         self._boot_caps()
         self._boot_slots()
+        self._boot_tails()
 
     def _add_request(self, i: int, spec) -> None:
         eng = self.eng
@@ -339,7 +340,9 @@ class _Run:
             if req_state is not None and gi < len(req_state.group_states):
                 for c, kk in enumerate(req_state.group_states[gi].offload_keys):
                     chunk_of.setdefault(bytes(kk), c)
-            if is_store and gcfg.cow_source:
+            if is_store and self._is_tail_job(keys, tpc):
+                items.append(self._tail_item(gid, keys[0], blocks, starts, gi, tpc, ident))
+            elif is_store and gcfg.cow_source:
                 # an aligned boundary job (_build_aligned_boundary_store_jobs): one key, one block,
                 # its index in the request's table given by block_indices (boundary // tpb - 1);
                 # the table cannot be read positionally (interior states nulled or relocated)
@@ -476,6 +479,76 @@ class _Run:
             del self.job_slots[job.jid]
         return self.slot_content.get(s)
 
+    # -- partial-tail stores (INV-3, INV-4) -------------------------------------------------
+    def _boot_tails(self) -> None:
+        """``SchedulerOffloadConfig.supports_partial_tail`` (0.28.0+: align-mode Mamba whose
+        block is larger than the hash block, one block per chunk, one block size): a boundary
+        state handed over inside a block (``MambaManager`` CoW of a producer's partial tail,
+        ``take_boundary_state_offloads``) is stored by ``_build_partial_tail_store_jobs`` as one
+        job keying every group at the boundary: per group one block, the one at
+        ``boundary // block_size`` (the CoW copy for the Mamba group). ``writer``: per block the
+        request whose forward last left it partly written (the shadow names no identity for a
+        partial block)."""
+        self.partial_tails = bool(getattr(self.cs.config, "supports_partial_tail", False))
+        self.writer: dict[int, str] = {}
+
+    def _is_tail_job(self, keys: list, tpc: int) -> bool:
+        """A group's part of a partial-tail store: one key, ending inside a chunk."""
+        return self.partial_tails and len(keys) == 1 and (keys[0][0] + 1) * self.tph % tpc != 0
+
+    def _is_tail(self, item) -> bool:
+        return self.partial_tails and (item[2] + 1) * self.tph % \
+            self.gcfg_by_id[item[0]].tokens_per_chunk != 0
+
+    def _tail_item(self, gid: int, hk, blocks: list, starts: list, gi: int, tpc: int,
+                   ident) -> tuple:
+        """The item of a partial-tail store: the chunk the boundary falls in, its one block at
+        the index ``block_indices`` gives (``boundary // block_size``)."""
+        hidx, _ = hk
+        end = (hidx + 1) * self.tph
+        start = starts[gi] if gi < len(starts) else end // self.gcfg_by_id[gid].tokens_per_block
+        return (gid, end // tpc, hidx, make_key(gid, ident.ident_at(end)),
+                [(start, b) for b in blocks[:1]])
+
+    def _chunk_items(self, job: _Job):
+        """``job`` as INV-3 judges it: its partial-tail items (checked by content, INV-4, and by
+        the one block each group gives) left out."""
+        if not self.partial_tails:
+            return job
+        return SimpleNamespace(jid=job.jid, items=[x for x in job.items if not self._is_tail(x)])
+
+    def _check_tail(self, job: _Job, item, content, req) -> inv.InvariantViolation | None:
+        gid = item[0]
+        b = item[4][0][1] if item[4] else None
+        w = self.writer.get(b) if b is not None else None
+        return inv.check_stored_tail(self.step_no, job, item, content, req,
+                                     self.ident.get(w) if w is not None else None, self.tph,
+                                     self.gcfg_by_id[gid].cow_source)
+
+    def _note_writers(self, rid: str, written: list) -> None:
+        """The blocks the forward of ``rid`` left partly written are its (the shadow keeps no
+        identity for them)."""
+        idents = self.shadow.idents
+        for b in written:
+            if idents[b] is None:
+                self.writer[b] = rid
+            else:
+                self.writer.pop(b, None)
+
+    def _apply_block_copies(self, out) -> None:
+        """``SchedulerOutput.kv_cache_block_copies`` (the Mamba CoW of a partial tail): the
+        worker copies each source block into its destination before the forward pass
+        overwrites the source."""
+        sh = self.shadow
+        for cp in getattr(out, "kv_cache_block_copies", None) or ():
+            src, dst = int(cp.src_block_id), int(cp.dst_block_id)
+            sh.gids[dst], sh.ends[dst], sh.idents[dst] = sh.gids[src], sh.ends[src], \
+                sh.idents[src]
+            if src in self.writer:
+                self.writer[dst] = self.writer[src]
+            else:
+                self.writer.pop(dst, None)
+
     # -- the shadow ------------------------------------------------------------------------
     def _tables(self, rid: str) -> list[list[int]]:
         mgrs = self.sched.kv_cache_manager.coordinator.single_type_managers
@@ -500,7 +573,10 @@ class _Run:
                     s.discard(job.jid)
                     if not s:
                         del pr[b]
-            v = inv.check_stored_chunk(self.step_no, job, item, content, ident, self.geo)
+            if self._is_tail(item):
+                v = self._check_tail(job, item, content, ident)
+            else:
+                v = inv.check_stored_chunk(self.step_no, job, item, content, ident, self.geo)
             if v is not None:
                 raise v
 
@@ -738,7 +814,7 @@ class _Run:
             self.emit(fmt_job(job))
             self._check_caps(step, job)
             self._bind_slots(step, job, tj)
-            v = inv.check_store_job(step, job, self.geo)
+            v = inv.check_store_job(step, self._chunk_items(job), self.geo)
             if v is not None:
                 raise v
         self.counters["stores"] += len(store_jobs)
@@ -749,6 +825,7 @@ class _Run:
                 if job is not None and job.is_store and not job.done:
                     self._read_store(job)
                     job.due = t          # the worker finishes it in this step
+        self._apply_block_copies(out)
         # --- execute: write what the forward pass computes; sample
         sampled: dict[str, list[int]] = {}
         seed = case.seed
@@ -777,6 +854,7 @@ class _Run:
                 accepted = [_token(seed, self.index[rid], base + j) for j in range(a)]
                 ident.append_tokens(accepted[:max(0, ident.max_tokens - base)])
             written = self.shadow.write_computed(ident, self.rules, start, start + n)
+            self._note_writers(rid, written)
             if pr:
                 v = inv.check_writes(step, written, pr, f"request {rid}")
                 if v is not None:
