@@ -34,6 +34,8 @@ INVARIANTS = {
     "INV-7": "a chunk is loaded only once its store completed",
     "INV-8": "every request finishes or is aborted (liveness once the tier is quiet)",
     "INV-9": "a fully stored, ready prefix is found by the next request sharing it",
+    "INV-10": "nothing stored beyond a request's max_offload_tokens, nothing loaded beyond its "
+              "max_load_tokens",
 }
 
 
@@ -392,3 +394,68 @@ def check_hit(step: int, off, st, got: int | None) -> InvariantViolation | None:
         return InvariantViolation("INV-9", step, f"{st.req.rid}: ready chunks cover {want} tokens "
                                   f"beyond the GPU hit of {st.num_local}, lookup found {got}")
     return None
+
+
+def check_store_cap(step: int, job, cap: int | None, tokens_per_hash: int
+                    ) -> InvariantViolation | None:
+    """INV-10 for a store job: every chunk it stores ends within the request's
+    ``max_offload_tokens`` (``cap``; None: no cap, or a release without it). A chunk's key names
+    the tokens ``[0, (hash index + 1) * tokens_per_hash)``, so that end is what it stores; a cap
+    of 0 stores nothing."""
+    if cap is None:
+        return None
+    for gid, c, hidx, key, blocks in job.items:
+        end = (hidx + 1) * tokens_per_hash
+        if end > cap:
+            return InvariantViolation("INV-10", step, f"store {job.jid} g{gid}:{hidx} holds "
+                                      f"tokens up to {end} beyond max_offload_tokens {cap}")
+    return None
+
+
+def check_load_cap(step: int, job, cap: int | None, tokens_per_hash: int, tpbs: dict
+                   ) -> InvariantViolation | None:
+    """INV-10 for a load job: the token positions its destination blocks receive span at most
+    the request's ``max_load_tokens`` (``cap``; None: no cap, or a release without it). A block
+    at index ``i`` of a group with ``tpbs[gid]`` tokens per block receives the positions
+    ``[i * tpb, (i + 1) * tpb)`` up to the end its chunk's key names; the load starts past the
+    GPU hit, so the span from its first position to its last bounds what it brings."""
+    if cap is None:
+        return None
+    lo, hi = -1, 0
+    for gid, c, hidx, key, blocks in job.items:
+        end = (hidx + 1) * tokens_per_hash
+        tpb = tpbs[gid]
+        for i, _ in blocks:
+            start = i * tpb
+            if start < end:
+                lo = start if lo < 0 else min(lo, start)
+                hi = max(hi, min(end, start + tpb))
+    if lo >= 0 and hi - lo > cap:
+        return InvariantViolation("INV-10", step, f"load {job.jid} brings tokens {lo} to {hi} "
+                                  f"({hi - lo}) beyond max_load_tokens {cap}")
+    return None
+
+
+def check_stored_tail(step: int, job, item, content, req, writer, tokens_per_hash: int,
+                      exact: bool) -> InvariantViolation | None:
+    """INV-4 for a partial-tail chunk (``_build_partial_tail_store_jobs``: one block per group,
+    its key naming the tokens ``[0, e)`` with ``e`` inside the block). The block read holds the
+    request's tokens up to ``e``: it is the item's group's, written up to ``e`` at least
+    (exactly ``e`` when ``exact``: a Mamba state summarises one position), and what wrote it
+    has the request's identity at ``e`` (the block's own identity when it is complete, else
+    ``writer``'s: the identity tracker of the request whose forward last wrote it, None if
+    unknown)."""
+    gid, c, hidx, key, blocks = item
+    end = (hidx + 1) * tokens_per_hash
+    got = chunk_block(content, 0) if content else None
+    want = key_ident(key)
+    ok = got is not None and got[0] == gid and (got[1] == end if exact else got[1] >= end)
+    if ok and got is not None:
+        if got[2] is not None:
+            ok = req.ident_at(got[1]) == got[2]
+        else:
+            ok = writer is not None and writer.ident_at(end) == want
+    if ok:
+        return None
+    return InvariantViolation("INV-4", step, f"job {job.jid} partial tail g{gid}:{hidx} (tokens "
+                              f"up to {end}) holds {got}")

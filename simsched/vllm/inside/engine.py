@@ -294,6 +294,9 @@ class _Run:
         self.num_spec = (spec.num_tokens if spec is not None and not layout.engine.async_scheduling
                          else 0)
         self.verified: dict[str, int] = {}       # rid -> verification steps so far
+        self._boot_caps()
+        self._boot_slots()
+        self._boot_tails()
 
     def _add_request(self, i: int, spec) -> None:
         eng = self.eng
@@ -354,7 +357,9 @@ class _Run:
             if req_state is not None and gi < len(req_state.group_states):
                 for c, kk in enumerate(req_state.group_states[gi].offload_keys):
                     chunk_of.setdefault(bytes(kk), c)
-            if is_store and gcfg.cow_source:
+            if is_store and self._is_tail_job(keys, tpc):
+                items.append(self._tail_item(gid, keys[0], blocks, starts, gi, tpc, ident))
+            elif is_store and gcfg.cow_source:
                 # an aligned boundary job (_build_aligned_boundary_store_jobs): one key, one block,
                 # its index in the request's table given by block_indices (boundary // tpb - 1);
                 # the table cannot be read positionally (interior states nulled or relocated)
@@ -393,6 +398,174 @@ class _Run:
                                   per_chunk.get(c, [])))
         return items
 
+    # -- per-request caps (INV-10) ----------------------------------------------------------
+    def _boot_caps(self) -> None:
+        """Which per-request caps this release honours, read from what its code has: the
+        fields ``RequestOffloadState.__post_init__`` parses out of ``kv_transfer_params``
+        (``max_offload_tokens`` in every release, ``max_load_tokens`` from 0.31.0; 0.30.0's
+        connector bounds a load only by ``OffloadingConnector._max_loadable_tokens``, the
+        groups it does not offload). A cap the release does not parse is not checked."""
+        import dataclasses
+        import importlib
+        mod = importlib.import_module(
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+        cls = getattr(mod, "RequestOffloadState", None)
+        names: set[str] = set()
+        if cls is not None and dataclasses.is_dataclass(cls):
+            names = {f.name for f in dataclasses.fields(cls)}
+        self.caps_supported = {n: n in names for n in ("max_offload_tokens", "max_load_tokens")}
+        self.tpbs = {g.group_id: g.tokens_per_block for g in self.gcfgs}
+
+    def _cap(self, rid: str, name: str) -> int | None:
+        """The request's cap ``name`` as the case gives it (not as the release parsed it), or
+        None when it has none or the release does not support it. 0 is a cap: the release's
+        ``_calc_num_offloadable_tokens`` takes ``min(n, 0)`` (nothing stored) and
+        ``_lookup_complete_chunks`` ``num_computed_tokens + 0`` (nothing loaded)."""
+        if not self.caps_supported.get(name):
+            return None
+        return getattr(self.case.requests[self.index[rid]], name)
+
+    def _check_caps(self, step: int, job: _Job) -> None:
+        """INV-10 where the job is built: the token positions its chunks cover against the
+        request's cap (a store's against ``max_offload_tokens``, a load's against
+        ``max_load_tokens``)."""
+        if job.is_store:
+            v = inv.check_store_cap(step, job, self._cap(job.rid, "max_offload_tokens"),
+                                    self.tph)
+        else:
+            v = inv.check_load_cap(step, job, self._cap(job.rid, "max_load_tokens"),
+                                   self.tph, self.tpbs)
+        if v is not None:
+            raise v
+
+    # -- the CPU tier's slots (INV-5, INV-7) ------------------------------------------------
+    def _boot_slots(self) -> None:
+        """The CPU tier as the worker sees it: chunk slots, not keys. A store job's
+        ``dst_spec`` and a load job's ``src_spec`` (``CPULoadStoreSpec.block_ids``: chunk
+        indices into the CPU cache, one per key, in the order ``prepare_store`` /
+        ``prepare_load`` took the keys: group by group, chunk by chunk, as the job's items)
+        name the slots the worker writes or reads. A slot holds what the last completed store
+        wrote there, whatever key the manager maps to it now."""
+        self.slot_content: dict[int, Any] = {}      # CPU slot -> chunk content
+        self.job_slots: dict[int, list[int]] = {}   # job id -> the slot of each item
+        self.slot_writer: dict[int, int] = {}       # CPU slot -> pending store writing it
+        self.slot_readers: dict[int, set[int]] = {}  # CPU slot -> pending loads reading it
+
+    def _bind_slots(self, step: int, job: _Job, tjob) -> None:
+        """The slots of a new job; INV-7 when a store is handed a slot a pending load still
+        reads (the manager evicted a chunk in use: ``prepare_load`` pins it with ``ref_cnt``),
+        or a load reads a slot a pending store is writing."""
+        spec = tjob.dst_spec if job.is_store else tjob.src_spec
+        ids = getattr(spec, "block_ids", None)
+        if ids is None or len(ids) != len(job.items):
+            return              # not one slot per chunk: nothing to pair
+        slots = [int(s) for s in ids]
+        self.job_slots[job.jid] = slots
+        for item, s in zip(job.items, slots):
+            if job.is_store and self.slot_readers.get(s):
+                raise inv.InvariantViolation(
+                    "INV-7", step, f"store {job.jid} writes CPU slot {s} (g{item[0]}:{item[2]}) "
+                    f"while load {min(self.slot_readers[s])} still reads it")
+            if not job.is_store and s in self.slot_writer:
+                raise inv.InvariantViolation(
+                    "INV-7", step, f"load {job.jid} reads CPU slot {s} (g{item[0]}:{item[2]}) "
+                    f"while store {self.slot_writer[s]} still writes it")
+            if job.is_store:
+                self.slot_writer[s] = job.jid
+            else:
+                self.slot_readers.setdefault(s, set()).add(job.jid)
+
+    def _write_slots(self, job: _Job) -> None:
+        """A store completed: its chunks are in their slots."""
+        for item, s in zip(job.items, self.job_slots.pop(job.jid, ())):
+            self.slot_content[s] = job.contents.get(item[3])
+            if self.slot_writer.get(s) == job.jid:
+                del self.slot_writer[s]
+
+    def _read_slot(self, job: _Job, x: int, item) -> Any:
+        """What a completing load reads for its item ``x``: its slot's content (the key's, if
+        the job's slots are not known)."""
+        slots = self.job_slots.get(job.jid)
+        if slots is None:
+            return self.tier.get(item[3])
+        s = slots[x]
+        readers = self.slot_readers.get(s)
+        if readers is not None:
+            readers.discard(job.jid)
+        if x == len(slots) - 1:
+            del self.job_slots[job.jid]
+        return self.slot_content.get(s)
+
+    # -- partial-tail stores (INV-3, INV-4) -------------------------------------------------
+    def _boot_tails(self) -> None:
+        """``SchedulerOffloadConfig.supports_partial_tail`` (0.28.0+: align-mode Mamba whose
+        block is larger than the hash block, one block per chunk, one block size): a boundary
+        state handed over inside a block (``MambaManager`` CoW of a producer's partial tail,
+        ``take_boundary_state_offloads``) is stored by ``_build_partial_tail_store_jobs`` as one
+        job keying every group at the boundary: per group one block, the one at
+        ``boundary // block_size`` (the CoW copy for the Mamba group). ``writer``: per block the
+        request whose forward last left it partly written (the shadow names no identity for a
+        partial block)."""
+        self.partial_tails = bool(getattr(self.cs.config, "supports_partial_tail", False))
+        self.writer: dict[int, str] = {}
+
+    def _is_tail_job(self, keys: list, tpc: int) -> bool:
+        """A group's part of a partial-tail store: one key, ending inside a chunk."""
+        return self.partial_tails and len(keys) == 1 and (keys[0][0] + 1) * self.tph % tpc != 0
+
+    def _is_tail(self, item) -> bool:
+        return self.partial_tails and (item[2] + 1) * self.tph % \
+            self.gcfg_by_id[item[0]].tokens_per_chunk != 0
+
+    def _tail_item(self, gid: int, hk, blocks: list, starts: list, gi: int, tpc: int,
+                   ident) -> tuple:
+        """The item of a partial-tail store: the chunk the boundary falls in, its one block at
+        the index ``block_indices`` gives (``boundary // block_size``)."""
+        hidx, _ = hk
+        end = (hidx + 1) * self.tph
+        start = starts[gi] if gi < len(starts) else end // self.gcfg_by_id[gid].tokens_per_block
+        return (gid, end // tpc, hidx, make_key(gid, ident.ident_at(end)),
+                [(start, b) for b in blocks[:1]])
+
+    def _chunk_items(self, job: _Job):
+        """``job`` as INV-3 judges it: its partial-tail items (checked by content, INV-4, and by
+        the one block each group gives) left out."""
+        if not self.partial_tails:
+            return job
+        return SimpleNamespace(jid=job.jid, items=[x for x in job.items if not self._is_tail(x)])
+
+    def _check_tail(self, job: _Job, item, content, req) -> inv.InvariantViolation | None:
+        gid = item[0]
+        b = item[4][0][1] if item[4] else None
+        w = self.writer.get(b) if b is not None else None
+        return inv.check_stored_tail(self.step_no, job, item, content, req,
+                                     self.ident.get(w) if w is not None else None, self.tph,
+                                     self.gcfg_by_id[gid].cow_source)
+
+    def _note_writers(self, rid: str, written: list) -> None:
+        """The blocks the forward of ``rid`` left partly written are its (the shadow keeps no
+        identity for them)."""
+        idents = self.shadow.idents
+        for b in written:
+            if idents[b] is None:
+                self.writer[b] = rid
+            else:
+                self.writer.pop(b, None)
+
+    def _apply_block_copies(self, out) -> None:
+        """``SchedulerOutput.kv_cache_block_copies`` (the Mamba CoW of a partial tail): the
+        worker copies each source block into its destination before the forward pass
+        overwrites the source."""
+        sh = self.shadow
+        for cp in getattr(out, "kv_cache_block_copies", None) or ():
+            src, dst = int(cp.src_block_id), int(cp.dst_block_id)
+            sh.gids[dst], sh.ends[dst], sh.idents[dst] = sh.gids[src], sh.ends[src], \
+                sh.idents[src]
+            if src in self.writer:
+                self.writer[dst] = self.writer[src]
+            else:
+                self.writer.pop(dst, None)
+
     # -- the shadow ------------------------------------------------------------------------
     def _tables(self, rid: str) -> list[list[int]]:
         mgrs = self.sched.kv_cache_manager.coordinator.single_type_managers
@@ -417,7 +590,10 @@ class _Run:
                     s.discard(job.jid)
                     if not s:
                         del pr[b]
-            v = inv.check_stored_chunk(self.step_no, job, item, content, ident, self.geo)
+            if self._is_tail(item):
+                v = self._check_tail(job, item, content, ident)
+            else:
+                v = inv.check_stored_chunk(self.step_no, job, item, content, ident, self.geo)
             if v is not None:
                 raise v
 
@@ -427,10 +603,11 @@ class _Run:
             self._read_store(job)
             for item in job.items:
                 self.tier[item[3]] = job.contents.get(item[3])
+            self._write_slots(job)
             return
         written = []
-        for item in job.items:
-            content = self.tier.get(item[3])
+        for x, item in enumerate(job.items):
+            content = self._read_slot(job, x, item)
             self.shadow.write(item[4], content or ())
             written.extend(b for _, b in item[4])
         v = inv.check_writes(self.step_no, written, self.pending_reads, f"load {job.jid}")
@@ -629,6 +806,8 @@ class _Run:
             job = _Job(jid, tj.req_id, False, items, t + case.timing.load_latency)
             self.jobs[jid] = job
             self.emit(fmt_job(job))
+            self._check_caps(step, job)
+            self._bind_slots(step, job, tj)
             for item in items:
                 if item[3] not in self.tier:
                     raise inv.InvariantViolation(
@@ -650,7 +829,9 @@ class _Run:
             self.jobs[jid] = job
             new_stores.append(job)
             self.emit(fmt_job(job))
-            v = inv.check_store_job(step, job, self.geo)
+            self._check_caps(step, job)
+            self._bind_slots(step, job, tj)
+            v = inv.check_store_job(step, self._chunk_items(job), self.geo)
             if v is not None:
                 raise v
         self.counters["stores"] += len(store_jobs)
@@ -661,6 +842,7 @@ class _Run:
                 if job is not None and job.is_store and not job.done:
                     self._read_store(job)
                     job.due = t          # the worker finishes it in this step
+        self._apply_block_copies(out)
         # --- execute: write what the forward pass computes; sample
         sampled: dict[str, list[int]] = {}
         seed = case.seed
@@ -689,6 +871,7 @@ class _Run:
                 accepted = [_token(seed, self.index[rid], base + j) for j in range(a)]
                 ident.append_tokens(accepted[:max(0, ident.max_tokens - base)])
             written = self.shadow.write_computed(ident, self.rules, start, start + n)
+            self._note_writers(rid, written)
             if pr:
                 v = inv.check_writes(step, written, pr, f"request {rid}")
                 if v is not None:

@@ -13,6 +13,22 @@ drop_fence             ``jobs_to_flush`` dropped: re-allocated blocks are writte
                        before the store that reads them
 load_reverse           a load's destination blocks reversed                          INV-5
 key_wrong_hash         chunk 0's offload key built from block hash 1 (and back)      INV-3
+store_key_late         a store job keyed one chunk late: chunk ``c``'s blocks stored  INV-4
+                       under chunk ``c + 1``'s key
+fence_skip_group       the fence (``_current_batch_allocated_block_ids`` against      INV-6
+                       ``_block_id_to_pending_jobs``) ignores the last group's
+                       blocks (no-op with one group)
+max_offload_ignored    ``max_offload_tokens`` parsed, then dropped                    INV-10
+max_load_ignored       ``max_load_tokens`` parsed, then dropped (refused by a         INV-10
+                       release that has none: 0.30.0)
+load_into_pending_     a load's destination blocks not fenced: a pending store still  INV-6
+store                  reads them when the load writes them
+evict_in_use           the CPU tier does not pin a chunk being loaded                 INV-7
+                       (``prepare_load``'s ``ref_cnt``): LRU eviction hands its slot
+                       to a new store while the load still reads it
+lost_completion        the first store completion the worker reports is never         INV-8
+                       processed: its chunks stay pending, a request sharing them
+                       waits forever
 =====================  ============================================================  ==========
 """
 
@@ -120,11 +136,170 @@ def key_wrong_hash():
     return _patch(cls, "update_offload_keys", make)
 
 
+def store_key_late():
+    """``_build_store_jobs`` run on offload keys shifted by one chunk (every group's
+    ``offload_keys[1:]``), restored afterwards: chunk ``c``'s blocks go under chunk ``c + 1``'s
+    key, and a later request hitting that key loads the wrong tokens."""
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def _build_store_jobs(self, *args, **kw):
+            saved = []
+            for st in self._req_status.values():
+                for gs in st.group_states:
+                    saved.append((gs, gs.offload_keys))
+                    gs.offload_keys = gs.offload_keys[1:]
+            try:
+                return orig(self, *args, **kw)
+            finally:
+                for gs, keys in saved:
+                    gs.offload_keys = keys
+        return _build_store_jobs
+    return _patch(cls, "_build_store_jobs", make)
+
+
+def _unfence(self, block_ids) -> None:
+    """Take ``block_ids`` out of this step's allocated blocks: no pending store reading one of
+    them is flushed (build_connector_meta: "Flush jobs that contain re-allocated blocks")."""
+    self._current_batch_allocated_block_ids.difference_update(int(b) for b in block_ids)
+
+
+def fence_skip_group():
+    m = _mod()
+    cls = m.OffloadingConnectorScheduler
+
+    def skipped(self) -> int | None:
+        cfgs = self.config.kv_group_configs
+        return cfgs[-1].group_idx if len(cfgs) > 1 else None
+
+    def make_update(orig):
+        def _update_req_states(self, scheduler_output, *args, **kw):
+            out = orig(self, scheduler_output, *args, **kw)
+            gid = skipped(self)
+            if gid is not None:
+                for _, groups, _ in m.yield_req_data(scheduler_output):
+                    if groups:
+                        _unfence(self, groups[gid])
+            return out
+        return _update_req_states
+
+    def make_alloc(orig):
+        def update_state_after_alloc(self, request, blocks, *args, **kw):
+            out = orig(self, request, blocks, *args, **kw)
+            gid = skipped(self)
+            if gid is not None:
+                _unfence(self, [b.block_id for b in blocks.blocks[gid]])
+            return out
+        return update_state_after_alloc
+    undo = [_patch(cls, "_update_req_states", make_update),
+            _patch(cls, "update_state_after_alloc", make_alloc)]
+    return lambda: [u() for u in undo]
+
+
+def _cap_ignored(name: str):
+    """``RequestOffloadState.__post_init__`` parses ``kv_transfer_params[name]``, then the cap
+    is dropped (None: no cap). Refused where the release has no such field."""
+    import dataclasses
+    cls = _mod().RequestOffloadState
+    if name not in {f.name for f in dataclasses.fields(cls)}:
+        raise ValueError(f"mutant: this release's RequestOffloadState has no {name}")
+
+    def make(orig):
+        def __post_init__(self):
+            orig(self)
+            setattr(self, name, None)
+        return __post_init__
+    return _patch(cls, "__post_init__", make)
+
+
+def max_offload_ignored():
+    return _cap_ignored("max_offload_tokens")
+
+
+def max_load_ignored():
+    return _cap_ignored("max_load_tokens")
+
+
+def load_into_pending_store():
+    """``update_state_after_alloc`` keeps the request's blocks out of this step's allocated
+    blocks: a load's destination block that a finished request's pending store still reads is
+    not flushed, and the load overwrites it first."""
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def update_state_after_alloc(self, request, blocks, *args, **kw):
+            before = set(self._current_batch_allocated_block_ids)
+            out = orig(self, request, blocks, *args, **kw)
+            _unfence(self, self._current_batch_allocated_block_ids - before)
+            return out
+        return update_state_after_alloc
+    return _patch(cls, "update_state_after_alloc", make)
+
+
+def evict_in_use():
+    """``CPUOffloadingManager.prepare_load`` unpins what it pinned (``ref_cnt`` back to 0, the
+    chunk evictable again) and ``complete_load`` has nothing to unpin: the eviction policy may
+    pick a chunk a load is still reading and hand its slot to a new store."""
+    import importlib
+    cls = importlib.import_module("vllm.v1.kv_offload.cpu.manager").CPUOffloadingManager
+
+    def make_prepare(orig):
+        def prepare_load(self, keys, *args, **kw):
+            keys = list(keys)
+            spec = orig(self, keys, *args, **kw)
+            for key in keys:
+                chunk = self._policy.get(key)
+                chunk.ref_cnt -= 1
+                if chunk.ref_cnt == 0:
+                    self._num_evictable_cache_chunks += 1
+                    self._policy.mark_evictable(key)
+            return spec
+        return prepare_load
+
+    def make_complete(orig):
+        def complete_load(self, keys, *args, **kw):
+            return None
+        return complete_load
+    undo = [_patch(cls, "prepare_load", make_prepare),
+            _patch(cls, "complete_load", make_complete)]
+    return lambda: [u() for u in undo]
+
+
+def lost_completion():
+    """The first store completion the worker reports (``OffloadingWorkerMetadata.
+    completed_jobs``) is dropped before the scheduler processes it: the job never completes,
+    its chunks stay write-pending in the CPU tier."""
+    cls = _mod().OffloadingConnectorScheduler
+    name = "_update_connector_output" if "_update_connector_output" in cls.__dict__ \
+        else "update_connector_output"
+    lost: list[int] = []        # (per applied mutant: the one job lost)
+
+    def make(orig):
+        def update(self, connector_output, *args, **kw):
+            meta = connector_output.kv_connector_worker_meta
+            done = getattr(meta, "completed_jobs", None)
+            if done and not lost:
+                stores = sorted(j for j in done if j in self._jobs and self._jobs[j].is_store)
+                if stores:
+                    lost.append(stores[0])
+                    meta.completed_jobs = {j: n for j, n in done.items() if j != stores[0]}
+            return orig(self, connector_output, *args, **kw)
+        return update
+    return _patch(cls, name, make)
+
+
 MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "store_shift_chunk": store_shift_chunk,
     "drop_fence": drop_fence,
     "load_reverse": load_reverse,
     "key_wrong_hash": key_wrong_hash,
+    "store_key_late": store_key_late,
+    "fence_skip_group": fence_skip_group,
+    "max_offload_ignored": max_offload_ignored,
+    "max_load_ignored": max_load_ignored,
+    "load_into_pending_store": load_into_pending_store,
+    "evict_in_use": evict_in_use,
+    "lost_completion": lost_completion,
 }
 
 
