@@ -94,12 +94,14 @@ class Finding:
     aliases: list[tuple] = field(default_factory=list)   # keys of the same cause (asserts twins)
     variants: list[dict] = field(default_factory=list)   # other cases showing it, unshrunk
     installed: tuple[str, ...] = ()
+    cluster: str = ""              # the cluster it joins; default: its own key's
 
     def to_json(self) -> dict:
         o = self.outcome
         step = o.get("step") if o.get("stage") not in tri.START_UP_STAGES else None
         return {
-            "id": self.id, "class": self.klass, "cluster": tri.cluster_name(self.key),
+            "id": self.id, "class": self.klass,
+            "cluster": self.cluster or tri.cluster_name(self.key),
             "cluster_key": list(self.key), "aliases": [list(a) for a in self.aliases],
             "signature": str(self.signature), "kind": self.signature.kind,
             "exception": self.signature.exception or None,
@@ -561,7 +563,10 @@ class Campaign:
         classes = [s.klass for s in seen if s.key == finding.key]
         if classes:   # every release and profile ran now: the class they say
             finding.klass = min(classes, key=lambda k: (tri.CLASSES + (tri.TOOL_ERROR,)).index(k))
-        hit = {s.obs.target for s in seen if s.key == finding.key}
+        if finding.signature.kind == "crash" and finding.klass == tri.BUG:
+            finding.aliases = self._moved(finding, seen)
+        keys = {finding.key, *finding.aliases}
+        hit = {s.obs.target for s in seen if s.key in keys}
         finding.profiles_affected = [p for p in PROFILES if any(
             s.obs.target == f"model:{p}" and s.obs.signature == finding.signature for s in seen)]
         for t in self.all_release_targets:
@@ -574,7 +579,18 @@ class Campaign:
             else:
                 finding.releases_not_run[t.name] = describe(outcome)
         if finding.signature.kind == "crash" and finding.releases_affected:
-            finding.aliases = self._twins(finding)
+            finding.aliases = sorted(set(finding.aliases) | set(self._twins(finding)), key=repr)
+
+    @staticmethod
+    def _moved(finding: Finding, seen: list[Seen]) -> list[tuple]:
+        """The same crash where a release's code has it elsewhere: the shrunk case raises the
+        same exception on another release from another line or function (0.25.1 keeps the
+        offload checks in ``OffloadingSpec.__init__``; 0.33.0 moved
+        ``get_sliding_window_size_in_chunks`` into ``offloading/config.py``). A different
+        exception (an assert that became a ``ValueError``) is another finding."""
+        return sorted({s.key for s in seen if s.klass == tri.BUG and s.obs.level != "model"
+                       and s.obs.signature.kind == "crash" and s.key != finding.key
+                       and s.obs.signature.exception == finding.signature.exception}, key=repr)
 
     def _twins(self, finding: Finding) -> list[tuple]:
         """The crash keys the case shows in the other asserts mode on the affected releases."""
@@ -679,6 +695,12 @@ class Campaign:
 
     def _record(self, finding: Finding) -> None:
         self.replay_everywhere(finding)
+        # an alias already found on its own (the crash as an older release raises it, the other
+        # asserts mode): this finding is a variant of that cluster
+        for data in [f.to_json() for f in self.findings.values()] + self.prior:
+            if finding_keys(data) & set(finding.aliases):
+                finding.cluster = data["cluster"]
+                break
         self.findings[finding.key] = finding
         repro_mod.write_repro(self.out, finding)     # the durable record, first
         self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,

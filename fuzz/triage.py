@@ -14,7 +14,8 @@ Every observation of a case (:class:`simsched.replay.Observation`) gets a **clas
     the model disagrees with a release whose run broke no invariant (a configuration or trace
     difference, or an invariant the model predicts for a release that ran clean);
 ``proposal``
-    shows only under a hypothetical fix profile (it judges a fix; no release has it);
+    shows only under a hypothetical fix profile (it judges a fix; no release has it): one
+    cluster per fix profile, what the fix would leave broken;
 ``predicted``
     the model predicts it under a release's profile, and the campaign ran no real step to
     check it (``--target model`` or ``--target config`` only);
@@ -120,7 +121,8 @@ def triage_model(obs, releases_run: dict[str, bool], stepping: bool = True) -> T
         return Triage(TOOL_ERROR, ("tool", sig.exception, sig.function))
     profile = PROFILES.get(obs.target.split(":", 1)[1])
     if profile is None or not profile.releases:
-        return Triage(PROPOSAL, ("proposal", str(sig)))
+        # one cluster per fix proposal: what the fix leaves broken, its signatures variants
+        return Triage(PROPOSAL, ("proposal", obs.target.split(":", 1)[1]))
     ran = {v: clean for v, clean in releases_run.items() if v in profile.releases}
     if not ran:
         return None if stepping else Triage(PREDICTED, ("predicted", str(sig)))

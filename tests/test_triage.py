@@ -91,7 +91,8 @@ def test_model_observations():
     assert tri.triage_model(model_obs("every-group"), {"0.30.0": True}).klass == tri.MODEL_GAP
     assert tri.triage_model(model_obs("every-group"), {}) is None
     assert tri.triage_model(model_obs("every-group"), {}, stepping=False).klass == tri.PREDICTED
-    assert tri.triage_model(model_obs("fix-assert-only"), {}).klass == tri.PROPOSAL
+    assert tri.triage_model(model_obs("fix-assert-only"), {}) == \
+        tri.Triage(tri.PROPOSAL, ("proposal", "fix-assert-only"))
     crash_in_model = model_obs("every-group", "crash:KeyError:simsched._hit_block",
                                "simsched._hit_block")
     assert tri.triage_model(crash_in_model, {}).klass == tri.TOOL_ERROR
@@ -99,7 +100,7 @@ def test_model_observations():
 
 def test_a_proposal_that_a_release_shows_too_is_no_proposal():
     from fuzz.campaign import Seen
-    prop = Seen(model_obs("fix-assert-only"), tri.PROPOSAL, ("proposal", "invariant:INV-4"))
+    prop = Seen(model_obs("fix-assert-only"), tri.PROPOSAL, ("proposal", "fix-assert-only"))
     real = Seen(Observation(Signature("invariant", invariant="INV-4"), "0.30.0", {}, "steps"),
                 tri.BUG, ("invariant", "INV-4", "store", "ring"))
     assert tri.only_proposals([prop, real]) == [real]
