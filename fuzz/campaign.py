@@ -135,9 +135,11 @@ SHRINK_SECONDS = 10.0
 MAX_VARIANTS = 12
 
 
-def simplify(case: Case, still_shows, obs):
+def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
     """What hypothesis's shrinker cannot do across layout families: drop whole groups, requests
-    and engine knobs, one at a time, keeping each change under which the finding still shows."""
+    and engine knobs, one at a time, keeping each change under which the finding still shows;
+    for at most ``seconds`` (each try may run real releases step by step)."""
+    stop = time.monotonic() + seconds
     def candidates(c: Case):
         groups = c.layout.groups
         for i in range(len(groups)):
@@ -158,6 +160,8 @@ def simplify(case: Case, still_shows, obs):
     while improved:
         improved = False
         for cand in candidates(case):
+            if time.monotonic() > stop:
+                return case, obs
             try:
                 Layout.from_json(cand.layout.to_json())   # still a valid layout
             except LayoutError:
@@ -507,6 +511,8 @@ class Campaign:
                 hunt = state["hunt"] = Hunt(first.key, first.klass, first.obs.signature,
                                             self.fingerprint(case, first.obs.signature),
                                             models, configs, steps, frozenset(shown))
+                self.progress(f"[{state['t']:6.1f}s] new {first.klass}: {first.obs.signature} "
+                              f"on {', '.join(sorted(shown))}; shrinking ...")
             else:   # while shrinking, run only the targets the hunted cause needs
                 if not self.same_bug(case, hunt):
                     return
