@@ -29,6 +29,27 @@ def test_malformed_case_is_one_line(tmp_path, content, needle, command):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("content, needle", [
+    (b'{"layout": "\xff\xfe"}', "not UTF-8 text (byte 0xff at offset 12)"),
+    (b"[1, 2]", "expected a JSON object (a case or a bare layout), got an array"),
+    (b'"case"', "expected a JSON object (a case or a bare layout), got a string"),
+    (b"[" * 100000, "not valid JSON (nested too deeply)"),
+    (None, "is a directory, not a case file"),
+    ("missing", "cannot read: No such file or directory"),
+], ids=["not-utf8", "array", "string", "deep", "directory", "missing"])
+@pytest.mark.parametrize("command", ["geometry", "replay", "run"])
+def test_unreadable_case_file_is_one_line(tmp_path, content, needle, command):
+    path = tmp_path / "case.json"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    r = simsched(command, str(path), *(["--model"] if command == "replay" else []))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == f"simsched: error: {path}: {needle}", r.stderr
+
+
 def test_unknown_profile(tmp_path):
     path = tmp_path / "case.json"
     path.write_text(json.dumps({"groups": [{"kind": "full", "block_size": 16}]}))
