@@ -111,6 +111,12 @@ class Releases:
         have = [r.version for r in releases.installed()]
         if only is not None:
             missing = [v for v in only if v not in have]
+            # only a release simsched pins a wheel for (releases.json) can be installed
+            unknown = [v for v in missing if v not in releases.KNOWN_RELEASES]
+            if unknown:
+                raise releases.ReleaseError(
+                    f"{', '.join(unknown)}: not a known vLLM release (known: "
+                    f"{', '.join(releases.KNOWN_RELEASES)}; installed: {', '.join(have) or 'none'})")
             if missing:
                 raise releases.ReleaseError(
                     f"vLLM release(s) {', '.join(missing)} not installed "
