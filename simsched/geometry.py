@@ -23,6 +23,7 @@ from simsched.layout import Group, Layout
 CONFIG_PY = "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
 SCHEDULER_PY = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 KV_CACHE_UTILS_PY = "v1/core/kv_cache_utils.py"
+SINGLE_TYPE_MANAGER_PY = "v1/core/single_type_kv_cache_manager.py"
 #: ``SpeculativeConfig.use_eagle()``: methods that draft from the target's hidden states.
 EAGLE_METHODS = ("eagle", "eagle3", "mtp")
 

@@ -232,6 +232,37 @@ def test_real_scheduler_stalls_on_a_mamba_state_move(pool, version):
     assert sigs(res) == ["invariant:INV-8"]
 
 
+#: EAGLE beside a group whose cache-hit finder never drops a block (the model crashed with a
+#: KeyError on both: issue 17, item 6.1): chunked local attention (asserted on: the release's
+#: own AssertionError at the first lookup) and align-mode Mamba (b's hit ends on a state block)
+EAGLE_KEEPERS = {
+    "chunked": {"layout": {"groups": [{"kind": "chunked_local", "block_size": 16,
+                                       "attention_chunk_size": 64}],
+                           "engine": {"num_gpu_blocks": 64, "speculative": {
+                               "method": "eagle", "num_tokens": 2}}},
+                "requests": [{"id": "a", "prompt": [[0, 100]], "decode": 8},
+                             {"id": "b", "prompt": [[0, 100]], "arrival": 12, "decode": 4}]},
+    "mamba": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                    {"kind": "mamba", "block_size": 16,
+                                     "mamba_cache_mode": "align"}],
+                         "engine": {"num_gpu_blocks": 64, "speculative": {
+                             "method": "eagle", "num_tokens": 2}}},
+              "requests": [{"id": "a", "prompt": [[0, 64]], "decode": 8},
+                           {"id": "b", "prompt": [[0, 64]], "arrival": 12, "decode": 4}]},
+}
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+@pytest.mark.parametrize("asserts", [True, False])
+@pytest.mark.parametrize("name", ["chunked", "mamba"])
+def test_eagle_beside_a_group_that_keeps_its_hit_block(pool, version, asserts, name):
+    res = lockstep(Case.from_json(dict(EAGLE_KEEPERS[name], asserts=asserts)), version, pool)
+    assert res.model is not None and res.agree, res.summary()
+    expect = (["crash:AssertionError:find_longest_cache_hit"] if name == "chunked" and asserts
+              else [])
+    assert sigs(res) == expect
+
+
 #: align-mode Mamba with 2-block chunks (the case of finding invariant-INV-4-e66b97, grown to a
 #: CPU load): on 0.33.0 the MambaManager's align table nulls interior states, so the state block a
 #: boundary store job reads sits at the index its source spec names (block_indices, boundary //
