@@ -43,8 +43,9 @@ from simsched.allocator import (ABORTED, CHUNKED, FINISHED, NULL, RING, RUNNING,
                                 WAITING_FOR_LOAD, KVCacheManager, Request, make_key)
 from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
-                               SINGLE_TYPE_MANAGER_PY, ConfigError, Profile, derive,
-                               effective_block_size, prefix_cacheable_groups)
+                               SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
+                               check_enough_kv_cache_memory, derive, effective_block_size,
+                               prefix_cacheable_groups)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -73,6 +74,8 @@ class RunResult:
     trace: list[str] = field(default_factory=list)
     findings: list[dict] = field(default_factory=list)
     counters: dict = field(default_factory=dict)
+    # why the engine refused to start (check_enough_kv_cache_memory): the case did not run
+    refused: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -1318,6 +1321,13 @@ def collector_paused() -> Iterator[None]:
 def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: bool) -> RunResult:
     prof = resolve_profile(profile)
     result = RunResult(profile=prof.name)
+    # the engine checks its KV cache pool before it builds the scheduler (get_kv_cache_configs)
+    refusal = check_enough_kv_cache_memory(case)
+    if refusal is not None:
+        result.refused = refusal
+        result.trace = [header(prof.name, case.asserts), f"refused at start-up: {refusal}"]
+        result.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0}
+        return result
     try:
         model = Model(case, prof, checks=checks, trace=trace)
     except ConfigError as e:
@@ -1351,6 +1361,8 @@ def cli_run(case_path: str, profile: str | None = None, out=sys.stdout) -> int:
     case = load_case(case_path)
     result = run_case(case, profile)
     out.write(result.trace_text())
+    if result.refused is not None:
+        return 0            # not run: no finding
     if result.findings:
         f = result.findings[0]
         if f["kind"] == "crash":

@@ -52,7 +52,8 @@ class ModelTarget:
         return [self.config(c) for c in cases]
 
     def run(self, case: Case) -> tuple[list[dict], int]:
-        """Run the whole case on the model: its findings (crash, invariant) and steps taken."""
+        """Run the whole case on the model: its findings (crash, invariant) and steps taken
+        (none, no step, for a case the engine refuses at start-up: ``RunResult.refused``)."""
         from simsched.model import run_case
         try:
             result = run_case(case, self.profile, trace=False)
