@@ -476,14 +476,16 @@ def max_model_len(case) -> int:
     return max((r.prompt_len + r.decode for r in case.requests), default=0)
 
 
-def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: int) -> int:
+def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: int,
+                           encoder_tokens: int) -> int:
     """``KVCacheSpec.max_memory_usage_bytes`` in blocks: what one request of ``model_len`` tokens
     can hold of the group at once. Full attention (MLA, drafters): a block per ``block_size``
     tokens; sliding window: the window and the in-flight tokens, plus one block for a window not
     starting on a block boundary; chunked local: a chunk and the in-flight tokens (both never
     more than ``model_len``, ``max_admission_blocks_per_request``); Mamba: one state block, two
     in align mode (the running state and the previous one); a ring: its one block; cross
-    attention: the encoder input (``max_num_encoder_input_tokens``, here the batch budget)."""
+    attention: the encoder input (``max_num_encoder_input_tokens``: ``max_num_batched_tokens``,
+    as ``SchedulerConfig`` sets it)."""
     bs = effective_block_size(group, dcp)
     if group.kind == "ring":
         return 1
@@ -494,7 +496,7 @@ def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: in
     if group.kind == "chunked_local":
         return -(-min((group.attention_chunk_size or 1) + in_flight, model_len) // bs)
     if group.kind == "cross_attention":
-        return -(-in_flight // bs)
+        return -(-encoder_tokens // bs)
     return -(-model_len // bs)
 
 
@@ -502,7 +504,8 @@ def kv_cache_blocks_needed(case, model_len: int) -> int:
     """``max_memory_usage_bytes`` summed over the groups, in blocks of the shared pool."""
     eng = case.layout.engine
     in_flight = case.timing.max_num_batched_tokens * (2 if eng.async_scheduling else 1)
-    return sum(max_blocks_per_request(g, model_len, in_flight, eng.dcp_size)
+    return sum(max_blocks_per_request(g, model_len, in_flight, eng.dcp_size,
+                                      case.timing.max_num_batched_tokens)
                for g in case.layout.groups)
 
 
@@ -514,6 +517,8 @@ def check_enough_kv_cache_memory(case) -> str | None:
     against the pool less the null block the ``BlockPool`` holds back. The engine refuses to
     start otherwise: returns the refusal as vLLM words it (blocks where it says GiB), None
     when the pool is large enough."""
+    if not case.requests:
+        return None                 # no request, no max_model_len to serve
     available = case.layout.engine.num_gpu_blocks - 1
 
     def needed(model_len: int) -> int:

@@ -204,7 +204,7 @@ class RealEngine:
                 continue
             if check is not None:
                 break
-        if check is None:
+        if check is None or not case.requests:
             return None
         try:
             vc, kvc = self.builder.build(case.layout)
@@ -214,6 +214,10 @@ class RealEngine:
         vc.model_config = copy.copy(vc.model_config)
         sc = vc.scheduler_config = copy.copy(vc.scheduler_config)
         sc.max_num_batched_tokens = case.timing.max_num_batched_tokens
+        # SchedulerConfig.__post_init__ sets the encoder budget (cross attention's blocks) to
+        # max_num_batched_tokens: an engine started with this budget has it
+        if hasattr(sc, "max_num_encoder_input_tokens"):
+            sc.max_num_encoder_input_tokens = sc.max_num_batched_tokens
         if hasattr(sc, "async_scheduling"):
             sc.async_scheduling = bool(case.layout.engine.async_scheduling)
         specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
