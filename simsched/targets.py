@@ -115,9 +115,10 @@ class Releases:
             # only a release simsched pins a wheel for (releases.json) can be installed
             unknown = [v for v in missing if v not in releases.KNOWN_RELEASES]
             if unknown:
+                known = ", ".join(releases.KNOWN_RELEASES)
                 raise releases.ReleaseError(
-                    f"{', '.join(unknown)}: not a known vLLM release (known: "
-                    f"{', '.join(releases.KNOWN_RELEASES)}; installed: {', '.join(have) or 'none'})")
+                    f"{', '.join(unknown)}: not a known vLLM release (known: {known}; "
+                    f"installed: {', '.join(have) or 'none'})")
             if missing:
                 raise releases.ReleaseError(
                     f"vLLM release(s) {', '.join(missing)} not installed "

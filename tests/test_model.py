@@ -282,4 +282,5 @@ def test_lockstep_reports_a_refusal_as_not_run():
     res = LockstepResult(mk(FULL16, TOO_LONG, num_gpu_blocks=8), "0.33.0",
                          "prefix-cacheable-windows-in-config", None, real, None)
     assert _observations(res, None) == []
-    assert res.summary() == "0.33.0: not run: refused at start-up: To serve at least one request ..."
+    assert res.summary() == ("0.33.0: not run: refused at start-up: To serve at least one "
+                             "request ...")
