@@ -62,12 +62,21 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def title(data: dict) -> str:
+    """The issue's title: what raised where (a crash), which field differs (a divergence), or
+    which invariant broke and what it says (an invariant finding names no function)."""
+    if data["kind"] == "invariant":
+        from simsched.invariants import INVARIANTS
+        inv = data.get("invariant") or "?"
+        return f"# {inv} broken: {INVARIANTS.get(inv, 'unknown invariant')} (invariant)"
+    return (f"# {data['exception'] or data['kind']} in `{data['function'] or data['field']}`"
+            f" ({data['kind']})")
+
+
 def issue_text(data: dict, case_text: str, outcomes: dict, trace: list[str] | None = None) -> str:
     """The README of a repro: the text of an upstream bug report (``trace``: the model's step
     trace up to the failure, under a profile that shows it)."""
-    lines = [f"# {data['exception'] or data['kind']} in `{data['function'] or data['field']}`"
-             f" ({data['kind']})", "",
-             f"**Layout:** `{data['layout']}`", ""]
+    lines = [title(data), "", f"**Layout:** `{data['layout']}`", ""]
     geo = next((o["geometry"] for o in outcomes.values()
                 if isinstance(o, dict) and o.get("status") == "ok"), None)
     if geo:

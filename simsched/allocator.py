@@ -575,6 +575,13 @@ class KVCacheManager:
         # 0.32.0+, several groups (HybridKVCacheCoordinator): an EAGLE group matches one block
         # past the candidate hit before dropping one (eagle_proof_margin); set by the model
         self.eagle_margin = False
+        # a cacheable group whose find_longest_cache_hit never drops EAGLE's block: Mamba (draft
+        # models have no Mamba layers) and chunked local attention (it asserts drop_eagle_block
+        # is False; with the assert stripped it ignores it). Then the hit must end where such a
+        # group holds a block: see find_hit
+        self.eagle_keepers = any(r.align or r.code == CHUNKED for r in self.cacheable_rules)
+        # the full-attention groups find_hit bounds the hit with first
+        self.full_rules = [r for r in self.cacheable_rules if r.code == FULLISH]
         # align-mode Mamba groups (MambaManager, mamba_cache_mode == "align")
         self.align_rules = [r for r in self.rules if r.align]
         # MambaManager._num_retired_blocks: (gid, rid) -> blocks below it already nulled
@@ -670,6 +677,8 @@ class KVCacheManager:
             if n * bs < L:
                 L = n * bs
             L = L // align * align
+        if self.eagle_drop and self.eagle_keepers:
+            L = self._eagle_drop_first(req, L)
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
         # check below only needs the other groups. Where a group misses block j of its reach
         # at L, it misses it at every smaller L whose reach still covers j (the reach's start,
@@ -741,9 +750,24 @@ class KVCacheManager:
                     break                         # every group hits at L
         if rest and full_hit > L and len(rest) < len(self.cacheable_rules):
             self.junction = full_hit
-        if self.eagle_drop and L > 0:
+        if self.eagle_drop and not self.eagle_keepers and L > 0:
             L = (L - min(align, min(r.bs for r in self.cacheable_rules))) // align * align
         return L
+
+    def _eagle_drop_first(self, req: Request, L: int) -> int:
+        """EAGLE's drop where a group never drops (Mamba, chunked local): the coordinator
+        searches full attention first, its last block dropped (``FullAttentionManager.
+        find_longest_cache_hit(drop_eagle_block)``), then the other groups within that hit
+        only, so the hit ends where the keeping group holds a block (Mamba: the state block
+        at the hit) instead of one block below it. Without full attention (one group: the
+        ``UnitaryKVCacheCoordinator``) nothing drops, and no group matches past the
+        candidate hit either (no ``eagle_proof_margin``)."""
+        align = self.align
+        if not self.full_rules:
+            return (req.num_tokens - 1) // align * align
+        if L <= 0:
+            return L
+        return (L - min(align, min(r.bs for r in self.full_rules))) // align * align
 
     def _hit_block(self, known: list[Any], j: i64, k: Key) -> Any:
         """The block a hit on ``k``, a group's ``j``-th key, takes (``cached[k]``, valid: a hit's
@@ -857,14 +881,16 @@ class KVCacheManager:
 
     # --- admission gates (Scheduler.schedule, waiting loop) ---------------------------------
     def admission_blocks(self, req: Request, hit: int, total: int, num_tokens: int,
-                         capped: bool) -> int:
+                         capped: bool, lookahead: int = 0) -> int:
         """``coordinator.get_num_blocks_to_allocate`` for a request about to take a GPU prefix hit
         of ``hit`` tokens (blocks not touched yet) with ``total`` tokens computed (hit plus
         connector tokens), slots for ``num_tokens`` tokens; ``capped``: ``apply_admission_cap``
         (the full-sequence gate). Per group (``SingleTypeKVCacheManager.get_num_blocks_to_allocate``):
         a request that already holds blocks (after a load) needs ``required - held``; a fresh one
         needs ``required - max(skipped blocks, hit blocks)`` plus its evictable hit blocks (ref 0,
-        taken out of the free queue when touched); a ring needs its one block."""
+        taken out of the free queue when touched); a ring needs its one block. ``lookahead``:
+        the EAGLE lookahead slots among ``num_tokens``, which align-mode Mamba does not count
+        (``num_tokens_main_model``)."""
         # (i64: the counts and indices as plain 64-bit ints, no tagged-int checks)
         need: i64 = 0
         nt: i64 = num_tokens
@@ -880,7 +906,7 @@ class KVCacheManager:
                 # another request cached in this step cannot be used yet (num_gpu_blocks + 1:
                 # never fits); the blocks still missing, at most one (the new running state;
                 # num_speculative_blocks is 0), plus the evictable hit block
-                n: i64 = -(-nt // r.bs) - len(table)
+                n: i64 = -(-(nt - lookahead) // r.bs) - len(table)
                 if not table and r.cacheable and hit:
                     n_hit: i64 = hit // r.bs
                     n -= n_hit
@@ -1017,7 +1043,9 @@ class KVCacheManager:
                 x += 2
                 continue
             bs: i64 = r.bs
-            target: i64 = -(-total // bs)
+            # align-mode Mamba allocates no slots for lookahead tokens (MambaManager: they would
+            # break the block alignment, and draft models have no Mamba layers)
+            target: i64 = -(-(total - lookahead if r.align else total) // bs)
             if target <= have:
                 plan[x] = 0
                 plan[x + 1] = 0

@@ -202,17 +202,44 @@ class Case:
 def load_case(path: str | Path) -> Case:
     """Read a case file; any problem becomes a :class:`LayoutError` naming the file and field."""
     path = Path(path)
+    if path.is_dir():
+        raise LayoutError(str(path), "is a directory, not a case file")
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise LayoutError(str(path), f"cannot read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")     # JSON files are UTF-8 (RFC 8259), whatever the locale
+    except UnicodeDecodeError as e:
+        raise LayoutError(str(path), f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise LayoutError(str(path), f"not valid JSON (line {e.lineno}: {e.msg})") from None
-    if isinstance(obj, dict) and "groups" in obj and "layout" not in obj:
+    except RecursionError:
+        raise LayoutError(str(path), "not valid JSON (nested too deeply)") from None
+    except ValueError as e:     # int(): an integer of more digits than Python converts
+        raise LayoutError(str(path), f"not valid JSON ({str(e).split(':')[0]})") from None
+    if not isinstance(obj, dict):
+        raise LayoutError(str(path), "expected a JSON object (a case or a bare layout), got "
+                          f"{_json_type(obj)}")
+    if "groups" in obj and "layout" not in obj:
         obj = {"layout": obj}   # a bare layout file is a case with no requests
     try:
         return Case.from_json(obj)
     except LayoutError as e:
         raise LayoutError(f"{path}: {e.field}", e.reason) from None
+
+
+def _json_type(obj: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    if obj is None:
+        return "null"
+    if isinstance(obj, bool):
+        return "a boolean"
+    if isinstance(obj, (int, float)):
+        return "a number"
+    if isinstance(obj, str):
+        return "a string"
+    return "an array"

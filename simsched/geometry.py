@@ -23,6 +23,7 @@ from simsched.layout import Group, Layout
 CONFIG_PY = "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
 SCHEDULER_PY = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 KV_CACHE_UTILS_PY = "v1/core/kv_cache_utils.py"
+SINGLE_TYPE_MANAGER_PY = "v1/core/single_type_kv_cache_manager.py"
 #: ``SpeculativeConfig.use_eagle()``: methods that draft from the target's hidden states.
 EAGLE_METHODS = ("eagle", "eagle3", "mtp")
 
@@ -465,3 +466,79 @@ def config_outcome(layout: Layout, num_tokens: int, profile: Profile | str = DEF
         return e.to_json()
     return {"status": "ok", "geometry": geometry.to_json(), "num_hashes": num_hashes,
             "offload_keys": keys}
+
+
+# --- the start-up check of the KV cache pool ----------------------------------------------------
+
+def max_model_len(case) -> int:
+    """The engine's ``max_model_len`` for a case: its longest request, prompt plus decode
+    (``allocate_slots`` caps EAGLE's lookahead slots at ``max_model_len``, so they add none)."""
+    return max((r.prompt_len + r.decode for r in case.requests), default=0)
+
+
+def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: int,
+                           encoder_tokens: int) -> int:
+    """``KVCacheSpec.max_memory_usage_bytes`` in blocks: what one request of ``model_len`` tokens
+    can hold of the group at once. Full attention (MLA, drafters): a block per ``block_size``
+    tokens; sliding window: the window and the in-flight tokens, plus one block for a window not
+    starting on a block boundary; chunked local: a chunk and the in-flight tokens (both never
+    more than ``model_len``, ``max_admission_blocks_per_request``); Mamba: one state block, two
+    in align mode (the running state and the previous one); a ring: its one block; cross
+    attention: the encoder input (``max_num_encoder_input_tokens``: ``max_num_batched_tokens``,
+    as ``SchedulerConfig`` sets it)."""
+    bs = effective_block_size(group, dcp)
+    if group.kind == "ring":
+        return 1
+    if group.kind == "mamba":
+        return 2 if group.mamba_cache_mode == "align" else 1
+    if group.kind in ("sliding_window", "sliding_window_mla"):
+        return -(-min((group.sliding_window or 1) - 1 + in_flight, model_len) // bs) + 1
+    if group.kind == "chunked_local":
+        return -(-min((group.attention_chunk_size or 1) + in_flight, model_len) // bs)
+    if group.kind == "cross_attention":
+        return -(-encoder_tokens // bs)
+    return -(-model_len // bs)
+
+
+def kv_cache_blocks_needed(case, model_len: int) -> int:
+    """``max_memory_usage_bytes`` summed over the groups, in blocks of the shared pool."""
+    eng = case.layout.engine
+    in_flight = case.timing.max_num_batched_tokens * (2 if eng.async_scheduling else 1)
+    return sum(max_blocks_per_request(g, model_len, in_flight, eng.dcp_size,
+                                      case.timing.max_num_batched_tokens)
+               for g in case.layout.groups)
+
+
+def check_enough_kv_cache_memory(case) -> str | None:
+    """vLLM's start-up check that the KV cache pool holds one request of ``max_model_len``
+    tokens (``check_enough_kv_cache_memory`` / ``_check_enough_kv_cache_memory``,
+    ``v1/core/kv_cache_utils.py``, ``kv_cache_planning.py`` from 0.33.0; every release): the
+    groups share one pool, so their ``max_memory_usage_bytes`` add up, counted here in blocks
+    against the pool less the null block the ``BlockPool`` holds back. The engine refuses to
+    start otherwise: returns the refusal as vLLM words it (blocks where it says GiB), None
+    when the pool is large enough."""
+    if not case.requests:
+        return None                 # no request, no max_model_len to serve
+    available = case.layout.engine.num_gpu_blocks - 1
+
+    def needed(model_len: int) -> int:
+        return kv_cache_blocks_needed(case, model_len)
+
+    model_len = max_model_len(case)
+    need = needed(model_len)
+    if need <= available:
+        return None
+    # estimate_max_model_len: the longest max_model_len that fits (binary search)
+    lo, hi, estimate = 1, model_len, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if needed(mid) <= available:
+            estimate, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    hint = (f" Based on the available memory, the estimated maximum model length is {estimate}."
+            if estimate > 0 else "")
+    return (f"To serve at least one request with the model's max seq len ({model_len}), "
+            f"({need} blocks) KV cache is needed, which is larger than the available KV cache "
+            f"memory ({available} blocks).{hint} Try increasing `gpu_memory_utilization` or "
+            f"decreasing `max_model_len` when initializing the engine.")

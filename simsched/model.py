@@ -39,11 +39,13 @@ if TYPE_CHECKING:
 
 from simsched import events as ev
 from simsched import invariants as inv
-from simsched.allocator import (ABORTED, FINISHED, NULL, RING, RUNNING, WAITING,
+from simsched.allocator import (ABORTED, CHUNKED, FINISHED, NULL, RING, RUNNING, WAITING,
                                 WAITING_FOR_LOAD, KVCacheManager, Request, make_key)
 from simsched.case import VOCAB, Case, RequestSpec, load_case
-from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
-                               derive, effective_block_size, prefix_cacheable_groups)
+from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
+                               SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
+                               check_enough_kv_cache_memory, derive, effective_block_size,
+                               prefix_cacheable_groups)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -72,6 +74,8 @@ class RunResult:
     trace: list[str] = field(default_factory=list)
     findings: list[dict] = field(default_factory=list)
     counters: dict = field(default_factory=dict)
+    # why the engine refused to start (check_enough_kv_cache_memory): the case did not run
+    refused: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -151,6 +155,14 @@ class Model:
         self.kv.eagle_drop = bool(self.lookahead)
         self.kv.eagle_margin = (len(layout.groups) > 1
                                 and profile.extra.get("eagle_hit_margin", False))
+        # ChunkedLocalAttentionManager.find_longest_cache_hit asserts drop_eagle_block is False
+        # ("Hybrid KV cache is not supported for eagle + chunked local attention.", every
+        # release): with EAGLE and no drafter group every group is an EAGLE group
+        # (KVCacheCoordinator: eagle_group_ids), so a chunked local group fails the first lookup
+        self.eagle_chunked_assert = bool(
+            self.lookahead and case.asserts and self.kv.hits_possible
+            and not any(g.drafter for g in layout.groups)
+            and any(r.code == CHUNKED for r in self.kv.cacheable_rules))
         # 0.33.0: with speculative decoding, update_from_output caches the blocks of a running
         # request's computed tokens once its new tokens are appended (rejections rolled back)
         self.cache_on_output = bool(spec is not None
@@ -793,7 +805,7 @@ class Model:
         self.progress = self.progress or bool(sched_reqs)
 
     def _mamba_split(self, req: Request, n: int, start: int) -> int:
-        """``Scheduler._mamba_block_aligned_split`` (no EAGLE, no partial-tail hits, no prefill
+        """``Scheduler._mamba_block_aligned_split`` (no partial-tail hits, no prefill
         checkpoint blocks, long_prefill_token_threshold 0): a prefill chunk of ``n`` tokens from
         ``start`` ends on a block boundary unless it ends the prefill, stops at the next
         boundary when it starts inside a block, at the last cacheable boundary and at the
@@ -803,7 +815,13 @@ class Model:
             return n
         bs = self.mamba_split_bs
         nt = req.num_tokens
-        last = ((nt - 1) if self.mamba_split_below else nt) // bs * bs
+        if self.kv.eagle_drop:
+            # "With Eagle, FullAttn prunes the last matching block, so back off one block to
+            # avoid a Mamba cache miss" (get_mamba_prefill_checkpoint_position, 0.32.0+; inline
+            # before): the block before the last whole one
+            last = max(nt // bs * bs - bs, 0)
+        else:
+            last = ((nt - 1) if self.mamba_split_below else nt) // bs * bs
         end = start + n
         if end < prefill_end:
             aligned = end // bs * bs
@@ -910,6 +928,10 @@ class Model:
             ext = 0             # the tokens to load (a native int: the hit once known)
             fresh = req.num_computed == 0
             if fresh:
+                if self.eagle_chunked_assert:
+                    raise ModelCrash("AssertionError", "find_longest_cache_hit", "lookup",
+                                     "Hybrid KV cache is not supported for eagle + chunked "
+                                     "local attention.", SINGLE_TYPE_MANAGER_PY)
                 L = kv.find_hit(req)
                 # Request.shared_prefix_boundary: a reachable boundary of sliding-window stores
                 off.junction[req.rid] = kv.junction
@@ -937,7 +959,7 @@ class Model:
                     reserved += self.spec_step_blocks
                 la = 0 if ext else self.lookahead     # no lookahead slots for an async load
                 if (kv.admission_blocks(req, L, total, req.num_tokens, True) > pool.num_free()
-                        or kv.admission_blocks(req, L, total, total + n + la, False)
+                        or kv.admission_blocks(req, L, total, total + n + la, False, la)
                         > pool.num_free() - reserved):
                     break
                 kv.apply_hit(req, L, total)
@@ -1299,6 +1321,13 @@ def collector_paused() -> Iterator[None]:
 def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: bool) -> RunResult:
     prof = resolve_profile(profile)
     result = RunResult(profile=prof.name)
+    # the engine checks its KV cache pool before it builds the scheduler (get_kv_cache_configs)
+    refusal = check_enough_kv_cache_memory(case)
+    if refusal is not None:
+        result.refused = refusal
+        result.trace = [header(prof.name, case.asserts), f"refused at start-up: {refusal}"]
+        result.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0}
+        return result
     try:
         model = Model(case, prof, checks=checks, trace=trace)
     except ConfigError as e:
@@ -1332,6 +1361,8 @@ def cli_run(case_path: str, profile: str | None = None, out=sys.stdout) -> int:
     case = load_case(case_path)
     result = run_case(case, profile)
     out.write(result.trace_text())
+    if result.refused is not None:
+        return 0            # not run: no finding
     if result.findings:
         f = result.findings[0]
         if f["kind"] == "crash":

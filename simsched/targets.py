@@ -52,7 +52,8 @@ class ModelTarget:
         return [self.config(c) for c in cases]
 
     def run(self, case: Case) -> tuple[list[dict], int]:
-        """Run the whole case on the model: its findings (crash, invariant) and steps taken."""
+        """Run the whole case on the model: its findings (crash, invariant) and steps taken
+        (none, no step, for a case the engine refuses at start-up: ``RunResult.refused``)."""
         from simsched.model import run_case
         try:
             result = run_case(case, self.profile, trace=False)
@@ -112,6 +113,13 @@ class Releases:
         have = [r.version for r in releases.installed()]
         if only is not None:
             missing = [v for v in only if v not in have]
+            # only a release simsched pins a wheel for (releases.json) can be installed
+            unknown = [v for v in missing if v not in releases.KNOWN_RELEASES]
+            if unknown:
+                known = ", ".join(releases.KNOWN_RELEASES)
+                raise releases.ReleaseError(
+                    f"{', '.join(unknown)}: not a known vLLM release (known: {known}; "
+                    f"installed: {', '.join(have) or 'none'})")
             if missing:
                 raise releases.ReleaseError(
                     f"vLLM release(s) {', '.join(missing)} not installed "

@@ -175,6 +175,19 @@ def gen_requests(rng: random.Random) -> list[dict]:
     return reqs
 
 
+def _startable(case: Case) -> Case:
+    """The case with a GPU pool vLLM's start-up check accepts (check_enough_kv_cache_memory:
+    one request of the longest length fits), grown only where it is too small (no draw
+    changes: the other cases stay as they were)."""
+    from dataclasses import replace
+
+    from simsched.geometry import kv_cache_blocks_needed, max_model_len
+    need = kv_cache_blocks_needed(case, max_model_len(case)) + 1     # and the null block
+    if case.layout.engine.num_gpu_blocks >= need:
+        return case
+    return replace(case, layout=case.layout.with_engine(num_gpu_blocks=need))
+
+
 def generated(count: int = 300, seed: int = 20240601) -> list[tuple[str, dict, str]]:
     from simsched.layout import LayoutError
     rng = random.Random(seed)
@@ -191,6 +204,7 @@ def generated(count: int = 300, seed: int = 20240601) -> list[tuple[str, dict, s
             case = Case.from_json(obj)
         except LayoutError:
             continue
+        case = _startable(case)
         out.append((f"gen{len(out):03d}", case.to_json(), rng.choice(ALL_PROFILES)))
     return out
 

@@ -29,6 +29,27 @@ def test_malformed_case_is_one_line(tmp_path, content, needle, command):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("content, needle", [
+    (b'{"layout": "\xff\xfe"}', "not UTF-8 text (byte 0xff at offset 12)"),
+    (b"[1, 2]", "expected a JSON object (a case or a bare layout), got an array"),
+    (b'"case"', "expected a JSON object (a case or a bare layout), got a string"),
+    (b"[" * 100000, "not valid JSON (nested too deeply)"),
+    (None, "is a directory, not a case file"),
+    ("missing", "cannot read: No such file or directory"),
+], ids=["not-utf8", "array", "string", "deep", "directory", "missing"])
+@pytest.mark.parametrize("command", ["geometry", "replay", "run"])
+def test_unreadable_case_file_is_one_line(tmp_path, content, needle, command):
+    path = tmp_path / "case.json"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    r = simsched(command, str(path), *(["--model"] if command == "replay" else []))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == f"simsched: error: {path}: {needle}", r.stderr
+
+
 def test_unknown_profile(tmp_path):
     path = tmp_path / "case.json"
     path.write_text(json.dumps({"groups": [{"kind": "full", "block_size": 16}]}))
@@ -55,3 +76,21 @@ def test_replay_model_exit_codes(tmp_path):
 def test_fuzz_unknown_target(tmp_path):
     r = simsched("fuzz", "--target", "0.99.0", "--budget", "1", "--out", str(tmp_path))
     assert r.returncode == 2 and "0.99.0" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("release, needle", [
+    ("9.9.9", "9.9.9: not a known vLLM release (known: 0.25.1, "),
+    ("0.30.0", "not installed (installed: none); run: simsched releases install 0.30.0"),
+])
+def test_replay_a_release_not_installed(tmp_path, monkeypatch, release, needle):
+    # install is suggested only for a release simsched can install (releases.json)
+    monkeypatch.setenv("SIMSCHED_HOME", str(tmp_path / "home"))
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps({"groups": [{"kind": "full", "block_size": 16}]}))
+    r = simsched("replay", str(path), "--release", release)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("simsched: error: "), r.stderr
+    assert needle in lines[0]
+    if release == "9.9.9":
+        assert "releases install" not in lines[0] and "0.33.0" in lines[0]

@@ -173,9 +173,15 @@ def test_inv7_load_of_pending_chunk(monkeypatch, src):
     assert inv_of(src.run_case(c, "prefix-cacheable")) == "INV-7"
 
 
-def test_inv8_request_never_fits():
+def test_a_request_longer_than_the_pool_is_refused_at_startup():
+    # not INV-8: vLLM refuses to start an engine whose pool cannot hold one request of
+    # max_model_len (check_enough_kv_cache_memory): 2002 tokens need 126 blocks of 15
     c = mk([{"id": "a", "prompt": [[1, 2000]], "decode": 2}], num_gpu_blocks=16)
-    assert inv_of(run_case(c, "prefix-cacheable")) == "INV-8"
+    r = run_case(c, "prefix-cacheable")
+    assert r.findings == [] and r.counters["steps"] == 0
+    assert r.refused.startswith("To serve at least one request with the model's max seq len "
+                                "(2002), (126 blocks) KV cache is needed")
+    assert r.trace[-1] == f"refused at start-up: {r.refused}"
 
 
 def test_inv9_lookup_misses_ready_prefix(monkeypatch, src):

@@ -219,17 +219,60 @@ def test_agreement_on_mamba_align_layout(pool, version):
     assert_agree(MAMBA_SEEDS, version, pool)
 
 
+#: one request longer than the GPU pool holds (was INV-8 on every model profile)
+TOO_LONG = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                       "engine": {"num_gpu_blocks": 8}},
+            "requests": [{"id": "a", "prompt": [[7, 200]], "decode": 2}]}
+
+
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
-def test_real_scheduler_stalls_on_a_mamba_state_move(pool, version):
-    """HANDMADE["mamba_stall"]: the full-sequence gate counts one Mamba block per request, but the
-    allocation that moves a request's state to a new block holds two (the previous one is freed
-    at the next allocation). With 7 usable blocks: on 0.30.0 b, admitted with a CPU load of 64
-    tokens (6 full-attention blocks + 1 Mamba block counted), cannot take its next chunk; on
-    0.33.0 f's prefill, cut 80 + 16 at block boundaries, is preempted at its second chunk. The real
-    scheduler makes no progress (INV-8), and the model does the same."""
-    res = lockstep(Case.from_json(HANDMADE["mamba_stall"]), version, pool)
-    assert res.agree, res.summary()
-    assert sigs(res) == ["invariant:INV-8"]
+@pytest.mark.parametrize("name, estimate", [("mamba_stall", 80), ("too_long", 112)])
+def test_a_pool_too_small_for_the_longest_request_is_refused_at_startup(pool, version, name,
+                                                                          estimate):
+    """HANDMADE["mamba_stall"] (f: 96 + 1 tokens need 7 full-attention blocks and 2 align-mode
+    Mamba blocks of the 7 usable ones; it used to stall, INV-8, on both sides) and a request of
+    202 tokens in 7 blocks: the release's own start-up check (_check_enough_kv_cache_memory,
+    run by the harness before the Scheduler is built) refuses both, and the model refuses them
+    the same way: no run, no finding."""
+    case = Case.from_json(HANDMADE[name] if name in HANDMADE else TOO_LONG)
+    res = lockstep(case, version, pool)
+    assert res.real["status"] == "refused", res.summary()
+    assert res.model.refused is not None and res.observations == []
+    assert res.summary().startswith(f"{version}: not run: refused at start-up: To serve at "
+                                    "least one request with the model's max seq len")
+    hint = f"the estimated maximum model length is {estimate}."
+    assert hint in res.real["reason"] and hint in res.model.refused
+
+
+#: EAGLE beside a group whose cache-hit finder never drops a block (the model crashed with a
+#: KeyError on both: issue 17, item 6.1): chunked local attention (asserted on: the release's
+#: own AssertionError at the first lookup) and align-mode Mamba (b's hit ends on a state block)
+EAGLE_KEEPERS = {
+    "chunked": {"layout": {"groups": [{"kind": "chunked_local", "block_size": 16,
+                                       "attention_chunk_size": 64}],
+                           "engine": {"num_gpu_blocks": 64, "speculative": {
+                               "method": "eagle", "num_tokens": 2}}},
+                "requests": [{"id": "a", "prompt": [[0, 100]], "decode": 8},
+                             {"id": "b", "prompt": [[0, 100]], "arrival": 12, "decode": 4}]},
+    "mamba": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                    {"kind": "mamba", "block_size": 16,
+                                     "mamba_cache_mode": "align"}],
+                         "engine": {"num_gpu_blocks": 64, "speculative": {
+                             "method": "eagle", "num_tokens": 2}}},
+              "requests": [{"id": "a", "prompt": [[0, 64]], "decode": 8},
+                           {"id": "b", "prompt": [[0, 64]], "arrival": 12, "decode": 4}]},
+}
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+@pytest.mark.parametrize("asserts", [True, False])
+@pytest.mark.parametrize("name", ["chunked", "mamba"])
+def test_eagle_beside_a_group_that_keeps_its_hit_block(pool, version, asserts, name):
+    res = lockstep(Case.from_json(dict(EAGLE_KEEPERS[name], asserts=asserts)), version, pool)
+    assert res.model is not None and res.agree, res.summary()
+    expect = (["crash:AssertionError:find_longest_cache_hit"] if name == "chunked" and asserts
+              else [])
+    assert sigs(res) == expect
 
 
 #: align-mode Mamba with 2-block chunks (the case of finding invariant-INV-4-e66b97, grown to a
@@ -239,7 +282,7 @@ def test_real_scheduler_stalls_on_a_mamba_state_move(pool, version):
 MAMBA_CHUNK2 = {"layout": {"groups": [{"kind": "full", "block_size": 16},
                                       {"kind": "mamba", "block_size": 16,
                                        "mamba_cache_mode": "align"}],
-                           "engine": {"blocks_per_chunk": 2, "num_gpu_blocks": 9}},
+                           "engine": {"blocks_per_chunk": 2, "num_gpu_blocks": 10}},
                 "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
                              {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
                              {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,

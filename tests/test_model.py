@@ -182,3 +182,105 @@ def test_token_depends_on_the_seed_mod_vocab():
     runs = [run_case(Case.from_json({**obj, "seed": s}), "prefix-cacheable").trace_text()
             for s in (big, big % VOCAB)]
     assert runs[0] == runs[1]
+
+
+# --- EAGLE beside groups whose cache-hit finder never drops a block (issue 17, item 6.1) --------
+
+EAGLE2 = {"method": "eagle", "num_tokens": 2}
+CHUNKED_EAGLE = [{"kind": "chunked_local", "block_size": 16, "attention_chunk_size": 64}]
+MAMBA_EAGLE = [{"kind": "full", "block_size": 16},
+               {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}]
+#: b shares a's prompt: its GPU prefix hit is where the model crashed with a KeyError
+EAGLE_REQS = {"chunked": [{"id": "a", "prompt": [[0, 100]], "decode": 8},
+                          {"id": "b", "prompt": [[0, 100]], "arrival": 12, "decode": 4}],
+              "mamba": [{"id": "a", "prompt": [[0, 64]], "decode": 8},
+                        {"id": "b", "prompt": [[0, 64]], "arrival": 12, "decode": 4}]}
+#: the profiles whose config stage takes a chunked local group (0.25.1-0.27.1 fail it first)
+CHUNKED_PROFILES = [p for p in PROFILES if not p.startswith("legacy")]
+
+
+def eagle_case(kind: str, asserts: bool = True):
+    groups = CHUNKED_EAGLE if kind == "chunked" else MAMBA_EAGLE
+    return mk(groups, EAGLE_REQS[kind], asserts, num_gpu_blocks=64, speculative=EAGLE2)
+
+
+@pytest.mark.parametrize("profile", CHUNKED_PROFILES)
+def test_eagle_with_chunked_local_fails_the_first_lookup(profile):
+    # every group is an EAGLE group without a drafter group, and ChunkedLocalAttentionManager
+    # asserts drop_eagle_block is False: the first request's lookup raises (was: the model's
+    # own KeyError in _hit_block at b's hit)
+    r = run_case(eagle_case("chunked"), profile)
+    assert [(f["kind"], f["exception"], f["function"], f["step"]) for f in r.findings] == [
+        ("crash", "AssertionError", "find_longest_cache_hit", 0)]
+    assert "eagle + chunked local attention" in r.findings[0]["message"]
+
+
+@pytest.mark.parametrize("profile", CHUNKED_PROFILES)
+def test_eagle_with_chunked_local_and_asserts_stripped_keeps_the_hit_block(profile):
+    # python -O: the chunked local finder ignores drop_eagle_block, so b's hit keeps its last
+    # block (a single group: nothing drops)
+    r = run_case(eagle_case("chunked", asserts=False), profile)
+    assert r.ok, r.findings
+    assert r.counters["finished"] == 2
+    hit = next(line for line in r.trace if line.startswith("alloc b"))
+    assert hit.startswith("alloc b g0=0,0,0,0,"), hit      # 64 tokens out of reach, no drop
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+@pytest.mark.parametrize("asserts", [True, False])
+def test_eagle_with_align_mamba_hits_at_a_state_block(profile, asserts):
+    # the EAGLE drop applies to full attention first and Mamba searches within its hit (its
+    # finder never drops): the hit ends on a cached state (was: one block below it, a KeyError
+    # in admission_blocks); align-mode Mamba allocates no lookahead slots
+    r = run_case(eagle_case("mamba", asserts), profile)
+    assert r.ok, r.findings
+    assert r.counters["finished"] == 2
+    # a's first chunk stops a block before the last whole one (EAGLE backs the last cacheable
+    # position off a block) and its state block sits at the chunk's end, not past the
+    # lookahead slots (as 0.30.0 and 0.33.0 do in lockstep)
+    assert r.trace[2:4] == ["sched a 48", "alloc a g0=1,2,3,4 g1=0,0,5"], r.trace[:6]
+
+
+# --- vLLM's start-up check of the KV cache pool (issue 17, item 6.5) -------------------------
+
+TOO_LONG = [{"id": "a", "prompt": [[7, 200]], "decode": 2}]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_a_request_longer_than_the_pool_is_refused_not_a_liveness_finding(profile):
+    # 202 tokens need 13 blocks; 8 GPU blocks leave 7 (the null block): vLLM refuses to start
+    # (check_enough_kv_cache_memory) where the model used to report INV-8
+    r = run_case(mk(FULL16, TOO_LONG, num_gpu_blocks=8), profile)
+    assert r.findings == [] and r.counters["steps"] == 0
+    assert r.refused == (
+        "To serve at least one request with the model's max seq len (202), (13 blocks) KV cache "
+        "is needed, which is larger than the available KV cache memory (7 blocks). Based on the "
+        "available memory, the estimated maximum model length is 112. Try increasing "
+        "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+    from simsched.targets import ModelTarget
+    assert ModelTarget.named(profile).run(mk(FULL16, TOO_LONG, num_gpu_blocks=8)) == ([], 0)
+
+
+@pytest.mark.parametrize("groups, blocks", [
+    (FULL16, 13),                                        # cdiv(202, 16)
+    ([{"kind": "sliding_window", "block_size": 16, "sliding_window": 32}], 5),  # 31 + 32: 4+1
+    ([{"kind": "chunked_local", "block_size": 16, "attention_chunk_size": 64}], 6),  # 64 + 32
+    ([{"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}], 2),
+    (FULL16 + [{"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}], 15),
+    (FULL16 + [{"kind": "ring", "block_size": 4}], 14),
+])
+def test_startup_check_counts_each_group_as_its_spec_does(groups, blocks):
+    from simsched.geometry import check_enough_kv_cache_memory
+    for pool, refused in ((blocks, True), (blocks + 1, False)):
+        c = mk(groups, TOO_LONG, num_gpu_blocks=pool, timing={"max_num_batched_tokens": 32})
+        assert (check_enough_kv_cache_memory(c) is not None) == refused, (pool, groups)
+
+
+def test_lockstep_reports_a_refusal_as_not_run():
+    from simsched.lockstep import LockstepResult, _observations
+    real = {"status": "refused", "reason": "To serve at least one request ..."}
+    res = LockstepResult(mk(FULL16, TOO_LONG, num_gpu_blocks=8), "0.33.0",
+                         "prefix-cacheable-windows-in-config", None, real, None)
+    assert _observations(res, None) == []
+    assert res.summary() == ("0.33.0: not run: refused at start-up: To serve at least one "
+                             "request ...")

@@ -160,6 +160,9 @@ class RealEngine:
             case = Case.from_json(case_json)
         except LayoutError as e:
             return {"status": "invalid", "reason": str(e)}
+        refusal = self.startup_refusal(case)
+        if refusal is not None:
+            return {"status": "refused", "reason": refusal}
         if bare:
             out = _BareRun(self, case, step_cap).go()
             out["wall"] = time.perf_counter() - t0
@@ -181,6 +184,68 @@ class RealEngine:
         out["wall"] = time.perf_counter() - t0
         out["mutant"] = mutant
         return out
+
+    def startup_refusal(self, case: Case) -> str | None:
+        """The release's own start-up check of the KV cache pool, run before any Scheduler is
+        built: ``_check_enough_kv_cache_memory`` (``v1/core/kv_cache_utils.py``,
+        ``kv_cache_planning.py`` from 0.33.0) with ``max_model_len`` the case's longest
+        request (prompt plus decode). A group needs its spec's ``max_memory_usage_bytes`` in
+        pages; the groups share the pool of ``num_gpu_blocks`` blocks, the null block held
+        back. Passed in units of 1 GiB, so that the release's message counts blocks where it
+        says GiB. Its ValueError's message, or None (it fits, or the release has no check)."""
+        import copy
+        import importlib
+        check = None
+        for name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+            try:
+                check = getattr(importlib.import_module(name), "_check_enough_kv_cache_memory",
+                                None)
+            except ImportError:
+                continue
+            if check is not None:
+                break
+        if check is None or not case.requests:
+            return None
+        try:
+            vc, kvc = self.builder.build(case.layout)
+        except self.Unsupported:
+            return None             # the run says so
+        vc = copy.copy(vc)
+        vc.model_config = copy.copy(vc.model_config)
+        sc = vc.scheduler_config = copy.copy(vc.scheduler_config)
+        sc.max_num_batched_tokens = case.timing.max_num_batched_tokens
+        # SchedulerConfig.__post_init__ sets the encoder budget (cross attention's blocks) to
+        # max_num_batched_tokens: an engine started with this budget has it
+        if hasattr(sc, "max_num_encoder_input_tokens"):
+            sc.max_num_encoder_input_tokens = sc.max_num_batched_tokens
+        if hasattr(sc, "async_scheduling"):
+            sc.async_scheduling = bool(case.layout.engine.async_scheduling)
+        specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
+        gib = 1 << 30
+
+        def needed(model_len: int) -> int:
+            vc.model_config.max_model_len = model_len
+            return gib * sum(-(-s.max_memory_usage_bytes(vc) // s.page_size_bytes)
+                             for s in specs)
+
+        def estimate(available: int) -> int:
+            lo, hi, best = 1, model_len, 0
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if needed(mid) <= available:
+                    best, lo = mid, mid + 1
+                else:
+                    hi = mid - 1
+            return best
+
+        model_len = max((r.prompt_len + r.decode for r in case.requests), default=0)
+        try:
+            check(gib * (kvc.num_blocks - 1), lambda: needed(model_len), model_len, estimate)
+        except ValueError as e:
+            return str(e)
+        except AssertionError:      # e.g. "DCP not support sliding window.": the run shows it
+            return None
+        return None
 
     def crash_info(self, stage: str, exc: BaseException) -> dict:
         return self.probe.error(stage, exc)

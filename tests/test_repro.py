@@ -1,0 +1,35 @@
+"""fuzz/repro.py: the files a finding is written out as."""
+
+from fuzz.repro import issue_text
+
+CASE_TEXT = '{"format": "simsched-case/1", "layout": {"groups": []}}\n'
+
+
+def finding_data(**kw) -> dict:
+    data = {"kind": "crash", "exception": "AssertionError", "function": "build_offloading_config",
+            "field": None, "invariant": None, "layout": "full/16 + ring/4", "file": None,
+            "releases_affected": ["0.30.0"], "releases_clean": ["0.31.0"],
+            "profiles_affected": [], "asserts": True}
+    data.update(kw)
+    return data
+
+
+def test_crash_title_names_the_exception_and_the_function():
+    text = issue_text(finding_data(), CASE_TEXT, {})
+    assert text.splitlines()[0] == "# AssertionError in `build_offloading_config` (crash)"
+
+
+def test_divergence_title_names_the_field():
+    text = issue_text(finding_data(kind="divergence", exception=None, function=None,
+                                   field="tokens_per_hash"), CASE_TEXT, {})
+    assert text.splitlines()[0] == "# divergence in `tokens_per_hash` (divergence)"
+
+
+def test_invariant_title_names_the_invariant_and_what_it_says():
+    # an invariant finding has no function: its title is the invariant, never "in `None`"
+    text = issue_text(finding_data(kind="invariant", exception=None, function=None,
+                                   invariant="INV-8"), CASE_TEXT, {})
+    title = text.splitlines()[0]
+    assert title == ("# INV-8 broken: every request finishes or is aborted (liveness once the "
+                     "tier is quiet) (invariant)")
+    assert "None" not in title
