@@ -102,7 +102,7 @@ class Finding:
         return {
             "id": self.id, "class": self.klass,
             "cluster": self.cluster or tri.cluster_name(self.key),
-            "cluster_key": list(self.key), "aliases": [list(a) for a in self.aliases],
+            "cluster_key": _as_list(self.key), "aliases": [_as_list(a) for a in self.aliases],
             "signature": str(self.signature), "kind": self.signature.kind,
             "exception": self.signature.exception or None,
             "function": (self.signature.function if self.signature.kind == "crash" else None),
@@ -197,6 +197,11 @@ def present_on(targets) -> tuple[str, ...]:
 def finding_id(key: tuple) -> str:
     """A stable, readable id: the cluster's name."""
     return tri.cluster_name(key)
+
+
+def _as_list(key: tuple) -> list:
+    """A cluster key as JSON holds it (its nested tuples as lists)."""
+    return [_as_list(v) if isinstance(v, tuple) else v for v in key]
 
 
 def _as_key(value) -> tuple:
@@ -377,6 +382,16 @@ class Campaign:
                 t = tri.triage_release(o, case.layout, ran.get(o.target))
             if t is not None:
                 seen.append(Seen(o, t.klass, t.key))
+        # with no real step to tell, a prediction is told apart by the profiles that make it
+        # (the release ranges the model predicts: on 0.30.0's profile the ring of PR #55037
+        # and a lone Mamba group under DCP fail the same check, on different older profiles)
+        shown: dict[str, list[str]] = {}
+        for s in seen:
+            if s.klass == tri.PREDICTED:
+                shown.setdefault(str(s.obs.signature), []).append(s.obs.target)
+        for s in seen:
+            if s.klass == tri.PREDICTED:
+                s.key = s.key + (tuple(sorted(shown[str(s.obs.signature)])),)
         return tri.only_proposals(seen)
 
     def fingerprint(self, case: Case, sig: Signature,
