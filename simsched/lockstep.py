@@ -386,13 +386,22 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: allocate_slots reserves num_lookahead_tokens slots), ``spec_pad`` (b, a full GPU prefix hit
 #: but its last token, is padded to 1 + k tokens of which the k padding drafts are rejected) and
 #: ``spec_eagle_hit`` (EAGLE drops the last block of a GPU prefix hit; 0.32.0+ hybrid layouts
-#: match one block further first)
+#: match one block further first); ``window_load`` (``load`` with a sliding-window group: a's
+#: window chunks that b's hit needs are stored, b loads the three chunks whose window is ready)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
              "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
                           {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
                           {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}]},
+    "window_load": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                          {"kind": "sliding_window", "block_size": 16,
+                                           "sliding_window": 32}],
+                               "engine": {"num_gpu_blocks": 14}},
+                    "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                 {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                 {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                  "decode": 2}]},
     "fence": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                          "engine": {"num_gpu_blocks": 8}},
               "timing": {"store_latency": 8},

@@ -210,6 +210,9 @@ class _Run:
         self.step_no = 0
         self.lookup_finding: inv.InvariantViolation | None = None
         self.lookup_error: BaseException | None = None
+        # lookups the connector answered and checked: how many, how many the tier's ready
+        # chunks gave a hit (the oracle's want > 0), how many deferred
+        self.lookup_counts = {"checked": 0, "expected_hit": 0, "deferred": 0}
 
     # -- helpers ---------------------------------------------------------------------------
     def emit(self, line: str) -> None:
@@ -217,7 +220,7 @@ class _Run:
 
     def result(self) -> dict:
         return {"status": "ok", "trace": self.lines, "findings": self.findings,
-                "counters": self.counters}
+                "counters": self.counters, "lookups": self.lookup_counts}
 
     def go(self) -> None:
         try:
@@ -376,6 +379,10 @@ class _Run:
                                        bound if self.gpu_only_groups else None)
         if getattr(request, "skip_reading_prefix_cache", False):
             want = 0        # get_num_new_matched_tokens: such a request reads no prefix
+        counts = self.lookup_counts
+        counts["checked"] += 1
+        counts["expected_hit"] += want > 0
+        counts["deferred"] += got is None
         if got is None:
             self._deferred(rid, want, num_local)
             return
@@ -718,7 +725,16 @@ class _Run:
         self.emit(f"step {step}")
         # the requests' computed counts before the step, for the shadow
         before = {rid: r.num_computed_tokens for rid, r in self.reqs.items()}
-        out = self._call("schedule", sched.schedule)
+        try:
+            out = self._call("schedule", sched.schedule)
+        except _Crash as c:
+            # a lookup that went wrong earlier in this schedule() is the first bad operation;
+            # what vLLM raised after it is its consequence, named in the finding
+            v = self.lookup_finding
+            if v is None:
+                raise
+            raise inv.InvariantViolation(v.inv_id, v.step, f"{v.detail} (then "
+                                         f"{type(c.exc).__name__} in {c.stage})", v.op) from c
         if self.lookup_error is not None:
             raise self.lookup_error
         if self.lookup_finding is not None:

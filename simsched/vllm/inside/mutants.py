@@ -13,6 +13,12 @@ drop_fence             ``jobs_to_flush`` dropped: re-allocated blocks are writte
                        before the store that reads them
 load_reverse           a load's destination blocks reversed                          INV-5
 key_wrong_hash         chunk 0's offload key built from block hash 1 (and back)      INV-3
+lookup_first_chunk     the lookup stops after the first chunk past the GPU hit       INV-9
+_only                  (``_lookup_complete_chunks``)
+lookup_defer_forever   once a hit exists, the lookup defers (``None``) forever       INV-8 (op
+                       (``get_num_new_matched_tokens``)                              lookup)
+lookup_refuse_window   no hit when a sliding-window group is offloaded               INV-9
+                       (``_lookup_complete_chunks``)
 =====================  ============================================================  ==========
 """
 
@@ -120,11 +126,51 @@ def key_wrong_hash():
     return _patch(cls, "update_offload_keys", make)
 
 
+def lookup_first_chunk_only():
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def _lookup_complete_chunks(self, req_status, *args, **kw):
+            hit = orig(self, req_status, *args, **kw)
+            if not hit:
+                return hit
+            tpc = max(g.tokens_per_chunk for g in self.config.kv_group_configs)
+            start = req_status.num_locally_computed_tokens
+            return min(hit, (start // tpc + 1) * tpc - start)
+        return _lookup_complete_chunks
+    return _patch(cls, "_lookup_complete_chunks", make)
+
+
+def lookup_defer_forever():
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def get_num_new_matched_tokens(self, *args, **kw):
+            hit, load_async = orig(self, *args, **kw)
+            return (None, False) if hit else (hit, load_async)
+        return get_num_new_matched_tokens
+    return _patch(cls, "get_num_new_matched_tokens", make)
+
+
+def lookup_refuse_window():
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def _lookup_complete_chunks(self, req_status, *args, **kw):
+            hit = orig(self, req_status, *args, **kw)
+            return 0 if hit and self._sliding_window_groups else hit
+        return _lookup_complete_chunks
+    return _patch(cls, "_lookup_complete_chunks", make)
+
+
 MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "store_shift_chunk": store_shift_chunk,
     "drop_fence": drop_fence,
     "load_reverse": load_reverse,
     "key_wrong_hash": key_wrong_hash,
+    "lookup_first_chunk_only": lookup_first_chunk_only,
+    "lookup_defer_forever": lookup_defer_forever,
+    "lookup_refuse_window": lookup_refuse_window,
 }
 
 

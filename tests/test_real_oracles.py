@@ -1,0 +1,158 @@
+"""INV-9 on real runs: the hit a lookup must find, computed from the CPU tier's content alone
+(``simsched.invariants.expected_lookup_hit``), each rule by which vLLM loads less tested on its
+own; then the oracle and the deferral check on the real releases (FAIL, never skip, when a
+release is missing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from simsched import invariants as inv
+from simsched.case import Case
+from simsched.invariants import HitGroup, expected_lookup_hit, reach_chunks
+from simsched.lockstep import HANDMADE, run_real
+from simsched.targets import Releases
+
+T, F = True, False
+
+
+def full(ready, tpc=16):
+    return HitGroup(tpc, "full", list(ready))
+
+
+# --- the oracle, rule by rule (no vLLM) -------------------------------------------------------
+
+def test_hit_is_the_ready_prefix_past_the_gpu_hit():
+    assert expected_lookup_hit(0, 84, [full([T] * 5)]) == 80
+    assert expected_lookup_hit(0, 84, [full([T, T, F, T, T])]) == 32
+    # chunks below the GPU hit are not needed: the GPU holds them
+    assert expected_lookup_hit(32, 84, [full([F, F, T, T, F])]) == 32
+    assert expected_lookup_hit(0, 84, [full([F] * 5)]) == 0
+
+
+def test_every_offloaded_group_must_be_ready():
+    assert expected_lookup_hit(0, 84, [full([T] * 5), full([T, T, T, F, T])]) == 48
+
+
+def test_last_token_rule():
+    # the last token is always recomputed: a 64-token prompt hits 63 tokens at most (the
+    # chunk holding token 62 is loaded; vLLM may load all 64 and recompute the last)
+    assert expected_lookup_hit(0, 64, [full([T] * 4)]) == 63
+    # a one-chunk prompt: 15 tokens left, less than a chunk
+    assert expected_lookup_hit(0, 16, [full([T])]) == 0
+
+
+def test_less_than_a_chunk_rule():
+    assert expected_lookup_hit(48, 84, [full([T] * 5)]) == 32
+    assert expected_lookup_hit(64, 84, [full([T] * 5)]) == 16
+    # the GPU hit ends inside the last ready chunk: 8 tokens, less than a chunk
+    assert expected_lookup_hit(56, 84, [full([T] * 4 + [F])]) == 0
+    # the largest chunk of any group decides: 32-token chunks need 32 tokens past the hit
+    assert expected_lookup_hit(48, 84, [full([T] * 5), full([T, T], tpc=32)]) == 0
+
+
+def test_window_reach():
+    w = HitGroup(16, "window", [F, T, T, F, F], span=32)
+    # at 48 the window [17, 48) lies in chunks 1-2: ready; at 64 it needs chunk 3
+    assert reach_chunks(w, 0, 48) == (1, 3)
+    assert expected_lookup_hit(0, 84, [full([T] * 5), w]) == 48
+    # a hit ending mid-chunk (the last token kept back): [32, 63) covers chunks 2-3
+    assert reach_chunks(w, 0, 63) == (2, 4)
+    assert expected_lookup_hit(0, 64, [full([T] * 4), HitGroup(16, "window", [F, F, T, T],
+                                                                span=32)]) == 63
+    # the window's reach starts no lower than the GPU hit
+    assert reach_chunks(w, 32, 48) == (2, 3)
+
+
+def test_chunked_local_reach():
+    local = HitGroup(16, "local", [F, F, F, F, T, F], span=64)
+    # at 64 an attention chunk starts: nothing of the local group is needed
+    assert reach_chunks(local, 0, 64) == (4, 4)
+    # at 80 it needs [64, 80), chunk 4
+    assert reach_chunks(local, 0, 80) == (4, 5)
+    assert expected_lookup_hit(0, 100, [full([T] * 6), local]) == 80
+
+
+def test_state_reach():
+    # a recurrent state resumes only at a chunk end whose state is stored
+    mamba = HitGroup(16, "state", [F, F, F, T, F])
+    assert reach_chunks(mamba, 0, 63) is None
+    assert reach_chunks(mamba, 0, 64) == (3, 4)
+    assert expected_lookup_hit(0, 84, [full([T] * 5), mamba]) == 64
+
+
+def test_eagle_tail_rule():
+    drafter = HitGroup(16, "full", [T, T, T, F, F, F], drafter=True)
+    # the drafter proves a hit at 48 with chunk 3, not ready: 32
+    assert reach_chunks(drafter, 0, 48) == (0, 4)
+    assert expected_lookup_hit(0, 100, [full([T] * 6), drafter]) == 32
+
+
+def test_max_load_tokens_rule():
+    # whole chunks within the request's max_load_tokens
+    assert expected_lookup_hit(0, 84, [full([T] * 5)], max_load=40) == 32
+    assert expected_lookup_hit(16, 84, [full([T] * 5)], max_load=40) == 32
+    assert expected_lookup_hit(0, 84, [full([T] * 5)], max_load=8) == 0
+
+
+def test_gpu_group_bound_rule():
+    assert expected_lookup_hit(0, 84, [full([T] * 5)], bound=20) == 20
+    assert expected_lookup_hit(0, 84, [full([T] * 5)], bound=0) == 0
+
+
+def test_findings_name_their_first_bad_operation():
+    assert set(inv.INV_OPS) == set(inv.INVARIANTS)
+    f = inv.InvariantViolation("INV-6", 3, "block 4 written").to_finding()
+    assert f["op"] == "write" and f["inv_id"] == "INV-6" and f["what"] == inv.INVARIANTS["INV-6"]
+    assert inv.InvariantViolation("INV-8", 3, "x", "lookup").to_finding()["op"] == "lookup"
+    assert "op" not in inv.InvariantViolation("INV-1", 0, "x").to_json()   # the model's shape
+
+
+# --- on the real releases ---------------------------------------------------------------------
+
+VERSIONS = ["0.30.0", "0.33.0"]
+
+@pytest.fixture(scope="module")
+def pool():
+    with Releases.installed(VERSIONS, timeout=120) as p:
+        yield p
+
+
+def _loads(res: dict) -> list[str]:
+    return [x for x in res["trace"] if x.startswith("load ")]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name", ["load", "reserve", "abort_load", "promote", "mamba_load",
+                                  "spec_eagle_hit", "window_load"])
+def test_real_lookups_meet_the_oracle(pool, version, name):
+    case = HANDMADE[name]
+    res = run_real(Case.from_json(case), version, pool)
+    assert res["status"] == "ok" and not res["findings"], res["findings"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_max_load_tokens_only_where_the_release_reads_it(pool, version):
+    case = dict(HANDMADE["load"])
+    case["requests"] = [dict(r, max_load_tokens=32) if r["id"] == "b" else r
+                        for r in case["requests"]]
+    res = run_real(Case.from_json(case), version, pool)
+    assert res["status"] == "ok" and not res["findings"], res["findings"]
+    # b's GPU hit is its first block: 0.33.0 loads two chunks (max_load_tokens 32), 0.30.0
+    # does not read the field and loads the three ready ones
+    [load] = _loads(res)
+    assert load.count("g0:") == (2 if version == "0.33.0" else 3), load
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_real_findings_carry_op(pool, version):
+    res = run_real(Case.from_json(HANDMADE["mamba_stall"]), version, pool)
+    [f] = res["findings"]
+    assert (f["kind"], f["inv_id"], f["op"]) == ("invariant", "INV-8", "liveness"), f
+    assert set(f) >= {"kind", "inv_id", "step", "detail", "what", "op"}
+
+
+def test_real_crash_findings_carry_op(pool):
+    res = run_real(Case.from_json(HANDMADE["ring_fence"]), "0.30.0", pool)
+    [f] = res["findings"]
+    assert (f["kind"], f["op"], f["function"]) == ("crash", "boot", "build_offloading_config")
