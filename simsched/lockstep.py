@@ -388,6 +388,9 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: ``spec_eagle_hit`` (EAGLE drops the last block of a GPU prefix hit; 0.32.0+ hybrid layouts
 #: match one block further first); ``window_load`` (``load`` with a sliding-window group: a's
 #: window chunks that b's hit needs are stored, b loads the three chunks whose window is ready)
+#: and ``max_load_window`` (the same with b's max_load_tokens 48: 0.33.0 takes the last-token 1
+#: off that cap too, and its 32-token hit needs a window chunk a never stored: b loads nothing,
+#: INV-9; see docs/invariants.md)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
@@ -402,6 +405,14 @@ HANDMADE: dict[str, dict] = {
                                  {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
                                  {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
                                   "decode": 2}]},
+    "max_load_window": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                              {"kind": "sliding_window", "block_size": 16,
+                                               "sliding_window": 32}],
+                                   "engine": {"num_gpu_blocks": 14}},
+                        "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                     {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                     {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                      "decode": 2, "max_load_tokens": 48}]},
     "fence": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                          "engine": {"num_gpu_blocks": 8}},
               "timing": {"store_latency": 8},

@@ -156,3 +156,20 @@ def test_real_crash_findings_carry_op(pool):
     res = run_real(Case.from_json(HANDMADE["ring_fence"]), "0.30.0", pool)
     [f] = res["findings"]
     assert (f["kind"], f["op"], f["function"]) == ("crash", "boot", "build_offloading_config")
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_real_max_load_tokens_with_a_window_loses_a_chunk(pool, version):
+    """A finding on the real releases (docs/invariants.md; vLLM alone:
+    docs/repro/max_load_window_hit_loss.py): 0.33.0's _lookup_complete_chunks takes the
+    last-token 1 off b's max_load_tokens cap (48 -> 47 -> 32 in whole chunks), and the window at
+    32 needs a's chunk 0, which a's store left out: no hit, where the window at 48 is ready.
+    0.30.0 does not read max_load_tokens and loads the 48 tokens."""
+    res = run_real(Case.from_json(HANDMADE["max_load_window"]), version, pool)
+    if version == "0.30.0":
+        assert not res["findings"] and len(_loads(res)) == 1, res["findings"]
+        return
+    [f] = res["findings"]
+    assert (f["inv_id"], f["op"]) == ("INV-9", "lookup"), f
+    assert "b: ready chunks cover 48 tokens beyond the GPU hit of 0, lookup found 0" \
+        in f["detail"], f

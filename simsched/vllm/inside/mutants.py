@@ -5,21 +5,21 @@ harness (content shadow + invariants + trace diff) detects that kind of bug on r
 reachable only through the explicit ``mutant`` argument of the worker's ``run_case`` op;
 :func:`apply` returns the function that undoes the patch (the engine calls it after the case).
 
-=====================  ============================================================  ==========
-name                   bug                                                           caught by
-=====================  ============================================================  ==========
-store_shift_chunk      a store job's source blocks taken one chunk too early         INV-4
-drop_fence             ``jobs_to_flush`` dropped: re-allocated blocks are written    INV-6
-                       before the store that reads them
-load_reverse           a load's destination blocks reversed                          INV-5
-key_wrong_hash         chunk 0's offload key built from block hash 1 (and back)      INV-3
-lookup_first_chunk     the lookup stops after the first chunk past the GPU hit       INV-9
-_only                  (``_lookup_complete_chunks``)
-lookup_defer_forever   once a hit exists, the lookup defers (``None``) forever       INV-8 (op
-                       (``get_num_new_matched_tokens``)                              lookup)
-lookup_refuse_window   no hit when a sliding-window group is offloaded               INV-9
-                       (``_lookup_complete_chunks``)
-=====================  ============================================================  ==========
+=======================  ==========================================================  ==========
+name                     bug                                                         caught by
+=======================  ==========================================================  ==========
+store_shift_chunk        a store job's source blocks taken one chunk too early       INV-4
+drop_fence               ``jobs_to_flush`` dropped: re-allocated blocks are written  INV-6
+                         before the store that reads them
+load_reverse             a load's destination blocks reversed                        INV-5
+key_wrong_hash           chunk 0's offload key built from block hash 1 (and back)    INV-3
+lookup_first_chunk_only  the lookup stops after the first chunk past the GPU hit     INV-9
+                         (``_lookup_complete_chunks``)
+lookup_defer_forever     once a hit exists, the lookup defers (``None``) forever     INV-8, op
+                         (``get_num_new_matched_tokens``)                            ``lookup``
+lookup_refuse_window     no hit at all when a sliding-window group is offloaded      INV-9
+                         (``_lookup_complete_chunks``)
+=======================  ==========================================================  ==========
 """
 
 from __future__ import annotations
