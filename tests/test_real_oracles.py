@@ -173,3 +173,16 @@ def test_real_max_load_tokens_with_a_window_loses_a_chunk(pool, version):
     assert (f["inv_id"], f["op"]) == ("INV-9", "lookup"), f
     assert "b: ready chunks cover 48 tokens beyond the GPU hit of 0, lookup found 0" \
         in f["detail"], f
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_real_chunked_local_group_looked_up_as_a_window(pool, version):
+    """A finding on the real releases (docs/invariants.md; vLLM alone:
+    docs/repro/chunked_local_window_hit_loss.py): r7 stored its full-attention chunks only; r5
+    resuming at 64 (an attention-chunk boundary) needs no chunked-local KV, but the connector
+    demands cdiv(attention_chunk_size, tokens_per_chunk) = 4 ready chunks of that group."""
+    res = run_real(Case.from_json(HANDMADE["chunked_local_reach"]), version, pool)
+    [f] = res["findings"]
+    assert (f["inv_id"], f["op"]) == ("INV-9", "lookup"), f
+    assert "r5: ready chunks cover 64 tokens beyond the GPU hit of 0, lookup found 0" \
+        in f["detail"], f

@@ -50,8 +50,9 @@ def lookup(with_window: bool, num_tokens: int, max_load_tokens):
         _lookup_groups=tuple(range(len(groups))),
         _sliding_window_groups=(1,) if with_window else (),
         _mamba_align_size=None, _chunks_being_loaded=None)
-    this._maximal_prefix_lookup = S.OffloadingConnectorScheduler._maximal_prefix_lookup.__get__(this)
-    this._sliding_window_lookup = S.OffloadingConnectorScheduler._sliding_window_lookup.__get__(this)
+    cls = S.OffloadingConnectorScheduler
+    this._maximal_prefix_lookup = cls._maximal_prefix_lookup.__get__(this)
+    this._sliding_window_lookup = cls._sliding_window_lookup.__get__(this)
     state = SimpleNamespace(
         num_locally_computed_tokens=0, max_load_tokens=max_load_tokens, req_context=None,
         req=SimpleNamespace(num_tokens=num_tokens, request_id="b"),

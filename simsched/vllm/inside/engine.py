@@ -24,10 +24,10 @@ It emits ``simsched-trace/1`` lines (see :mod:`simsched.trace`) from what the re
 and keeps a content shadow of every GPU block and CPU chunk (:class:`simsched.shadow.Shadow`),
 checking INV-1/2 (real block pool), INV-3/4 (store jobs: real source blocks against the tokens
 their keys name), INV-5 (loads), INV-6 (writes into blocks a store has not read yet), INV-7
-(loads of chunks not stored yet) and INV-8 (liveness) on the real run, and at every lookup the connector answers
-(``get_num_new_matched_tokens``, observed on the run's own connector) INV-9 against a hit
-computed from the CPU tier's content alone (``inv.expected_lookup_hit``) and, for a lookup
-that defers, INV-8 (a deferral that outlasts every transfer it could wait for).
+(loads of chunks not stored yet) and INV-8 (liveness) on the real run; and at every lookup the
+connector answers (``get_num_new_matched_tokens``, observed on the run's own connector) INV-9
+against a hit computed from the CPU tier's content alone (``inv.expected_lookup_hit``) and, for
+a lookup that defers, INV-8 (a deferral that outlasts every transfer it could wait for).
 """
 
 from __future__ import annotations
