@@ -12,7 +12,8 @@ chunk"), and ``_lookup_complete_chunks`` demands that many ready chunks before t
 
 Here: full attention + chunked local (C = 64), 16-token chunks, a 109-token request whose full
 attention chunks 0-5 are HIT and whose chunked-local chunks are all MISS. Resuming at 64 needs
-full chunks 0-3 only: a 64-token hit. vLLM finds 0 (0.30.0 to 0.33.0).
+full chunks 0-3 only: a 64-token hit. vLLM finds 0 (0.30.0 to 0.33.0; 0.29.0 under the
+harness too, whose GroupOffloadConfig this stand-in does not build).
 
     PYTHONPATH=~/.cache/simsched/releases/0.33.0 ~/.cache/simsched/base/bin/python \\
         docs/repro/chunked_local_window_hit_loss.py
