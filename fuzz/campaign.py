@@ -46,6 +46,7 @@ from fuzz.database import open_database
 from fuzz.strategies import cases, edge_scores, family_of
 from simsched.case import Case, Timing
 from simsched.geometry import PROFILES
+from simsched.invariants import INV_OPS
 from simsched.layout import Engine, Layout, LayoutError
 from simsched.outcome import Observation, Signature, crash_signature, describe
 from simsched.replay import observe
@@ -108,7 +109,7 @@ class Finding:
             "function": (self.signature.function if self.signature.kind == "crash" else None),
             "field": (self.signature.function if self.signature.kind == "divergence" else None),
             "invariant": self.signature.invariant or None,
-            "op": o.get("op") or tri.INVARIANT_OP.get(self.signature.invariant),
+            "op": o.get("op") or INV_OPS.get(self.signature.invariant),
             "file": o.get("file"), "line": o.get("line"), "source": o.get("source"),
             "stage": o.get("stage"), "message": o.get("message") or o.get("detail"),
             "first_bad_step": step,

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simsched.geometry import PROFILES
+from simsched.invariants import INV_OPS
 from simsched.layout import Layout
 
 BUG, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED, TOOL_ERROR = (
@@ -49,12 +50,6 @@ START_UP_STAGES = frozenset({"resolve", "build_offloading_config", "spec", "from
 REFUSAL_EXCEPTIONS = frozenset({"ValueError", "TypeError", "NotImplementedError"})
 #: a release worker's own failures: the case is saved, the cause is not known to be vLLM's
 WORKER_FAILURES = frozenset({"WorkerDied", "WorkerTimeout", "HarnessError", "WorkerError"})
-
-#: the first bad operation of an invariant, where the finding does not name it
-INVARIANT_OP = {"INV-1": "pool", "INV-2": "pool", "INV-3": "store", "INV-4": "store",
-                "INV-5": "load", "INV-6": "write", "INV-7": "load", "INV-8": "liveness",
-                "INV-9": "lookup", "INV-10": "cap"}
-
 
 @dataclass(frozen=True)
 class Triage:
@@ -100,7 +95,7 @@ def triage_release(obs, layout: Layout, run_clean: bool | None) -> Triage | None
         return Triage(VALIDATION if is_refusal(out) else BUG, crash_key(out))
     if sig.kind == "invariant":
         # the kinds of the groups where it broke, where the run names them; else the layout's
-        op = out.get("op") or INVARIANT_OP.get(sig.invariant, "?")
+        op = out.get("op") or INV_OPS.get(sig.invariant, "?")
         kinds = out.get("group_kinds") or group_kinds(layout)
         return Triage(BUG, ("invariant", sig.invariant, op, kinds))
     # a divergence from the model: the model's gap, unless the release's run broke something

@@ -38,12 +38,20 @@ INVARIANTS = {
               "max_load_tokens",
 }
 
+#: the first bad operation of each invariant, one word (the campaign clusters findings by
+#: invariant + op + group kinds); a deferral that never ends (INV-8 on a lookup) says "lookup"
+INV_OPS = {
+    "INV-1": "pool", "INV-2": "pool", "INV-3": "store", "INV-4": "store", "INV-5": "load",
+    "INV-6": "write", "INV-7": "load", "INV-8": "liveness", "INV-9": "lookup", "INV-10": "cap",
+}
+
 
 class InvariantViolation(Exception):
     """An invariant broken at a step (a plain class: a dataclass exception does not compile)."""
 
-    def __init__(self, inv_id: str, step: int, detail: str):
+    def __init__(self, inv_id: str, step: int, detail: str, op: str | None = None):
         self.inv_id, self.step, self.detail = inv_id, step, detail
+        self.op = op if op is not None else INV_OPS.get(inv_id, "")
 
     def __repr__(self) -> str:
         return f"InvariantViolation(inv_id={self.inv_id!r}, step={self.step!r}, " \
@@ -55,6 +63,12 @@ class InvariantViolation(Exception):
     def to_json(self) -> dict:
         return {"kind": "invariant", "inv_id": self.inv_id, "step": self.step,
                 "detail": self.detail, "what": INVARIANTS[self.inv_id]}
+
+    def to_finding(self) -> dict:
+        """:meth:`to_json` with ``op``, the first bad operation (the real run's findings)."""
+        out = self.to_json()
+        out["op"] = self.op
+        return out
 
 
 def check_pool(step: int, pool, reqs) -> InvariantViolation | None:
@@ -459,3 +473,94 @@ def check_stored_tail(step: int, job, item, content, req, writer, tokens_per_has
         return None
     return InvariantViolation("INV-4", step, f"job {job.jid} partial tail g{gid}:{hidx} (tokens "
                               f"up to {end}) holds {got}")
+
+
+# --- INV-9 on real runs: the hit a lookup must find, from the CPU tier's content alone ---------
+
+class HitGroup:
+    """One offloaded KV cache group as INV-9's real-run oracle sees a request: its chunk size,
+    what a token attends to (``reach``: ``full``, ``window`` of ``span`` tokens, chunked
+    ``local`` attention of ``span``-token attention chunks, recurrent ``state``), whether it is an
+    EAGLE/MTP ``drafter`` group, and per complete chunk of the request whether the CPU tier holds
+    it ready (its store's completion reported to the scheduler, not evicted since)."""
+
+    __slots__ = ("tokens_per_chunk", "reach", "span", "ready", "drafter")
+
+    def __init__(self, tokens_per_chunk: int, reach: str, ready: list[bool], span: int = 0,
+                 drafter: bool = False):
+        self.tokens_per_chunk, self.reach, self.span = tokens_per_chunk, reach, span
+        self.ready, self.drafter = ready, drafter
+
+
+def reach_chunks(g: HitGroup, num_local: int, end: int) -> tuple[int, int] | None:
+    """The chunks ``[lo, hi)`` of ``g`` that a request resuming at token ``end`` must load, its
+    GPU prefix hit holding ``[0, num_local)``; None when no stored chunk can resume it there."""
+    tpc = g.tokens_per_chunk
+    first = num_local                   # below the GPU hit the request's KV is on the GPU
+    if g.reach == "window":
+        # token `end` attends to [end - W + 1, end] (GroupOffloadConfig.
+        # load_window_size_in_chunks: cdiv(W - 1 + right padding, tokens_per_chunk) chunks)
+        first = max(first, end - g.span + 1)
+    elif g.reach == "local":
+        # chunked local attention reaches back to the start of its attention chunk only
+        # (get_sliding_window_size_in_chunks: "Attention never reaches back past one chunk")
+        first = max(first, end // g.span * g.span)
+    elif g.reach == "state":
+        # a recurrent group resumes from the one state at `end` ("Mamba depends on a single
+        # state"), stored at chunk ends only in align mode (resolve_mamba_align_size)
+        if end % tpc:
+            return None
+        first = max(first, end - 1)
+    hi = -(-end // tpc)                 # the chunk holding token end - 1, loaded whole
+    if g.drafter:
+        # EAGLE-tail: a drafter group's trailing chunk is volatile; _lookup_complete_chunks
+        # ("For eagle groups, query one extra chunk that will be popped") proves the hit with
+        # the chunk after it
+        hi += 1
+    return (first // tpc, hi) if first < end else (hi, hi)
+
+
+def _reach_ready(g: HitGroup, num_local: int, end: int) -> bool:
+    span = reach_chunks(g, num_local, end)
+    if span is None or span[1] > len(g.ready):
+        return False
+    return all(g.ready[span[0]:span[1]])
+
+
+def expected_lookup_hit(num_local: int, num_tokens: int, groups: list[HitGroup],
+                        max_load: int | None = None, bound: int | None = None) -> int:
+    """INV-9's oracle on real runs: the tokens beyond the GPU hit (``num_local``) that a lookup
+    must find: up to the largest ``end`` at which every offloaded group's reach
+    (:func:`reach_chunks`) is ready, under the rules by which vLLM intends to load less:
+
+    * last-token: the request's last token is always recomputed, to sample the next one
+      (Scheduler._update_waiting_for_remote_kv: "on a full prompt hit, we need to re-compute
+      the last token"; _lookup_complete_chunks caps the hit at num_tokens - 1 with windows);
+    * max-load-tokens: a request's ``kv_transfer_params["max_load_tokens"]``, in whole chunks
+      (0.33.0 RequestOffloadState.__post_init__, _lookup_complete_chunks' round_down), passed
+      only where the release reads it;
+    * gpu-group-bound: a group the connector does not offload bounds the load to the prefix
+      the GPU holds of it (OffloadingConnector._max_loadable_tokens: "nothing refills them
+      beyond it"), passed only when such a group exists;
+    * less-than-a-chunk: a hit of less than a whole chunk past the GPU hit is not loaded
+      (_lookup_complete_chunks: "We can only load less than a chunk, so skip.")."""
+    cap = num_tokens - 1                                    # last-token
+    whole = 1
+    if max_load is not None:                                # max-load-tokens
+        cap = min(cap, num_local + max_load)
+        whole = max(g.tokens_per_chunk for g in groups) if groups else 1
+    if bound is not None:                                   # gpu-group-bound
+        cap = min(cap, num_local + bound)
+    ends = {cap} | {k * g.tokens_per_chunk for g in groups
+                    for k in range(num_local // g.tokens_per_chunk + 1,
+                                   cap // g.tokens_per_chunk + 1)}
+    end = num_local
+    for e in sorted(ends, reverse=True):
+        if e > num_local and e % whole == 0 and all(_reach_ready(g, num_local, e)
+                                                    for g in groups):
+            end = e
+            break
+    hit = end - num_local
+    if hit < max([g.tokens_per_chunk for g in groups], default=0):   # less-than-a-chunk
+        return 0
+    return hit

@@ -403,13 +403,52 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
 #: allocate_slots reserves num_lookahead_tokens slots), ``spec_pad`` (b, a full GPU prefix hit
 #: but its last token, is padded to 1 + k tokens of which the k padding drafts are rejected) and
 #: ``spec_eagle_hit`` (EAGLE drops the last block of a GPU prefix hit; 0.32.0+ hybrid layouts
-#: match one block further first)
+#: match one block further first); ``window_load`` (``load`` with a sliding-window group: a's
+#: window chunks that b's hit needs are stored, b loads the three chunks whose window is ready)
+#: and ``max_load_window`` (the same with b's max_load_tokens 48: 0.33.0 takes the last-token 1
+#: off that cap too, and its 32-token hit needs a window chunk a never stored: b loads nothing,
+#: INV-9; see docs/invariants.md) and ``chunked_local_reach`` (found by
+#: ``bench/bench_real_oracles.py``, heavy seed 6 under async scheduling: r7 stores its
+#: full-attention chunks only; r5 resumes at 64, where its chunked-local layers need no KV, but
+#: the connector looks that group up as a 4-chunk sliding window: no hit, INV-9; see
+#: docs/invariants.md)
 HANDMADE: dict[str, dict] = {
     "load": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                         "engine": {"num_gpu_blocks": 8}},
              "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
                           {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
                           {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}]},
+    "window_load": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                          {"kind": "sliding_window", "block_size": 16,
+                                           "sliding_window": 32}],
+                               "engine": {"num_gpu_blocks": 14}},
+                    "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                 {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                 {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                  "decode": 2}]},
+    "max_load_window": {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                              {"kind": "sliding_window", "block_size": 16,
+                                               "sliding_window": 32}],
+                                   "engine": {"num_gpu_blocks": 14}},
+                        "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                                     {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                                     {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                      "decode": 2, "max_load_tokens": 48}]},
+    "chunked_local_reach": {
+        "layout": {"groups": [{"kind": "full", "block_size": 16},
+                              {"kind": "chunked_local", "block_size": 16,
+                               "attention_chunk_size": 64}],
+                   "engine": {"async_scheduling": True, "num_gpu_blocks": 40, "cpu_chunks": 8}},
+        "timing": {"store_latency": 2, "max_num_seqs": 4}, "seed": 6,
+        "requests": [
+            {"id": "r0", "prompt": [[102, 48], [1186, 34]], "arrival": 1, "max_load_tokens": 32},
+            {"id": "r1", "prompt": [[102, 128]], "arrival": 23, "decode": 12},
+            {"id": "r2", "prompt": [[100, 48], [1188, 26]], "arrival": 23, "decode": 14},
+            {"id": "r3", "prompt": [[102, 128], [1189, 71]], "arrival": 22, "decode": 24},
+            {"id": "r4", "prompt": [[102, 160]], "arrival": 10, "decode": 3},
+            {"id": "r5", "prompt": [[101, 96], [1191, 13]], "arrival": 24, "decode": 7},
+            {"id": "r6", "prompt": [[101, 160]], "arrival": 18, "decode": 7},
+            {"id": "r7", "prompt": [[101, 128]], "arrival": 6, "decode": 17}]},
     "fence": {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                          "engine": {"num_gpu_blocks": 8}},
               "timing": {"store_latency": 8},

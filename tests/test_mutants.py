@@ -189,3 +189,40 @@ def test_mutant_lost_completion_is_inv8(pool, version):
     sigs, res = caught(pool, version, LOAD_CASE, "lost_completion")
     assert "invariant:INV-8" in sigs, res.real["findings"]
     assert "stuck: ['b']" in res.real["findings"][0]["detail"]
+
+
+# --- lookups: INV-9 and deferrals on the real run (tests/test_real_oracles.py: the oracle) ------
+
+def _lookup_findings(res) -> list[dict]:
+    return [f for f in res.real["findings"] if f.get("kind") == "invariant"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_mutant_lookup_first_chunk_only_is_inv9(pool, version):
+    sigs, res = caught(pool, version, LOAD_CASE, "lookup_first_chunk_only")
+    assert [s for s in sigs if s.startswith("invariant:")] == ["invariant:INV-9"], sigs
+    [f] = _lookup_findings(res)
+    # b's GPU hit is its first block; a's three further chunks are ready: one found
+    assert f["op"] == "lookup" and "cover 48 tokens beyond the GPU hit of 16, lookup found 16" \
+        in f["detail"], f
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_mutant_lookup_defer_forever_is_a_deferral_finding(pool, version):
+    sigs, res = caught(pool, version, LOAD_CASE, "lookup_defer_forever")
+    assert [s for s in sigs if s.startswith("invariant:")] == ["invariant:INV-8"], sigs
+    [f] = _lookup_findings(res)
+    # found by the deferral check (op lookup), before the quiet-tier stall check (liveness)
+    assert f["op"] == "lookup" and "lookup deferred 4 steps (bound 3)" in f["detail"], f
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_mutant_lookup_refuse_window_is_inv9(pool, version):
+    sigs, res = caught(pool, version, HANDMADE["window_load"], "lookup_refuse_window")
+    assert [s for s in sigs if s.startswith("invariant:")] == ["invariant:INV-9"], sigs
+    [f] = _lookup_findings(res)
+    assert f["op"] == "lookup" and "cover 48 tokens beyond the GPU hit of 0, lookup found 0" \
+        in f["detail"], f
+    # the same mutant leaves a layout without a window alone
+    clean = lockstep(Case.from_json(LOAD_CASE), version, pool, mutant="lookup_refuse_window")
+    assert clean.agree and not clean.real["findings"], clean.summary()

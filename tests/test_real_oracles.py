@@ -1,108 +1,188 @@
-"""Oracles of the real run that do not trust the model: caps (INV-10) and partial-tail stores
-(INV-4 by content). Real-vLLM tests FAIL (never skip) when a release is missing."""
+"""INV-9 on real runs: the hit a lookup must find, computed from the CPU tier's content alone
+(``simsched.invariants.expected_lookup_hit``), each rule by which vLLM loads less tested on its
+own; then the oracle and the deferral check on the real releases (FAIL, never skip, when a
+release is missing)."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 
 from simsched import invariants as inv
-from simsched.allocator import make_key
 from simsched.case import Case
-from simsched.lockstep import lockstep
+from simsched.invariants import HitGroup, expected_lookup_hit, reach_chunks
+from simsched.lockstep import HANDMADE, run_real
 from simsched.targets import Releases
 
-#: align-mode Mamba with a block (32) larger than the hash block (prefix_match_unit 16): a's
-#: prompt of 48 ends inside a block, its Mamba state at 48 is cached as a partial block, and its
-#: first decode's allocation copies it (CoW) and hands it to the connector: 0.30.0 stores a
-#: partial tail keying both groups at 48 (_build_partial_tail_store_jobs)
-TAIL = {"layout": {"groups": [{"kind": "full", "block_size": 32},
-                              {"kind": "mamba", "block_size": 32, "mamba_cache_mode": "align"}],
-                   "engine": {"num_gpu_blocks": 16, "prefix_match_unit": 16}},
-        "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 3}]}
+T, F = True, False
 
 
-def _tail(cap: int | None) -> dict:
-    req = dict(TAIL["requests"][0], **({} if cap is None else {"max_offload_tokens": cap}))
-    return dict(TAIL, requests=[req])
+def full(ready, tpc=16):
+    return HitGroup(tpc, "full", list(ready))
 
+
+# --- the oracle, rule by rule (no vLLM) -------------------------------------------------------
+
+def test_hit_is_the_ready_prefix_past_the_gpu_hit():
+    assert expected_lookup_hit(0, 84, [full([T] * 5)]) == 80
+    assert expected_lookup_hit(0, 84, [full([T, T, F, T, T])]) == 32
+    # chunks below the GPU hit are not needed: the GPU holds them
+    assert expected_lookup_hit(32, 84, [full([F, F, T, T, F])]) == 32
+    assert expected_lookup_hit(0, 84, [full([F] * 5)]) == 0
+
+
+def test_every_offloaded_group_must_be_ready():
+    assert expected_lookup_hit(0, 84, [full([T] * 5), full([T, T, T, F, T])]) == 48
+
+
+def test_last_token_rule():
+    # the last token is always recomputed: a 64-token prompt hits 63 tokens at most (the
+    # chunk holding token 62 is loaded; vLLM may load all 64 and recompute the last)
+    assert expected_lookup_hit(0, 64, [full([T] * 4)]) == 63
+    # a one-chunk prompt: 15 tokens left, less than a chunk
+    assert expected_lookup_hit(0, 16, [full([T])]) == 0
+
+
+def test_less_than_a_chunk_rule():
+    assert expected_lookup_hit(48, 84, [full([T] * 5)]) == 32
+    assert expected_lookup_hit(64, 84, [full([T] * 5)]) == 16
+    # the GPU hit ends inside the last ready chunk: 8 tokens, less than a chunk
+    assert expected_lookup_hit(56, 84, [full([T] * 4 + [F])]) == 0
+    # the largest chunk of any group decides: 32-token chunks need 32 tokens past the hit
+    assert expected_lookup_hit(48, 84, [full([T] * 5), full([T, T], tpc=32)]) == 0
+
+
+def test_window_reach():
+    w = HitGroup(16, "window", [F, T, T, F, F], span=32)
+    # at 48 the window [17, 48) lies in chunks 1-2: ready; at 64 it needs chunk 3
+    assert reach_chunks(w, 0, 48) == (1, 3)
+    assert expected_lookup_hit(0, 84, [full([T] * 5), w]) == 48
+    # a hit ending mid-chunk (the last token kept back): [32, 63) covers chunks 2-3
+    assert reach_chunks(w, 0, 63) == (2, 4)
+    assert expected_lookup_hit(0, 64, [full([T] * 4), HitGroup(16, "window", [F, F, T, T],
+                                                                span=32)]) == 63
+    # the window's reach starts no lower than the GPU hit
+    assert reach_chunks(w, 32, 48) == (2, 3)
+
+
+def test_chunked_local_reach():
+    local = HitGroup(16, "local", [F, F, F, F, T, F], span=64)
+    # at 64 an attention chunk starts: nothing of the local group is needed
+    assert reach_chunks(local, 0, 64) == (4, 4)
+    # at 80 it needs [64, 80), chunk 4
+    assert reach_chunks(local, 0, 80) == (4, 5)
+    assert expected_lookup_hit(0, 100, [full([T] * 6), local]) == 80
+
+
+def test_state_reach():
+    # a recurrent state resumes only at a chunk end whose state is stored
+    mamba = HitGroup(16, "state", [F, F, F, T, F])
+    assert reach_chunks(mamba, 0, 63) is None
+    assert reach_chunks(mamba, 0, 64) == (3, 4)
+    assert expected_lookup_hit(0, 84, [full([T] * 5), mamba]) == 64
+
+
+def test_eagle_tail_rule():
+    drafter = HitGroup(16, "full", [T, T, T, F, F, F], drafter=True)
+    # the drafter proves a hit at 48 with chunk 3, not ready: 32
+    assert reach_chunks(drafter, 0, 48) == (0, 4)
+    assert expected_lookup_hit(0, 100, [full([T] * 6), drafter]) == 32
+
+
+def test_max_load_tokens_rule():
+    # whole chunks within the request's max_load_tokens
+    assert expected_lookup_hit(0, 84, [full([T] * 5)], max_load=40) == 32
+    assert expected_lookup_hit(16, 84, [full([T] * 5)], max_load=40) == 32
+    assert expected_lookup_hit(0, 84, [full([T] * 5)], max_load=8) == 0
+
+
+def test_gpu_group_bound_rule():
+    assert expected_lookup_hit(0, 84, [full([T] * 5)], bound=20) == 20
+    assert expected_lookup_hit(0, 84, [full([T] * 5)], bound=0) == 0
+
+
+def test_findings_name_their_first_bad_operation():
+    assert set(inv.INV_OPS) == set(inv.INVARIANTS)
+    f = inv.InvariantViolation("INV-6", 3, "block 4 written").to_finding()
+    assert f["op"] == "write" and f["inv_id"] == "INV-6" and f["what"] == inv.INVARIANTS["INV-6"]
+    assert inv.InvariantViolation("INV-8", 3, "x", "lookup").to_finding()["op"] == "lookup"
+    assert "op" not in inv.InvariantViolation("INV-1", 0, "x").to_json()   # the model's shape
+
+
+# --- on the real releases ---------------------------------------------------------------------
+
+VERSIONS = ["0.30.0", "0.33.0"]
 
 @pytest.fixture(scope="module")
 def pool():
-    with Releases.installed(["0.30.0"], timeout=120) as p:
+    with Releases.installed(VERSIONS, timeout=120) as p:
         yield p
 
 
-def test_partial_tail_store_is_checked_by_content_not_flagged_0300(pool):
-    """Before: INV-3 "key of hash 2 paired with chunk 0" on every partial tail. Now the store
-    of a's tail (the full group's block 1, the Mamba CoW copy) passes INV-4 by content."""
-    res = lockstep(Case.from_json(_tail(None)), "0.30.0", pool)
-    tails = [x for x in res.real["trace"] if x.startswith("store ") and " g0:2=" in x]
-    assert len(tails) == 1 and " g1:2=" in tails[0], res.real["trace"]
-    assert res.real["findings"] == []
+def _loads(res: dict) -> list[str]:
+    return [x for x in res["trace"] if x.startswith("load ")]
 
 
-def test_partial_tail_store_ignores_a_zero_cap_0300(pool):
-    """Finding: max_offload_tokens 0 stores no chunk (_calc_num_offloadable_tokens), but the
-    partial tail at 48 is stored: _build_partial_tail_store_jobs reads
-    ``req_status.max_offload_tokens or req.num_prompt_tokens`` (0 as no cap)."""
-    res = lockstep(Case.from_json(_tail(0)), "0.30.0", pool)
-    f = res.real["findings"]
-    assert [x["inv_id"] for x in f] == ["INV-10"], f
-    assert "up to 48 beyond max_offload_tokens 0" in f[0]["detail"]
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name", ["load", "reserve", "abort_load", "promote", "mamba_load",
+                                  "spec_eagle_hit", "window_load"])
+def test_real_lookups_meet_the_oracle(pool, version, name):
+    case = HANDMADE[name]
+    res = run_real(Case.from_json(case), version, pool)
+    assert res["status"] == "ok" and not res["findings"], res["findings"]
 
 
-def test_partial_tail_beyond_a_cap_asserts_0300(pool):
-    """Finding: max_offload_tokens 32 below the handed-over boundary 48 trips
-    ``assert boundary <= max_boundary`` in _build_partial_tail_store_jobs (the aligned boundary
-    jobs skip such a boundary instead)."""
-    res = lockstep(Case.from_json(_tail(32)), "0.30.0", pool)
-    f = res.real["findings"]
-    assert [(x["kind"], x["exception"], x["function"]) for x in f] == \
-        [("crash", "AssertionError", "_build_partial_tail_store_jobs")], f
+@pytest.mark.parametrize("version", VERSIONS)
+def test_max_load_tokens_only_where_the_release_reads_it(pool, version):
+    case = dict(HANDMADE["load"])
+    case["requests"] = [dict(r, max_load_tokens=32) if r["id"] == "b" else r
+                        for r in case["requests"]]
+    res = run_real(Case.from_json(case), version, pool)
+    assert res["status"] == "ok" and not res["findings"], res["findings"]
+    # b's GPU hit is its first block: 0.33.0 loads two chunks (max_load_tokens 32), 0.30.0
+    # does not read the field and loads the three ready ones
+    [load] = _loads(res)
+    assert load.count("g0:") == (2 if version == "0.33.0" else 3), load
 
 
-class _Ident:
-    """An identity tracker: the identity of the prefix ``[0, e)`` is ``seed * 1000 + e``."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def ident_at(self, e: int):
-        return self.seed * 1000 + e
+@pytest.mark.parametrize("version", VERSIONS)
+def test_real_findings_carry_op(pool, version):
+    res = run_real(Case.from_json(HANDMADE["mamba_stall"]), version, pool)
+    [f] = res["findings"]
+    assert (f["kind"], f["inv_id"], f["op"]) == ("invariant", "INV-8", "liveness"), f
+    assert set(f) >= {"kind", "inv_id", "step", "detail", "what", "op"}
 
 
-def _item(gid: int, hidx: int, req, tph: int = 16):
-    end = (hidx + 1) * tph
-    return (gid, end // 32, hidx, make_key(gid, req.ident_at(end)), [(1, 5)])
+def test_real_crash_findings_carry_op(pool):
+    res = run_real(Case.from_json(HANDMADE["ring_fence"]), "0.30.0", pool)
+    [f] = res["findings"]
+    assert (f["kind"], f["op"], f["function"]) == ("crash", "boot", "build_offloading_config")
 
 
-def test_check_stored_tail_by_content():
-    job, req, other = SimpleNamespace(jid=3), _Ident(1), _Ident(2)
-    att, mamba = _item(0, 2, req), _item(1, 2, req)
-    # an attention block written past the boundary by the request itself: good
-    assert inv.check_stored_tail(0, job, att, (0, 49, None), req, req, 16, False) is None
-    # ... by another request, or not up to the boundary, or of another group: INV-4
-    for content, writer in [((0, 49, None), other), ((0, 40, None), req), ((1, 49, None), req)]:
-        v = inv.check_stored_tail(0, job, att, content, req, writer, 16, False)
-        assert v is not None and v.inv_id == "INV-4"
-    # a complete block judged by its own identity
-    assert inv.check_stored_tail(0, job, att, (0, 64, 1064), req, None, 16, False) is None
-    assert inv.check_stored_tail(0, job, att, (0, 64, 2064), req, None, 16, False) is not None
-    # a Mamba state summarises exactly the boundary
-    assert inv.check_stored_tail(0, job, mamba, (1, 48, None), req, req, 16, True) is None
-    assert inv.check_stored_tail(0, job, mamba, (1, 49, None), req, req, 16, True) is not None
-    assert inv.check_stored_tail(0, job, mamba, None, req, req, 16, True) is not None
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_real_max_load_tokens_with_a_window_loses_a_chunk(pool, version):
+    """A finding on the real releases (docs/invariants.md; vLLM alone:
+    docs/repro/max_load_window_hit_loss.py): 0.33.0's _lookup_complete_chunks takes the
+    last-token 1 off b's max_load_tokens cap (48 -> 47 -> 32 in whole chunks), and the window at
+    32 needs a's chunk 0, which a's store left out: no hit, where the window at 48 is ready.
+    0.30.0 does not read max_load_tokens and loads the 48 tokens."""
+    res = run_real(Case.from_json(HANDMADE["max_load_window"]), version, pool)
+    if version == "0.30.0":
+        assert not res["findings"] and len(_loads(res)) == 1, res["findings"]
+        return
+    [f] = res["findings"]
+    assert (f["inv_id"], f["op"]) == ("INV-9", "lookup"), f
+    assert "b: ready chunks cover 48 tokens beyond the GPU hit of 0, lookup found 0" \
+        in f["detail"], f
 
 
-def test_check_caps():
-    job = SimpleNamespace(jid=1, items=[(0, 0, 0, None, [(0, 7)]), (0, 1, 1, None, [(1, 8)])])
-    assert inv.check_store_cap(0, job, 32, 16) is None
-    assert inv.check_store_cap(0, job, None, 16) is None
-    assert inv.check_store_cap(0, job, 16, 16).inv_id == "INV-10"
-    assert inv.check_store_cap(0, job, 0, 16).inv_id == "INV-10"
-    load = SimpleNamespace(jid=2, items=[(0, 1, 1, None, [(1, 8)]), (0, 2, 2, None, [(2, 9)])])
-    assert inv.check_load_cap(0, load, 32, 16, {0: 16}) is None        # tokens 16 to 48
-    assert inv.check_load_cap(0, load, 31, 16, {0: 16}).inv_id == "INV-10"
-    assert inv.check_load_cap(0, load, None, 16, {0: 16}) is None
+@pytest.mark.parametrize("version", VERSIONS)
+def test_real_chunked_local_group_looked_up_as_a_window(pool, version):
+    """A finding on the real releases (docs/invariants.md; vLLM alone:
+    docs/repro/chunked_local_window_hit_loss.py): r7 stored its full-attention chunks only; r5
+    resuming at 64 (an attention-chunk boundary) needs no chunked-local KV, but the connector
+    demands cdiv(attention_chunk_size, tokens_per_chunk) = 4 ready chunks of that group."""
+    res = run_real(Case.from_json(HANDMADE["chunked_local_reach"]), version, pool)
+    [f] = res["findings"]
+    assert (f["inv_id"], f["op"]) == ("INV-9", "lookup"), f
+    assert "r5: ready chunks cover 64 tokens beyond the GPU hit of 0, lookup found 0" \
+        in f["detail"], f

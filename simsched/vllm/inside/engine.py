@@ -24,7 +24,10 @@ It emits ``simsched-trace/1`` lines (see :mod:`simsched.trace`) from what the re
 and keeps a content shadow of every GPU block and CPU chunk (:class:`simsched.shadow.Shadow`),
 checking INV-1/2 (real block pool), INV-3/4 (store jobs: real source blocks against the tokens
 their keys name), INV-5 (loads), INV-6 (writes into blocks a store has not read yet), INV-7
-(loads of chunks not stored yet) and INV-8 (liveness) on the real run.
+(loads of chunks not stored yet) and INV-8 (liveness) on the real run; and at every lookup the
+connector answers (``get_num_new_matched_tokens``, observed on the run's own connector) INV-9
+against a hit computed from the CPU tier's content alone (``inv.expected_lookup_hit``) and, for
+a lookup that defers, INV-8 (a deferral that outlasts every transfer it could wait for).
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
 DEFAULT_STEP_CAP = 20_000
+
+#: steps beyond the case's longest transfer latency that a lookup may keep deferring, counted
+#: from the last completion it could be waiting for (see ``_Run._deferred``): a job created at
+#: ``t`` is reported before the step at ``t + latency``, one step later under async scheduling
+#: (the batch queue), and a chunk stored in the step of the lookup is pending one step more
+DEFER_MARGIN = 2
+
+#: what a token of each layout kind attends to, for INV-9's oracle (``inv.reach_chunks``);
+#: kinds not named are taken as full attention (every chunk: the least the oracle can demand)
+_REACH = {"sliding_window": "window", "sliding_window_mla": "window",
+          "chunked_local": "local", "mamba": "state"}
 
 
 class _Crash(Exception):
@@ -259,6 +273,11 @@ class _Run:
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0}
         self.step_no = 0
+        self.lookup_finding: inv.InvariantViolation | None = None
+        self.lookup_error: BaseException | None = None
+        # lookups the connector answered and checked: how many, how many the tier's ready
+        # chunks gave a hit (the oracle's want > 0), how many deferred
+        self.lookup_counts = {"checked": 0, "expected_hit": 0, "deferred": 0}
 
     # -- helpers ---------------------------------------------------------------------------
     def emit(self, line: str) -> None:
@@ -266,7 +285,7 @@ class _Run:
 
     def result(self) -> dict:
         return {"status": "ok", "trace": self.lines, "findings": self.findings,
-                "counters": self.counters}
+                "counters": self.counters, "lookups": self.lookup_counts}
 
     def go(self) -> None:
         try:
@@ -274,11 +293,17 @@ class _Run:
         except _Crash as c:
             info = self.eng.crash_info(c.stage, c.exc)
             self.lines.append(f"crash {info['exception']} {info['function'] or '?'} {c.stage}")
-            info.update(kind="crash", step=self.step_no)
+            info.update(kind="crash", step=self.step_no, op=c.stage)
             self.findings.append(info)
         except inv.InvariantViolation as v:
             self.lines.append(f"violation {v.inv_id} {v.detail}")
-            self.findings.append(dict(v.to_json(), group_kinds=self._kinds_named(v.detail)))
+            self.findings.append(dict(v.to_finding(),
+                                      group_kinds=self._kinds_named(v.detail)))
+        finally:
+            # the observed lookup was this connector's own attribute: drop it
+            cs = getattr(self, "cs", None)
+            if cs is not None:
+                vars(cs).pop("get_num_new_matched_tokens", None)
 
     def _kinds_named(self, detail: str) -> str | None:
         """The kinds of the KV cache groups a violation names (``group 2``, ``g1:3``, or a
@@ -315,6 +340,10 @@ class _Run:
         if cs is None:
             raise RuntimeError("harness: no OffloadingConnectorScheduler on the scheduler")
         self.cs = cs
+        # every lookup the connector answers is checked (INV-9, deferrals): observed on this
+        # scheduler's own connector, an instance attribute that go() drops after the case
+        self._lookup_orig = cs.get_num_new_matched_tokens
+        cs.get_num_new_matched_tokens = self._observed_lookup
         cfg = cs.config
         self.bpc = int(getattr(cfg, "blocks_per_chunk", None)
                        or getattr(cfg, "block_size_factor", 1))
@@ -359,6 +388,20 @@ class _Run:
         self.num_spec = (spec.num_tokens if spec is not None and not layout.engine.async_scheduling
                          else 0)
         self.verified: dict[str, int] = {}       # rid -> verification steps so far
+        # INV-9 / deferrals: what the scheduler has been told of the CPU tier
+        self.reported: set = set()       # content keys whose store completion it was told
+        self.key_done: dict = {}         # content key -> step of its last reported transfer
+        self.req_done: dict[str, int] = {}   # rid -> step of its own last reported transfer
+        self.deferred: dict[str, list[int]] = {}     # rid -> steps its lookup deferred
+        self.defer_bound = max(case.timing.store_latency, case.timing.load_latency) + \
+            DEFER_MARGIN
+        # a layout group the connector does not offload bounds every load (gpu-group-bound)
+        self.gpu_only_groups = len(gcfgs) < len(layout.groups)
+        try:
+            from vllm.v1.kv_offload.base import make_offload_key
+            self.offload_key = make_offload_key
+        except ImportError:
+            self.offload_key = None
         self._boot_caps()
         self._boot_slots()
         self._boot_tails()
@@ -392,6 +435,105 @@ class _Run:
             for j in range(len(m), len(hashes)):
                 m.setdefault(bytes(hashes[j]), j)
         return m.get(bytes(block_hash), -1)
+
+    # -- lookups: INV-9 and deferrals -----------------------------------------------------
+    def _observed_lookup(self, request, num_computed_tokens, *args, **kw):
+        """The connector's ``get_num_new_matched_tokens``, its answer checked. A finding (or a
+        harness error) is kept and raised once ``schedule()`` returns, never inside it."""
+        out = self._lookup_orig(request, num_computed_tokens, *args, **kw)
+        if self.lookup_finding is None and self.lookup_error is None:
+            bound = kw.get("max_num_new_tokens", args[0] if args else None)
+            try:
+                self._check_lookup(request, int(num_computed_tokens), out, bound)
+            except inv.InvariantViolation as v:
+                self.lookup_finding = v
+            except Exception as e:   # noqa: BLE001 - the harness's own failure, not vLLM's
+                self.lookup_error = e
+        return out
+
+    def _check_lookup(self, request, num_local: int, out, bound) -> None:
+        """INV-9: a lookup finds at least the hit the CPU tier's ready chunks give
+        (``inv.expected_lookup_hit``); a deferred one (``None``) goes to :meth:`_deferred`."""
+        got = out[0] if isinstance(out, tuple) else out
+        rid = request.request_id
+        spec = self.case.requests[self.index[rid]]
+        groups = self._hit_groups(request)
+        state = self.cs._req_status.get(rid)
+        # max-load-tokens: only where the release reads it (RequestOffloadState.max_load_tokens)
+        max_load = spec.max_load_tokens if hasattr(state, "max_load_tokens") else None
+        want = inv.expected_lookup_hit(num_local, int(request.num_tokens), groups, max_load,
+                                       bound if self.gpu_only_groups else None)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            want = 0        # get_num_new_matched_tokens: such a request reads no prefix
+        counts = self.lookup_counts
+        counts["checked"] += 1
+        counts["expected_hit"] += want > 0
+        counts["deferred"] += got is None
+        if got is None:
+            self._deferred(rid, want, num_local)
+            return
+        self.deferred.pop(rid, None)
+        if got < want:
+            raise inv.InvariantViolation(
+                "INV-9", self.step_no, f"{rid}: ready chunks cover {want} tokens beyond the "
+                f"GPU hit of {num_local}, lookup found {got}", "lookup")
+
+    def _hit_groups(self, request) -> list:
+        """Per offloaded group, the request's complete chunks as INV-9's oracle sees them: ready
+        when the scheduler was told their store completed and the CPU tier still holds them."""
+        rid = request.request_id
+        ident = self.ident[rid]
+        hashes = request.block_hashes
+        known = min(len(hashes) * self.tph, len(ident.tokens))
+        groups = []
+        for g in self.gcfgs:
+            lg = self.case.layout.groups[g.group_id]
+            tpc = g.tokens_per_chunk
+            ready = []
+            for c in range(known // tpc):
+                key = make_key(g.group_id, ident.ident_at((c + 1) * tpc))
+                ready.append(key in self.reported and self._tier_holds(
+                    request, hashes[(c + 1) * tpc // self.tph - 1], g.group_id))
+            reach = _REACH.get(lg.kind, "full")
+            span = lg.sliding_window if reach == "window" else (
+                lg.attention_chunk_size if reach == "local" else 0)
+            groups.append(inv.HitGroup(tpc, reach, ready, span or 0, bool(lg.drafter)))
+        return groups
+
+    def _tier_holds(self, request, block_hash, gid: int) -> bool:
+        """The CPU tier still holds the chunk ready: not evicted since its store completed
+        (CPUOffloadingManager.prepare_store evicts under the tier's capacity) nor being stored
+        again. Read from the manager's own lookup, below the connector's search."""
+        if self.offload_key is None:
+            return True
+        state = self.cs._req_status.get(request.request_id)
+        try:
+            res = self.cs.manager.lookup(self.offload_key(block_hash, gid), state.req_context)
+        except (TypeError, AttributeError):
+            return True     # (a manager without per-key lookups: eviction not read)
+        return getattr(res, "name", "") == "HIT"
+
+    def _deferred(self, rid: str, want: int, num_local: int) -> None:
+        """INV-8 on a lookup: a deferral ("ask me again later") waits for a transfer in flight
+        (the request's own, or a store or load of one of its chunks: HIT_PENDING,
+        ``_chunks_being_loaded``), and each such transfer is reported within the case's
+        latency. Counted per step since the last completion the request could be waiting
+        for, a deferral that outlasts ``defer_bound`` steps while its ready chunks give a hit
+        is a finding."""
+        ident = self.ident[rid]
+        since = self.req_done.get(rid, -1)
+        for g in self.gcfgs:
+            for c in range(len(ident.tokens) // g.tokens_per_chunk):
+                key = make_key(g.group_id, ident.ident_at((c + 1) * g.tokens_per_chunk))
+                since = max(since, self.key_done.get(key, -1))
+        steps = [s for s in self.deferred.get(rid, ()) if s > since and s != self.step_no]
+        steps.append(self.step_no)
+        self.deferred[rid] = steps
+        if len(steps) > self.defer_bound and want > 0:
+            raise inv.InvariantViolation(
+                "INV-8", self.step_no, f"{rid}: lookup deferred {len(steps)} steps (bound "
+                f"{self.defer_bound}) while ready chunks cover {want} tokens beyond the GPU hit "
+                f"of {num_local}", "lookup")
 
     # -- jobs from the connector metadata --------------------------------------------------
     def _job_items(self, jid: int, tjob, status, is_store: bool) -> list:
@@ -843,7 +985,20 @@ class _Run:
         self.emit(f"step {step}")
         # the requests' computed counts before the step, for the shadow
         before = {rid: r.num_computed_tokens for rid, r in self.reqs.items()}
-        out = self._call("schedule", sched.schedule)
+        try:
+            out = self._call("schedule", sched.schedule)
+        except _Crash as c:
+            # a lookup that went wrong earlier in this schedule() is the first bad operation;
+            # what vLLM raised after it is its consequence, named in the finding
+            v = self.lookup_finding
+            if v is None:
+                raise
+            raise inv.InvariantViolation(v.inv_id, v.step, f"{v.detail} (then "
+                                         f"{type(c.exc).__name__} in {c.stage})", v.op) from c
+        if self.lookup_error is not None:
+            raise self.lookup_error
+        if self.lookup_finding is not None:
+            raise self.lookup_finding
         # --- what was scheduled
         new_ids = {}
         for nr in out.scheduled_new_reqs:
@@ -985,6 +1140,12 @@ class _Run:
             sampled_token_ids=[batch.sampled[r] for r in order], kv_connector_output=kvo,
             **({"logprobs": None} if "logprobs" in eng.mro_params else {}))
         self._call("update_from_output", self.sched.update_from_output, batch.out, mro)
+        for job in done:    # now the scheduler knows: what INV-9's oracle may count on
+            self.req_done[job.rid] = self.step_no
+            for item in job.items:
+                self.key_done[item[3]] = self.step_no
+                if job.is_store:
+                    self.reported.add(item[3])
         if self.num_spec and order and eng.DraftTokenIds is not None:
             self._propose_drafts(batch.out, order)
         return bool(order) or bool(done), done

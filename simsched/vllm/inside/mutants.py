@@ -5,31 +5,37 @@ harness (content shadow + invariants + trace diff) detects that kind of bug on r
 reachable only through the explicit ``mutant`` argument of the worker's ``run_case`` op;
 :func:`apply` returns the function that undoes the patch (the engine calls it after the case).
 
-=====================  ============================================================  ==========
-name                   bug                                                           caught by
-=====================  ============================================================  ==========
-store_shift_chunk      a store job's source blocks taken one chunk too early         INV-4
-drop_fence             ``jobs_to_flush`` dropped: re-allocated blocks are written    INV-6
-                       before the store that reads them
-load_reverse           a load's destination blocks reversed                          INV-5
-key_wrong_hash         chunk 0's offload key built from block hash 1 (and back)      INV-3
-store_key_late         a store job keyed one chunk late: chunk ``c``'s blocks stored  INV-4
-                       under chunk ``c + 1``'s key
-fence_skip_group       the fence (``_current_batch_allocated_block_ids`` against      INV-6
-                       ``_block_id_to_pending_jobs``) ignores the last group's
-                       blocks (no-op with one group)
-max_offload_ignored    ``max_offload_tokens`` parsed, then dropped                    INV-10
-max_load_ignored       ``max_load_tokens`` parsed, then dropped (refused by a         INV-10
-                       release that has none: 0.30.0)
-load_into_pending_     a load's destination blocks not fenced: a pending store still  INV-6
-store                  reads them when the load writes them
-evict_in_use           the CPU tier does not pin a chunk being loaded                 INV-7
-                       (``prepare_load``'s ``ref_cnt``): LRU eviction hands its slot
-                       to a new store while the load still reads it
-lost_completion        the first store completion the worker reports is never         INV-8
-                       processed: its chunks stay pending, a request sharing them
-                       waits forever
-=====================  ============================================================  ==========
+=======================  ==========================================================  ==========
+name                     bug                                                         caught by
+=======================  ==========================================================  ==========
+store_shift_chunk        a store job's source blocks taken one chunk too early       INV-4
+drop_fence               ``jobs_to_flush`` dropped: re-allocated blocks are written  INV-6
+                         before the store that reads them
+load_reverse             a load's destination blocks reversed                        INV-5
+key_wrong_hash           chunk 0's offload key built from block hash 1 (and back)    INV-3
+lookup_first_chunk_only  the lookup stops after the first chunk past the GPU hit     INV-9
+                         (``_lookup_complete_chunks``)
+lookup_defer_forever     once a hit exists, the lookup defers (``None``) forever     INV-8, op
+                         (``get_num_new_matched_tokens``)                            ``lookup``
+lookup_refuse_window     no hit at all when a sliding-window group is offloaded      INV-9
+                         (``_lookup_complete_chunks``)
+store_key_late           a store job keyed one chunk late: chunk ``c``'s blocks      INV-4
+                         stored under chunk ``c + 1``'s key
+fence_skip_group         the fence (``_current_batch_allocated_block_ids`` against   INV-6
+                         ``_block_id_to_pending_jobs``) ignores the last group's
+                         blocks (no-op with one group)
+max_offload_ignored      ``max_offload_tokens`` parsed, then dropped                 INV-10
+max_load_ignored         ``max_load_tokens`` parsed, then dropped (refused by a      INV-10
+                         release that has none: 0.30.0)
+load_into_pending_store  a load's destination blocks not fenced: a pending store     INV-6
+                         still reads them when the load writes them
+evict_in_use             the CPU tier does not pin a chunk being loaded              INV-7
+                         (``prepare_load``'s ``ref_cnt``): LRU eviction hands its
+                         slot to a new store while the load still reads it
+lost_completion          the first store completion the worker reports is never      INV-8
+                         processed: its chunks stay pending, a request sharing them
+                         waits forever
+=======================  ==========================================================  ==========
 """
 
 from __future__ import annotations
@@ -286,6 +292,41 @@ def lost_completion():
             return orig(self, connector_output, *args, **kw)
         return update
     return _patch(cls, name, make)
+def lookup_first_chunk_only():
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def _lookup_complete_chunks(self, req_status, *args, **kw):
+            hit = orig(self, req_status, *args, **kw)
+            if not hit:
+                return hit
+            tpc = max(g.tokens_per_chunk for g in self.config.kv_group_configs)
+            start = req_status.num_locally_computed_tokens
+            return min(hit, (start // tpc + 1) * tpc - start)
+        return _lookup_complete_chunks
+    return _patch(cls, "_lookup_complete_chunks", make)
+
+
+def lookup_defer_forever():
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def get_num_new_matched_tokens(self, *args, **kw):
+            hit, load_async = orig(self, *args, **kw)
+            return (None, False) if hit else (hit, load_async)
+        return get_num_new_matched_tokens
+    return _patch(cls, "get_num_new_matched_tokens", make)
+
+
+def lookup_refuse_window():
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def _lookup_complete_chunks(self, req_status, *args, **kw):
+            hit = orig(self, req_status, *args, **kw)
+            return 0 if hit and self._sliding_window_groups else hit
+        return _lookup_complete_chunks
+    return _patch(cls, "_lookup_complete_chunks", make)
 
 
 MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
@@ -300,6 +341,9 @@ MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "load_into_pending_store": load_into_pending_store,
     "evict_in_use": evict_in_use,
     "lost_completion": lost_completion,
+    "lookup_first_chunk_only": lookup_first_chunk_only,
+    "lookup_defer_forever": lookup_defer_forever,
+    "lookup_refuse_window": lookup_refuse_window,
 }
 
 
