@@ -54,3 +54,18 @@ def test_unknown_release_is_one_line(tmp_path):
     r = replay(tmp_path, RING_BOOT, "--release", "9.9.9")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_copy_on_write_retention_is_no_second_owner(tmp_path):
+    """Align-mode Mamba with a partial tail under async scheduling: 0.32.0+ retains the copy's
+    source block in ``deferred_frees`` (``_free_cow_retained_blocks``) while the request still
+    holds it: two references, one owner. The pool check counted it as two requests (INV-2)."""
+    case = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                  {"kind": "mamba", "block_size": 16,
+                                   "mamba_cache_mode": "align"}],
+                       "engine": {"blocks_per_chunk": 2, "prefix_match_unit": 4,
+                                  "async_scheduling": True, "retention_interval": 0}},
+            "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+    r = replay(tmp_path, case, "--release", "0.33.0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "steps: clean" in r.stdout

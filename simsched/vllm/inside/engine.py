@@ -835,30 +835,35 @@ class _Run:
 
     def _check_pool(self) -> None:
         pool = self.sched.kv_cache_manager.block_pool
-        holders: dict[int, int] = {}
+        holders: dict[int, list[str]] = {}     # block -> its holders, once per table entry
         for rid in self.reqs:
             # a finished request may still hold its blocks (aborted during a load: freed when
             # the load reports finished_recving); a freed one has no entry in req_to_blocks
             for table in self._tables(rid):
                 for b in table:
                     if b != NULL:
-                        holders[b] = holders.get(b, 0) + 1
-        # async scheduling: blocks of a freed request that a batch in flight may still write
-        # are returned to the pool only once that batch's output is processed
-        # (Scheduler._free_request_blocks, deferred_frees)
+                        holders.setdefault(b, []).append(rid)
+        # async scheduling: blocks of a freed request that a batch in flight may still write,
+        # and the source blocks a Mamba copy-on-write retains until the step that copies them
+        # ran, are returned to the pool only once that step's output is processed
+        # (Scheduler._free_request_blocks, _free_cow_retained_blocks, deferred_frees): a
+        # reference each, owned by no request
         for _, held in getattr(self.sched, "deferred_frees", None) or ():
             for blk in held:
                 if blk.block_id != NULL:
-                    holders[blk.block_id] = holders.get(blk.block_id, 0) + 1
+                    holders.setdefault(blk.block_id, []).append("")
         blocks = pool.blocks
-        for b, n in holders.items():
+        for b, held_by in holders.items():
             blk = blocks[b]
-            if blk.ref_cnt != n:
+            if blk.ref_cnt != len(held_by):
                 raise inv.InvariantViolation("INV-1", self.step_no, f"block {b}: refcount "
-                                             f"{blk.ref_cnt} but held {n} times")
-            if n > 1 and blk.block_hash is None:
-                raise inv.InvariantViolation("INV-2", self.step_no, f"block {b} held by {n} "
-                                             "requests but not a prefix-cache block")
+                                             f"{blk.ref_cnt} but held {len(held_by)} times")
+            # one request may hold a block twice (an align-mode Mamba table naming its state
+            # block at two positions, each a reference): only two requests share a slot
+            owners = sorted(set(held_by) - {""})
+            if len(owners) > 1 and blk.block_hash is None:
+                raise inv.InvariantViolation("INV-2", self.step_no, f"block {b} held by "
+                                             f"{', '.join(owners)} but not a prefix-cache block")
         n_free = pool.get_num_free_blocks()
         if n_free + len(holders) != pool.num_gpu_blocks - 1:
             raise inv.InvariantViolation("INV-1", self.step_no, f"free {n_free} + held "
