@@ -590,7 +590,7 @@ class Campaign:
         keys = {finding.key, *finding.aliases}
         hit = {s.obs.target for s in seen if s.key in keys}
         finding.profiles_affected = [p for p in PROFILES if any(
-            s.obs.target == f"model:{p}" and s.obs.signature == finding.signature for s in seen)]
+            o.target == f"model:{p}" and o.signature == finding.signature for o in obs)]
         for t in self.all_release_targets:
             outcome = outcomes[t.name]
             if t.name in hit:
