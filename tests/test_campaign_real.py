@@ -61,8 +61,12 @@ def test_the_main_campaign_runs_real_steps(campaign):
         assert finding["releases_affected"], f["id"]
         for v in finding["releases_clean"]:
             assert v not in finding["releases_not_run"]
-    clusters = {f["cluster"] for f in data["findings"]}
-    assert len(clusters) == len(data["findings"])    # one finding per cluster
+    keys = [tuple(map(str, f["cluster_key"])) for f in data["findings"]]
+    assert len(keys) == len(set(keys))               # one finding per cause
+    for f in data["findings"]:                       # a cause found twice is one cluster
+        for g in data["findings"]:
+            if f["cluster_key"] in g["aliases"]:
+                assert f["cluster"] == g["cluster"], (f["id"], g["id"])
 
 
 def test_repro_fails_on_030_and_passes_on_033(campaign):
