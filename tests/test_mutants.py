@@ -51,7 +51,7 @@ LOAD_FENCE_CASE = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
 #: GPU; b loads p's 4 chunks (latency 4) while c's 4 new chunks need slots: with every chunk
 #: pinned by b's load, c's store fails to allocate (prepare_store returns None)
 EVICT_CASE = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
-                         "engine": {"num_gpu_blocks": 12, "cpu_chunks": 4}},
+                         "engine": {"num_gpu_blocks": 13, "cpu_chunks": 4}},
               "timing": {"load_latency": 4},
               "requests": [{"id": "p", "prompt": [[7, 64]], "decode": 1},
                            {"id": "f", "prompt": [[9, 176]], "arrival": 2, "decode": 1,
