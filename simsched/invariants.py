@@ -499,8 +499,11 @@ def reach_chunks(g: HitGroup, num_local: int, end: int) -> tuple[int, int] | Non
     first = num_local                   # below the GPU hit the request's KV is on the GPU
     if g.reach == "window":
         # token `end` attends to [end - W + 1, end] (GroupOffloadConfig.
-        # load_window_size_in_chunks: cdiv(W - 1 + right padding, tokens_per_chunk) chunks)
-        first = max(first, end - g.span + 1)
+        # load_window_size_in_chunks: cdiv(W - 1 + right padding, tokens_per_chunk) chunks);
+        # a hit ends at a stored chunk even where the window needs none before `end` (W = 1),
+        # as vLLM's own GPU hit ends at a cached block (SlidingWindowManager.
+        # find_longest_cache_hit matches on a cached block, however few the window needs)
+        first = max(first, min(end - g.span + 1, end - 1))
     elif g.reach == "local":
         # chunked local attention reaches back to the start of its attention chunk only
         # (get_sliding_window_size_in_chunks: "Attention never reaches back past one chunk")

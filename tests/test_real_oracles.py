@@ -64,6 +64,15 @@ def test_window_reach():
     assert reach_chunks(w, 32, 48) == (2, 3)
 
 
+def test_a_window_hit_ends_at_a_stored_chunk():
+    """A one-token window needs no KV before ``end``, but a hit still ends at a stored chunk
+    (nothing stored: no hit), as vLLM's GPU hit ends at a cached block."""
+    one = HitGroup(16, "window", [F, F, F, F], span=1)
+    assert reach_chunks(one, 0, 63) == (3, 4)
+    assert expected_lookup_hit(0, 64, [one]) == 0
+    assert expected_lookup_hit(0, 64, [HitGroup(16, "window", [F, F, F, T], span=1)]) == 63
+
+
 def test_chunked_local_reach():
     local = HitGroup(16, "local", [F, F, F, F, T, F], span=64)
     # at 64 an attention chunk starts: nothing of the local group is needed
