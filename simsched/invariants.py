@@ -530,6 +530,13 @@ def _reach_ready(g: HitGroup, num_local: int, end: int) -> bool:
     return all(g.ready[span[0]:span[1]])
 
 
+def _loads_some(g: HitGroup, num_local: int, end: int) -> bool:
+    """Does a hit ending at ``end`` load a chunk of ``g``? (Where no group's reach needs one,
+    nothing stored is served: chunked local attention at an attention-chunk boundary alone.)"""
+    span = reach_chunks(g, num_local, end)
+    return span is not None and span[0] < span[1]
+
+
 def expected_lookup_hit(num_local: int, num_tokens: int, groups: list[HitGroup],
                         max_load: int | None = None, bound: int | None = None) -> int:
     """INV-9's oracle on real runs: the tokens beyond the GPU hit (``num_local``) that a lookup
@@ -546,7 +553,9 @@ def expected_lookup_hit(num_local: int, num_tokens: int, groups: list[HitGroup],
       the GPU holds of it (OffloadingConnector._max_loadable_tokens: "nothing refills them
       beyond it"), passed only when such a group exists;
     * less-than-a-chunk: a hit of less than a whole chunk past the GPU hit is not loaded
-      (_lookup_complete_chunks: "We can only load less than a chunk, so skip.")."""
+      (_lookup_complete_chunks: "We can only load less than a chunk, so skip.");
+    * nothing-stored: INV-9 asks that what is stored be served, so a hit loads at least one
+      ready chunk (a reach empty in every group serves nothing)."""
     cap = num_tokens - 1                                    # last-token
     whole = 1
     if max_load is not None:                                # max-load-tokens
@@ -560,7 +569,8 @@ def expected_lookup_hit(num_local: int, num_tokens: int, groups: list[HitGroup],
     end = num_local
     for e in sorted(ends, reverse=True):
         if e > num_local and e % whole == 0 and all(_reach_ready(g, num_local, e)
-                                                    for g in groups):
+                                                    for g in groups) \
+                and any(_loads_some(g, num_local, e) for g in groups):
             end = e
             break
     hit = end - num_local

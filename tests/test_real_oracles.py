@@ -82,6 +82,14 @@ def test_chunked_local_reach():
     assert expected_lookup_hit(0, 100, [full([T] * 6), local]) == 80
 
 
+def test_a_hit_serves_something_stored():
+    """Chunked local attention alone at an attention-chunk boundary needs no chunk: nothing
+    stored, nothing served, no hit expected (INV-9 is about a stored prefix not served)."""
+    nothing = HitGroup(16, "local", [F] * 6, span=64)
+    assert reach_chunks(nothing, 0, 64) == (4, 4)
+    assert expected_lookup_hit(0, 100, [nothing]) == 0
+
+
 def test_state_reach():
     # a recurrent state resumes only at a chunk end whose state is stored
     mamba = HitGroup(16, "state", [F, F, F, T, F])
