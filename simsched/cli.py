@@ -77,8 +77,9 @@ def cmd_replay(args) -> int:
           f"{'config chain only' if args.config_only else 'every step on the real Scheduler'})")
     for name, outcome in outcomes.items():
         sigs = sorted({str(o.signature) for o in shown if o.target == name})
-        print(f"  {name:>38}: {'FAIL ' + ', '.join(sigs) if sigs else 'pass'}  | "
-              f"{describe(outcome)}")
+        ran = name.startswith("model:") or outcome.get("status") in ("ran", "ok", "error")
+        verdict = "FAIL " + ", ".join(sigs) if sigs else "pass" if ran else "not run"
+        print(f"  {name:>38}: {verdict}  | {describe(outcome)}")
     for name, res in traces.items():
         bad = _first_bad_step(res)
         if bad:

@@ -471,9 +471,16 @@ def config_outcome(layout: Layout, num_tokens: int, profile: Profile | str = DEF
 # --- the start-up check of the KV cache pool ----------------------------------------------------
 
 def max_model_len(case) -> int:
-    """The engine's ``max_model_len`` for a case: its longest request, prompt plus decode
-    (``allocate_slots`` caps EAGLE's lookahead slots at ``max_model_len``, so they add none)."""
-    return max((r.prompt_len + r.decode for r in case.requests), default=0)
+    """The engine's ``max_model_len`` for a case: its longest request, prompt plus decode, and
+    the slots an EAGLE-style drafter writes past it (``num_lookahead_tokens``). The release
+    harness boots the Scheduler with it: ``allocate_slots`` caps the lookahead slots at
+    ``max_model_len``, so a smaller one would change what is allocated, and a larger one would
+    let the start-up check pass a pool that the longest request and its lookahead never fit
+    in (it would wait forever: no deployment's state)."""
+    spec = case.layout.engine.speculative
+    lookahead = spec.num_tokens if spec is not None and spec.method in EAGLE_METHODS else 0
+    longest = max((r.prompt_len + r.decode for r in case.requests), default=0)
+    return longest + lookahead if longest else 0
 
 
 def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: int,

@@ -45,6 +45,7 @@ from typing import Any
 from simsched import invariants as inv
 from simsched.allocator import NULL, GroupRule, Request as IdentRequest, make_key
 from simsched.case import Case
+from simsched.geometry import max_model_len
 from simsched.layout import LayoutError
 from simsched.model import STALL_STEPS, _token
 from simsched.shadow import Shadow
@@ -129,6 +130,9 @@ class RealEngine:
         import copy
         vc, kvc = self.builder.build(case.layout)
         eng, timing = case.layout.engine, case.timing
+        if case.requests:   # the engine's max_model_len, as its start-up check counted it
+            vc.model_config = copy.copy(vc.model_config)
+            vc.model_config.max_model_len = max_model_len(case)
         sc = copy.copy(vc.scheduler_config)
         sc.max_num_batched_tokens = timing.max_num_batched_tokens
         sc.max_num_seqs = timing.max_num_seqs
@@ -202,8 +206,8 @@ class RealEngine:
     def startup_refusal(self, case: Case) -> str | None:
         """The release's own start-up check of the KV cache pool, run before any Scheduler is
         built: ``_check_enough_kv_cache_memory`` (``v1/core/kv_cache_utils.py``,
-        ``kv_cache_planning.py`` from 0.33.0) with ``max_model_len`` the case's longest
-        request (prompt plus decode). A group needs its spec's ``max_memory_usage_bytes`` in
+        ``kv_cache_planning.py`` from 0.33.0) with the case's ``max_model_len``
+        (:func:`simsched.geometry.max_model_len`, as :meth:`boot` sets it). A group needs its spec's ``max_memory_usage_bytes`` in
         pages; the groups share the pool of ``num_gpu_blocks`` blocks, the null block held
         back. Passed in units of 1 GiB, so that the release's message counts blocks where it
         says GiB. Its ValueError's message, or None (it fits, or the release has no check)."""
@@ -252,7 +256,7 @@ class RealEngine:
                     hi = mid - 1
             return best
 
-        model_len = max((r.prompt_len + r.decode for r in case.requests), default=0)
+        model_len = max_model_len(case)
         try:
             check(gib * (kvc.num_blocks - 1), lambda: needed(model_len), model_len, estimate)
         except ValueError as e:
