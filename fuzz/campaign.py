@@ -606,13 +606,15 @@ class Campaign:
     @staticmethod
     def _moved(finding: Finding, seen: list[Seen]) -> list[tuple]:
         """The same crash where a release's code has it elsewhere: the shrunk case raises the
-        same exception on another release from another line or function (0.25.1 keeps the
-        offload checks in ``OffloadingSpec.__init__``; 0.33.0 moved
-        ``get_sliding_window_size_in_chunks`` into ``offloading/config.py``). A different
-        exception (an assert that became a ``ValueError``) is another finding."""
+        same exception on another release from the same function in another file or line
+        (0.33.0 moved ``get_sliding_window_size_in_chunks`` into ``offloading/config.py``), or
+        from the same statement in another function (0.25.1 keeps the offload checks in
+        ``OffloadingSpec.__init__``). Another exception (an assert that became a
+        ``ValueError``) or another statement of another function is another finding."""
+        _, exc, _, function, source = finding.key
         return sorted({s.key for s in seen if s.klass == tri.BUG and s.obs.level != "model"
-                       and s.obs.signature.kind == "crash" and s.key != finding.key
-                       and s.obs.signature.exception == finding.signature.exception}, key=repr)
+                       and s.key[0] == "crash" and s.key != finding.key and s.key[1] == exc
+                       and (s.key[3] == function or s.key[4] == source)}, key=repr)
 
     def _twins(self, finding: Finding) -> list[tuple]:
         """The crash keys the case shows in the other asserts mode on the affected releases."""
