@@ -472,13 +472,14 @@ def config_outcome(layout: Layout, num_tokens: int, profile: Profile | str = DEF
 
 def max_model_len(case) -> int:
     """The engine's ``max_model_len`` for a case: its longest request, prompt plus decode, and
-    the slots an EAGLE-style drafter writes past it (``num_lookahead_tokens``). The release
-    harness boots the Scheduler with it: ``allocate_slots`` caps the lookahead slots at
-    ``max_model_len``, so a smaller one would change what is allocated, and a larger one would
-    let the start-up check pass a pool that the longest request and its lookahead never fit
-    in (it would wait forever: no deployment's state)."""
+    room for the speculative tokens scheduled past it (the drafts, and the slots an
+    EAGLE-style drafter writes ahead: ``num_lookahead_tokens``). The release harness boots the
+    Scheduler with it: the scheduler caps drafts and ``allocate_slots`` caps lookahead slots at
+    ``max_model_len``, so a smaller one would change what is scheduled and allocated, and a
+    larger one would let the start-up check pass a pool that the longest request and its
+    lookahead never fit in (it would wait forever: no deployment's state)."""
     spec = case.layout.engine.speculative
-    lookahead = spec.num_tokens if spec is not None and spec.method in EAGLE_METHODS else 0
+    lookahead = spec.num_tokens if spec is not None else 0
     longest = max((r.prompt_len + r.decode for r in case.requests), default=0)
     return longest + lookahead if longest else 0
 
