@@ -37,6 +37,7 @@ from typing import Callable
 from unittest import mock
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings, target
+from hypothesis.errors import Flaky
 from hypothesis.internal.conjecture import engine as hypothesis_engine
 
 from fuzz import report as report_mod
@@ -304,6 +305,7 @@ class Campaign:
         self.prior: list[dict] = []
         self.damaged: set[Path] = set()
         self.tool_errors: dict[tuple, dict] = {}
+        self.set_aside: set[tuple] = set()   # causes that did not show again on their case
         self.examples = 0
         self.families: dict[str, int] = {}
         self.knobs: dict[str, int] = {}
@@ -311,6 +313,7 @@ class Campaign:
         self.started = 0.0
         self.warmup_s = 0.0
         self._stepped_last: set[str] = set()
+        self._sampled_n = 0              # cases of the share so far (the older releases' turn)
 
     # --- evaluating one case ---------------------------------------------------------------
 
@@ -319,18 +322,13 @@ class Campaign:
             "config_cases": 0, "step_cases": 0, "real_steps": 0,
             "config_seconds": 0.0, "step_seconds": 0.0})
 
-    def _account(self, outcomes: dict, stepped) -> None:
-        """Count what ran: model steps; per release its config and step cases, real steps."""
+    def _account(self, outcomes: dict) -> None:
+        """Count a generated case: its model steps, and a config chain per release."""
         for name, out in outcomes.items():
             if name.startswith("model:"):
                 self.steps += out.get("steps", 0)
         for t in self.release_targets:
             self._release_stats(t.version)["config_cases"] += 1
-        for t in stepped:
-            st = self._release_stats(t.version)
-            st["step_cases"] += 1
-            out = outcomes.get(t.name) or {}
-            st["real_steps"] += out.get("steps", 0) if out.get("status") == "ran" else 0
 
     def screen(self, case: Case, obs: list[Observation], outcomes: dict,
                sampled: bool) -> list[ReleaseTarget]:
@@ -344,14 +342,24 @@ class Campaign:
             return list(self.release_targets)
         shown_models = {o.target for o in obs if o.level == "model"}
         shown_configs = {o.target for o in obs if o.level == "config"}
+        older = self._older_in_turn() if sampled else None
         out = []
         for t in self.release_targets:
             if outcomes.get(t.name, {}).get("status") != "ok":
                 continue
             if (f"model:{t.profile.name}" in shown_models or t.name in shown_configs
-                    or (sampled and t is self.newest)):
+                    or (sampled and t is self.newest) or t is older):
                 out.append(t)
         return out
+
+    def _older_in_turn(self) -> ReleaseTarget | None:
+        """Every fourth case of the share also runs on one older release, in turn, so that
+        every release gets real steps the model did not ask for."""
+        self._sampled_n += 1
+        older = [t for t in self.release_targets if t is not self.newest]
+        if not older or self._sampled_n % 4:
+            return None
+        return older[(self._sampled_n // 4) % len(older)]
 
     def evaluate(self, case: Case, sampled: bool = False) -> list[Seen]:
         """Run ``case`` on the model and the releases as :meth:`screen` decides; triaged."""
@@ -365,12 +373,25 @@ class Campaign:
             self._release_stats(t.version)["config_seconds"] += time.perf_counter() - t0
         stepped = self.screen(case, obs, outcomes, sampled)
         self._stepped_last = {t.name for t in stepped}
-        for t in stepped:
-            t0 = time.perf_counter()
-            obs += observe(case, [], [t], outcomes, config=False)
-            self._release_stats(t.version)["step_seconds"] += time.perf_counter() - t0
-        self._account(outcomes, stepped)
+        obs += self._step(case, stepped, outcomes)
+        self._account(outcomes)
         return self.triage(case, obs, outcomes)
+
+    def _step(self, case: Case, targets: list[ReleaseTarget], outcomes: dict,
+              traces: dict | None = None) -> list[Observation]:
+        """Run ``case`` step by step on each of ``targets``' real Scheduler, counted per
+        release (cases, real steps, seconds) whatever the phase: generating, shrinking,
+        replaying a finding."""
+        obs: list[Observation] = []
+        for t in targets:
+            t0 = time.perf_counter()
+            obs += observe(case, [], [t], outcomes, config=False, traces=traces)
+            st = self._release_stats(t.version)
+            st["step_seconds"] += time.perf_counter() - t0
+            st["step_cases"] += 1
+            out = outcomes.get(t.name) or {}
+            st["real_steps"] += out.get("steps", 0) if out.get("status") == "ran" else 0
+        return obs
 
     def triage(self, case: Case, obs: list[Observation], outcomes: dict) -> list[Seen]:
         ran = {name: not out.get("findings") for name, out in outcomes.items()
@@ -479,7 +500,7 @@ class Campaign:
             f.variants.append(v)
 
     def _round(self, round_no: int, deadline: float, db) -> Finding | None:
-        state: dict = {"hunt": None, "case": None, "seen": None, "t": 0.0, "n": 0}
+        state: dict = {"hunt": None, "case": None, "seen": None, "t": 0.0, "n": 0, "first": None}
         known = self.known_keys()
         if self.collect_coverage:
             self._take_coverage()   # replaying the last finding is no generated case's novelty
@@ -523,6 +544,7 @@ class Campaign:
                 first = new[0][1]
                 state["t"] = time.monotonic() - self.started
                 state["n"] = self.examples
+                state["first"] = (case, first)
                 models, configs, steps, shown = self._hunt_targets(seen, first.key)
                 hunt = state["hunt"] = Hunt(first.key, first.klass, first.obs.signature,
                                             self.fingerprint(case, first.obs.signature),
@@ -547,6 +569,17 @@ class Campaign:
         try:
             with mock.patch.object(hypothesis_engine, "MAX_SHRINKING_SECONDS", shrink_s):
                 body()
+        except Flaky:
+            # shown once, not again on the same case: a run that is not deterministic (the
+            # harness's or vLLM's). Never a finding; its case is kept as a tool error
+            case, first = state["first"]
+            self._note_tool_error(case, Seen(Observation(
+                Signature("crash", "Nondeterministic", str(first.obs.signature)),
+                first.obs.target, {"message": f"{first.klass} {tri.cluster_name(first.key)} "
+                                   "showed once and not again on the same case"}),
+                tri.TOOL_ERROR, ("tool", "Nondeterministic", repr(first.key))))
+            self.set_aside.add(first.key)
+            return None
         except Found:
             hunt = state["hunt"]
 
@@ -569,8 +602,7 @@ class Campaign:
     def shrink_run(self, case: Case, hunt: "Hunt") -> list[Seen]:
         outcomes: dict = {}
         obs = observe(case, hunt.models, hunt.configs, outcomes, steps=[])
-        if hunt.steps:
-            obs += observe(case, [], hunt.steps, outcomes, config=False)
+        obs += self._step(case, hunt.steps, outcomes)
         return self.triage(case, obs, outcomes)
 
     def replay_everywhere(self, finding: Finding) -> None:
@@ -579,7 +611,9 @@ class Campaign:
         seen with asserts stripped is run with asserts on too (and the other way round): what
         the other mode shows on the same releases is the same cause (its aliases)."""
         outcomes: dict = {}
-        obs = observe(finding.case, self.fingerprint_targets, self.all_release_targets, outcomes)
+        obs = observe(finding.case, self.fingerprint_targets, self.all_release_targets, outcomes,
+                      steps=[])
+        obs += self._step(finding.case, self.all_release_targets, outcomes)
         seen = self.triage(finding.case, obs, outcomes)
         finding.outcomes = outcomes
         classes = [s.klass for s in seen if s.key == finding.key]
@@ -609,19 +643,23 @@ class Campaign:
         same exception on another release from the same function in another file or line
         (0.33.0 moved ``get_sliding_window_size_in_chunks`` into ``offloading/config.py``), or
         from the same statement in another function (0.25.1 keeps the offload checks in
-        ``OffloadingSpec.__init__``). Another exception (an assert that became a
-        ``ValueError``) or another statement of another function is another finding."""
+        ``OffloadingSpec.__init__``), or with the same message, its numbers aside (a check
+        rewritten with the same words). Another exception (an assert that became a
+        ``ValueError``), statement, function and message is another finding."""
         _, exc, _, function, source = finding.key
+        words = tri.message_words(finding.outcome.get("message"))
         return sorted({s.key for s in seen if s.klass == tri.BUG and s.obs.level != "model"
                        and s.key[0] == "crash" and s.key != finding.key and s.key[1] == exc
-                       and (s.key[3] == function or s.key[4] == source)}, key=repr)
+                       and (s.key[3] == function or s.key[4] == source
+                            or (words and tri.message_words(s.obs.outcome.get("message"))
+                                == words))}, key=repr)
 
     def _twins(self, finding: Finding) -> list[tuple]:
         """The crash keys the case shows in the other asserts mode on the affected releases."""
         other = replace(finding.case, asserts=not finding.case.asserts)
         targets = [t for t in self.all_release_targets if t.name in finding.releases_affected]
         outcomes: dict = {}
-        seen = self.triage(other, observe(other, [], targets, outcomes, config=False), outcomes)
+        seen = self.triage(other, self._step(other, targets, outcomes), outcomes)
         return sorted({s.key for s in seen if s.klass == tri.BUG and s.key != finding.key
                        and s.obs.signature.kind == "crash"}, key=repr)
 
@@ -674,7 +712,7 @@ class Campaign:
     def known_keys(self) -> set:
         """The cluster keys found so far, here and by other worker processes (on disk)."""
         self.load_prior()
-        keys = set(self.findings)
+        keys = set(self.findings) | self.set_aside
         for f in self.findings.values():
             keys.update(f.aliases)
         for data in self.prior:

@@ -84,6 +84,14 @@ def crash_key(outcome: dict) -> tuple:
             outcome.get("function") or "?", source)
 
 
+def message_words(message: str | None) -> str:
+    """An exception's message with its numbers masked, for telling one check's message in two
+    releases (empty for a message too short to tell anything)."""
+    import re
+    text = re.sub(r"\d+", "N", " ".join((message or "").split()))
+    return text if len(text) >= 20 else ""
+
+
 def triage_release(obs, layout: Layout, run_clean: bool | None) -> Triage | None:
     """An observation on a real release. ``run_clean``: the release's step-by-step run broke
     nothing (None: no step ran). None: a divergence on a run that broke something (the

@@ -517,6 +517,20 @@ def kv_cache_blocks_needed(case, model_len: int) -> int:
                for g in case.layout.groups)
 
 
+def estimate_max_model_len(needed: Callable[[int], int], available: int,
+                           model_len: int) -> int:
+    """``estimate_max_model_len``: the longest ``max_model_len`` up to ``model_len`` whose
+    ``needed`` memory fits in ``available`` (vLLM's binary search), 0 if none."""
+    lo, hi, best = 1, model_len, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if needed(mid) <= available:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
 def check_enough_kv_cache_memory(case) -> str | None:
     """vLLM's start-up check that the KV cache pool holds one request of ``max_model_len``
     tokens (``check_enough_kv_cache_memory`` / ``_check_enough_kv_cache_memory``,
@@ -536,14 +550,7 @@ def check_enough_kv_cache_memory(case) -> str | None:
     need = needed(model_len)
     if need <= available:
         return None
-    # estimate_max_model_len: the longest max_model_len that fits (binary search)
-    lo, hi, estimate = 1, model_len, 0
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if needed(mid) <= available:
-            estimate, lo = mid, mid + 1
-        else:
-            hi = mid - 1
+    estimate = estimate_max_model_len(needed, available, model_len)
     hint = (f" Based on the available memory, the estimated maximum model length is {estimate}."
             if estimate > 0 else "")
     return (f"To serve at least one request with the model's max seq len ({model_len}), "

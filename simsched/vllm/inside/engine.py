@@ -45,7 +45,7 @@ from typing import Any
 from simsched import invariants as inv
 from simsched.allocator import NULL, GroupRule, Request as IdentRequest, make_key
 from simsched.case import Case
-from simsched.geometry import max_model_len
+from simsched.geometry import estimate_max_model_len, max_model_len
 from simsched.layout import LayoutError
 from simsched.model import STALL_STEPS, _token
 from simsched.shadow import Shadow
@@ -247,14 +247,7 @@ class RealEngine:
                              for s in specs)
 
         def estimate(available: int) -> int:
-            lo, hi, best = 1, model_len, 0
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                if needed(mid) <= available:
-                    best, lo = mid, mid + 1
-                else:
-                    hi = mid - 1
-            return best
+            return estimate_max_model_len(needed, available, model_len)
 
         model_len = max_model_len(case)
         try:

@@ -55,10 +55,19 @@ def main() -> int:
         out.write(json.dumps(obj, separators=(",", ":")) + "\n")
         out.flush()
 
-    mutant = os.environ.get("SIMSCHED_MUTANT")
-    if mutant:   # the whole worker runs the mutated release (bench/bench_mutants.py)
+    # the whole worker runs the mutated release (bench/bench_mutants.py): patched in around
+    # every op that runs the release, afresh for each (a mutant may count what it saw)
+    mutant = os.environ.get("SIMSCHED_MUTANT") or None
+
+    def mutated(fn, *args, **kw):
+        if not mutant:
+            return fn(*args, **kw)
         from simsched.vllm.inside import mutants
-        mutants.apply(mutant)
+        undo = mutants.apply(mutant)
+        try:
+            return fn(*args, **kw)
+        finally:
+            undo()
 
     tracer = None
     if os.environ.get("SIMSCHED_COVERAGE") == "1":
@@ -81,7 +90,7 @@ def main() -> int:
             if op == "ping":
                 result = {"pong": True, "pid": os.getpid()}
             elif op == "config_batch":
-                result = probe().run_batch(req["items"])
+                result = mutated(probe().run_batch, req["items"])
             elif op == "scheduler_construct":
                 result = probe().scheduler_construct(req["layout"])
             elif op == "run_case":
@@ -89,7 +98,7 @@ def main() -> int:
                     from simsched.vllm.inside.engine import RealEngine
                     state["engine"] = RealEngine(probe())
                 kw = {"step_cap": int(req["step_cap"])} if req.get("step_cap") else {}
-                result = state["engine"].run_case(req["case"], req.get("mutant"),
+                result = state["engine"].run_case(req["case"], req.get("mutant") or mutant,
                                                      bare=bool(req.get("bare", False)), **kw)
             elif op == "features":
                 result = probe().builder.features
