@@ -209,3 +209,28 @@ def test_report_leads_with_the_bugs_of_the_newest_release():
     assert present < md.index("new-bug") < fixed < md.index("old-bug")
     assert md.index("<details><summary>Validation") > md.index("old-bug")
     assert md.index("refusal") > md.index("<details><summary>Validation")
+
+
+def test_a_cause_that_does_not_show_again_is_set_aside(tmp_path, monkeypatch):
+    """A run that is not deterministic (here: the model shows an invariant on the first call
+    only) makes hypothesis raise Flaky while shrinking: the campaign goes on, keeps the case as
+    a tool error, and reports no finding for it."""
+    from simsched.targets import ModelTarget
+
+    real, calls = ModelTarget.run, []
+
+    def once(self, case):
+        findings, steps = real(self, case)
+        if self.profile.name == "fix-assert-only" and not calls:
+            calls.append(case)
+            return findings + [{"kind": "invariant", "inv_id": "INV-5", "step": 0,
+                                "detail": "once", "what": "x"}], steps
+        return findings, steps
+
+    monkeypatch.setattr(ModelTarget, "run", once)
+    with Releases(()) as pool:
+        data = Campaign(tmp_path, pool, model=True, run_releases=[], budget=3.0, seed_=1,
+                        progress=lambda s: None).run()
+    assert calls
+    assert any(e["exception"] == "Nondeterministic" for e in data["tool_errors"])
+    assert not any(f["signature"] == "invariant:INV-5" for f in data["findings"])
