@@ -111,10 +111,14 @@ def observe(case: Case, models: list[ModelTarget], releases: list[ReleaseTarget]
     return obs
 
 
-def shows(case: Case, target: ReleaseTarget, signature: str | Signature) -> tuple[bool, str]:
-    """Does ``case`` on ``target``'s real Scheduler, run step by step, show ``signature``? And
+def shows(case: Case, target: ReleaseTarget,
+          signature: str | Signature) -> tuple[bool, bool, str]:
+    """Does ``case`` on ``target``'s real Scheduler, run step by step, show ``signature``? Did
+    it run there at all (not ``unsupported``, ``refused`` at start-up, a failed worker)? And
     the outcome in one line."""
     sig = Signature.parse(signature) if isinstance(signature, str) else signature
     outcomes: dict = {}
     obs = observe(case, [], [target], outcomes, config=False)
-    return any(o.signature == sig for o in obs), describe(outcomes[target.name])
+    outcome = outcomes[target.name]
+    present = any(o.signature == sig for o in obs)
+    return present, present or outcome.get("status") == "ran", describe(outcome)
