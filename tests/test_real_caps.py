@@ -10,7 +10,7 @@ import pytest
 from simsched import invariants as inv
 from simsched.allocator import make_key
 from simsched.case import Case
-from simsched.lockstep import lockstep
+from simsched.lockstep import lockstep, run_real
 from simsched.targets import Releases
 
 #: align-mode Mamba with a block (32) larger than the hash block (prefix_match_unit 16): a's
@@ -106,3 +106,19 @@ def test_check_caps():
     assert inv.check_load_cap(0, load, 32, 16, {0: 16}) is None        # tokens 16 to 48
     assert inv.check_load_cap(0, load, 31, 16, {0: 16}).inv_id == "INV-10"
     assert inv.check_load_cap(0, load, None, 16, {0: 16}) is None
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_a_partial_tail_block_goes_on_being_appended_to(pool, version):
+    """A partial-tail store reads the full-attention block holding tokens [0, 64) of a 96-token
+    block while its request decodes into the same block at 64: the stored tokens do not change,
+    so the write is no INV-6 (the default campaign reported it as one)."""
+    case = {"layout": {"groups": [{"kind": "full", "block_size": 96},
+                                  {"kind": "mamba", "block_size": 96,
+                                   "mamba_cache_mode": "align"}],
+                       "engine": {"prefix_match_unit": 16}},
+            "requests": [{"id": "r0", "prompt": [[0, 64]], "decode": 4}],
+            "timing": {"store_latency": 2}}
+    res = run_real(Case.from_json(case), version, pool)
+    assert res["status"] == "ok" and not res["findings"], res["findings"]
+    assert res["counters"]["stores"] >= 1

@@ -711,6 +711,8 @@ class _Run:
         request whose forward last left it partly written (the shadow names no identity for a
         partial block)."""
         self.partial_tails = bool(getattr(self.cs.config, "supports_partial_tail", False))
+        # block -> the request appending to it while a partial-tail store of it is pending
+        self.appending: dict[int, str] = {}
         self.writer: dict[int, str] = {}
 
     def _is_tail_job(self, keys: list, tpc: int) -> bool:
@@ -788,6 +790,9 @@ class _Run:
         for item in job.items:
             content = self.shadow.read(item[4])
             job.contents[item[3]] = content
+            for _, b in item[4]:
+                if self.appending.get(b) == job.rid:
+                    del self.appending[b]
             for _, b in item[4]:
                 s = pr.get(b)
                 if s is not None:
@@ -1095,7 +1100,8 @@ class _Run:
             written = self.shadow.write_computed(ident, self.rules, start, start + n)
             self._note_writers(rid, written)
             if pr:
-                v = inv.check_writes(step, written, pr, f"request {rid}")
+                own = [b for b in written if self.appending.get(b) != rid]
+                v = inv.check_writes(step, own, pr, f"request {rid}")
                 if v is not None:
                     raise v
             # the worker samples when the batch reaches the end of the tokens it knows (under
@@ -1113,6 +1119,11 @@ class _Run:
                 for item in job.items:
                     for _, b in item[4]:
                         pr.setdefault(b, set()).add(job.jid)
+                    if self._is_tail(item) and not self.gcfg_by_id[item[0]].cow_source:
+                        # an attention block of a partial tail is stored while its request
+                        # goes on appending to it past the boundary: the stored tokens stay
+                        for _, b in item[4]:
+                            self.appending[b] = job.rid
         # --- completions reported by this step's worker output
         done = [j for j in self.jobs.values() if not j.done and j.due <= t + 1]
         done.sort(key=lambda j: j.jid)
