@@ -270,6 +270,7 @@ class _Run:
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0}
         self.step_no = 0
+        self.loop_t0: float | None = None
         self.lookup_finding: inv.InvariantViolation | None = None
         self.lookup_error: BaseException | None = None
         # lookups the connector answered and checked: how many, how many the tier's ready
@@ -281,8 +282,11 @@ class _Run:
         self.lines.append(line)
 
     def result(self) -> dict:
+        # loop_wall: the Scheduler loop with the worker side, shadow and checks, boot excluded
+        # (as _BareRun's loop_wall), for bench/bench_real_side.py
+        loop = time.perf_counter() - self.loop_t0 if self.loop_t0 is not None else None
         return {"status": "ok", "trace": self.lines, "findings": self.findings,
-                "counters": self.counters, "lookups": self.lookup_counts}
+                "counters": self.counters, "lookups": self.lookup_counts, "loop_wall": loop}
 
     def go(self) -> None:
         try:
@@ -874,6 +878,7 @@ class _Run:
     # -- the loop --------------------------------------------------------------------------
     def _go(self) -> None:
         self._boot()
+        self.loop_t0 = time.perf_counter()
         case, sched = self.case, self.sched
         # a request aborted before it arrives is never sent (RequestSpec.withdrawn); its abort
         # counts it aborted
