@@ -124,7 +124,7 @@ def _engine(draw, groups: tuple[Group, ...]) -> Engine:
         async_scheduling=draw(_ints(0, 9)) == 9,
         retention_interval=_maybe(draw, (0, 256, 1024, 100), 0.85),
         num_gpu_blocks=draw(_pick((1024, 64, 256))),
-        cpu_chunks=draw(_pick((256, 16, 1024))),
+        cpu_chunks=draw(_pick((256, 16, 1024, 4))),   # 4: evictions under loads
     )
 
 
