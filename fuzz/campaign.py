@@ -465,7 +465,9 @@ class Campaign:
         levels = {(s.obs.target, s.obs.level) for s in seen if s.key == key}
         models = [t for t in self.model_targets if t.name in shown]
         configs = [t for t in self.release_targets if (t.name, "config") in levels]
-        step_names = {name for name, lvl in levels if lvl == "steps"}
+        # a cause the config chain already shows there needs no step run there to show it
+        step_names = {name for name, lvl in levels
+                      if lvl == "steps" and (name, "config") not in levels}
         for m in models:
             step_names |= {v for v in m.profile.releases if v in self._stepped_last}
         steps = [t for t in self.release_targets if t.name in step_names]

@@ -16,7 +16,7 @@ BOOT = "crash:AssertionError:build_offloading_config"
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
     out = tmp_path_factory.mktemp("campaign")
-    r = subprocess.run([sys.executable, "-m", "simsched.cli", "fuzz", "--budget", "45",
+    r = subprocess.run([sys.executable, "-m", "simsched.cli", "fuzz", "--budget", "60",
                         "--seed", "1", "--releases", "0.30.0,0.33.0", "--asserts", "on",
                         "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
