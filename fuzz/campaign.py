@@ -27,7 +27,6 @@ hypothesis example database kept beside them).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
