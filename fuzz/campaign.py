@@ -91,6 +91,7 @@ class Finding:
     releases_clean: list[str] = field(default_factory=list)
     profiles_affected: list[str] = field(default_factory=list)
     releases_not_run: dict = field(default_factory=dict)  # release -> why it did not run
+    releases_other: dict = field(default_factory=dict)    # release -> what it shows instead
     outcomes: dict = field(default_factory=dict)     # target -> outcome of the shrunk case
     aliases: list[tuple] = field(default_factory=list)   # keys of the same cause (asserts twins)
     variants: list[dict] = field(default_factory=list)   # other cases showing it, unshrunk
@@ -116,6 +117,7 @@ class Finding:
             "asserts": self.case.asserts,
             "releases_affected": self.releases_affected, "releases_clean": self.releases_clean,
             "releases_not_run": self.releases_not_run,
+            "releases_other": self.releases_other,
             "range": tri.regressed_fixed(self.releases_affected, self.releases_clean,
                                          list(self.installed)),
             "profiles_affected": self.profiles_affected,
@@ -626,12 +628,18 @@ class Campaign:
         hit = {s.obs.target for s in seen if s.key in keys}
         finding.profiles_affected = [p for p in PROFILES if any(
             o.target == f"model:{p}" and o.signature == finding.signature for o in obs)]
+        # a release where the case shows another crash or broken invariant is not clean:
+        # clean means it ran every step there and nothing showed
+        other = {s.obs.target: str(s.obs.signature) for s in seen
+                 if s.obs.level != "model" and s.key not in keys
+                 and s.klass in (tri.BUG, tri.VALIDATION)}
         for t in self.all_release_targets:
             outcome = outcomes[t.name]
             if t.name in hit:
                 finding.releases_affected.append(t.name)
-            elif outcome.get("status") == "ran" or (
-                    not self.all_release_targets and outcome.get("status") == "ok"):
+            elif t.name in other:
+                finding.releases_other[t.name] = f"shows {other[t.name]} instead"
+            elif outcome.get("status") == "ran":
                 finding.releases_clean.append(t.name)
             else:
                 finding.releases_not_run[t.name] = describe(outcome)

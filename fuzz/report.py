@@ -8,7 +8,8 @@ relative to the output folder) and the sizes ``groups``, ``requests``, ``steps``
 (bug, validation, model-gap, proposal, predicted: :mod:`fuzz.triage`), its ``cluster`` (the
 cause: findings with one cluster are variants of one bug), ``first_bad_step`` and ``range``
 ("regressed in / fixed in"). A release is in ``releases_clean`` only when the case ran there step
-by step and nothing showed; ``releases_not_run`` says why a release could not run it. The report
+by step and nothing showed; ``releases_other`` names what a release showed instead;
+``releases_not_run`` says why a release could not run it. The report
 also has ``summary`` (clusters per class, cases and real steps per release, examples per second,
 seconds per target) and ``tool_errors`` (simsched's own failures, never findings). Both files are
 written atomically: a campaign killed at any moment leaves the last complete report. At the end
