@@ -204,3 +204,32 @@ def test_real_chunked_local_group_looked_up_as_a_window(pool, version):
     assert (f["inv_id"], f["op"]) == ("INV-9", "lookup"), f
     assert "r5: ready chunks cover 64 tokens beyond the GPU hit of 0, lookup found 0" \
         in f["detail"], f
+
+
+# EAGLE with no drafter group marked: the drafter's layers share the target's groups
+EAGLE_SHARED = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                      {"kind": "sliding_window", "block_size": 16,
+                                       "sliding_window": 128}],
+                           "engine": {"speculative": {"method": "eagle", "num_tokens": 1},
+                                      "num_gpu_blocks": 13}},
+                "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                             {"id": "r1", "prompt": [[0, 64]]}]}
+
+
+def test_real_eagle_tail_on_every_group_when_none_is_marked_0290():
+    """0.25.1-0.29.0 take every group for a drafter group when speculative decoding uses
+    EAGLE and no group is marked (OffloadingConnectorScheduler.__init__: ``eagle_groups =
+    set(range(...))``), so each group proves its hit with the chunk after it: r1 (GPU hit 32,
+    r0's 4 chunks of both groups stored and ready) loads chunk 2 only, 16 tokens, where the
+    ready chunks would give 31 without that rule. INV-9's oracle follows the release's drafter
+    groups (a campaign's INV-9-lookup-full+sliding_window on 0.25.1-0.29.0 was this rule)."""
+    version = "0.29.0"
+    with Releases.installed([version], timeout=120) as pool:
+        res = run_real(Case.from_json(EAGLE_SHARED), version, pool)
+    assert res["status"] == "ok" and not res["findings"], res["findings"]
+    [store] = [x for x in res["trace"] if x.startswith("store ")]
+    assert "g0:3=" in store and "g1:3=" in store, store     # every chunk ready
+    [load] = _loads(res)
+    assert load.split()[2] == "r1", load
+    chunks = sorted({int(x.split("=")[0].split(":")[1]) for x in load.split()[3:]})
+    assert chunks == [2], load

@@ -360,6 +360,7 @@ class _Run:
                                                                  False))))
         self.gcfgs = gcfgs
         self.gcfg_by_id = {g.group_id: g for g in gcfgs}
+        self.drafters = self._drafter_groups(cfg)
         self.geo = SimpleNamespace(tokens_per_hash=tph, groups=gcfgs)
         layout = case.layout
         mgrs = sched.kv_cache_manager.coordinator.single_type_managers
@@ -406,6 +407,25 @@ class _Run:
         self._boot_caps()
         self._boot_slots()
         self._boot_tails()
+
+    def _drafter_groups(self, cfg) -> set[int]:
+        """The groups holding EAGLE/MTP drafter KV, for INV-9's eagle-tail rule: the layout's
+        drafter groups; with speculative decoding and none marked, the drafter's layers share
+        the target's groups (a shared-group MTP model, or a drafter left unannotated), and
+        0.25.1-0.29.0 then take every group for a drafter group
+        (``OffloadingConnectorScheduler.__init__``: ``if use_eagle and not eagle_groups:
+        eagle_groups = set(range(len(kv_cache_groups)))``, the trailing chunk "excluded from
+        offloading due to volatility"); 0.30.0+ take none ("fail toward serving", #52735). Read
+        from ``GroupOffloadConfig.is_eagle_group``, and only in these two shapes: any other set
+        the connector flags is not excused."""
+        layout = self.case.layout.groups
+        marked = {g.group_id for g in self.gcfgs if layout[g.group_id].drafter}
+        flagged = {int(gc.group_idx) for gc in cfg.kv_group_configs
+                   if getattr(gc, "is_eagle_group", False)}
+        every = {g.group_id for g in self.gcfgs}
+        if not marked and self.case.layout.engine.speculative is not None and flagged == every:
+            return every
+        return marked
 
     def _add_request(self, i: int, spec) -> None:
         eng = self.eng
@@ -498,7 +518,8 @@ class _Run:
             reach = _REACH.get(lg.kind, "full")
             span = lg.sliding_window if reach == "window" else (
                 lg.attention_chunk_size if reach == "local" else 0)
-            groups.append(inv.HitGroup(tpc, reach, ready, span or 0, bool(lg.drafter)))
+            groups.append(inv.HitGroup(tpc, reach, ready, span or 0,
+                                        g.group_id in self.drafters))
         return groups
 
     def _tier_holds(self, request, block_hash, gid: int) -> bool:
