@@ -68,3 +68,6 @@ if __name__ == "__main__":
     print("full + sliding window, 64 tokens stored, max_load_tokens=32:", lookup(True, 64, 32))
     print("full + sliding window, 64 tokens stored, no max_load_tokens:", lookup(True, 64, None))
     print("full + sliding window, 160 tokens stored, max_load_tokens=48:", lookup(True, 160, 48))
+    # a cap of one whole chunk: 16 - 1 rounds down to no chunk at all (the shape of the
+    # campaign cluster INV-9-lookup-mla+ring+sliding_window_mla: 64-token chunks, cap 64)
+    print("full + sliding window, 32 tokens stored, max_load_tokens=16:", lookup(True, 32, 16))
