@@ -122,3 +122,20 @@ def test_a_partial_tail_block_goes_on_being_appended_to(pool, version):
     res = run_real(Case.from_json(case), version, pool)
     assert res["status"] == "ok" and not res["findings"], res["findings"]
     assert res["counters"]["stores"] >= 1
+
+
+@pytest.mark.parametrize("version", ["0.27.0", "0.28.0"])
+def test_a_pinned_partial_tail_block_is_held_by_its_request(version):
+    """0.27.0-0.28.0 pin the CoW copy of a producer's boundary state (r0's Mamba state at 64,
+    inside a 128-token block) for the connector, off the request's table, until the request's
+    blocks are freed (KVCacheManager._partial_tail_pins). INV-1 counts it held by r0: the
+    campaign reported "free 1020 + held 2 != pool 1023" at r0's first decode."""
+    case = {"layout": {"groups": [{"kind": "full", "block_size": 128},
+                                  {"kind": "mamba", "block_size": 128,
+                                   "mamba_cache_mode": "align"}],
+                       "engine": {"prefix_match_unit": 16}},
+            "requests": [{"id": "r0", "prompt": [[0, 64]], "decode": 4}]}
+    with Releases.installed([version], timeout=120) as p:
+        res = run_real(Case.from_json(case), version, p)
+    assert res["status"] == "ok" and not res["findings"], res["findings"]
+    assert res["counters"]["finished"] == 1 and res["counters"]["steps"] >= 4, res["counters"]

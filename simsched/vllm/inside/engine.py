@@ -879,6 +879,16 @@ class _Run:
             for blk in held:
                 if blk.block_id != NULL:
                     holders.setdefault(blk.block_id, []).append("")
+        # 0.27.0-0.28.0: the CoW copy of a producer's last-prompt-boundary Mamba state, handed
+        # to the connector for a partial-tail store, lives off the request's table, pinned for
+        # the request until its blocks are freed (KVCacheManager.take_partial_tail_offloads:
+        # "pinned here and unpinned when the request's blocks are freed", _partial_tail_pins):
+        # a reference the request holds
+        pins = getattr(self.sched.kv_cache_manager, "_partial_tail_pins", None) or {}
+        for rid, pinned in pins.items():
+            for blk in pinned:
+                if blk.block_id != NULL:
+                    holders.setdefault(blk.block_id, []).append(rid)
         blocks = pool.blocks
         for b, held_by in holders.items():
             blk = blocks[b]
