@@ -233,3 +233,27 @@ def test_real_eagle_tail_on_every_group_when_none_is_marked_0290():
     assert load.split()[2] == "r1", load
     chunks = sorted({int(x.split("=")[0].split(":")[1]) for x in load.split()[3:]})
     assert chunks == [2], load
+
+
+#: a one-token offload chunk (block size 1): b's one-token prompt is a's first token, stored
+ONE_TOKEN = {"layout": {"groups": [{"kind": "mla", "block_size": 1}],
+                        "engine": {"num_gpu_blocks": 64}},
+             "requests": [{"id": "a", "prompt": [[1, 8]], "decode": 1},
+                          {"id": "b", "prompt": [[1, 1]], "arrival": 3, "decode": 4}]}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_real_one_token_prompt_is_loaded_forever(pool, version):
+    """A finding on the real releases (docs/invariants.md; vLLM alone:
+    docs/repro/one_token_prompt_load_livelock.py): b's full prompt hit of 1 is loaded, then
+    _update_waiting_for_remote_kv sets num_computed_tokens = num_tokens - 1 = 0 and the next
+    schedule() looks b up and loads it again; b is never scheduled (INV-8 at the step cap)."""
+    worker = pool.worker(version, True)
+    res = worker.call("run_case", timeout=600, case=Case.from_json(ONE_TOKEN).to_json(),
+                      step_cap=300)
+    [f] = res["findings"]
+    assert (f["inv_id"], f["op"]) == ("INV-8", "liveness"), f
+    assert "1 requests unfinished after 300 steps" in f["detail"], f
+    loads = [x for x in _loads(res) if x.split()[2] == "b"]
+    assert len(loads) > 50, loads[:3]
+    assert not any(x.startswith("sched b ") for x in res["trace"])
