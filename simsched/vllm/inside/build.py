@@ -222,8 +222,9 @@ class ConfigBuilder:
             bad = sorted({g.kind for g in layout.groups if g.kind in DCP_UNSUPPORTED_KINDS})
             if bad:
                 raise Unsupported(f"dcp_size {eng.dcp_size}: vLLM does not support DCP with "
-                                  f"{', '.join(bad)} groups (\"DCP not support sliding window "
-                                  "attn now.\", single_type_kv_cache_manager.py)")
+                                  f"{', '.join(bad)} groups (its asserts \"DCP not support ... "
+                                  "now.\" in single_type_kv_cache_manager.py, the hybrid "
+                                  "coordinator's, the start-up sizing's)")
             pc = copy.copy(base.parallel_config)
             pc.decode_context_parallel_size = eng.dcp_size
             vc.parallel_config = pc
