@@ -16,7 +16,7 @@ from functools import lru_cache
 from hypothesis import strategies as st
 
 from simsched.case import Case, RequestSpec, Timing
-from simsched.layout import KINDS, Engine, Group, Layout, Speculative
+from simsched.layout import DCP_UNSUPPORTED_KINDS, KINDS, Engine, Group, Layout, Speculative
 
 # Roundest first: hypothesis shrinks a sampled_from toward its first element.
 BLOCK_SIZES = (16, 4, 32, 64, 8, 1, 2, 128, 256, 12, 48, 96, 1152, 3, 5)
@@ -106,6 +106,17 @@ def _maybe(draw, values, p_none: float = 0.75):
     return None if draw(_ints(0, 99)) < p_none * 100 else draw(_pick(values))
 
 
+def _dcp_size(draw, groups: tuple[Group, ...]) -> int:
+    dcp = 1 if draw(_ints(0, 9)) < 8 else draw(_pick((2, 4)))
+    if any(g.kind in DCP_UNSUPPORTED_KINDS for g in groups):
+        # vLLM refuses windowed and chunked-local groups under DCP (asserts in
+        # single_type_kv_cache_manager.py, kv_cache_interface.py, kv_cache_coordinator.py; see
+        # layout.DCP_UNSUPPORTED_KINDS): no deployment has such a layout, the harness says
+        # unsupported. Same draws either way: the stream of the other knobs is unchanged.
+        return 1
+    return dcp
+
+
 def _engine(draw, groups: tuple[Group, ...]) -> Engine:
     spec = None
     if any(g.drafter for g in groups) or draw(_ints(0, 9)) == 9:
@@ -119,7 +130,7 @@ def _engine(draw, groups: tuple[Group, ...]) -> Engine:
         offload_block_size=(draw(_pick((256, 64, 128, 100, 1152)))
                             if chunking in (8, 9) else None),
         prefix_match_unit=_maybe(draw, (16, 4, 8, 32, 64), 0.85),
-        dcp_size=1 if draw(_ints(0, 9)) < 8 else draw(_pick((2, 4))),
+        dcp_size=_dcp_size(draw, groups),
         speculative=spec,
         async_scheduling=draw(_ints(0, 9)) == 9,
         retention_interval=_maybe(draw, (0, 256, 1024, 100), 0.85),

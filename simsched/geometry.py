@@ -493,8 +493,11 @@ def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: in
     more than ``model_len``, ``max_admission_blocks_per_request``); Mamba: one state block, two
     in align mode (the running state and the previous one); a ring: its one block; cross
     attention: the encoder input (``max_num_encoder_input_tokens``: ``max_num_batched_tokens``,
-    as ``SchedulerConfig`` sets it)."""
-    bs = effective_block_size(group, dcp)
+    as ``SchedulerConfig`` sets it). Only full attention counts a request's tokens per DCP rank
+    (``FullAttentionSpec.max_memory_usage_bytes``: ``cdiv(max_model_len, dcp_world_size)``);
+    the other specs count blocks of their own ``block_size`` whatever DCP (cross attention,
+    sliding window, chunked local: ``v1/kv_cache_interface.py``, every release)."""
+    bs = group.block_size * dcp if group.kind in ("full", "mla") else group.block_size
     if group.kind == "ring":
         return 1
     if group.kind == "mamba":

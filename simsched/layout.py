@@ -28,6 +28,17 @@ KINDS: dict[str, str] = {
 WINDOWED_KINDS = ("sliding_window", "sliding_window_mla")
 #: Kinds whose block size is scaled by decode context parallelism (attention specs).
 DCP_SHARDED_KINDS = tuple(k for k in KINDS if k != "mamba")
+#: Kinds vLLM's KV cache manager refuses under decode context parallelism (``dcp_size`` > 1),
+#: in every release 0.25.1-0.33.0, by asserts only: ``SlidingWindowManager`` and
+#: ``ChunkedLocalAttentionManager.find_longest_cache_hit`` ("DCP not support sliding window /
+#: chunked local attn now.", ``v1/core/single_type_kv_cache_manager.py``),
+#: ``SlidingWindowSpec.max_memory_usage_bytes`` at start-up ("DCP not support sliding window.",
+#: ``v1/kv_cache_interface.py``) and, in a hybrid layout, ``HybridKVCacheCoordinator.__init__``
+#: ("DCP with hybrid KV cache layouts only supports full-attention and Mamba groups",
+#: ``v1/core/kv_cache_coordinator.py``; 0.25.1: "DCP not support hybrid attn now."). No
+#: deployment serves such a layout; under ``python -O`` the asserts vanish and the managers
+#: look hits up at the unscaled block size, KV no engine computes.
+DCP_UNSUPPORTED_KINDS = ("sliding_window", "sliding_window_mla", "chunked_local")
 MAMBA_CACHE_MODES = ("none", "align")
 SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
 

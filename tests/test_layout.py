@@ -38,6 +38,16 @@ def test_mamba_hybrid_align_mode_uses_the_attention_block_size(layout):
         assert mamba.block_size == attn.block_size
 
 
+@settings(max_examples=400, deadline=None)
+@given(layouts(families=("gpt_oss", "deepseek_v4", "free")))
+def test_no_windowed_or_chunked_local_group_is_drawn_under_dcp(layout):
+    """vLLM asserts sliding-window and chunked-local groups unsupported under DCP (the harness
+    refuses them): the families with such groups draw them at dcp_size 1 only."""
+    kinds = {g.kind for g in layout.groups}
+    if kinds & {"sliding_window", "sliding_window_mla", "chunked_local"}:
+        assert layout.engine.dcp_size == 1, layout.describe()
+
+
 @pytest.mark.parametrize("bad, field, reason", [
     ({"groups": []}, "layout.groups", "non-empty"),
     ({"groups": [{"kind": "sliding_window", "block_size": 16}]},
