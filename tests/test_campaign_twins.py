@@ -1,0 +1,52 @@
+"""One cause seen in both asserts modes is one cluster: a real release's assert, and what breaks
+where ``python -O`` strips it. Needs vLLM 0.30.0 installed (`simsched releases install`):
+without it this test fails."""
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fuzz.campaign import Campaign, Finding
+from simsched.case import Case
+from simsched.targets import Releases
+
+pytestmark = pytest.mark.real
+
+# a lone ring group (CircularBufferSpec, one block per request): 0.30.0 offloads it; its boot
+# asserts (get_sliding_window_size_in_chunks) refuse it, and under python -O the ring's one
+# block is stored under the prefix key of tokens [0, 4) (docs/repro/ring_offloaded_without_asserts.py)
+RING = {"layout": {"groups": [{"kind": "ring", "block_size": 4}]},
+        "requests": [{"id": "r0", "prompt": [[0, 64]]}], "asserts": False}
+
+
+def test_an_invariant_without_asserts_joins_the_assert_that_guards_it():
+    case = Case.from_json(RING)
+    with Releases.installed(["0.30.0"], timeout=300) as pool, \
+            tempfile.TemporaryDirectory() as out:
+        c = Campaign(Path(out), pool, model=True, run_releases=["0.30.0"], budget=1, seed_=0,
+                     asserts=False, progress=lambda s: None)
+        outcomes: dict = {}
+        seen = c.triage(case, c._step(case, c.release_targets, outcomes), outcomes)
+        bug = next(s for s in seen if s.klass == "bug")
+        assert bug.key[0] == "invariant", bug.key          # asserts stripped: no crash
+        f = Finding(id="ring", key=bug.key, klass="bug", signature=bug.obs.signature,
+                    case=case, present_on=("0.30.0",), fingerprint=(), first_target="0.30.0",
+                    outcome=bug.obs.outcome, found_after_s=0.0, examples_before=0)
+        c.replay_everywhere(f)
+        assert f.releases_affected == ["0.30.0"]
+        crashes = [a for a in f.aliases if a[0] == "crash"]
+        assert [(a[1], a[3]) for a in crashes] == [
+            ("AssertionError", "get_sliding_window_size_in_chunks")], f.aliases
+        # and the assert, found first, names the invariant as its own
+        on = replace(case, asserts=True)
+        outcomes = {}
+        crash = next(s for s in c.triage(on, c._step(on, c.release_targets, outcomes), outcomes)
+                     if s.klass == "bug")
+        assert crash.key == crashes[0]
+        g = Finding(id="ring-boot", key=crash.key, klass="bug", signature=crash.obs.signature,
+                    case=on, present_on=("0.30.0",), fingerprint=(), first_target="0.30.0",
+                    outcome=crash.obs.outcome, found_after_s=0.0, examples_before=0)
+        c.replay_everywhere(g)
+        assert g.releases_affected == ["0.30.0"] and bug.key in g.aliases, g.aliases
