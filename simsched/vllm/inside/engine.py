@@ -59,6 +59,13 @@ DEFAULT_STEP_CAP = 20_000
 #: (the batch queue), and a chunk stored in the step of the lookup is pending one step more
 DEFER_MARGIN = 2
 
+#: loads a request may complete without a token of it being scheduled in between: a waiting
+#: request is loaded once per admission (a preempted one again after it ran); a third load in
+#: a row means its loaded tokens are dropped and it is looked up afresh at every step
+#: (INV-8, op ``load``: the one-token-prompt livelock of block size 1, found at the step cap
+#: before, 20,000 steps)
+MAX_LOADS_UNSCHEDULED = 2
+
 #: what a token of each layout kind attends to, for INV-9's oracle (``inv.reach_chunks``);
 #: kinds not named are taken as full attention (every chunk: the least the oracle can demand)
 _REACH = {"sliding_window": "window", "sliding_window_mla": "window",
@@ -395,6 +402,7 @@ class _Run:
         self.key_done: dict = {}         # content key -> step of its last reported transfer
         self.req_done: dict[str, int] = {}   # rid -> step of its own last reported transfer
         self.deferred: dict[str, list[int]] = {}     # rid -> steps its lookup deferred
+        self.loads_unscheduled: dict[str, int] = {}  # rid -> loads since it last ran
         self.defer_bound = max(case.timing.store_latency, case.timing.load_latency) + \
             DEFER_MARGIN
         # a layout group the connector does not offload bounds every load (gpu-group-bound)
@@ -862,14 +870,28 @@ class _Run:
 
     def _check_pool(self) -> None:
         pool = self.sched.kv_cache_manager.block_pool
-        holders: dict[int, list[str]] = {}     # block -> its holders, once per table entry
+        refs: dict[int, int] = {}       # block -> references its holders keep, one per entry
+        owners: dict[int, set] = {}     # block -> the requests holding it
+        tables = [m.req_to_blocks for m in
+                  self.sched.kv_cache_manager.coordinator.single_type_managers]
+
+        def hold(blk, rid: str | None) -> None:
+            b = blk.block_id
+            if b != NULL:
+                refs[b] = refs.get(b, 0) + 1
+                if rid is not None:
+                    owners.setdefault(b, set()).add(rid)
+
         for rid in self.reqs:
             # a finished request may still hold its blocks (aborted during a load: freed when
-            # the load reports finished_recving); a freed one has no entry in req_to_blocks
-            for table in self._tables(rid):
-                for b in table:
+            # the load reports finished_recving); a freed one has no entry in req_to_blocks.
+            # (hold() inlined: this loop visits every block of every table at every step)
+            for req_to_blocks in tables:
+                for blk in req_to_blocks.get(rid, ()):
+                    b = blk.block_id
                     if b != NULL:
-                        holders.setdefault(b, []).append(rid)
+                        refs[b] = refs.get(b, 0) + 1
+                        owners.setdefault(b, set()).add(rid)
         # async scheduling: blocks of a freed request that a batch in flight may still write,
         # and the source blocks a Mamba copy-on-write retains until the step that copies them
         # ran, are returned to the pool only once that step's output is processed
@@ -877,8 +899,7 @@ class _Run:
         # reference each, owned by no request
         for _, held in getattr(self.sched, "deferred_frees", None) or ():
             for blk in held:
-                if blk.block_id != NULL:
-                    holders.setdefault(blk.block_id, []).append("")
+                hold(blk, None)
         # 0.27.0-0.28.0: the CoW copy of a producer's last-prompt-boundary Mamba state, handed
         # to the connector for a partial-tail store, lives off the request's table, pinned for
         # the request until its blocks are freed (KVCacheManager.take_partial_tail_offloads:
@@ -887,24 +908,24 @@ class _Run:
         pins = getattr(self.sched.kv_cache_manager, "_partial_tail_pins", None) or {}
         for rid, pinned in pins.items():
             for blk in pinned:
-                if blk.block_id != NULL:
-                    holders.setdefault(blk.block_id, []).append(rid)
+                hold(blk, rid)
         blocks = pool.blocks
-        for b, held_by in holders.items():
+        for b, n in refs.items():
             blk = blocks[b]
-            if blk.ref_cnt != len(held_by):
+            if blk.ref_cnt != n:
                 raise inv.InvariantViolation("INV-1", self.step_no, f"block {b}: refcount "
-                                             f"{blk.ref_cnt} but held {len(held_by)} times")
+                                             f"{blk.ref_cnt} but held {n} times")
             # one request may hold a block twice (an align-mode Mamba table naming its state
             # block at two positions, each a reference): only two requests share a slot
-            owners = sorted(set(held_by) - {""})
-            if len(owners) > 1 and blk.block_hash is None:
+            held_by = owners.get(b, ())
+            if len(held_by) > 1 and blk.block_hash is None:
                 raise inv.InvariantViolation("INV-2", self.step_no, f"block {b} held by "
-                                             f"{', '.join(owners)} but not a prefix-cache block")
+                                             f"{', '.join(sorted(held_by))} but not a "
+                                             "prefix-cache block")
         n_free = pool.get_num_free_blocks()
-        if n_free + len(holders) != pool.num_gpu_blocks - 1:
+        if n_free + len(refs) != pool.num_gpu_blocks - 1:
             raise inv.InvariantViolation("INV-1", self.step_no, f"free {n_free} + held "
-                                         f"{len(holders)} != pool {pool.num_gpu_blocks - 1}")
+                                         f"{len(refs)} != pool {pool.num_gpu_blocks - 1}")
 
     # -- the loop --------------------------------------------------------------------------
     def _go(self) -> None:
@@ -1168,6 +1189,23 @@ class _Run:
         return SimpleNamespace(out=out, order=list(scheduled), sampled=sampled, done=done,
                                executed=bool(scheduled))
 
+    def _check_reloads(self, order: list[str], done: list) -> None:
+        """INV-8 on loads: a request loaded again and again without ever running. A completed
+        load counts as progress for the stall check, so without this a request whose loaded
+        tokens are dropped (``_update_waiting_for_remote_kv`` sets ``num_computed_tokens`` to
+        ``num_tokens - 1``, 0 for a one-token prompt, and the next ``schedule()`` takes it for
+        a new request) keeps the run going until the step cap."""
+        for rid in order:
+            self.loads_unscheduled.pop(rid, None)
+        for job in done:
+            if job.is_store:
+                continue
+            n = self.loads_unscheduled[job.rid] = self.loads_unscheduled.get(job.rid, 0) + 1
+            if n > MAX_LOADS_UNSCHEDULED:
+                raise inv.InvariantViolation(
+                    "INV-8", self.step_no, f"{job.rid}: loaded {n} times without being "
+                    f"scheduled in between", op="load")
+
     def _update(self, batch: SimpleNamespace) -> tuple[bool, list]:
         """``update_from_output`` with the worker output of ``batch``: sampled tokens and the
         connector's output (store completions through the worker metadata's completed jobs,
@@ -1189,6 +1227,7 @@ class _Run:
             sampled_token_ids=[batch.sampled[r] for r in order], kv_connector_output=kvo,
             **({"logprobs": None} if "logprobs" in eng.mro_params else {}))
         self._call("update_from_output", self.sched.update_from_output, batch.out, mro)
+        self._check_reloads(order, done)
         for job in done:    # now the scheduler knows: what INV-9's oracle may count on
             self.req_done[job.rid] = self.step_no
             for item in job.items:
