@@ -1519,9 +1519,10 @@ class OffloadScheduler:
         # GroupOffloadConfig.requires_cow_source: align-mode Mamba groups, stored only through
         # the boundary states the KV cache manager hands over (_build_boundary_store_jobs)
         self.cow_groups: frozenset = frozenset()
-        # (0.28.0+; before, profile.extra["mamba_boundary_stores"] False, a Mamba group is stored
-        # chunk by chunk like the other groups)
+        # (0.29.0+; before, profile.extra["mamba_boundary_stores"] False, a Mamba group is stored
+        # chunk by chunk like the other groups and the boundary states are not handed over)
         boundary_stores = profile.extra.get("mamba_boundary_stores", True)
+        self.boundary_stores: bool = boundary_stores
         if layout is not None:
             for g in self.cfgs:
                 grp = layout.groups[g.group_id]
@@ -2155,7 +2156,7 @@ class OffloadScheduler:
                     self.batch_flush.add(pending)
                 else:
                     self.batch_flush.update(pending)
-        if offers:          # (the boundary jobs first: they take the lower job IDs)
+        if offers and self.boundary_stores:  # (the boundary jobs first: lower job IDs)
             stores = self._build_boundary_store_jobs(offers)
             stores += self._build_store_jobs(scheduled, finished, sts)
         else:
