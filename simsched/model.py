@@ -151,6 +151,10 @@ class Model:
         # per step (_schedule): scheduled_spec_decode_tokens (counts), and the requests whose
         # drafts are padding (-1) only
         self.sched_drafts: dict[str, int] = {}
+        # Scheduler.schedule pads a new one-token decode from the waiting queue also when it
+        # resumes after a prefix hit (num_computed_tokens > 0), not only beside running
+        # requests (0.30.0+; 0.25.1-0.29.0: scheduled_running_reqs and not prefill_scheduled)
+        self.spec_pad_after_hit: bool = profile.extra.get("spec_pad_after_hit", True)
         self.padded: set[str] = set()
         self.kv.eagle_drop = bool(self.lookahead)
         self.kv.eagle_margin = (len(layout.groups) > 1
@@ -917,6 +921,9 @@ class Model:
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
         pool, inflight = kv.pool, self.inflight
+        # scheduled_running_reqs: the running loop's requests only (those of this loop, prefills
+        # from the waiting queue, do not make a later one a padded spec decode)
+        running_scheduled = len(sched_reqs) > 0
         i = 0
         while i < len(waiting) and budget > 0 and len(running) < max_seqs:
             req = waiting[i]
@@ -991,7 +998,8 @@ class Model:
             n = min(req.num_tokens - L, budget)
             pad = 0
             if (self.num_spec and n == 1 and req.num_tokens - L == 1
-                    and not self.prefill_scheduled and (len(sched_reqs) or L > 0)):
+                    and not self.prefill_scheduled
+                    and (running_scheduled or (L > 0 and self.spec_pad_after_hit))):
                 # Pad new decode requests to uniform spec decoding size: 1 + k tokens, k
                 # padding drafts (-1) the worker rejects; not scheduled at all without the budget
                 if 1 + self.num_spec > budget:

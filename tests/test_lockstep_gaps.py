@@ -14,12 +14,17 @@ from simsched.model import run_case
 from simsched.targets import Releases
 
 LEGACY = ["0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"]
+ALL = LEGACY + ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
 
 
 @pytest.fixture(scope="module")
 def pool():
-    with Releases.installed(LEGACY + ["0.29.0", "0.30.0", "0.33.0"], timeout=120) as p:
+    with Releases.installed(ALL, timeout=120) as p:
         yield p
+
+
+def scheds(trace: list[str]) -> list[str]:
+    return [x for x in trace if x.startswith("sched ")]
 
 
 def stores(trace: list[str]) -> list[str]:
@@ -51,3 +56,48 @@ def test_align_mamba_store_jobs_agree(pool, version):
     want = (["store 0 r0 g1:3=5", "store 1 r0 g0:0=1 g0:1=2 g0:2=3 g0:3=4"]
             if version == "0.29.0" else ["store 0 r0 g0:0=1 g0:1=2 g0:2=3 g0:3=4 g1:3=5"])
     assert stores(res.real["trace"]) == want
+
+
+# --- gap-trace_sched-91bff9: padding a one-token request to 1 + k tokens ---------------------
+
+#: EAGLE with one draft token: r1, a one-token prompt, comes from the waiting queue after r0's
+#: prefill in the same step. Scheduler.schedule pads a new decode only beside
+#: scheduled_running_reqs (the running loop's requests, none here) or, 0.30.0+, after a prefix hit
+#: (num_computed_tokens > 0): r1 is scheduled with its 1 token on every release. On 0.25.1 the
+#: store is also the one with the EAGLE tail hole: r0's fourth chunk is never stored
+PAD_AFTER_PREFILL = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                                "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+                     "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                                  {"id": "r1", "prompt": [[0, 1]]}]}
+
+#: b (a's 32 tokens + 1) arrives after a finished: a GPU prefix hit of 32 leaves one token, no
+#: running request. 0.30.0+ pad it to 1 + 2 tokens; 0.25.1-0.29.0 (scheduled_running_reqs and
+#: not prefill_scheduled) schedule its 1 token
+PAD_AFTER_HIT = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                            "engine": {"num_gpu_blocks": 16,
+                                       "speculative": {"method": "ngram", "num_tokens": 2}}},
+                 "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 1},
+                              {"id": "b", "prompt": [[7, 32], [8, 1]], "arrival": 5,
+                               "decode": 3}]}
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_model_pads_a_waiting_decode_as_the_release_does(version):
+    """The sched and store lines are those of the release's real run."""
+    profile = profile_for_release(version)
+    res = run_case(Case.from_json(PAD_AFTER_PREFILL), profile)
+    assert scheds(res.trace) == ["sched r0 64", "sched r1 1"]
+    chunks = "g0:0=1 g0:1=2 g0:2=3" + ("" if version == "0.25.1" else " g0:3=4")
+    assert stores(res.trace) == [f"store 0 r0 {chunks}"]
+    res = run_case(Case.from_json(PAD_AFTER_HIT), profile)
+    first = 3 if version >= "0.30.0" else 1
+    assert scheds(res.trace) == ["sched a 32", f"sched b {first}", "sched b 3"]
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_spec_padding_agrees(pool, version):
+    for case in (PAD_AFTER_PREFILL, PAD_AFTER_HIT):
+        res = lockstep(Case.from_json(case), version, pool)
+        assert res.agree, res.summary()
+    first = 3 if version >= "0.30.0" else 1
+    assert scheds(res.real["trace"]) == ["sched a 32", f"sched b {first}", "sched b 3"]
