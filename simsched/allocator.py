@@ -841,6 +841,9 @@ class KVCacheManager:
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
+            if r.code == SLIDING and self._window_needs_no_block(r):
+                done[gid] = max(i, min(nt // r.bs, len(table)))
+                continue
             bs: i64 = r.bs
             n: i64 = nt // bs
             nb: i64 = len(table)
@@ -878,6 +881,17 @@ class KVCacheManager:
                     break
                 i += 1
             done[gid] = i
+
+    def _window_needs_no_block(self, r: GroupRule) -> bool:
+        """``SlidingWindowManager.reachable_block_mask`` under dense retention (the harness's
+        default, prefix_cache_retention_interval None): a hit needs ``need = cdiv(window - 1,
+        block_size)`` blocks (+1 with EAGLE) ending on each aligned boundary; with a window of
+        one token that is none, so the mask is all False and ``cache_full_blocks`` hashes none
+        of the group's blocks: freed, they go to the front of the free queue (never-cached,
+        LIFO). (A sparse mask, need < blocks per alignment segment, is not modelled: it needs a
+        sliding-window block smaller than the scheduler block.)"""
+        need = -(-(r.window - 1) // r.bs) + (1 if self.eagle_drop else 0)
+        return need == 0
 
     # --- admission gates (Scheduler.schedule, waiting loop) ---------------------------------
     def admission_blocks(self, req: Request, hit: int, total: int, num_tokens: int,

@@ -101,3 +101,32 @@ def test_spec_padding_agrees(pool, version):
         assert res.agree, res.summary()
     first = 3 if version >= "0.30.0" else 1
     assert scheds(res.real["trace"]) == ["sched a 32", f"sched b {first}", "sched b 3"]
+
+
+# --- gap-trace_alloc-bb3dc7: a one-token sliding window caches no block ----------------------
+
+#: SlidingWindowManager.reachable_block_mask: a hit needs cdiv(window - 1, block_size) = 0
+#: blocks of a one-token window, so cache_full_blocks hashes none of them; at r0's first decode
+#: its four window blocks are freed unhashed, to the front of the free queue (8, 7, 6, 5): the
+#: new blocks are 8 and 7, not 9 and 10 (every release's real run)
+WINDOW_ONE = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                    {"kind": "sliding_window", "block_size": 16,
+                                     "sliding_window": 1}]},
+              "requests": [{"id": "r0", "prompt": [[0, 64]], "decode": 4}]}
+
+
+def allocs(trace: list[str]) -> list[str]:
+    return [x for x in trace if x.startswith("alloc ") and x != "alloc r0 g0=- g1=-"]
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_model_frees_one_token_window_blocks_unhashed(version):
+    res = run_case(Case.from_json(WINDOW_ONE), profile_for_release(version))
+    assert allocs(res.trace) == ["alloc r0 g0=1,2,3,4 g1=5,6,7,8", "alloc r0 g0=8 g1=7"]
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.29.0", "0.30.0", "0.33.0"])
+def test_one_token_window_agrees(pool, version):
+    res = lockstep(Case.from_json(WINDOW_ONE), version, pool)
+    assert res.agree, res.summary()
+    assert allocs(res.real["trace"]) == ["alloc r0 g0=1,2,3,4 g1=5,6,7,8", "alloc r0 g0=8 g1=7"]
