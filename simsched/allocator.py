@@ -553,6 +553,7 @@ class KVCacheManager:
             self.admission_cap.append(cap)
         self.align = align
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_model_len: int = 0         # set by the model (0: no cap)
         # a mamba group without align mode disables GPU prefix hits altogether
         self.hits_possible = enable_prefix_caching and not any(
             r.code == MAMBA and not r.cacheable for r in self.rules)
@@ -1038,7 +1039,13 @@ class KVCacheManager:
         else:
             c = computed
         self.remove_skipped_blocks(req, c if processed is None else processed)
-        total: i64 = c + num_new_tokens + lookahead
+        # num_tokens_need_slot: the lookahead slots never past max_model_len (allocate_slots:
+        # min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len))
+        main: i64 = c + num_new_tokens
+        total: i64 = main + lookahead
+        cap: i64 = self.max_model_len
+        if cap > 0 and total > cap:
+            total = cap
         tables = req.tables
         # per rule: null placeholders, new blocks (items unboxed to i64 directly: see
         # BlockPool.free_blocks)
@@ -1059,7 +1066,7 @@ class KVCacheManager:
             bs: i64 = r.bs
             # align-mode Mamba allocates no slots for lookahead tokens (MambaManager: they would
             # break the block alignment, and draft models have no Mamba layers)
-            target: i64 = -(-(total - lookahead if r.align else total) // bs)
+            target: i64 = -(-(main if r.align else total) // bs)
             if target <= have:
                 plan[x] = 0
                 plan[x + 1] = 0

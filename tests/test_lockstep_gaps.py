@@ -130,3 +130,31 @@ def test_one_token_window_agrees(pool, version):
     res = lockstep(Case.from_json(WINDOW_ONE), version, pool)
     assert res.agree, res.summary()
     assert allocs(res.real["trace"]) == ["alloc r0 g0=1,2,3,4 g1=5,6,7,8", "alloc r0 g0=8 g1=7"]
+
+
+# --- gap-trace_preempt-095f6e: lookahead slots capped at max_model_len ----------------------
+
+#: 1-token blocks, EAGLE with 3 drafts (a drafter group): r1's decode schedules 1 + 3 tokens at
+#: 128; allocate_slots needs min(132 + 3 lookahead, max_model_len 133) slots, 2 new blocks per
+#: group, which the 6 free blocks hold: no preemption (the model asked for 4 per group)
+LOOKAHEAD_CAP = {"layout": {"groups": [{"kind": "full", "block_size": 1},
+                                       {"kind": "full", "block_size": 1, "drafter": True}],
+                            "engine": {"speculative": {"method": "eagle", "num_tokens": 3},
+                                       "num_gpu_blocks": 269}},
+                 "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                              {"id": "r1", "prompt": [[0, 128]], "decode": 2}],
+                 "asserts": False}
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.30.0", "0.33.0"])
+def test_model_caps_lookahead_slots_at_max_model_len(version):
+    res = run_case(Case.from_json(LOOKAHEAD_CAP), profile_for_release(version))
+    assert not any(x.startswith("preempt ") for x in res.trace)
+    assert "alloc r1 g0=265,266 g1=267,268" in res.trace
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.30.0", "0.33.0"])
+def test_lookahead_cap_agrees(pool, version):
+    res = lockstep(Case.from_json(LOOKAHEAD_CAP), version, pool)
+    assert res.agree, res.summary()
+    assert "alloc r1 g0=265,266 g1=267,268" in res.real["trace"]
