@@ -553,6 +553,7 @@ class KVCacheManager:
             self.admission_cap.append(cap)
         self.align = align
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_model_len: int = 0         # set by the model (0: no cap)
         # a mamba group without align mode disables GPU prefix hits altogether
         self.hits_possible = enable_prefix_caching and not any(
             r.code == MAMBA and not r.cacheable for r in self.rules)
@@ -841,6 +842,9 @@ class KVCacheManager:
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
+            if r.code == SLIDING and self._window_needs_no_block(r):
+                done[gid] = max(i, min(nt // r.bs, len(table)))
+                continue
             bs: i64 = r.bs
             n: i64 = nt // bs
             nb: i64 = len(table)
@@ -878,6 +882,17 @@ class KVCacheManager:
                     break
                 i += 1
             done[gid] = i
+
+    def _window_needs_no_block(self, r: GroupRule) -> bool:
+        """``SlidingWindowManager.reachable_block_mask`` under dense retention (the harness's
+        default, prefix_cache_retention_interval None): a hit needs ``need = cdiv(window - 1,
+        block_size)`` blocks (+1 with EAGLE) ending on each aligned boundary; with a window of
+        one token that is none, so the mask is all False and ``cache_full_blocks`` hashes none
+        of the group's blocks: freed, they go to the front of the free queue (never-cached,
+        LIFO). (A sparse mask, need < blocks per alignment segment, is not modelled: it needs a
+        sliding-window block smaller than the scheduler block.)"""
+        need = -(-(r.window - 1) // r.bs) + (1 if self.eagle_drop else 0)
+        return need == 0
 
     # --- admission gates (Scheduler.schedule, waiting loop) ---------------------------------
     def admission_blocks(self, req: Request, hit: int, total: int, num_tokens: int,
@@ -1024,7 +1039,13 @@ class KVCacheManager:
         else:
             c = computed
         self.remove_skipped_blocks(req, c if processed is None else processed)
-        total: i64 = c + num_new_tokens + lookahead
+        # num_tokens_need_slot: the lookahead slots never past max_model_len (allocate_slots:
+        # min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len))
+        main: i64 = c + num_new_tokens
+        total: i64 = main + lookahead
+        cap: i64 = self.max_model_len
+        if cap > 0 and total > cap:
+            total = cap
         tables = req.tables
         # per rule: null placeholders, new blocks (items unboxed to i64 directly: see
         # BlockPool.free_blocks)
@@ -1045,7 +1066,7 @@ class KVCacheManager:
             bs: i64 = r.bs
             # align-mode Mamba allocates no slots for lookahead tokens (MambaManager: they would
             # break the block alignment, and draft models have no Mamba layers)
-            target: i64 = -(-(total - lookahead if r.align else total) // bs)
+            target: i64 = -(-(main if r.align else total) // bs)
             if target <= have:
                 plan[x] = 0
                 plan[x + 1] = 0

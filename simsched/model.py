@@ -45,6 +45,7 @@ from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
                                check_enough_kv_cache_memory, derive, effective_block_size,
+                               max_model_len,
                                prefix_cacheable_groups)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
@@ -124,6 +125,8 @@ class Model:
                                  max_in_flight_tokens=in_flight,
                                  mamba_tail_recache=(geo.tokens_per_hash if profile.extra.get(
                                      "mamba_tail_recache") else 0))
+        # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
+        self.kv.max_model_len = max_model_len(case)
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)
@@ -151,6 +154,10 @@ class Model:
         # per step (_schedule): scheduled_spec_decode_tokens (counts), and the requests whose
         # drafts are padding (-1) only
         self.sched_drafts: dict[str, int] = {}
+        # Scheduler.schedule pads a new one-token decode from the waiting queue also when it
+        # resumes after a prefix hit (num_computed_tokens > 0), not only beside running
+        # requests (0.30.0+; 0.25.1-0.29.0: scheduled_running_reqs and not prefill_scheduled)
+        self.spec_pad_after_hit: bool = profile.extra.get("spec_pad_after_hit", True)
         self.padded: set[str] = set()
         self.kv.eagle_drop = bool(self.lookahead)
         self.kv.eagle_margin = (len(layout.groups) > 1
@@ -917,6 +924,9 @@ class Model:
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
         pool, inflight = kv.pool, self.inflight
+        # scheduled_running_reqs: the running loop's requests only (those of this loop, prefills
+        # from the waiting queue, do not make a later one a padded spec decode)
+        running_scheduled = len(sched_reqs) > 0
         i = 0
         while i < len(waiting) and budget > 0 and len(running) < max_seqs:
             req = waiting[i]
@@ -991,7 +1001,8 @@ class Model:
             n = min(req.num_tokens - L, budget)
             pad = 0
             if (self.num_spec and n == 1 and req.num_tokens - L == 1
-                    and not self.prefill_scheduled and (len(sched_reqs) or L > 0)):
+                    and not self.prefill_scheduled
+                    and (running_scheduled or (L > 0 and self.spec_pad_after_hit))):
                 # Pad new decode requests to uniform spec decoding size: 1 + k tokens, k
                 # padding drafts (-1) the worker rejects; not scheduled at all without the budget
                 if 1 + self.num_spec > budget:

@@ -1519,9 +1519,10 @@ class OffloadScheduler:
         # GroupOffloadConfig.requires_cow_source: align-mode Mamba groups, stored only through
         # the boundary states the KV cache manager hands over (_build_boundary_store_jobs)
         self.cow_groups: frozenset = frozenset()
-        # (0.28.0+; before, profile.extra["mamba_boundary_stores"] False, a Mamba group is stored
-        # chunk by chunk like the other groups)
+        # (0.29.0+; before, profile.extra["mamba_boundary_stores"] False, a Mamba group is stored
+        # chunk by chunk like the other groups and the boundary states are not handed over)
         boundary_stores = profile.extra.get("mamba_boundary_stores", True)
+        self.boundary_stores: bool = boundary_stores
         if layout is not None:
             for g in self.cfgs:
                 grp = layout.groups[g.group_id]
@@ -1532,6 +1533,8 @@ class OffloadScheduler:
         self.supports_max_load = profile.extra.get(
             "max_load_tokens", profile.offloaded_groups is prefix_cacheable_groups)
         self.finish_clamp = profile.extra.get("finish_store_clamp", profile.keyed_chunk_clamp)
+        # 0.25.1: an EAGLE group's trailing chunk of each store is skipped for good
+        self.eagle_tail_hole: bool = profile.extra.get("eagle_tail_hole", False)
         self.observer = None     # set by the model: gets (event, payload) callbacks
         self.prompt_only = layout.engine.offload_prompt_only if layout is not None else True
         # 0.30.0+ (the releases with retention plumbing, ``profile.retention_check``): a sliding
@@ -1619,11 +1622,19 @@ class OffloadScheduler:
         st.next_key_at = nxt or 0
 
     def storable_chunks(self, st: ReqOffload, cfg: GroupGeometry, gs: GroupState,
-                        num_tokens: int) -> int:
+                        num_tokens: int, collect: bool = True) -> int:
         """Never more than ``num_tokens // tokens_per_chunk`` (``_store_job``'s quick exit relies
-        on it)."""
+        on it). ``collect``: the chunks whose keys a store job collects, else the chunk
+        ``next_stored`` advances to (the same but under ``eagle_tail_hole``)."""
         n = num_tokens // cfg.tokens_per_chunk
-        if cfg.drafter and num_tokens > st.req.num_prompt and not (
+        if self.eagle_tail_hole:
+            # 0.25.1's _build_store_jobs: an EAGLE group's keys stop one chunk short, prefill
+            # or decode, but advance_stored_idx and the store walk set next_stored_block_idx to
+            # num_offloadable_tokens // offloaded_block_size: that chunk is never stored (the
+            # "permanent hole" 0.26.0's RequestOffloadState.storable_chunks fixes)
+            if cfg.drafter and collect:
+                n = max(0, n - 1)
+        elif cfg.drafter and num_tokens > st.req.num_prompt and not (
                 self.profile.keyed_chunk_clamp and st.req.finished):
             n = max(0, n - 1)
         n = min(n, len(gs.block_ids) // self.bpc)
@@ -1634,7 +1645,7 @@ class OffloadScheduler:
     def advance_stored_idx(self, st: ReqOffload, num_tokens: int, ns=None) -> None:
         """``ns``: ``storable_chunks(..., num_tokens)`` per group when the caller has them."""
         if ns is None:
-            ns = [self.storable_chunks(st, cfg, gs, num_tokens)
+            ns = [self.storable_chunks(st, cfg, gs, num_tokens, False)
                   for cfg, gs in zip(self.cfgs, st.groups)]
         for gs, n in zip(st.groups, ns):
             if n > gs.next_stored:
@@ -2155,7 +2166,7 @@ class OffloadScheduler:
                     self.batch_flush.add(pending)
                 else:
                     self.batch_flush.update(pending)
-        if offers:          # (the boundary jobs first: they take the lower job IDs)
+        if offers and self.boundary_stores:  # (the boundary jobs first: lower job IDs)
             stores = self._build_boundary_store_jobs(offers)
             stores += self._build_store_jobs(scheduled, finished, sts)
         else:
@@ -2291,6 +2302,9 @@ class OffloadScheduler:
             return        # no group can store a chunk: advance_stored_idx is a no-op too
         new_keys: list = []
         ns = [self.storable_chunks(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
+        # where next_stored goes after this store (the chunks collected but under 0.25.1's hole)
+        adv = [self.storable_chunks(st, cfg, gs, n_off, False) for cfg, gs in zip(cfgs, groups)
+               ] if self.eagle_tail_hole else ns
         # per group: where its keys start in new_keys when they are all of its chunks
         # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1;
         # the chunk of its first key in new_keys (n if none: the walk below starts there); and
@@ -2363,13 +2377,13 @@ class OffloadScheduler:
                 whole[-1] = k0
             spans[-1] = len(new_keys) - k0
         if not new_keys:
-            self.advance_stored_idx(st, n_off, ns)
+            self.advance_stored_idx(st, n_off, adv)
             return
         to_store, slots = tier.prepare_store_slots(new_keys, st, spans)
         if to_store is None:
             return
         if not to_store:
-            self.advance_stored_idx(st, n_off, ns)
+            self.advance_stored_idx(st, n_off, adv)
             return
         self._touch(st)
         # (the evictable list's complete_store puts the keys in the order of their set,
@@ -2411,7 +2425,7 @@ class OffloadScheduler:
                 if bpc == 1 or NULL not in sources:
                     j += m
                     self._add_run(job, sink, gid, hpc, keys, sources, start, end, bpc)
-                    gs.next_stored = max(gs.next_stored, n)
+                    gs.next_stored = max(gs.next_stored, adv[gi - 1])
                     continue
             bulk = True             # the run test below is tried once per group
             for c in range(first, end):     # (the chunks before first are not in new_keys)
@@ -2454,7 +2468,7 @@ class OffloadScheduler:
                     if sink is not None:
                         sink.append(b)
                 job.bpos.append(len(jbids))
-            gs.next_stored = max(gs.next_stored, n)
+            gs.next_stored = max(gs.next_stored, adv[gi - 1])
         if one:
             # every chunk's hash and block index is its chunk index and it has one block: the
             # three index lists are one list (nothing changes a job's lists), bpos is 0..n

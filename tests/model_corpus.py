@@ -28,7 +28,15 @@ from simsched.case import Case  # noqa: E402
 from simsched.geometry import PROFILES  # noqa: E402
 
 GOLDEN_DIR = ROOT / "tests" / "data" / "model_golden"
-ALL_PROFILES = list(PROFILES)
+#: the profiles the corpus was recorded with, in their order then (the generated cases draw from
+#: this list: a profile added later, such as every-group-no-clamp-chunked-mamba, must not reshuffle
+#: them)
+ALL_PROFILES = ["every-group-no-clamp", "legacy-spec-init", "legacy-dcp-all",
+                "legacy-mamba-block-size", "every-group", "prefix-cacheable",
+                "prefix-cacheable-strict-unit", "prefix-cacheable-windows-in-config",
+                "fix-assert-only", "fix-assert-and-window", "fix-skip-zero-hash",
+                "every-group-no-clamp+skip-zero-hash"]
+assert set(ALL_PROFILES) <= set(PROFILES)
 FULL16 = [{"kind": "full", "block_size": 16}]
 RING_LAYOUTS = [[{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}],
                 [{"kind": "mla", "block_size": 64}, {"kind": "ring", "block_size": 4}]]

@@ -1,0 +1,160 @@
+"""Model gaps of campaign c20b, each checked against the real releases step by step.
+
+Real-vLLM tests FAIL (never skip) when a release is missing: ``Releases.installed([...])`` raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from simsched.case import Case
+from simsched.geometry import profile_for_release
+from simsched.lockstep import lockstep
+from simsched.model import run_case
+from simsched.targets import Releases
+
+LEGACY = ["0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"]
+ALL = LEGACY + ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Releases.installed(ALL, timeout=120) as p:
+        yield p
+
+
+def scheds(trace: list[str]) -> list[str]:
+    return [x for x in trace if x.startswith("sched ")]
+
+
+def stores(trace: list[str]) -> list[str]:
+    return [x for x in trace if x.startswith("store ")]
+
+
+# --- gap-trace_store-4d4914: align-mode Mamba before 0.29.0 ----------------------------------
+
+#: one 64-token prompt beside an align-mode Mamba group: up to 0.28.0 (no
+#: take_boundary_state_offloads, no _build_aligned_boundary_store_jobs) the Mamba state block is
+#: part of the chunk store job; from 0.29.0 it is a boundary job of its own, before the chunk job
+MAMBA_ONE = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                   {"kind": "mamba", "block_size": 16,
+                                    "mamba_cache_mode": "align"}]},
+             "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+
+
+@pytest.mark.parametrize("version", LEGACY)
+def test_model_stores_align_mamba_in_the_chunk_job_before_0290(version):
+    """The store line is the one 0.25.1-0.28.0's real Scheduler emits for this case."""
+    res = run_case(Case.from_json(MAMBA_ONE), profile_for_release(version))
+    assert stores(res.trace) == ["store 0 r0 g0:0=1 g0:1=2 g0:2=3 g0:3=4 g1:3=5"]
+
+
+@pytest.mark.parametrize("version", LEGACY + ["0.29.0"])
+def test_align_mamba_store_jobs_agree(pool, version):
+    res = lockstep(Case.from_json(MAMBA_ONE), version, pool)
+    assert res.agree, res.summary()
+    want = (["store 0 r0 g1:3=5", "store 1 r0 g0:0=1 g0:1=2 g0:2=3 g0:3=4"]
+            if version == "0.29.0" else ["store 0 r0 g0:0=1 g0:1=2 g0:2=3 g0:3=4 g1:3=5"])
+    assert stores(res.real["trace"]) == want
+
+
+# --- gap-trace_sched-91bff9: padding a one-token request to 1 + k tokens ---------------------
+
+#: EAGLE with one draft token: r1, a one-token prompt, comes from the waiting queue after r0's
+#: prefill in the same step. Scheduler.schedule pads a new decode only beside
+#: scheduled_running_reqs (the running loop's requests, none here) or, 0.30.0+, after a prefix hit
+#: (num_computed_tokens > 0): r1 is scheduled with its 1 token on every release. On 0.25.1 the
+#: store is also the one with the EAGLE tail hole: r0's fourth chunk is never stored
+PAD_AFTER_PREFILL = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                                "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+                     "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                                  {"id": "r1", "prompt": [[0, 1]]}]}
+
+#: b (a's 32 tokens + 1) arrives after a finished: a GPU prefix hit of 32 leaves one token, no
+#: running request. 0.30.0+ pad it to 1 + 2 tokens; 0.25.1-0.29.0 (scheduled_running_reqs and
+#: not prefill_scheduled) schedule its 1 token
+PAD_AFTER_HIT = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                            "engine": {"num_gpu_blocks": 16,
+                                       "speculative": {"method": "ngram", "num_tokens": 2}}},
+                 "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 1},
+                              {"id": "b", "prompt": [[7, 32], [8, 1]], "arrival": 5,
+                               "decode": 3}]}
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_model_pads_a_waiting_decode_as_the_release_does(version):
+    """The sched and store lines are those of the release's real run."""
+    profile = profile_for_release(version)
+    res = run_case(Case.from_json(PAD_AFTER_PREFILL), profile)
+    assert scheds(res.trace) == ["sched r0 64", "sched r1 1"]
+    chunks = "g0:0=1 g0:1=2 g0:2=3" + ("" if version == "0.25.1" else " g0:3=4")
+    assert stores(res.trace) == [f"store 0 r0 {chunks}"]
+    res = run_case(Case.from_json(PAD_AFTER_HIT), profile)
+    first = 3 if version >= "0.30.0" else 1
+    assert scheds(res.trace) == ["sched a 32", f"sched b {first}", "sched b 3"]
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_spec_padding_agrees(pool, version):
+    for case in (PAD_AFTER_PREFILL, PAD_AFTER_HIT):
+        res = lockstep(Case.from_json(case), version, pool)
+        assert res.agree, res.summary()
+    first = 3 if version >= "0.30.0" else 1
+    assert scheds(res.real["trace"]) == ["sched a 32", f"sched b {first}", "sched b 3"]
+
+
+# --- gap-trace_alloc-bb3dc7: a one-token sliding window caches no block ----------------------
+
+#: SlidingWindowManager.reachable_block_mask: a hit needs cdiv(window - 1, block_size) = 0
+#: blocks of a one-token window, so cache_full_blocks hashes none of them; at r0's first decode
+#: its four window blocks are freed unhashed, to the front of the free queue (8, 7, 6, 5): the
+#: new blocks are 8 and 7, not 9 and 10 (every release's real run)
+WINDOW_ONE = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                    {"kind": "sliding_window", "block_size": 16,
+                                     "sliding_window": 1}]},
+              "requests": [{"id": "r0", "prompt": [[0, 64]], "decode": 4}]}
+
+
+def allocs(trace: list[str]) -> list[str]:
+    return [x for x in trace if x.startswith("alloc ") and x != "alloc r0 g0=- g1=-"]
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_model_frees_one_token_window_blocks_unhashed(version):
+    res = run_case(Case.from_json(WINDOW_ONE), profile_for_release(version))
+    assert allocs(res.trace) == ["alloc r0 g0=1,2,3,4 g1=5,6,7,8", "alloc r0 g0=8 g1=7"]
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.29.0", "0.30.0", "0.33.0"])
+def test_one_token_window_agrees(pool, version):
+    res = lockstep(Case.from_json(WINDOW_ONE), version, pool)
+    assert res.agree, res.summary()
+    assert allocs(res.real["trace"]) == ["alloc r0 g0=1,2,3,4 g1=5,6,7,8", "alloc r0 g0=8 g1=7"]
+
+
+# --- gap-trace_preempt-095f6e: lookahead slots capped at max_model_len ----------------------
+
+#: 1-token blocks, EAGLE with 3 drafts (a drafter group): r1's decode schedules 1 + 3 tokens at
+#: 128; allocate_slots needs min(132 + 3 lookahead, max_model_len 133) slots, 2 new blocks per
+#: group, which the 6 free blocks hold: no preemption (the model asked for 4 per group)
+LOOKAHEAD_CAP = {"layout": {"groups": [{"kind": "full", "block_size": 1},
+                                       {"kind": "full", "block_size": 1, "drafter": True}],
+                            "engine": {"speculative": {"method": "eagle", "num_tokens": 3},
+                                       "num_gpu_blocks": 269}},
+                 "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                              {"id": "r1", "prompt": [[0, 128]], "decode": 2}],
+                 "asserts": False}
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.30.0", "0.33.0"])
+def test_model_caps_lookahead_slots_at_max_model_len(version):
+    res = run_case(Case.from_json(LOOKAHEAD_CAP), profile_for_release(version))
+    assert not any(x.startswith("preempt ") for x in res.trace)
+    assert "alloc r1 g0=265,266 g1=267,268" in res.trace
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.30.0", "0.33.0"])
+def test_lookahead_cap_agrees(pool, version):
+    res = lockstep(Case.from_json(LOOKAHEAD_CAP), version, pool)
+    assert res.agree, res.summary()
+    assert "alloc r1 g0=265,266 g1=267,268" in res.real["trace"]
