@@ -177,24 +177,23 @@ class Profile:
     extra: dict = field(default_factory=dict)
 
 
+_EVERY_GROUP_NO_CLAMP = Profile(
+    "every-group-no-clamp",
+    "every group offloaded and asserted divisible by the hash unit; storable chunks not "
+    "clamped to keyed chunks",
+    releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
+    alignment="absent", eagle_marks_all_groups=True, retention_check=False,
+    extra={"spec_pad_after_hit": False})
+
 PROFILES: dict[str, Profile] = {p.name: p for p in (
-    Profile("every-group-no-clamp",
-            "every group offloaded and asserted divisible by the hash unit; storable chunks not "
-            "clamped to keyed chunks",
-            releases=("0.29.0",), keyed_chunk_clamp=False,
-            chunk_size_error="AssertionError",
-            alignment="absent", eagle_marks_all_groups=True, retention_check=False,
-            extra={"spec_pad_after_hit": False}),
+    _EVERY_GROUP_NO_CLAMP,
     # 0.28.0 has no KVCacheManager.take_boundary_state_offloads and no
     # _build_aligned_boundary_store_jobs (both 0.29.0+): its _build_store_jobs stores an
     # align-mode Mamba group's state block in the chunk job, beside the other groups' blocks
-    Profile("every-group-no-clamp-chunked-mamba",
-            "as every-group-no-clamp; an align-mode Mamba state is stored in the chunk store "
-            "job, not as a boundary job of its own",
-            releases=("0.28.0",), keyed_chunk_clamp=False,
-            chunk_size_error="AssertionError",
-            alignment="absent", eagle_marks_all_groups=True, retention_check=False,
-            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False}),
+    replace(_EVERY_GROUP_NO_CLAMP, name="every-group-no-clamp-chunked-mamba",
+            summary="as every-group-no-clamp; an align-mode Mamba state is stored in the chunk "
+            "store job, not as a boundary job of its own", releases=("0.28.0",),
+            extra={**_EVERY_GROUP_NO_CLAMP.extra, "mamba_boundary_stores": False}),
     Profile("legacy-spec-init",
             "0.29.0's rules as 0.25.1 has them: boot checks in OffloadingSpec.__init__, no DCP "
             "for hybrid layouts, Mamba back-off by block size, no chunked-local window",
