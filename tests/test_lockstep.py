@@ -316,6 +316,41 @@ def test_align_mamba_block_other_than_the_engine_block_is_unsupported(pool, vers
     assert res.agree, res.summary()
 
 
+@pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])
+def test_none_mode_mamba_with_prefix_caching_is_unsupported(pool, version):
+    """With prefix caching on, vLLM's MambaModelConfig.verify_and_update_config makes a Mamba
+    group's mode "none" into "align": the campaign's clusters AssertionError-__init-c73f71
+    (0.33.0's MambaManager assert) and AssertionError-build_offloading_config-c6e0ef
+    (``block_size % self.hash_block_size`` in BlockPool, ``full/16 + mamba/32(none)``) were of
+    engines no deployment starts. The same layout in align mode runs."""
+    case = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                  {"kind": "mamba", "block_size": 16,
+                                   "mamba_cache_mode": "none"}]},
+            "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+    res = lockstep(Case.from_json(case), version, pool)
+    assert res.real["status"] == "unsupported", res.summary()
+    assert "MambaModelConfig" in res.real["reason"]
+    assert res.observations == []
+    case["layout"]["groups"][1]["mamba_cache_mode"] = "align"
+    res = lockstep(Case.from_json(case), version, pool)
+    assert res.agree, res.summary()
+
+
+def test_campaign_layouts_draw_no_none_mode_mamba():
+    """The strategies follow the same rule: with prefix caching on, only align-mode Mamba."""
+    from hypothesis import given, settings
+    from fuzz.strategies import cases
+
+    seen = []
+
+    @settings(max_examples=300, database=None, deadline=None)
+    @given(cases())
+    def draw(case):
+        seen.extend(g.mamba_cache_mode for g in case.layout.groups if g.kind == "mamba")
+    draw()
+    assert seen and set(seen) == {"align"}
+
+
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
 def test_a_request_aborted_before_it_arrives_is_never_sent(pool, version):
     """finding divergence-trace_end-e66b97 (tests/test_model_rules.py, WITHDRAWN): the harness

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -196,6 +195,16 @@ class ConfigBuilder:
                 raise Unsupported(f"mamba_cache_mode align: Mamba block size {g.block_size} is "
                                   f"not the engine's block size {cc.block_size} (vLLM sets "
                                   "mamba_block_size = block_size in align mode)")
+        # With prefix caching on, every release's MambaModelConfig.verify_and_update_config
+        # (run for every hybrid model through HybridAttentionMambaModelConfig) turns
+        # mamba_cache_mode "none" into "align" ("all" where 0.25.1's model supports it): no engine
+        # runs a "none" Mamba group with prefix caching, and the state it would reach (0.33.0's
+        # MambaManager asserts "Mamba prefix caching requires mamba_cache_mode='align'") is not a
+        # deployment's
+        if eng.enable_prefix_caching and any(g.kind == "mamba" and g.mamba_cache_mode == "none"
+                                             for g in layout.groups):
+            raise Unsupported("mamba_cache_mode none with prefix caching: vLLM sets it to align "
+                              "(MambaModelConfig.verify_and_update_config)")
         cc.enable_prefix_caching = eng.enable_prefix_caching
         # An engine whose Mamba layers cache in "align" mode has cache_config.mamba_cache_mode
         # "align" (the specs take it from there); the Scheduler reads it
