@@ -226,3 +226,20 @@ def test_mutant_lookup_refuse_window_is_inv9(pool, version):
     # the same mutant leaves a layout without a window alone
     clean = lockstep(Case.from_json(LOAD_CASE), version, pool, mutant="lookup_refuse_window")
     assert clean.agree and not clean.real["findings"], clean.summary()
+
+
+#: b's prompt repeats a's, which finished: b's first blocks are a GPU prefix hit (touch); b
+#: decodes on, holding them, for a few steps
+GPU_HIT_CASE = {"layout": {"groups": [{"kind": "full", "block_size": 16}]},
+                "requests": [{"id": "a", "prompt": [[7, 64]]},
+                             {"id": "b", "prompt": [[7, 64], [8, 16]], "arrival": 3,
+                              "decode": 4}]}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_mutant_touch_double_ref_is_inv1(pool, version):
+    sigs, res = caught(pool, version, GPU_HIT_CASE, "touch_double_ref")
+    assert [s for s in sigs if s.startswith("invariant:")] == ["invariant:INV-1"], sigs
+    [f] = [f for f in res.real["findings"] if f.get("inv_id") == "INV-1"]
+    # the pool check: the hit block's ref_cnt against the one reference b's table keeps
+    assert "refcount 2 but held 1 times" in f["detail"], f

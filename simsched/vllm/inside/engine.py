@@ -37,8 +37,8 @@ import inspect
 import math
 import os
 import time
-import traceback
-from collections import deque
+from collections import Counter, deque
+from operator import attrgetter
 from types import SimpleNamespace
 from typing import Any
 
@@ -50,6 +50,8 @@ from simsched.layout import LayoutError
 from simsched.model import STALL_STEPS, _token
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
+
+_block_id = attrgetter("block_id")
 
 DEFAULT_STEP_CAP = 20_000
 
@@ -588,7 +590,9 @@ class _Run:
             pos += n
             gid = gcfg.group_id
             keys = sorted(by_group.get(gid, []), key=lambda x: x[0])
-            tpb, tpc = gcfg.tokens_per_block, gcfg.tokens_per_chunk
+            if not keys:
+                continue        # the job has no chunk of this group
+            tpc = gcfg.tokens_per_chunk
             # chunk index of every key: where it sits in the request's offload keys
             chunk_of = {}
             if req_state is not None and gi < len(req_state.group_states):
@@ -869,46 +873,11 @@ class _Run:
                 raise v
 
     def _check_pool(self) -> None:
+        """INV-1: every block's ``ref_cnt`` is the number of references its holders keep, and
+        the free blocks are the rest of the pool; INV-2: a block two requests hold is a
+        prefix-cache block."""
         pool = self.sched.kv_cache_manager.block_pool
-        refs: dict[int, int] = {}       # block -> references its holders keep, one per entry
-        owners: dict[int, set] = {}     # block -> the requests holding it
-        tables = [m.req_to_blocks for m in
-                  self.sched.kv_cache_manager.coordinator.single_type_managers]
-
-        def hold(blk, rid: str | None) -> None:
-            b = blk.block_id
-            if b != NULL:
-                refs[b] = refs.get(b, 0) + 1
-                if rid is not None:
-                    owners.setdefault(b, set()).add(rid)
-
-        for rid in self.reqs:
-            # a finished request may still hold its blocks (aborted during a load: freed when
-            # the load reports finished_recving); a freed one has no entry in req_to_blocks.
-            # (hold() inlined: this loop visits every block of every table at every step)
-            for req_to_blocks in tables:
-                for blk in req_to_blocks.get(rid, ()):
-                    b = blk.block_id
-                    if b != NULL:
-                        refs[b] = refs.get(b, 0) + 1
-                        owners.setdefault(b, set()).add(rid)
-        # async scheduling: blocks of a freed request that a batch in flight may still write,
-        # and the source blocks a Mamba copy-on-write retains until the step that copies them
-        # ran, are returned to the pool only once that step's output is processed
-        # (Scheduler._free_request_blocks, _free_cow_retained_blocks, deferred_frees): a
-        # reference each, owned by no request
-        for _, held in getattr(self.sched, "deferred_frees", None) or ():
-            for blk in held:
-                hold(blk, None)
-        # 0.27.0-0.28.0: the CoW copy of a producer's last-prompt-boundary Mamba state, handed
-        # to the connector for a partial-tail store, lives off the request's table, pinned for
-        # the request until its blocks are freed (KVCacheManager.take_partial_tail_offloads:
-        # "pinned here and unpinned when the request's blocks are freed", _partial_tail_pins):
-        # a reference the request holds
-        pins = getattr(self.sched.kv_cache_manager, "_partial_tail_pins", None) or {}
-        for rid, pinned in pins.items():
-            for blk in pinned:
-                hold(blk, rid)
+        refs = self._references()
         blocks = pool.blocks
         for b, n in refs.items():
             blk = blocks[b]
@@ -917,15 +886,57 @@ class _Run:
                                              f"{blk.ref_cnt} but held {n} times")
             # one request may hold a block twice (an align-mode Mamba table naming its state
             # block at two positions, each a reference): only two requests share a slot
-            held_by = owners.get(b, ())
-            if len(held_by) > 1 and blk.block_hash is None:
-                raise inv.InvariantViolation("INV-2", self.step_no, f"block {b} held by "
-                                             f"{', '.join(sorted(held_by))} but not a "
-                                             "prefix-cache block")
+            if n > 1 and blk.block_hash is None:
+                held_by = self._holders(b)
+                if len(held_by) > 1:
+                    raise inv.InvariantViolation("INV-2", self.step_no, f"block {b} held by "
+                                                 f"{', '.join(sorted(held_by))} but not a "
+                                                 "prefix-cache block")
         n_free = pool.get_num_free_blocks()
         if n_free + len(refs) != pool.num_gpu_blocks - 1:
             raise inv.InvariantViolation("INV-1", self.step_no, f"free {n_free} + held "
                                          f"{len(refs)} != pool {pool.num_gpu_blocks - 1}")
+
+    def _req_to_blocks(self) -> list[dict]:
+        return [m.req_to_blocks for m in
+                self.sched.kv_cache_manager.coordinator.single_type_managers]
+
+    def _references(self) -> Counter:
+        """Per block id, the references kept on it: one per entry of a request's block table
+        (a finished request may still hold its blocks: aborted during a load, they are freed
+        when the load reports ``finished_recving``; a freed one has no entry), and the ones
+        held off the tables. The null block is no one's."""
+        refs: Counter = Counter()
+        tables = self._req_to_blocks()
+        for rid in self.reqs:
+            for req_to_blocks in tables:
+                refs.update(map(_block_id, req_to_blocks.get(rid, ())))
+        # async scheduling: blocks of a freed request that a batch in flight may still write,
+        # and the source blocks a Mamba copy-on-write retains until the step that copies them
+        # ran, are returned to the pool only once that step's output is processed
+        # (Scheduler._free_request_blocks, _free_cow_retained_blocks, deferred_frees)
+        for _, held in getattr(self.sched, "deferred_frees", None) or ():
+            refs.update(map(_block_id, held))
+        for pinned in self._partial_tail_pins().values():
+            refs.update(map(_block_id, pinned))
+        refs.pop(NULL, None)
+        return refs
+
+    def _partial_tail_pins(self) -> dict:
+        """0.27.0-0.28.0: the CoW copy of a producer's last-prompt-boundary Mamba state, handed
+        to the connector for a partial-tail store, lives off the request's table, pinned for
+        the request until its blocks are freed (KVCacheManager.take_partial_tail_offloads:
+        "pinned here and unpinned when the request's blocks are freed", _partial_tail_pins):
+        a reference the request holds."""
+        return getattr(self.sched.kv_cache_manager, "_partial_tail_pins", None) or {}
+
+    def _holders(self, b: int) -> set[str]:
+        """The requests holding block ``b`` in their tables or pins (deferred frees are no
+        request's)."""
+        held = {rid for rid in self.reqs if any(b in ids for ids in self._tables(rid))}
+        held.update(rid for rid, pinned in self._partial_tail_pins().items()
+                    if any(blk.block_id == b for blk in pinned))
+        return held
 
     # -- the loop --------------------------------------------------------------------------
     def _go(self) -> None:
@@ -939,7 +950,6 @@ class _Run:
         aborts = sorted(((r.abort_at, i, r.id) for i, r in enumerate(case.requests)
                          if r.abort_at is not None))
         ai = bi = 0
-        timing = case.timing
         unfinished = len(case.requests)
         t = arrivals[0][0] if arrivals else 0
         self.stall = 0
@@ -1043,7 +1053,7 @@ class _Run:
     def _schedule_execute(self, t: int) -> SimpleNamespace:
         """``schedule()`` and the worker's execution of the batch; its output is applied by
         :meth:`_update` (at once, or after the next schedule with async scheduling)."""
-        sched, eng, case = self.sched, self.eng, self.case
+        sched, case = self.sched, self.case
         self.step_no = step = self.counters["steps"]
         self.counters["steps"] += 1
         self.emit(f"step {step}")

@@ -35,6 +35,9 @@ evict_in_use             the CPU tier does not pin a chunk being loaded         
 lost_completion          the first store completion the worker reports is never      INV-8
                          processed: its chunks stay pending, a request sharing them
                          waits forever
+touch_double_ref         ``BlockPool.touch`` (a GPU prefix hit taking its blocks)    INV-1
+                         counts every block twice: freed once, it never returns to the
+                         free queue
 =======================  ==========================================================  ==========
 """
 
@@ -329,6 +332,23 @@ def lookup_refuse_window():
     return _patch(cls, "_lookup_complete_chunks", make)
 
 
+def touch_double_ref():
+    """``BlockPool.touch`` takes two references on each block of a GPU prefix hit: the request
+    frees one, the block stays out of the free queue with nobody holding it."""
+    import importlib
+    cls = importlib.import_module("vllm.v1.core.block_pool").BlockPool
+
+    def make(orig):
+        def touch(self, blocks, *args, **kw):
+            blocks = list(blocks)
+            orig(self, blocks, *args, **kw)
+            for block in blocks:
+                if not block.is_null:
+                    block.ref_cnt += 1
+        return touch
+    return _patch(cls, "touch", make)
+
+
 MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "store_shift_chunk": store_shift_chunk,
     "drop_fence": drop_fence,
@@ -341,6 +361,7 @@ MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "load_into_pending_store": load_into_pending_store,
     "evict_in_use": evict_in_use,
     "lost_completion": lost_completion,
+    "touch_double_ref": touch_double_ref,
     "lookup_first_chunk_only": lookup_first_chunk_only,
     "lookup_defer_forever": lookup_defer_forever,
     "lookup_refuse_window": lookup_refuse_window,
