@@ -37,8 +37,11 @@ DCP_SHARDED_KINDS = tuple(k for k in KINDS if k != "mamba")
 #: ("DCP with hybrid KV cache layouts only supports full-attention and Mamba groups",
 #: ``v1/core/kv_cache_coordinator.py``; 0.25.1: "DCP not support hybrid attn now."). No
 #: deployment serves such a layout; under ``python -O`` the asserts vanish and the managers
-#: look hits up at the unscaled block size, KV no engine computes.
-DCP_UNSUPPORTED_KINDS = ("sliding_window", "sliding_window_mla", "chunked_local")
+#: look hits up at the unscaled block size, KV no engine computes. A ring (``CircularBufferSpec``,
+#: 0.29.0 on) is refused by the same coordinator assert: the models that build one (DeepSeek
+#: V4.1's compressor, ``models/deepseek_v41/compressor.py``) leave it ``dcp_sharded``, and 0.31.0
+#: on accept only full attention, Mamba and replicated groups under DCP.
+DCP_UNSUPPORTED_KINDS = ("sliding_window", "sliding_window_mla", "chunked_local", "ring")
 MAMBA_CACHE_MODES = ("none", "align")
 SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
 

@@ -40,6 +40,13 @@ UNSUPPORTED = {
                            "requests": [{"id": "r0", "prompt": [[0, 2304]]},
                                         {"id": "r1", "prompt": [[0, 64]]}],
                            "asserts": False},
+    # AssertionError-__init-c856fd of the next campaign, asserts on: the coordinator's "DCP with
+    # hybrid KV cache layouts only supports full-attention, Mamba, and replicated draft groups,
+    # got: CircularBufferSpec" (0.31.0 on; 0.26.0 has no ring at all)
+    "mla+ring": {"layout": {"groups": [{"kind": "mla", "block_size": 64},
+                                       {"kind": "ring", "block_size": 4}],
+                            "engine": {"dcp_size": 2}},
+                 "requests": [{"id": "r0", "prompt": [[0, 64]]}]},
 }
 
 #: cross attention under DCP: CrossAttentionSpec.max_memory_usage_bytes counts
@@ -73,7 +80,8 @@ def test_windowed_and_chunked_local_groups_under_dcp_are_unsupported(pool, versi
     finding, whatever the model says."""
     res = lockstep(Case.from_json(UNSUPPORTED[name]), version, pool)
     assert res.real["status"] == "unsupported", res.summary()
-    assert "vLLM does not support DCP with" in res.real["reason"]
+    assert "vLLM does not support DCP with" in res.real["reason"] or (
+        version == "0.26.0" and "no CircularBufferSpec" in res.real["reason"])
     assert res.observations == [], res.summary()
 
 
