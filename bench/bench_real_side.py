@@ -49,14 +49,16 @@ class Recording(Campaign):
         return seen
 
 
-def timed(pool: Releases, case, version: str, bare: bool) -> tuple[int, float, float]:
-    """Steps, the whole call's seconds (boot included) and the Scheduler loop's (boot and,
-    for the bare run, its start-up heap collection excluded)."""
+def timed(pool: Releases, case, version: str, bare: bool) -> tuple[int, float, float, float]:
+    """Steps, the whole call's seconds (boot included) and the Scheduler loop's, wall and CPU
+    of the worker process (boot and, for the bare run, its start-up heap collection excluded;
+    CPU seconds do not count the time other processes of a loaded machine take)."""
     worker = pool.worker(version, case.asserts)
     t0 = time.perf_counter()
     out = worker.call("run_case", timeout=300, case=case.to_json(), bare=bare)
     wall = time.perf_counter() - t0
-    return out.get("counters", {}).get("steps", 0), wall, out.get("loop_wall") or 0.0
+    return (out.get("counters", {}).get("steps", 0), wall, out.get("loop_wall") or 0.0,
+            out.get("loop_cpu") or 0.0)
 
 
 def main(argv=None) -> int:
@@ -73,32 +75,36 @@ def main(argv=None) -> int:
         data = c.run()
         steps = sum(s for _, _, s, _ in c.stepped)
         secs = sum(t for _, _, _, t in c.stepped)
-        harness, bare, h_loop, b_loop = [], [], [], []
+        harness, bare, h_loop, b_loop, h_cpu, b_cpu = [], [], [], [], [], []
         for _ in range(args.runs):
-            h = [0.0, 0.0, 0.0]
-            b = [0.0, 0.0, 0.0]
+            h = [0.0, 0.0, 0.0, 0.0]
+            b = [0.0, 0.0, 0.0, 0.0]
             for case, v, _, _ in c.stepped:
                 for acc, is_bare in ((h, False), (b, True)):
-                    n, w, loop = timed(pool, case, v, bare=is_bare)
-                    acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + w, acc[2] + loop
+                    for i, x in enumerate(timed(pool, case, v, bare=is_bare)):
+                        acc[i] += x
             harness.append(h[0] / h[1])
             bare.append(b[0] / b[1])
             h_loop.append(h[0] / h[2])
             b_loop.append(b[0] / b[2])
+            h_cpu.append(h[0] / h[3])
+            b_cpu.append(b[0] / b[3])
     med = statistics.median
     in_campaign = steps / secs if secs else 0.0
     print(f"Default campaign, {args.budget:g} s, seed {args.seed}, releases {args.releases}: "
           f"{data['examples']} examples ({data['examples_per_s']}/s), {len(c.stepped)} cases "
           f"run step by step, {int(steps):,} real steps.\n")
-    print("| measure | real steps/s, whole calls | of bare | real steps/s, the loop | of bare |")
-    print("|---|---|---|---|---|")
+    print("| measure | real steps/s, whole calls | of bare | real steps/s, the loop | of bare "
+          "| per CPU second, the loop | of bare |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| in the campaign (real run + model trace + diff) | {in_campaign:,.0f} | "
-          f"{in_campaign / med(bare):.0%} | | |")
+          f"{in_campaign / med(bare):.0%} | | | | |")
     print(f"| the harness alone (shadow, invariants, trace), median of {args.runs} | "
           f"{med(harness):,.0f} | {med(harness) / med(bare):.0%} | {med(h_loop):,.0f} | "
-          f"{med(h_loop) / med(b_loop):.0%} |")
+          f"{med(h_loop) / med(b_loop):.0%} | {med(h_cpu):,.0f} | "
+          f"{med(h_cpu) / med(b_cpu):.0%} |")
     print(f"| the bare Scheduler, median of {args.runs} | {med(bare):,.0f} | 100% | "
-          f"{med(b_loop):,.0f} | 100% |")
+          f"{med(b_loop):,.0f} | 100% | {med(b_cpu):,.0f} | 100% |")
     return 0
 
 

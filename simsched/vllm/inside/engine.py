@@ -280,6 +280,7 @@ class _Run:
                          "aborted": 0, "scheduled_tokens": 0}
         self.step_no = 0
         self.loop_t0: float | None = None
+        self.loop_c0 = 0.0
         self.lookup_finding: inv.InvariantViolation | None = None
         self.lookup_error: BaseException | None = None
         # lookups the connector answered and checked: how many, how many the tier's ready
@@ -291,11 +292,13 @@ class _Run:
         self.lines.append(line)
 
     def result(self) -> dict:
-        # loop_wall: the Scheduler loop with the worker side, shadow and checks, boot excluded
-        # (as _BareRun's loop_wall), for bench/bench_real_side.py
-        loop = time.perf_counter() - self.loop_t0 if self.loop_t0 is not None else None
+        # loop_wall, loop_cpu: the Scheduler loop with the worker side, shadow and checks, boot
+        # excluded (as _BareRun's), for bench/bench_real_side.py
+        started = self.loop_t0 is not None
         return {"status": "ok", "trace": self.lines, "findings": self.findings,
-                "counters": self.counters, "lookups": self.lookup_counts, "loop_wall": loop}
+                "counters": self.counters, "lookups": self.lookup_counts,
+                "loop_wall": time.perf_counter() - self.loop_t0 if started else None,
+                "loop_cpu": time.process_time() - self.loop_c0 if started else None}
 
     def go(self) -> None:
         try:
@@ -941,7 +944,7 @@ class _Run:
     # -- the loop --------------------------------------------------------------------------
     def _go(self) -> None:
         self._boot()
-        self.loop_t0 = time.perf_counter()
+        self.loop_t0, self.loop_c0 = time.perf_counter(), time.process_time()
         case, sched = self.case, self.sched
         # a request aborted before it arrives is never sent (RequestSpec.withdrawn); its abort
         # counts it aborted
