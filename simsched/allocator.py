@@ -95,6 +95,77 @@ def ints_to(n: int) -> list[Any]:
     return ints
 
 
+# --- sparse prefix-cache retention --------------------------------------------------------
+# ``prefix_cache_retention_interval`` (CacheConfig, 0.29.0+; the KV cache manager reads the
+# KVCacheConfig's copy): ``None`` caches every block of a sliding-window or Mamba group (dense);
+# ``0`` only the blocks a later request can reach at a replay boundary or a shared-prefix
+# junction; ``> 0`` also one checkpoint per interval-sized segment. The masks below are the
+# managers' ``reachable_block_mask``; the connector calls the same ones for its store mask.
+
+def replay_boundaries(num_prompt: int, scheduler_block_size: int, eagle_pair: bool
+                      ) -> tuple[int, ...]:
+    """``replay_boundaries`` (0.32.0+; ``get_replay_boundaries`` 0.30.0/0.31.0): where a later
+    request replaying this prompt resumes. A resend is capped at ``num_prompt - 1``; with EAGLE
+    (``eagle_pair``: an EAGLE group, 0.30.0+) a resend and a longer sibling drop back one
+    scheduler block from their aligned hits. 0.29.0 keeps ``num_prompt - 1`` only."""
+    if not eagle_pair:
+        return (num_prompt - 1,)
+    block = scheduler_block_size
+    resend = (num_prompt - 1) // block * block
+    extension = num_prompt // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
+
+
+def window_reachable_blocks(start: int, end: int, align: int, bs: int, need: int, shift: int,
+                            retention: int | None, boundaries: Sequence[int]
+                            ) -> list[bool] | None:
+    """``SlidingWindowManager.reachable_block_mask`` for blocks ``start..end-1``; None: every
+    block. A hit at an aligned boundary needs the ``need`` blocks before it (``cdiv(window - 1,
+    bs)``, one more with EAGLE, whose peek block past the boundary ``shift`` counts); segment
+    tails every ``align`` tokens (None, dense) or ``retention`` tokens (> 0), none for 0; under
+    any retention the tails ending at ``boundaries`` too. A sub-block alignment is dense
+    (0.30.0+; 0.29.0 asserts it never happens)."""
+    if align % bs:
+        return None
+    mask = [False] * (end - start)
+    segment = align if retention is None else (retention or 0)
+    if segment:
+        per = segment // bs
+        if need >= per:
+            return None             # every block ends some segment's tail
+        for i in range(max(start, shift), end):
+            if (i - shift) % per >= per - need:
+                mask[i - start] = True
+    if retention is not None:
+        for boundary in boundaries:
+            e = boundary // align * align // bs + shift
+            for j in range(max(start, e - need), min(end, e)):
+                mask[j - start] = True
+    return mask
+
+
+def mamba_reachable_blocks(start: int, end: int, align: int, bs: int, retention: int | None,
+                           boundaries: Sequence[int]) -> list[bool] | None:
+    """``MambaManager.reachable_block_mask`` for blocks ``start..end-1``; None: every block. A
+    Mamba hit needs the one state block ending on the boundary (block ``i`` ends at ``(i + 1) *
+    bs``): one per ``retention`` tokens (> 0) and the one at each aligned boundary; None (or an
+    interval of at most one block) caches every state."""
+    if retention is None:
+        return None
+    mask = [False] * (end - start)
+    if retention:
+        per = retention // bs
+        if per <= 1:
+            return None
+        for i in range((start + per) // per * per - 1, end, per):
+            mask[i - start] = True
+    for boundary in boundaries:
+        b = boundary // align * align // bs - 1
+        if start <= b < end:
+            mask[b - start] = True
+    return mask
+
+
 def make_key(gid: int, ident: Key) -> Key:
     """The key of group ``gid``'s KV for the prefix of identity ``ident``."""
     return ident + _GROUP_BASE[gid] if gid else ident
@@ -132,7 +203,7 @@ class Request:
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
                  "fast_blocks", "key_lists", "prefix_of", "prefix_units",
                  "key_tags",
-                 "hit_blocks", "leads")
+                 "hit_blocks", "leads", "shared_prefix_boundary")
 
     def __init__(self, rid: str, index: int, spec, prompt: Sequence[int], max_tokens: int,
                  unit: int, num_groups: int, prefix_of: Request | None = None,
@@ -173,6 +244,10 @@ class Request:
         self.key_tags: list[int] = []
         # per group, blocks KVCacheManager.find_hit found cached at its last search (see there)
         self.hit_blocks: list[list[Any]] = []
+        # set at each GPU lookup (KVCacheManager.find_hit): the full-attention groups' longer hit
+        # when a sparse-retention group cut it short, else 0; a reachable boundary of the
+        # sliding-window and Mamba masks (cache_blocks, the connector's store mask)
+        self.shared_prefix_boundary = 0
 
     @property
     def num_tokens(self) -> int:
@@ -535,7 +610,7 @@ class KVCacheManager:
 
     def __init__(self, groups, block_sizes: list[int], num_blocks: int, align: int,
                  enable_prefix_caching: bool = True, max_in_flight_tokens: int | None = None,
-                 mamba_tail_recache: int = 0):
+                 mamba_tail_recache: int = 0, retention_interval: int | None = None):
         self.pool = BlockPool(num_blocks)
         self.rules = [GroupRule(i, g, bs, enable_prefix_caching)
                       for i, (g, bs) in enumerate(zip(groups, block_sizes))]
@@ -601,6 +676,15 @@ class KVCacheManager:
         # it"; 0.30.0/0.31.0 skip a Mamba block equal to the hash block): the block counts as
         # cached this step again. The hash unit tph when the rule applies, else 0.
         self.mamba_tail_recache = mamba_tail_recache
+        # KVCacheConfig.prefix_cache_retention_interval (the coordinator's retention_interval:
+        # None dense, 0 reachable boundaries only, > 0 also one checkpoint per interval), read by
+        # the sliding-window and Mamba masks of cache_blocks (_reachable_mask)
+        self.retention: int | None = retention_interval
+        # the replay boundaries' EAGLE pair (get_replay_boundaries, 0.30.0+) and the block below
+        # the junction kept by an EAGLE sliding-window group (cache_blocks, 0.33.0); set by the
+        # model from its profile
+        self.eagle_replay_pair = False
+        self.eagle_junction_below = False
 
     def new_step(self) -> None:
         """``KVCacheManager.new_step_starts``."""
@@ -842,9 +926,6 @@ class KVCacheManager:
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
-            if r.code == SLIDING and self._window_needs_no_block(r):
-                done[gid] = max(i, min(nt // r.bs, len(table)))
-                continue
             bs: i64 = r.bs
             n: i64 = nt // bs
             nb: i64 = len(table)
@@ -857,7 +938,12 @@ class KVCacheManager:
             if n < m:
                 m = n
             row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
+            # cache_full_blocks(block_mask): a sparse group skips the blocks no later request
+            # can reach; they stay uncached for good (num_cached_block moves past them)
+            mask = self._reachable_mask(req, r, i, n) if r.code == SLIDING or r.align else None
             for j in range(i, m):
+                if mask is not None and not mask[j - i]:
+                    continue
                 bo = row[j]
                 b: i64 = bo
                 if b != NULL and key[b] is None:      # BlockPool.cache, inlined
@@ -883,16 +969,30 @@ class KVCacheManager:
                 i += 1
             done[gid] = i
 
-    def _window_needs_no_block(self, r: GroupRule) -> bool:
-        """``SlidingWindowManager.reachable_block_mask`` under dense retention (the harness's
-        default, prefix_cache_retention_interval None): a hit needs ``need = cdiv(window - 1,
-        block_size)`` blocks (+1 with EAGLE) ending on each aligned boundary; with a window of
-        one token that is none, so the mask is all False and ``cache_full_blocks`` hashes none
-        of the group's blocks: freed, they go to the front of the free queue (never-cached,
-        LIFO). (A sparse mask, need < blocks per alignment segment, is not modelled: it needs a
-        sliding-window block smaller than the scheduler block.)"""
-        need = -(-(r.window - 1) // r.bs) + (1 if self.eagle_drop else 0)
-        return need == 0
+    def _reachable_mask(self, req: Request, r: GroupRule, start: int, end: int
+                        ) -> list[bool] | None:
+        """``reachable_block_mask`` of the sliding-window or align-mode Mamba group ``r`` for
+        blocks ``start..end-1``, as ``SingleTypeKVCacheManager.cache_blocks`` asks for it: the
+        coordinator's retention interval, alignment ``cache_hit_alignment_tokens`` (the
+        scheduler block size), the request's replay boundaries and its shared-prefix junction
+        (with EAGLE, 0.33.0, a sliding-window group also keeps the junction one block lower).
+        None: every block (dense)."""
+        retention, align, bs = self.retention, self.align, r.bs
+        eagle = self.eagle_drop
+        need = -(-(r.window - 1) // bs) + (1 if eagle else 0)
+        if retention is None and (r.align or need >= align // bs):
+            return None                 # dense (the common case: no boundaries to work out)
+        boundaries = list(replay_boundaries(req.num_prompt, align,
+                                            self.eagle_replay_pair and eagle))
+        junction = req.shared_prefix_boundary
+        if junction:
+            boundaries.append(junction)
+            if eagle and self.eagle_junction_below and not r.align:
+                boundaries.append(junction - bs)
+        if r.align:
+            return mamba_reachable_blocks(start, end, align, bs, retention, boundaries)
+        return window_reachable_blocks(start, end, align, bs, need, 1 if eagle else 0,
+                                       retention, boundaries)
 
     # --- admission gates (Scheduler.schedule, waiting loop) ---------------------------------
     def admission_blocks(self, req: Request, hit: int, total: int, num_tokens: int,

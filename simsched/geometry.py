@@ -183,7 +183,7 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     "clamped to keyed chunks",
     releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
     alignment="absent", eagle_marks_all_groups=True, retention_check=False,
-    extra={"spec_pad_after_hit": False})
+    extra={"spec_pad_after_hit": False, "eagle_replay_pair": False})
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,
@@ -243,7 +243,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             extra={"cpu_lru": "request-ranks", "restart_store_idx": True,
                    "mamba_checkpoint_below": True,
                    "alloc_all_groups": True, "spec_cache_on_output": True,
-                   "eagle_hit_margin": True}),
+                   "eagle_hit_margin": True, "eagle_junction_below": True}),
     Profile("fix-assert-only",
             "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
             "which are still offloaded",

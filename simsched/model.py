@@ -124,7 +124,8 @@ class Model:
                                  geo.scheduler_block_size, layout.engine.enable_prefix_caching,
                                  max_in_flight_tokens=in_flight,
                                  mamba_tail_recache=(geo.tokens_per_hash if profile.extra.get(
-                                     "mamba_tail_recache") else 0))
+                                     "mamba_tail_recache") else 0),
+                                 retention_interval=layout.engine.retention_interval)
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
@@ -160,6 +161,9 @@ class Model:
         self.spec_pad_after_hit: bool = profile.extra.get("spec_pad_after_hit", True)
         self.padded: set[str] = set()
         self.kv.eagle_drop = bool(self.lookahead)
+        # the sparse-retention masks' EAGLE boundaries (KVCacheManager._reachable_mask)
+        self.kv.eagle_replay_pair = profile.extra.get("eagle_replay_pair", True)
+        self.kv.eagle_junction_below = profile.extra.get("eagle_junction_below", False)
         self.kv.eagle_margin = (len(layout.groups) > 1
                                 and profile.extra.get("eagle_hit_margin", False))
         # ChunkedLocalAttentionManager.find_longest_cache_hit asserts drop_eagle_block is False
@@ -837,7 +841,7 @@ class Model:
         stops = [last]
         if start % bs:
             stops.append((start // bs + 1) * bs)
-        junction = self.off.junction.get(req.rid, 0)
+        junction = req.shared_prefix_boundary
         if start < junction < end:
             stops.append(start + (junction - start) // bs * bs)
         inside = [x for x in stops if start < x < end]
@@ -943,8 +947,9 @@ class Model:
                                      "Hybrid KV cache is not supported for eagle + chunked "
                                      "local attention.", SINGLE_TYPE_MANAGER_PY)
                 L = kv.find_hit(req)
-                # Request.shared_prefix_boundary: a reachable boundary of sliding-window stores
-                off.junction[req.rid] = kv.junction
+                # Request.shared_prefix_boundary (_get_local_prefix_cache_hit), a reachable
+                # boundary of the sparse-retention masks (GPU caching, sliding-window stores)
+                req.shared_prefix_boundary = kv.junction
                 hit = off.get_num_new_matched_tokens(req, L)
                 if self.checks == "full":
                     self._violation(inv.check_hit(self.step_no, off, off.req_status[req.rid],

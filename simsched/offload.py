@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from mypy_extensions import i64
 
 from simsched.allocator import (ABORTED, INTS, NULL, Key, Request, ints_to, key_group,
-                                make_key)
+                                make_key, window_reachable_blocks)
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
                                offload_key_indices, prefix_cacheable_groups)
 
@@ -1267,10 +1267,9 @@ class _SlidingWindowStoreMask:
 
     ``CacheConfig.prefix_cache_retention_interval`` defaults to 0 in these releases, so the
     scheduler config's retention interval is never None: there is no store horizon, the
-    reachable boundaries are ``(num_prompt - 1,)`` (plus a shared-prefix junction the model does
-    not track), and ``SlidingWindowManager.reachable_block_mask`` keeps the ``need`` blocks
-    ending at each aligned boundary (retention 0) or a tail once per retention segment. A chunk is
-    reachable when any of its blocks is.
+    reachable boundaries are ``(num_prompt - 1,)`` and the request's shared-prefix junction, and ``SlidingWindowManager.reachable_block_mask`` (``window_reachable_blocks``)
+    keeps the ``need`` blocks ending at each aligned boundary (retention 0) or a tail once per
+    retention segment. A chunk is reachable when any of its blocks is.
     """
 
     def __init__(self, cfg: GroupGeometry, window: int, geometry: Geometry, retention: int):
@@ -1289,24 +1288,16 @@ class _SlidingWindowStoreMask:
     def reachable(self, start_chunk: int, end_chunk: int, num_prompt: int,
                   junction: int = 0) -> list[bool]:
         """Whether each chunk ``start_chunk..end_chunk-1`` is reachable."""
-        bpc, need, shift, bs = self.bpc, self.need, self.shift, self.bs
+        bpc = self.bpc
         n = end_chunk - start_chunk
         if self.dense:
             return [True] * n
-        start, end_b = start_chunk * bpc, end_chunk * bpc
-        mask = [False] * (end_b - start)
-        if self.retention > 0:
-            per = self.retention // bs
-            for i in range(start, end_b):
-                if i >= shift and (i - shift) % per >= per - need:
-                    mask[i - start] = True
         # reachable boundaries: num_prompt - 1 and the request's shared_prefix_boundary
-        for boundary in ((num_prompt - 1, junction) if junction else (num_prompt - 1,)):
-            aligned = boundary // self.align * self.align
-            e = aligned // bs + shift
-            lo, hi = max(start, e - need), min(end_b, e)
-            for i in range(lo - start, hi - start):
-                mask[i] = True          # (item stores: no list made for a slice assignment)
+        mask = window_reachable_blocks(
+            start_chunk * bpc, end_chunk * bpc, self.align, self.bs, self.need, self.shift,
+            self.retention, (num_prompt - 1, junction) if junction else (num_prompt - 1,))
+        if mask is None:
+            return [True] * n
         if bpc == 1:
             return mask                 # a chunk is one block
         return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
@@ -1544,8 +1535,6 @@ class OffloadScheduler:
         # 0.30.0+ (same marker): sliding-window lookups use load_window_size_in_chunks and a miss
         # clears a pending chunk (_sliding_window_lookup); window sizes of SlidingWindowSpec groups
         self.window_v2 = profile.retention_check
-        # Request.shared_prefix_boundary (set at each GPU lookup), a reachable store boundary
-        self.junction: dict[str, int] = {}
         # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
         self.restart_store_idx = profile.extra.get("restart_store_idx", False)
         # 0.33.0's update_state_after_alloc records every block of an admitted request, in every
@@ -2340,7 +2329,7 @@ class OffloadScheduler:
             cnt: i64 = min(nk, nb)
             mask = masks.get(cfg.group_id) if masks else None
             if mask is not None:
-                reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
+                reach = mask.reachable(start, n, req.num_prompt, req.shared_prefix_boundary)
                 cnt = min(cnt, len(reach))
                 i = 0                   # (the mask read inline: mostly not reachable)
                 for r in reach:
