@@ -780,6 +780,11 @@ class KVCacheManager:
             ok_lo: list[Any] = self.reach_lo
             ok_hi: list[Any] = self.reach_hi
             rest_keys = self.reach_keys
+            # SlidingWindowManager.find_longest_cache_hit(drop_eagle_block): the run of cached
+            # blocks it needs counts EAGLE's peek block (_contiguous_blocks_for_hit: one more),
+            # popped after the match, so the window of the hit L minus that block reaches one
+            # block below L's window
+            peek: i64 = 1 if self.eagle_drop and not self.eagle_keepers else 0
             x: i64 = 0
             for r in rest:
                 ok_lo[x] = ok_hi[x] = 0
@@ -791,6 +796,8 @@ class KVCacheManager:
                     bs = r.bs
                     hi: i64 = L // bs
                     lo: i64 = r.skipped_tokens(L) // bs
+                    if peek and r.code == SLIDING and lo > 0:
+                        lo -= 1
                     keys = rest_keys[x]
                     known = memo[r.gid]
                     n = len(keys)
