@@ -158,3 +158,113 @@ def test_lookahead_cap_agrees(pool, version):
     res = lockstep(Case.from_json(LOOKAHEAD_CAP), version, pool)
     assert res.agree, res.summary()
     assert "alloc r1 g0=265,266 g1=267,268" in res.real["trace"]
+
+
+# --- gap-trace_sched-91bff9 / gap-trace_store-4d4914: prefix_cache_retention_interval 0 ------
+
+RETENTION = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+
+
+def with_retention(case: dict, retention: int | None) -> dict:
+    engine = {} if retention is None else {"retention_interval": retention}
+    return {**case, "layout": {**case["layout"], "engine": engine}}
+
+
+#: r1 (r0's 64 tokens + 64) is admitted in r0's step, after r0's blocks are cached. Under
+#: retention 0 SlidingWindowManager.reachable_block_mask keeps only the need = cdiv(128 - 1, 16)
+#: = 8 blocks ending at r0's replay boundary, num_prompt - 1 = 63 aligned down to 48: blocks 0-2;
+#: block 3 is never hashed, so r1 hits 48 tokens and takes a block of its own (5) for its fourth.
+#: Dense (None) or a 64-token interval (a tail of 8 >= the 4 blocks of a segment: every block)
+#: cache all four: r1 hits 64
+SW_SIBLING = {"layout": {"groups": [{"kind": "sliding_window", "block_size": 16,
+                                     "sliding_window": 128}]},
+              "requests": [{"id": "r0", "prompt": [[0, 64]]}, {"id": "r1", "prompt": [[0, 128]]}]}
+
+#: one 64-token prompt, a lone align-mode Mamba group: MambaManager.reachable_block_mask keeps,
+#: under retention 0, only the state at the aligned replay boundary (63 -> 48, block 2); the state
+#: at 64 (block 3) is never hashed, so never offered to the connector
+#: (take_boundary_state_offloads): no store. 0.29.0-0.31.0 compute the prompt in one chunk (no
+#: state at 48 exists); 0.32.0+ cut it at the prefill checkpoint, 48, whose state is stored
+MAMBA_LONE = {"layout": {"groups": [{"kind": "mamba", "block_size": 16,
+                                    "mamba_cache_mode": "align"}]},
+              "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+
+
+def allocs_of(trace: list[str], rid: str) -> list[str]:
+    return [x for x in trace if x.startswith(f"alloc {rid} ")]
+
+
+@pytest.mark.parametrize("version", RETENTION)
+@pytest.mark.parametrize("retention", [None, 0, 64])
+def test_model_caches_sliding_window_blocks_as_retention_keeps(version, retention):
+    """The sched and alloc lines are those of each release's real run."""
+    res = run_case(Case.from_json(with_retention(SW_SIBLING, retention)),
+                   profile_for_release(version))
+    hit = 48 if retention == 0 else 64
+    assert scheds(res.trace) == ["sched r0 64", f"sched r1 {128 - hit}"]
+    assert allocs_of(res.trace, "r1") == (["alloc r1 g0=1,2,3,5,6,7,8,9"] if retention == 0
+                                          else ["alloc r1 g0=1,2,3,4,5,6,7,8"])
+
+
+@pytest.mark.parametrize("version", RETENTION)
+@pytest.mark.parametrize("retention", [None, 0, 64])
+def test_model_offers_mamba_states_as_retention_keeps(version, retention):
+    """The store lines are those of each release's real run."""
+    res = run_case(Case.from_json(with_retention(MAMBA_LONE, retention)),
+                   profile_for_release(version))
+    checkpoint = version >= "0.32.0"
+    want = ["store 0 r0 g0:2=1"] if checkpoint else []
+    if retention != 0:
+        want += ["store 1 r0 g0:3=2"] if checkpoint else ["store 0 r0 g0:3=1"]
+    assert stores(res.trace) == want
+
+
+@pytest.mark.parametrize("version", RETENTION)
+@pytest.mark.parametrize("retention", [None, 0, 64])
+def test_retention_agrees(pool, version, retention):
+    sw = lockstep(Case.from_json(with_retention(SW_SIBLING, retention)), version, pool)
+    assert sw.agree, sw.summary()
+    mamba = lockstep(Case.from_json(with_retention(MAMBA_LONE, retention)), version, pool)
+    assert mamba.agree, mamba.summary()
+    if retention == 0:
+        # the real lines the model-only tests above expect
+        assert scheds(sw.real["trace"]) == ["sched r0 64", "sched r1 80"]
+        assert allocs_of(sw.real["trace"], "r1") == ["alloc r1 g0=1,2,3,5,6,7,8,9"]
+        assert stores(mamba.real["trace"]) == (["store 0 r0 g0:2=1"] if version >= "0.32.0"
+                                                else [])
+
+
+#: EAGLE (one draft) beside full attention, window 32: c resends a's 256-token prompt after b
+#: (a's prompt + 40) finished. Under retention 0, 0.29.0 keeps the need = cdiv(31, 16) + 1 = 3
+#: blocks ending at the peek block past 255 -> 240 (blocks 13-15); a hit at 224 needs blocks
+#: 12-14 (find_longest_cache_hit counts the peek block, then pops it): no GPU hit, c loads its
+#: 15 chunks from the CPU tier. 0.30.0+ also keep the tails of the replay pair (224 and 240,
+#: get_replay_boundaries): c hits 14 blocks or more on the GPU
+EAGLE_RESEND = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                      {"kind": "sliding_window", "block_size": 16,
+                                       "sliding_window": 32}],
+                           "engine": {"retention_interval": 0,
+                                      "speculative": {"method": "eagle", "num_tokens": 1}}},
+                "requests": [{"id": "a", "prompt": [[3, 256]], "decode": 2},
+                             {"id": "b", "prompt": [[3, 256], [4, 40]], "arrival": 4,
+                              "decode": 2},
+                             {"id": "c", "prompt": [[3, 256]], "arrival": 8}]}
+
+GPU_HIT_14 = "alloc c g0=" + ",".join(str(b) for b in range(1, 15)) + ","
+
+
+def test_model_misses_the_eagle_window_hit_on_0290():
+    """0.29.0's real run loads all 15 of c's chunks: no GPU hit."""
+    res = run_case(Case.from_json(EAGLE_RESEND), profile_for_release("0.29.0"))
+    loads = [x for x in res.trace if x.startswith("load ") and " c " in x]
+    assert [x.split(" g1:")[0] for x in loads] == [
+        "load 2 c g0:0=25 g0:1=29 g0:2=28 g0:3=24 g0:4=23 g0:5=22 g0:6=21 g0:7=20 g0:8=19 "
+        "g0:9=18 g0:10=35 g0:11=36 g0:12=37 g0:13=38 g0:14=39"]
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.30.0", "0.33.0"])
+def test_eagle_window_hit_under_retention_agrees(pool, version):
+    res = lockstep(Case.from_json(EAGLE_RESEND), version, pool)
+    assert res.agree, res.summary()
+    alloc = allocs_of(res.real["trace"], "c")
+    assert alloc[0].startswith(GPU_HIT_14) != (version == "0.29.0"), alloc
