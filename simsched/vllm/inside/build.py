@@ -171,6 +171,11 @@ class ConfigBuilder:
                                        layer_stride=0, block_stride=bytes_per_block)
         ckw: dict[str, Any] = {"num_blocks": num_blocks, "kv_cache_tensors": [tensor],
                                "kv_cache_groups": groups}
+        # A deployment's KVCacheConfig copies cache_config.prefix_cache_retention_interval
+        # (get_kv_cache_config_from_groups), as here when the case sets it. A case without it
+        # leaves the KVCacheConfig at None (dense) and the CacheConfig at its default 0: the
+        # KV cache manager and the connector then disagree, which no deployment does
+        # (docs/case-format.md)
         if eng.retention_interval is not None:
             if "prefix_cache_retention_interval" in self.config_fields:
                 ckw["prefix_cache_retention_interval"] = eng.retention_interval
