@@ -1,4 +1,5 @@
-from simsched.allocator import NULL, KVCacheManager, Request
+from simsched.allocator import (NULL, KVCacheManager, Request, mamba_reachable_blocks,
+                                replay_boundaries, window_reachable_blocks)
 from simsched.layout import Group
 
 
@@ -473,3 +474,31 @@ def test_find_hit_with_remembered_blocks_matches_a_fresh_search():
             elif running and rng.random() < 0.6:
                 r = running.pop(rng.randrange(len(running)))
                 kv.free(r)
+
+
+# --- sparse prefix-cache retention (reachable_block_mask) -----------------------------------
+
+def test_window_mask_keeps_the_tail_at_the_replay_boundary_under_retention_0():
+    # window 128, 16-token blocks: need = cdiv(127, 16) = 8; a 64-token prompt's replay boundary
+    # 63 aligns to 48, so blocks 0-2 are kept, block 3 is not
+    assert window_reachable_blocks(0, 4, 16, 16, 8, 0, 0, (63,)) == [True, True, True, False]
+    # dense (None) and a 64-token interval: a tail of 8 covers every segment's blocks
+    assert window_reachable_blocks(0, 4, 16, 16, 8, 0, None, (63,)) is None
+    assert window_reachable_blocks(0, 4, 16, 16, 8, 0, 64, (63,)) is None
+    # dense segments thinner than the window's need: window 17 in 64-token segments (need 1)
+    assert window_reachable_blocks(0, 8, 64, 16, 1, 0, None, (63,)) == [
+        False, False, False, True, False, False, False, True]
+
+
+def test_mamba_mask_keeps_the_boundary_state_and_one_per_interval():
+    assert mamba_reachable_blocks(0, 4, 16, 16, 0, (63,)) == [False, False, True, False]
+    assert mamba_reachable_blocks(0, 4, 16, 16, 32, (63,)) == [False, True, True, True]
+    assert mamba_reachable_blocks(0, 4, 16, 16, None, (63,)) is None
+    assert mamba_reachable_blocks(0, 4, 16, 16, 16, (63,)) is None
+
+
+def test_replay_boundaries_eagle_pair():
+    assert replay_boundaries(64, 16, False) == (63,)
+    # a resend's aligned hit 48 and a longer sibling's 64, each one block lower
+    assert replay_boundaries(64, 16, True) == (32, 48)
+    assert replay_boundaries(70, 16, True) == (48,)
