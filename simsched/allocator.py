@@ -21,7 +21,13 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
   same step waits for the next one (``cached_blocks_this_step``). A hit is the one state block
   ending at the hit length (nulls before it);
 * a GPU prefix hit needs every prefix-cacheable group to hit (hit lengths are aligned to the
-  scheduler block size, and a windowed group only needs the blocks still in its reach).
+  scheduler block size, and a windowed group only needs the blocks still in its reach);
+* sliding-window and align-mode Mamba groups cache only the blocks their
+  ``reachable_block_mask`` keeps (``window_reachable_blocks``, ``mamba_reachable_blocks``):
+  every block by default (``prefix_cache_retention_interval`` None) unless a window needs fewer
+  blocks than a scheduler block holds; under a retention interval only those a later request can
+  reach at the replay boundaries or the shared-prefix junction (0), or also one checkpoint per
+  interval. A block left out is never hashed: freed, it goes to the front of the free queue.
 """
 
 from __future__ import annotations
