@@ -5,7 +5,7 @@
     simsched run CASE.json [--profile P]                            the model's step trace
     simsched geometry CASE.json [--profile P]                       derived geometry
     simsched profiles                                               behaviour profiles
-    simsched releases install [X.Y.Z ...] | list                    real vLLM releases
+    simsched releases install [X.Y.Z ...] | list | env X.Y.Z        real vLLM releases
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ def cmd_releases(args) -> int:
     from simsched.vllm import releases
     if args.action == "install":
         return releases.cli_install(args.versions)
+    if args.action == "env":
+        return releases.cli_env(args.version)
     return releases.cli_list()
 
 
@@ -217,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     ri = rel_sub.add_parser("install", help="install releases (default: 0.25.1 to 0.33.0)")
     ri.add_argument("versions", nargs="*")
     rel_sub.add_parser("list", help="list installed releases")
+    re_ = rel_sub.add_parser("env", help="print a command prefix that runs plain vLLM code of an "
+                             "installed release (simsched not importable, pytest there): "
+                             "$(simsched releases env 0.33.0) -m pytest FILE")
+    re_.add_argument("version")
     rel.set_defaults(fn=cmd_releases)
     return p
 
