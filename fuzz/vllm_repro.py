@@ -53,8 +53,7 @@ class NotGenerated(Exception):
 def supported(case: Case, data: dict) -> None:
     """Raise :class:`NotGenerated` unless the generator can write this finding."""
     eng = case.layout.engine
-    why = [("asserts stripped (python -O)", not case.asserts),
-           ("speculative decoding", eng.speculative is not None),
+    why = [("speculative decoding", eng.speculative is not None),
            ("async scheduling", eng.async_scheduling),
            ("a drafter group", any(g.drafter for g in case.layout.groups)),
            ("no request", not case.requests)]
@@ -71,12 +70,13 @@ def supported(case: Case, data: dict) -> None:
 
 
 def short_name(data: dict) -> str:
-    """``boot_assert_build_offloading_config``, ``crash_schedule_...``, ``livelock_load``."""
+    """``boot_assert_build_offloading_config`` (a start-up stage raised), ``step_crash_...``,
+    ``livelock_load``."""
     if data["kind"] == "invariant":
         return "livelock_load"
     exc = {"AssertionError": "assert"}.get(data.get("exception") or "", "crash")
-    where = "boot" if data.get("first_bad_step") is None and data.get("steps", 1) <= 1 \
-        else "step"
+    from fuzz.triage import START_UP_STAGES
+    where = "boot" if data.get("stage") in START_UP_STAGES else "step"
     name = re.sub(r"[^a-z0-9]+", "_", (data.get("function") or "").lower()).strip("_")
     return f"{where}_{exc}_{name}"[:60].rstrip("_")
 
@@ -152,18 +152,38 @@ def _requests(case: Case) -> str:
     return ",\n            ".join(rows)
 
 
-def _what(data: dict) -> str:
-    """What the test shows, wrapped for the docstring."""
+def title(data: dict) -> str:
+    """An upstream issue's title, in vLLM's style."""
+    if data["kind"] == "crash":
+        what = f"{data['exception']} in {data['function']}"
+    else:
+        what = "a request loaded from the CPU tier again and again is never scheduled"
+    head = f"[Bug][KV offloading]: {what}"
+    full = f"{head} on {data['layout']}"
+    return full if len(full) <= 96 else head
+
+
+def _about(data: dict) -> str:
+    """The docstring's body: what runs, what the test shows, where, how to run it."""
     if data["kind"] == "crash":
         where = f" (vllm/{data['file']})" if data.get("file") else ""
         msg = (data.get("message") or "").strip().rstrip(".")
-        text = (f"vLLM raises {data['exception']} in {data['function']}{where}"
+        what = (f"vLLM raises {data['exception']} in {data['function']}{where}"
                 + (f": {msg}" if msg else "") + ". The test lets it propagate.")
     else:
-        text = ("A request whose prompt the CPU tier holds is loaded again and again and never "
+        what = ("A request whose prompt the CPU tier holds is loaded again and again and never "
                 f"scheduled (INV-8): the test fails when a request is loaded more than "
                 f"{MAX_LOADS_UNSCHEDULED} times between two steps that schedule it.")
-    return textwrap.fill(text, 96, break_on_hyphens=False, break_long_words=False)
+    mode = "" if data["asserts"] else " With Python's asserts stripped (python -O)."
+    text = (f"The real Scheduler with the OffloadingConnector and its CPU offloading manager, "
+            f"KV cache groups {data['layout']}, driven step by step on CPU as the engine core "
+            f"and the offloading worker do.{mode} {what} Present in vLLM "
+            f"{_ranges(data['releases_affected'])}; absent from "
+            f"{_ranges(data['releases_clean'])} (simsched finding {data['id']}).")
+    example = (data["releases_affected"] or ["0.33.0"])[-1]
+    run = (f"Run: ``$(simsched releases env {example}){'' if data['asserts'] else ' -O'} -m "
+           f"pytest FILE``, or in vLLM's tests/v1/kv_connector/.")
+    return textwrap.fill(text, 96, break_on_hyphens=False, break_long_words=False) + "\n" + run
 
 
 def _ranges(versions: list[str]) -> str:
@@ -177,17 +197,14 @@ def render(case: Case, data: dict) -> str:
     eng, timing = case.layout.engine, case.timing
     groups = ",\n          ".join(f"({_spec(g)}, {g.layers})" for g in case.layout.groups)
     return TEMPLATE.format(
-        title=data.get("title") or data["signature"], id=data["id"], layout=data["layout"],
-        what=_what(data), affected=_ranges(data["releases_affected"]),
-        clean=_ranges(data["releases_clean"]),
-        example=(data["releases_affected"] or ["0.33.0"])[-1],
-        groups=groups, num_gpu_blocks=eng.num_gpu_blocks, cpu_chunks=eng.cpu_chunks,
-        bpc=bpc, extra=extra, cache=_cache_fields(case),
+        title=title(data), about=_about(data), groups=groups,
+        num_gpu_blocks=eng.num_gpu_blocks, cpu_chunks=eng.cpu_chunks, bpc=bpc, extra=extra,
+        cache=_cache_fields(case),
         batched=timing.max_num_batched_tokens, seqs=timing.max_num_seqs,
         store=timing.store_latency, load=timing.load_latency, requests=_requests(case),
         max_model_len=max_model_len(case), seed=case.seed % VOCAB,
         step_cap=STEP_CAP, **_optional(case, data),
-        engine_lines="\n".join(_engine_lines(case) + [""]) if _engine_lines(case) else "",
+        engine_lines="".join(line + "\n" for line in _engine_lines(case)),
         name=short_name(data))
 
 
@@ -198,7 +215,7 @@ def _optional(case: Case, data: dict) -> dict:
     aborts = any(r.abort_at is not None for r in case.requests)
     parts = {"skip": " | withdrawn" if aborts else "",
              "request_imports": "Request, RequestStatus" if aborts else "Request",
-             "before_loop": "", "abort_lines": "",
+             "before_loop": "", "abort_lines": "", "pytest_import": "", "debug_guard": "",
              "after_update": "        for j in done:\n            del pending[j]\n"}
     if aborts:
         parts["before_loop"] = ("    withdrawn = {r[0] for r in REQUESTS "
@@ -206,6 +223,10 @@ def _optional(case: Case, data: dict) -> dict:
         parts["abort_lines"] = (
             "            if abort_at is not None and abort_at <= t and rid in sched.requests:\n"
             "                sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)\n")
+    if not case.asserts:   # the layout's bug is what breaks where python -O strips an assert
+        parts["pytest_import"] = "import pytest\n"
+        parts["debug_guard"] = ("    if __debug__:\n        pytest.fail(\"vLLM's asserts refuse "
+                                "this layout before the bug: run with python -O\")\n")
     if data["kind"] == "invariant":   # INV-8 on load (supported() lets no other through)
         parts["before_loop"] += "    loads_unscheduled = {}  # request -> its loads since it ran\n"
         parts["after_update"] = (
@@ -214,24 +235,21 @@ def _optional(case: Case, data: dict) -> dict:
             "        for rid in [pending.pop(j)[1] for j in done]:\n"
             "            if rid is not None:\n"
             "                n = loads_unscheduled[rid] = loads_unscheduled.get(rid, 0) + 1\n"
-            f"                assert n <= {MAX_LOADS_UNSCHEDULED}, "
-            "f\"{rid} loaded {n} times, never scheduled\"\n")
+            f"                if n > {MAX_LOADS_UNSCHEDULED}:\n"
+            "                    raise AssertionError(f\"{rid} loaded {n} times, never "
+            "scheduled\")\n")
     return parts
 
 
 TEMPLATE = '''"""{title}
 
-The real Scheduler with the OffloadingConnector and its CPU offloading manager, KV cache groups
-{layout}, driven step by step on CPU as the engine core and the offloading worker do.
-{what}
-Present in vLLM {affected}; absent from {clean} (simsched finding {id}).
-Run: ``$(simsched releases env {example}) -m pytest FILE``, or in vLLM's tests/v1/kv_connector/.
+{about}
 """
 import dataclasses
 import json
 import logging
 
-import torch
+{pytest_import}import torch
 
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                          VllmConfig)
@@ -338,7 +356,7 @@ def worker_output(sched, out, t, pending):
 
 
 def test_{name}(tmp_path):
-    sched, hasher = make_scheduler(tmp_path)
+{debug_guard}    sched, hasher = make_scheduler(tmp_path)
     sent, pending, t = set(), {{}}, 0  # pending: job id -> (step due, request of a load)
 {before_loop}    for _ in range(STEP_CAP):
         for i, (rid, _, arrival, _, abort_at, _) in enumerate(REQUESTS):
@@ -378,16 +396,18 @@ class Verdict:
         return {"verified": self.verified, "reason": self.reason, "results": self.results}
 
 
-def run_on(path: Path, release) -> tuple[str, str]:
-    """Run the test file with ``release``'s plain environment from an empty folder: its
-    result (``passed``, ``failed``, ``error``) and pytest's output."""
+def run_on(path: Path, release, asserts: bool = True) -> tuple[str, str]:
+    """Run the test file with ``release``'s plain environment from an empty folder (with
+    ``python -O`` unless ``asserts``): its result (``passed``, ``failed``, ``error``) and
+    pytest's output."""
     from simsched.vllm.releases import env_prefix
     with tempfile.TemporaryDirectory(prefix="simsched-vllm-repro-") as tmp:
         local = Path(tmp) / path.name
         local.write_text(path.read_text())
         try:
-            proc = subprocess.run(env_prefix(release) + ["-m", "pytest", "-q", "-p",
-                                                         "no:cacheprovider", local.name],
+            proc = subprocess.run(env_prefix(release) + ([] if asserts else ["-O"])
+                                  + ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                     local.name],
                                   cwd=tmp, text=True, capture_output=True,
                                   timeout=VERIFY_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -402,7 +422,7 @@ def verify(path: Path, data: dict, releases) -> Verdict:
     results, wrong = {}, []
     exc = data.get("exception") if data["kind"] == "crash" else None
     for release in releases:
-        got, output = run_on(path, release)
+        got, output = run_on(path, release, data["asserts"])
         v = release.version
         if got == "failed" and exc and f"{exc}" not in output:
             got = "failed otherwise"
