@@ -106,7 +106,6 @@ def test_release_env_runs_vllm_and_pytest_but_not_simsched(tmp_path):
 
 # --- the generated test files ------------------------------------------------------------
 
-from fuzz import repro as repro_mod  # noqa: E402
 from fuzz import vllm_repro  # noqa: E402
 from simsched.case import Case  # noqa: E402
 
@@ -265,3 +264,52 @@ def test_repro_command_writes_a_verified_step_crash_with_asserts_stripped(tmp_pa
     assert "`test_repro.py`: runs the case on simsched's harness" in readme
     assert f"`{test.name}`: needs vLLM alone" in readme and "; verified (" in readme
     assert (out / "test_repro.py").exists()
+
+
+COUNTING_DRIVER = '''import importlib.util, json, sys, tempfile
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("generated", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+counts = {"steps": 0, "stores": 0, "loads": 0}
+schedule = mod.Scheduler.schedule
+def counted(self):
+    out = schedule(self)
+    counts["steps"] += 1
+    counts["stores"] += len(out.kv_connector_metadata.store_jobs or {})
+    counts["loads"] += len(out.kv_connector_metadata.load_jobs or {})
+    return out
+mod.Scheduler.schedule = counted
+test = next(getattr(mod, n) for n in dir(mod) if n.startswith("test_"))
+with tempfile.TemporaryDirectory() as tmp:
+    test(Path(tmp))
+print(json.dumps(counts))
+'''
+
+
+def test_worker_stand_in_plays_the_steps_the_harness_plays(tmp_path):
+    """The generated file's engine loop and worker stand-in against simsched's harness on the
+    same release: a CPU hit loaded with latencies 2 and 3 and two-block chunks, a request
+    withdrawn before it arrives; the same schedule() calls, store jobs and load jobs."""
+    from simsched.lockstep import lockstep
+    from simsched.targets import Releases
+    case = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                       "engine": {"num_gpu_blocks": 8, "blocks_per_chunk": 2}},
+            "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                         {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                         {"id": "x", "prompt": [[9, 16]], "arrival": 6, "abort_at": 5},
+                         {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}],
+            "timing": {"store_latency": 2, "load_latency": 3}}
+    release = _installed("0.33.0")
+    with Releases.installed(["0.33.0"], timeout=120) as pool:
+        real = lockstep(Case.from_json(case), "0.33.0", pool).real
+    assert real["status"] == "ok", real
+    want = {k: real["counters"][k] for k in ("steps", "stores", "loads")}
+    assert want["loads"] >= 1
+    path = _render(tmp_path, case, RING_FINDING)
+    driver = tmp_path / "count.py"
+    driver.write_text(COUNTING_DRIVER)
+    run = subprocess.run(rel.env_prefix(release) + [str(driver), str(path)], cwd=tmp_path,
+                         text=True, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == want
