@@ -178,8 +178,10 @@ def _about(data: dict) -> str:
     text = (f"The real Scheduler with the OffloadingConnector and its CPU offloading manager, "
             f"KV cache groups {data['layout']}, driven step by step on CPU as the engine core "
             f"and the offloading worker do.{mode} {what} Present in vLLM "
-            f"{_ranges(data['releases_affected'])}; absent from "
-            f"{_ranges(data['releases_clean'])} (simsched finding {data['id']}).")
+            f"{_ranges(data['releases_affected'])}; "
+            + (f"absent from {_ranges(data['releases_clean'])}" if data["releases_clean"]
+               else "no release run is clean of it")
+            + f" (simsched finding {data['id']}).")
     example = (data["releases_affected"] or ["0.33.0"])[-1]
     run = (f"Run: ``$(simsched releases env {example}){'' if data['asserts'] else ' -O'} -m "
            f"pytest FILE``, or in vLLM's tests/v1/kv_connector/.")
