@@ -13,9 +13,11 @@ What it checks, by the finding's kind:
 * INV-8 on ``load`` (a request loaded again and again and never scheduled): inline, the loads
   of a request between two steps that schedule it, bounded as the harness bounds them.
 
-Every file also fails when a request is unfinished at the step cap. :func:`verify` runs the
-file with each installed release's plain environment (``simsched releases env``) from an empty
-folder: it must fail on each affected release and pass on each clean one.
+Every file also fails when a request is unfinished at the step cap. A case run with asserts
+stripped is run under ``python -O`` (the file refuses to run otherwise): what breaks where the
+assert is gone is the bug (an offloaded ring group's ``islice`` in ``update_offload_keys``).
+:func:`verify` runs the file with each installed release's plain environment (``simsched releases
+env``) from an empty folder: it must fail on each affected release and pass on each clean one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fuzz.triage import START_UP_STAGES
 from simsched.case import VOCAB, Case
 from simsched.geometry import max_model_len
 
@@ -75,7 +78,6 @@ def short_name(data: dict) -> str:
     if data["kind"] == "invariant":
         return "livelock_load"
     exc = {"AssertionError": "assert"}.get(data.get("exception") or "", "crash")
-    from fuzz.triage import START_UP_STAGES
     where = "boot" if data.get("stage") in START_UP_STAGES else "step"
     name = re.sub(r"[^a-z0-9]+", "_", (data.get("function") or "").lower()).strip("_")
     return f"{where}_{exc}_{name}"[:60].rstrip("_")
