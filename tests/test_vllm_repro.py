@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from fuzz import vllm_repro
+from simsched.case import Case
 from simsched.vllm import releases as rel
 from simsched.vllm.releases import InstalledRelease, ReleaseError
 
@@ -106,8 +108,6 @@ def test_release_env_runs_vllm_and_pytest_but_not_simsched(tmp_path):
 
 # --- the generated test files ------------------------------------------------------------
 
-from fuzz import vllm_repro  # noqa: E402
-from simsched.case import Case  # noqa: E402
 
 # PR #55037's boot assert with a full-attention group (``simsched replay``: AssertionError in
 # build_offloading_config at start-up on 0.29.0 and 0.30.0; 0.31.0 leaves the ring out and
