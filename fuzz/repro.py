@@ -173,11 +173,13 @@ def write_repro(out: Path, finding, folder: Path | None = None,
         affected=", ".join(data["releases_affected"]) or "none installed",
         clean=", ".join(data["releases_clean"]) or "none installed",
         path=f"repros/{finding.id}/test_repro.py"))
-    tests = vllm_test(folder, finding, data, verify)
-    _write(folder / "README.md", issue_text(data, case_text, finding.outcomes,
-                                            model_trace(finding.case, data))
-           + "\n".join(tests) + "\n")
+    readme = issue_text(data, case_text, finding.outcomes, model_trace(finding.case, data))
+    _write(folder / "README.md", readme + "\n".join(vllm_test(folder, finding, data, False))
+           + "\n")
     write_finding(out, finding, folder)
+    if verify:   # minutes: after the durable record, the README then says what it found
+        _write(folder / "README.md", readme + "\n".join(vllm_test(folder, finding, data, True))
+               + "\n")
     return folder
 
 
