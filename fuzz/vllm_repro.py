@@ -142,6 +142,13 @@ def _engine_lines(case: Case) -> list[str]:
     return lines
 
 
+def _kv_cache_config_extra(case: Case) -> str:
+    """A deployment's KVCacheConfig copies cache_config.prefix_cache_retention_interval
+    (``get_kv_cache_config_from_groups``); the harness sets both when the case sets it."""
+    interval = case.layout.engine.retention_interval
+    return "" if interval is None else f",\n{' ' * 40}prefix_cache_retention_interval={interval}"
+
+
 def _requests(case: Case) -> str:
     rows = []
     for r in case.requests:
@@ -209,6 +216,7 @@ def render(case: Case, data: dict) -> str:
         max_model_len=max_model_len(case), seed=case.seed % VOCAB,
         step_cap=STEP_CAP, **_optional(case, data),
         engine_lines="".join(line + "\n" for line in _engine_lines(case)),
+        kvc_extra=_kv_cache_config_extra(case),
         name=short_name(data))
 
 
@@ -298,7 +306,7 @@ def make_scheduler(model_dir):
     else:
         tensor = kvi.KVCacheTensor(size=size, layers=layers, layer_stride=0, block_stride=page)
     kv_cache_config = kvi.KVCacheConfig(num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[tensor],
-                                        kv_cache_groups=groups)
+                                        kv_cache_groups=groups{kvc_extra})
     align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT  # the CPU tier's chunk, aligned
     chunk = -(-page * BLOCKS_PER_CHUNK // align) * align
     vc = VllmConfig(
