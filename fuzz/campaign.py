@@ -256,8 +256,12 @@ class Campaign:
                  round_examples: int = 300, steps: str | None = None,
                  steer: str | bool = DEFAULT_STEER, real_share: float = REAL_SHARE,
                  database=None, stats_name: str = "report",
-                 stop_when: Callable[[Finding], bool] | None = None):
+                 stop_when: Callable[[Finding], bool] | None = None,
+                 verify_repros: bool = False):
         self.out = Path(out)
+        # a bug's vLLM-only test is always written; running it on every installed release
+        # (about 20 s a release) only when asked
+        self.verify_repros = verify_repros
         self.pool = releases
         self.model_targets = [ModelTarget(p) for p in PROFILES.values()] if model else []
         self.fingerprint_targets = [ModelTarget(p) for p in PROFILES.values()]
@@ -776,7 +780,8 @@ class Campaign:
                 finding.cluster = data["cluster"]
                 break
         self.findings[finding.key] = finding
-        repro_mod.write_repro(self.out, finding)     # the durable record, first
+        repro_mod.write_repro(self.out, finding,      # the durable record, first
+                              verify=self.verify_repros)
         self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,
                               "examples": finding.examples_before})
         self.write_report()

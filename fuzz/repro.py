@@ -2,7 +2,10 @@
 
 Per finding, ``repros/<id>/`` holds ``case.json`` (the shrunk case), ``test_repro.py`` (a
 standalone pytest file: it needs only simsched and the installed releases, and fails on exactly the
-releases where the finding is present) and ``README.md`` (the text of an upstream issue).
+releases where the finding is present) and ``README.md`` (the text of an upstream issue). A
+``bug`` finding of a kind :mod:`fuzz.vllm_repro` writes also gets ``test_vllm_<name>.py``, a test
+that needs vLLM alone, verified on the installed releases when asked (``verify``), and
+``vllm_repro.json`` (what the verification found).
 """
 
 from __future__ import annotations
@@ -127,8 +130,40 @@ def model_trace(case, data: dict) -> list[str] | None:
         return None
 
 
-def write_repro(out: Path, finding) -> Path:
-    folder = Path(out) / "repros" / finding.id
+def vllm_test(folder: Path, finding, data: dict, verify: bool) -> list[str]:
+    """Write the vLLM-only test of a ``bug`` finding; the README lines that say which test is
+    which and whether the vLLM-only one was verified (:func:`fuzz.vllm_repro.verify`)."""
+    from fuzz import triage as tri
+    from fuzz import vllm_repro
+    lines = ["", "## Tests", "",
+             "- `test_repro.py`: runs the case on simsched's harness of each installed release "
+             "(guards simsched's own regressions; needs simsched)."]
+    if finding.klass != tri.BUG:
+        return lines
+    try:
+        text = vllm_repro.render(finding.case, data)
+    except vllm_repro.NotGenerated as e:
+        return lines + [f"- no vLLM-only test: {e}."]
+    path = folder / f"test_vllm_{vllm_repro.short_name(data)}.py"
+    _write(path, text)
+    what = f"- `{path.name}`: needs vLLM alone (and pytest): " \
+           f"`$(simsched releases env X.Y.Z) -m pytest {path.name}`"
+    if not verify:
+        return lines + [what + "; not verified (`simsched repro case.json` verifies it)."]
+    from simsched.vllm.releases import installed
+    releases = [r for r in installed() if r.version in finding.installed]
+    verdict = vllm_repro.verify(path, data, releases)
+    _write(folder / "vllm_repro.json", json.dumps(verdict.to_json(), indent=1) + "\n")
+    runs = ", ".join(f"{v} {r}" for v, r in verdict.results.items())
+    state = "verified" if verdict.verified else f"**unverified**: {verdict.reason}"
+    return lines + [what + f"; {state} (run from an empty folder: {runs})."]
+
+
+def write_repro(out: Path, finding, folder: Path | None = None,
+                verify: bool = False) -> Path:
+    """``out/repros/<id>/`` (or ``folder``): the files of a finding. ``verify``: run its
+    vLLM-only test on every installed release (minutes for ten)."""
+    folder = Path(folder) if folder is not None else Path(out) / "repros" / finding.id
     folder.mkdir(parents=True, exist_ok=True)
     data = finding.to_json()
     case_text = finding.case.dumps()
@@ -138,13 +173,68 @@ def write_repro(out: Path, finding) -> Path:
         affected=", ".join(data["releases_affected"]) or "none installed",
         clean=", ".join(data["releases_clean"]) or "none installed",
         path=f"repros/{finding.id}/test_repro.py"))
-    _write(folder / "README.md", issue_text(data, case_text, finding.outcomes,
-                                            model_trace(finding.case, data)))
-    write_finding(out, finding)
+    readme = issue_text(data, case_text, finding.outcomes, model_trace(finding.case, data))
+    _write(folder / "README.md", readme + "\n".join(vllm_test(folder, finding, data, False))
+           + "\n")
+    write_finding(out, finding, folder)
+    if verify:   # minutes: after the durable record, the README then says what it found
+        _write(folder / "README.md", readme + "\n".join(vllm_test(folder, finding, data, True))
+               + "\n")
     return folder
 
 
-def write_finding(out: Path, finding) -> None:
+def write_finding(out: Path, finding, folder: Path | None = None) -> None:
     """``finding.json``: the durable record of a finding, read back on resume."""
-    _write(Path(out) / "repros" / finding.id / "finding.json",
-           json.dumps(finding.to_json(), indent=1) + "\n")
+    folder = Path(folder) if folder is not None else Path(out) / "repros" / finding.id
+    _write(folder / "finding.json", json.dumps(finding.to_json(), indent=1) + "\n")
+
+
+def repro_case(case, folder: Path | None = None, out: Path = Path("."), *, shrink: bool = True,
+               releases: list[str] | None = None, timeout: float = 120.0,
+               progress=lambda s: None) -> Path:
+    """``simsched repro``: run ``case`` step by step on every installed release (or
+    ``releases``) and the model's profiles, take the first ``bug`` cluster it shows, shrink
+    the case toward it unless ``shrink`` is false (:func:`fuzz.campaign.simplify`, as a
+    campaign finishes its shrinking), replay the result everywhere and write its folder
+    (default ``out/repros/<id>/``) with its vLLM-only test verified."""
+    from fuzz import campaign as cmp
+    from fuzz import triage as tri
+    from simsched.targets import Releases
+    with Releases.installed(releases, timeout=timeout) as pool:
+        if not pool.versions:
+            raise cmp.CampaignError("no vLLM release installed: run `simsched releases install`")
+        camp = cmp.Campaign(Path(out), pool, run_releases=list(pool.versions), steps="every",
+                            asserts=case.asserts, progress=progress)
+        seen = camp.evaluate(case)
+        bugs = sorted((s for s in seen if s.klass == tri.BUG), key=lambda s: repr(s.key))
+        if not bugs:
+            shown = sorted({f"{s.klass} {tri.cluster_name(s.key)}" for s in seen})
+            raise cmp.CampaignError(f"{case.layout.describe()}: no bug on vLLM "
+                                    f"{', '.join(pool.versions)}"
+                                    + (f" (shows {'; '.join(shown)})" if shown else ""))
+        first = bugs[0]
+        models, configs, steps, shown = camp._hunt_targets(seen, first.key)
+        hunt = cmp.Hunt(first.key, first.klass, first.obs.signature,
+                        camp.fingerprint(case, first.obs.signature), models, configs, steps,
+                        frozenset(shown))
+        if shrink:
+            progress(f"{tri.cluster_name(hunt.key)} on {', '.join(sorted(shown))}; shrinking")
+
+            def still_shows(cand):
+                if not camp.same_bug(cand, hunt):
+                    return None
+                seen = camp.shrink_run(cand, hunt)
+                return next(s for s in seen if s.key == hunt.key) \
+                    if hunt.still_shown(seen) else None
+
+            case, first = cmp.simplify(case, still_shows, first)
+        finding = cmp.Finding(
+            id=cmp.finding_id(hunt.key), key=hunt.key, klass=hunt.klass,
+            signature=first.obs.signature, case=case, present_on=cmp.present_on(hunt.shown),
+            fingerprint=hunt.fingerprint, first_target=first.obs.target,
+            outcome=first.obs.outcome, found_after_s=0.0, examples_before=0,
+            installed=tuple(pool.versions))
+        progress(f"replaying {case.layout.describe()} on every release")
+        camp.replay_everywhere(finding)
+    progress(f"writing and verifying the vLLM-only test on {', '.join(finding.installed)}")
+    return write_repro(out, finding, folder, verify=True)

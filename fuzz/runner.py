@@ -34,6 +34,7 @@ class FuzzOptions:
     db: str | None = None
     steer: str = "target"     # see fuzz.campaign.STEER_CHOICES
     real_share: float | None = None   # see fuzz.campaign.REAL_SHARE
+    verify_repros: bool = False   # run each bug's vLLM-only test on every release (minutes)
 
 
 def _sigterm_as_interrupt(*_):
@@ -60,6 +61,7 @@ def run_campaign(opts: FuzzOptions, index: int | None = None) -> dict:
             **({} if opts.real_share is None else {"real_share": opts.real_share}),
             database=open_database(opts.db, Path(opts.out)),
             stats_name="report" if index is None else f"w{index}",
+            verify_repros=opts.verify_repros,
             progress=lambda s: print(prefix + s, file=sys.stderr, flush=True))
         return campaign.run()
 

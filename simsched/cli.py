@@ -2,10 +2,11 @@
 
     simsched fuzz [--budget S] [--seed N] [--target T] [--out DIR]   a campaign
     simsched replay CASE.json [--release X | --all-releases | --model [--profile P]]
+    simsched repro CASE.json [--out DIR] [--no-shrink]              a repro folder, verified
     simsched run CASE.json [--profile P]                            the model's step trace
     simsched geometry CASE.json [--profile P]                       derived geometry
     simsched profiles                                               behaviour profiles
-    simsched releases install [X.Y.Z ...] | list                    real vLLM releases
+    simsched releases install [X.Y.Z ...] | list | env X.Y.Z        real vLLM releases
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def cmd_fuzz(args) -> int:
                        asserts=args.asserts, releases=args.releases, timeout=args.timeout,
                        workers=args.workers, db=args.db,
                        steer="none" if args.no_steer else args.steer,
-                       real_share=args.real_share)
+                       real_share=args.real_share, verify_repros=args.verify_repros)
     try:
         data = fuzz(opts)
     except (CampaignError, DatabaseError) as e:
@@ -148,10 +149,35 @@ def cmd_fuzz(args) -> int:
     return 1 if errors else 0
 
 
+def cmd_repro(args) -> int:
+    """Write the repro folder of the first bug a case shows (shrunk unless --no-shrink), its
+    vLLM-only test verified on the releases; exit 1 when that test is unverified or none could
+    be written."""
+    import json as json_
+    from fuzz.repro import repro_case
+    from simsched.case import load_case
+    case = load_case(args.case)
+    only = [v.strip() for v in args.releases.split(",") if v.strip()] if args.releases else None
+    folder = repro_case(case, Path(args.out) if args.out else None, shrink=not args.no_shrink,
+                        releases=only, timeout=args.timeout,
+                        progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(f"wrote {folder}/: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+    verdict = folder / "vllm_repro.json"
+    if not verdict.exists():
+        print("no vLLM-only test (see README.md)")
+        return 1
+    v = json_.loads(verdict.read_text())
+    print(("verified" if v["verified"] else f"unverified: {v['reason']}") + ": "
+          + ", ".join(f"{k} {r}" for k, r in v["results"].items()))
+    return 0 if v["verified"] else 1
+
+
 def cmd_releases(args) -> int:
     from simsched.vllm import releases
     if args.action == "install":
         return releases.cli_install(args.versions)
+    if args.action == "env":
+        return releases.cli_env(args.version)
     return releases.cli_list()
 
 
@@ -186,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--real-share", type=float, default=None,
                    help="share of cases run step by step on the newest release whatever the "
                    "model says (default 0.25; with --target all)")
+    f.add_argument("--verify-repros", action="store_true",
+                   help="run each bug's vLLM-only test (repros/<id>/test_vllm_*.py) on every "
+                   "installed release when it is written (about 20 s a release); without it the "
+                   "test is written unverified (`simsched repro` verifies one)")
     f.set_defaults(fn=cmd_fuzz)
 
     r = sub.add_parser("replay", help="run one case step by step on real releases; exit 1 when "
@@ -199,6 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", action="store_true", help="the model (every profile, or --profile)")
     r.add_argument("--profile")
     r.set_defaults(fn=cmd_replay)
+
+    rp = sub.add_parser("repro", help="write the repro folder of the bug a case shows (the "
+                        "case shrunk, a simsched test and a vLLM-only test verified on each "
+                        "installed release)")
+    rp.add_argument("case")
+    rp.add_argument("--out", help="the folder to write (default repros/<id>/)")
+    rp.add_argument("--no-shrink", action="store_true", help="keep the case as it is")
+    rp.add_argument("--releases", help="comma-separated installed releases (default: all)")
+    rp.add_argument("--timeout", type=float, default=120.0, help="per-call worker time limit (s)")
+    rp.set_defaults(fn=cmd_repro)
 
     rn = sub.add_parser("run", help="run a case on the model and print its step trace")
     rn.add_argument("case")
@@ -217,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     ri = rel_sub.add_parser("install", help="install releases (default: 0.25.1 to 0.33.0)")
     ri.add_argument("versions", nargs="*")
     rel_sub.add_parser("list", help="list installed releases")
+    re_ = rel_sub.add_parser("env", help="print a command prefix that runs plain vLLM code of an "
+                             "installed release (simsched not importable, pytest there): "
+                             "$(simsched releases env 0.33.0) -m pytest FILE")
+    re_.add_argument("version")
     rel.set_defaults(fn=cmd_releases)
     return p
 

@@ -87,6 +87,24 @@ def test_repro_fails_on_030_and_passes_on_033(campaign):
     assert r.returncode == 1
 
 
+def test_vllm_only_repro_of_the_campaign_fails_on_030_and_passes_on_033(campaign):
+    """The campaign writes the bug's vLLM-only test unverified (no --verify-repros); run
+    through each release's plain environment from an empty folder it fails on 0.30.0 and
+    passes on 0.33.0."""
+    from fuzz import vllm_repro
+    from simsched.vllm.releases import installed
+    out, data = campaign
+    boot = boot_finding(data)
+    folder = out / "repros" / boot["id"]
+    tests = sorted(folder.glob("test_vllm_*.py"))
+    assert [t.name for t in tests] == ["test_vllm_boot_assert_build_offloading_config.py"]
+    assert "; not verified (" in (folder / "README.md").read_text()
+    releases = [r for r in installed() if r.version in ("0.30.0", "0.33.0")]
+    verdict = vllm_repro.verify(tests[0], boot, releases)
+    assert verdict.results == {"0.30.0": "failed", "0.33.0": "passed"}, verdict.reason
+    assert verdict.verified
+
+
 def test_no_config_divergence_between_model_and_releases(campaign):
     """The model's config chain agrees with both releases' (trace-level gaps are listed as
     model-gap clusters; the config level is the part the model must get exactly)."""

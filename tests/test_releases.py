@@ -69,6 +69,8 @@ def test_closure_is_pinned_and_hashed_without_triton():
         assert "==" in req and hashes and all(h.startswith("sha256:") for h in hashes), line
         names.append(req.split("==")[0].lower())
     assert "torch" in names and "xgrammar" in names
+    # what `simsched releases env` promises: pytest and its dependencies
+    assert {"pytest", "pluggy", "iniconfig", "packaging", "pygments"} <= set(names)
     assert "triton" not in names and "zmq" not in names
 
 

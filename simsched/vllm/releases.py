@@ -61,7 +61,7 @@ _SMOKE_SCRIPT = (
     "print(vllm.__version__, file=out)\n"
 )
 _BASE_SMOKE_SCRIPT = (
-    "import importlib.util, torch, transformers, pydantic, msgspec, zmq\n"
+    "import importlib.util, torch, transformers, pydantic, msgspec, zmq, pytest\n"
     "assert importlib.util.find_spec('triton') is None, 'triton must not be installed'\n"
     "print(torch.__version__)\n"
 )
@@ -208,6 +208,35 @@ def worker_env(release: InstalledRelease) -> dict[str, str]:
     return _env_for(release.path)
 
 
+def plain_env(release: InstalledRelease) -> dict[str, str]:
+    """The environment of plain vLLM code of `release` (a vLLM-only repro test): the worker's,
+    with only the release on the path and the current directory kept off it
+    (``PYTHONSAFEPATH``), so that ``import simsched`` fails from any folder, a checkout of
+    simsched included, and pytest comes from the base env."""
+    env = _env_for(release.path)
+    env["PYTHONPATH"] = str(release.path)
+    env["PYTHONSAFEPATH"] = "1"
+    return env
+
+
+# Variables of the caller's environment that would redirect or change the interpreter.
+_UNSET_FOR_PLAIN = ("PYTHONHOME", "PYTHONSTARTUP", "PYTHONOPTIMIZE", "PYTHONINSPECT")
+
+
+def env_prefix(release: InstalledRelease) -> list[str]:
+    """``env -u ... NAME=value ... PYTHON``: a command prefix that runs plain vLLM code of
+    `release`, as ``$(simsched releases env X.Y.Z) -m pytest FILE`` (the shell splits it on
+    white space, so no part may hold any)."""
+    parts = ["env"] + [part for name in _UNSET_FOR_PLAIN for part in ("-u", name)]
+    parts += [f"{k}={v}" for k, v in sorted(plain_env(release).items())]
+    parts.append(str(release.python))
+    bad = [p for p in parts if not p or any(c.isspace() for c in p)]
+    if bad:
+        raise ReleaseError(f"vLLM {release.version}: a path holds white space, the printed "
+                           f"command would split it: {bad[0]!r}")
+    return parts
+
+
 def worker_command(release: InstalledRelease) -> list[str]:
     """The interpreter to run a worker for `release` with (append ``-m module`` and args)."""
     return [str(release.python)]
@@ -267,12 +296,17 @@ def _ensure_base(home: Path, closure: Path, progress: Progress) -> str:
     if base_ready(home, closure):
         return closure_sha
     started = time.monotonic()
-    if base.exists():
-        progress(f"base env {base}: stale or incomplete, rebuilding")
-        shutil.rmtree(base)
-    progress(f"base env {base}: creating venv...")
-    _run([_host_python(), "-m", "venv", str(base)], "creating the base venv")
-    progress(f"base env: installing torch 2.13.0 (CPU) and the closure ({closure.name})...")
+    if _read_json(base / BASE_MARKER) is not None and _base_python(home).exists():
+        # a complete base env built from another closure: pip installs what the closure adds
+        # or re-pins and leaves what is already satisfied (release workers may be using it)
+        progress(f"base env {base}: closure changed, updating it in place...")
+    else:
+        if base.exists():
+            progress(f"base env {base}: incomplete, rebuilding")
+            shutil.rmtree(base)
+        progress(f"base env {base}: creating venv...")
+        _run([_host_python(), "-m", "venv", str(base)], "creating the base venv")
+        progress(f"base env: installing torch 2.13.0 (CPU) and the closure ({closure.name})...")
     _run([str(_base_python(home)), "-m", "pip", "install", "--quiet", "--no-deps",
           "--require-hashes", "--only-binary=:all:", "--no-cache-dir", "-r", str(closure)],
          "installing the base closure")
@@ -502,6 +536,18 @@ def cli_install(versions: list[str] | None = None) -> int:
     except ReleaseError as err:
         return _error(err)
     print(f"{len(done)} release(s) ready in {simsched_home()} ({time.monotonic() - started:.1f} s)")
+    return 0
+
+
+def cli_env(version: str) -> int:
+    """`simsched releases env X.Y.Z`: print the command prefix of `env_prefix`."""
+    try:
+        if "," in version or version.strip() in ("all", "releases"):
+            raise ReleaseError(f"one release is needed, got {version!r}")
+        release, = resolve(version)
+        print(" ".join(env_prefix(release)))
+    except ReleaseError as err:
+        return _error(err)
     return 0
 
 

@@ -1,0 +1,453 @@
+"""A finding as a pytest file that needs vLLM alone: ``repros/<id>/test_vllm_<name>.py``.
+
+The file builds what the engine builds at start-up (a ``VllmConfig`` over a tiny Llama
+``config.json``, the ``KVCacheConfig`` of the case's groups, the ``Scheduler`` with the
+``OffloadingConnector`` and its real CPU offloading manager) the way the release harness does
+(``simsched/vllm/inside/build.py``, ``engine.RealEngine.boot``), written out plainly, and a
+worker stand-in that plays the case's steps (``engine._Run._go``): sampled tokens, and each store
+and load job reported done ``store_latency`` / ``load_latency`` steps after it was scheduled.
+
+What it checks, by the finding's kind:
+
+* a crash (at start-up or at a step): nothing; vLLM's exception propagates and fails the test;
+* INV-8 on ``load`` (a request loaded again and again and never scheduled): inline, the loads
+  of a request between two steps that schedule it, bounded as the harness bounds them.
+
+Every file also fails when a request is unfinished at the step cap. A case run with asserts
+stripped is run under ``python -O`` (the file refuses to run otherwise): what breaks where the
+assert is gone is the bug (an offloaded ring group's ``islice`` in ``update_offload_keys``).
+:func:`verify` runs the file with each installed release's plain environment (``simsched releases
+env``) from an empty folder: it must fail on each affected release and pass on each clean one.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import textwrap
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fuzz.triage import START_UP_STAGES
+from simsched.case import VOCAB, Case
+from simsched.geometry import max_model_len
+
+# What the harness bounds (engine.MAX_LOADS_UNSCHEDULED, engine.DEFAULT_STEP_CAP).
+MAX_LOADS_UNSCHEDULED = 2
+STEP_CAP = 20_000
+VERIFY_TIMEOUT_S = 300
+
+# kind -> (vLLM spec class, its extra constructor fields from the group)
+SPECS = {
+    "full": ("FullAttentionSpec", ()), "mla": ("MLAAttentionSpec", ()),
+    "sliding_window": ("SlidingWindowSpec", ("sliding_window",)),
+    "sliding_window_mla": ("SlidingWindowMLASpec", ("sliding_window",)),
+    "chunked_local": ("ChunkedLocalAttentionSpec", ("attention_chunk_size",)),
+    "mamba": ("MambaSpec", ()), "ring": ("CircularBufferSpec", ()),
+    "cross_attention": ("CrossAttentionSpec", ()),
+}
+
+
+class NotGenerated(Exception):
+    """The finding or its case is of a kind the generator does not write yet; says which."""
+
+
+def supported(case: Case, data: dict) -> None:
+    """Raise :class:`NotGenerated` unless the generator can write this finding."""
+    eng = case.layout.engine
+    why = [("speculative decoding", eng.speculative is not None),
+           ("async scheduling", eng.async_scheduling),
+           ("a drafter group", any(g.drafter for g in case.layout.groups)),
+           ("no request", not case.requests)]
+    for reason, holds in why:
+        if holds:
+            raise NotGenerated(f"not generated yet for a case with {reason}")
+    if data["kind"] == "crash":
+        return
+    if data["kind"] == "invariant" and data.get("invariant") == "INV-8" \
+            and data.get("op") == "load":
+        return
+    raise NotGenerated(f"not generated yet for a {data['kind']} finding "
+                       f"({data.get('invariant') or data.get('signature')})")
+
+
+def short_name(data: dict) -> str:
+    """``boot_assert_build_offloading_config`` (a start-up stage raised), ``step_crash_...``,
+    ``livelock_load``."""
+    if data["kind"] == "invariant":
+        return "livelock_load"
+    exc = {"AssertionError": "assert"}.get(data.get("exception") or "", "crash")
+    where = "boot" if data.get("stage") in START_UP_STAGES else "step"
+    name = re.sub(r"[^a-z0-9]+", "_", (data.get("function") or "").lower()).strip("_")
+    return f"{where}_{exc}_{name}"[:60].rstrip("_")
+
+
+# --- the file ------------------------------------------------------------------------------
+
+def _spec(group) -> str:
+    cls, extra = SPECS[group.kind]
+    args = [f"block_size={group.block_size}"] + [f"{f}={getattr(group, f)}" for f in extra]
+    if group.kind == "mamba":
+        args.append("shapes=((4, 8),), dtypes=(torch.float16,)")
+        if group.mamba_cache_mode != "none":
+            args.append(f"mamba_cache_mode={group.mamba_cache_mode!r}")
+    else:
+        args.append("**ATTN")
+    return f"kvi.{cls}({', '.join(args)})"
+
+
+def _cache_fields(case: Case) -> str:
+    """CacheConfig's fields as ``ConfigBuilder.build`` sets them: the block size of the first
+    attention group (else the first group), prefix caching, Mamba's align mode."""
+    groups = case.layout.groups
+    attn = [g for g in groups if g.kind != "mamba"]
+    fields = {"block_size": (attn[0] if attn else groups[0]).block_size,
+              "enable_prefix_caching": case.layout.engine.enable_prefix_caching}
+    if any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in groups):
+        fields["mamba_cache_mode"] = "align"
+    return ", ".join(f"{k}={v!r}" for k, v in fields.items())
+
+
+def _extra_config(case: Case) -> tuple[dict, int]:
+    """kv_connector_extra_config besides cpu_bytes_to_use, and the GPU blocks per chunk."""
+    eng = case.layout.engine
+    extra: dict = {}
+    bpc = 1
+    if eng.blocks_per_chunk is not None:
+        extra["blocks_per_chunk"] = bpc = eng.blocks_per_chunk
+    if eng.offload_block_size is not None:
+        extra["block_size"] = eng.offload_block_size
+        if eng.blocks_per_chunk is None:
+            bpc = max(1, eng.offload_block_size // case.layout.groups[0].block_size)
+    if not eng.offload_prompt_only:
+        extra["offload_prompt_only"] = False
+    return extra, bpc
+
+
+def _engine_lines(case: Case) -> list[str]:
+    """Engine knobs off their defaults, set after VllmConfig's own checks as the harness does."""
+    eng = case.layout.engine
+    lines = []
+    if eng.prefix_match_unit is not None:   # hash_block_size before 0.26.0
+        lines += ["    for name in ('prefix_match_unit', 'hash_block_size'):",
+                  "        if hasattr(vc.cache_config, name):",
+                  f"            setattr(vc.cache_config, name, {eng.prefix_match_unit})",
+                  "            break"]
+    if eng.retention_interval is not None:
+        lines.append(f"    vc.cache_config.prefix_cache_retention_interval = "
+                     f"{eng.retention_interval}")
+    if eng.dcp_size != 1:
+        lines.append(f"    vc.parallel_config.decode_context_parallel_size = {eng.dcp_size}")
+    return lines
+
+
+def _kv_cache_config_extra(case: Case) -> str:
+    """A deployment's KVCacheConfig copies cache_config.prefix_cache_retention_interval
+    (``get_kv_cache_config_from_groups``); the harness sets both when the case sets it."""
+    interval = case.layout.engine.retention_interval
+    return "" if interval is None else f",\n{' ' * 40}prefix_cache_retention_interval={interval}"
+
+
+def _requests(case: Case) -> str:
+    rows = []
+    for r in case.requests:
+        params = {k: v for k, v in (("max_load_tokens", r.max_load_tokens),
+                                    ("max_offload_tokens", r.max_offload_tokens))
+                  if v is not None}
+        segments = [tuple(s) for s in r.prompt]
+        rows.append(f"({r.id!r}, {segments!r}, {r.arrival}, {r.decode}, {r.abort_at!r}, "
+                    f"{params!r})")
+    return ",\n            ".join(rows)
+
+
+def title(data: dict) -> str:
+    """An upstream issue's title, in vLLM's style."""
+    if data["kind"] == "crash":
+        what = f"{data['exception']} in {data['function']}"
+    else:
+        what = "a request loaded from the CPU tier again and again is never scheduled"
+    head = f"[Bug][KV offloading]: {what}"
+    full = f"{head} on {data['layout']}"
+    return full if len(full) <= 96 else head
+
+
+def _about(data: dict) -> str:
+    """The docstring's body: what runs, what the test shows, where, how to run it."""
+    if data["kind"] == "crash":
+        where = f" (vllm/{data['file']})" if data.get("file") else ""
+        msg = (data.get("message") or "").strip().rstrip(".")
+        what = (f"vLLM raises {data['exception']} in {data['function']}{where}"
+                + (f": {msg}" if msg else "") + ". The test lets it propagate.")
+    else:
+        what = ("A request whose prompt the CPU tier holds is loaded again and again and never "
+                f"scheduled (INV-8): the test fails when a request is loaded more than "
+                f"{MAX_LOADS_UNSCHEDULED} times between two steps that schedule it.")
+    mode = "" if data["asserts"] else " With Python's asserts stripped (python -O)."
+    text = (f"The real Scheduler with the OffloadingConnector and its CPU offloading manager, "
+            f"KV cache groups {data['layout']}, driven step by step on CPU as the engine core "
+            f"and the offloading worker do.{mode} {what} Present in vLLM "
+            f"{_ranges(data['releases_affected'])}; "
+            + (f"absent from {_ranges(data['releases_clean'])}" if data["releases_clean"]
+               else "no release run is clean of it")
+            + f" (simsched finding {data['id']}).")
+    example = (data["releases_affected"] or ["0.33.0"])[-1]
+    run = (f"Run: ``$(simsched releases env {example}){'' if data['asserts'] else ' -O'} -m "
+           f"pytest FILE``, or in vLLM's tests/v1/kv_connector/.")
+    return textwrap.fill(text, 96, break_on_hyphens=False, break_long_words=False) + "\n" + run
+
+
+def _ranges(versions: list[str]) -> str:
+    return ", ".join(versions) if versions else "no installed release"
+
+
+def render(case: Case, data: dict) -> str:
+    """The text of ``test_vllm_<short name>.py`` for ``case`` showing finding ``data``."""
+    supported(case, data)
+    extra, bpc = _extra_config(case)
+    eng, timing = case.layout.engine, case.timing
+    groups = ",\n          ".join(f"({_spec(g)}, {g.layers})" for g in case.layout.groups)
+    return TEMPLATE.format(
+        title=title(data), about=_about(data), groups=groups,
+        num_gpu_blocks=eng.num_gpu_blocks, cpu_chunks=eng.cpu_chunks, bpc=bpc, extra=extra,
+        cache=_cache_fields(case),
+        batched=timing.max_num_batched_tokens, seqs=timing.max_num_seqs,
+        store=timing.store_latency, load=timing.load_latency, requests=_requests(case),
+        max_model_len=max_model_len(case), seed=case.seed % VOCAB,
+        step_cap=STEP_CAP, **_optional(case, data),
+        engine_lines="".join(line + "\n" for line in _engine_lines(case)),
+        kvc_extra=_kv_cache_config_extra(case),
+        name=short_name(data))
+
+
+def _optional(case: Case, data: dict) -> dict:
+    """The parts of the test only some cases need: aborts (a request aborted before its
+    arrival is never sent, ``RequestSpec.withdrawn``) and INV-8's check on loads
+    (``engine._Run._check_reloads``)."""
+    aborts = any(r.abort_at is not None for r in case.requests)
+    parts = {"skip": " | withdrawn" if aborts else "",
+             "request_imports": "Request, RequestStatus" if aborts else "Request",
+             "before_loop": "", "abort_lines": "", "pytest_import": "", "debug_guard": "",
+             "after_update": "        for j in done:\n            del pending[j]\n"}
+    if aborts:
+        parts["before_loop"] = ("    withdrawn = {r[0] for r in REQUESTS "
+                                "if r[4] is not None and r[4] < r[2]}\n")
+        parts["abort_lines"] = (
+            "            if abort_at is not None and abort_at <= t and rid in sched.requests:\n"
+            "                sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)\n")
+    if not case.asserts:   # the layout's bug is what breaks where python -O strips an assert
+        parts["pytest_import"] = "import pytest\n"
+        parts["debug_guard"] = ("    if __debug__:\n        pytest.fail(\"vLLM's asserts refuse "
+                                "this layout before the bug: run with python -O\")\n")
+    if data["kind"] == "invariant":   # INV-8 on load (supported() lets no other through)
+        parts["before_loop"] += "    loads_unscheduled = {}  # request -> its loads since it ran\n"
+        parts["after_update"] = (
+            "        for rid in output.req_ids:\n"
+            "            loads_unscheduled.pop(rid, None)\n"
+            "        for rid in [pending.pop(j)[1] for j in done]:\n"
+            "            if rid is not None:\n"
+            "                n = loads_unscheduled[rid] = loads_unscheduled.get(rid, 0) + 1\n"
+            f"                if n > {MAX_LOADS_UNSCHEDULED}:\n"
+            "                    raise AssertionError(f\"{rid} loaded {n} times, never "
+            "scheduled\")\n")
+    return parts
+
+
+TEMPLATE = '''"""{title}
+
+{about}
+"""
+import dataclasses
+import json
+import logging
+
+{pytest_import}import torch
+
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                         VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1 import kv_cache_interface as kvi
+from vllm.v1.core import kv_cache_utils as kcu
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import {request_imports}
+
+logging.getLogger("vllm").setLevel(logging.ERROR)
+
+TINY_LLAMA = {{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 20,
+              "rms_norm_eps": 1e-6, "torch_dtype": "float16", "head_dim": 16}}
+ATTN = dict(num_kv_heads=1, head_size=16, dtype=torch.float16)
+# The KV cache groups in KVCacheConfig order: (spec, number of layers).
+GROUPS = [{groups}]
+NUM_GPU_BLOCKS, CPU_CHUNKS, BLOCKS_PER_CHUNK = {num_gpu_blocks}, {cpu_chunks}, {bpc}
+EXTRA_CONFIG = {extra!r}  # kv_connector_extra_config besides cpu_bytes_to_use
+MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN = {batched}, {seqs}, {max_model_len}
+STORE_LATENCY, LOAD_LATENCY = {store}, {load}  # steps until the worker reports a job done
+# (id, prompt segments (seed, length), arrival step, max_tokens, abort step, kv_transfer_params)
+REQUESTS = [{requests}]
+SEED, STEP_CAP = {seed}, {step_cap}
+
+
+def make_scheduler(model_dir):
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    layers = [f"model.layers.{{i}}.attn" for i in range(sum(n for _, n in GROUPS))]
+    names = iter(layers)
+    groups = [kvi.KVCacheGroupSpec([next(names) for _ in range(n)], spec) for spec, n in GROUPS]
+    page = sum(spec.page_size_bytes * n for spec, n in GROUPS)
+    size = page * NUM_GPU_BLOCKS
+    if "shared_by" in {{f.name for f in dataclasses.fields(kvi.KVCacheTensor)}}:  # to 0.28
+        tensor = kvi.KVCacheTensor(size=size, shared_by=layers)
+    else:
+        tensor = kvi.KVCacheTensor(size=size, layers=layers, layer_stride=0, block_stride=page)
+    kv_cache_config = kvi.KVCacheConfig(num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[tensor],
+                                        kv_cache_groups=groups{kvc_extra})
+    align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT  # the CPU tier's chunk, aligned
+    chunk = -(-page * BLOCKS_PER_CHUNK // align) * align
+    vc = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
+                                 dtype="float16", max_model_len=MAX_MODEL_LEN),
+        cache_config=CacheConfig({cache}),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={{**EXTRA_CONFIG, "cpu_bytes_to_use": chunk * CPU_CHUNKS}}))
+    vc.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
+{engine_lines}    sc = vc.scheduler_config
+    sc.max_num_batched_tokens, sc.max_num_seqs = MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+    sc.max_num_scheduled_tokens, sc.enable_chunked_prefill = None, True
+    sc.long_prefill_token_threshold = 0
+    if hasattr(sc, "max_num_partial_prefills"):  # to 0.26.0
+        sc.max_num_partial_prefills = 1
+    # the hybrid KV cache manager on, as on CUDA: on CPU vLLM turns it off and merges groups
+    sc.disable_hybrid_kv_cache_manager = False
+    block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(kv_cache_config, vc)
+    params = Scheduler.__init__.__code__.co_varnames
+    kw = {{k: v for k, v in (("block_size", block_size), ("hash_block_size", hash_block_size))
+          if k in params}}
+    if "structured_output_manager" in params:
+        from vllm.v1.structured_output import StructuredOutputManager
+        kw["structured_output_manager"] = StructuredOutputManager(vc)
+    sched = Scheduler(vllm_config=vc, kv_cache_config=kv_cache_config, log_stats=False, **kw)
+    assert len(sched.kv_cache_manager.coordinator.single_type_managers) == len(GROUPS)
+    hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+    kcu.init_none_hash(hash_fn)
+    return sched, kcu.get_request_block_hasher(hash_block_size, hash_fn)
+
+
+def make_request(index, hasher):
+    rid, segments, _, decode, _, params = REQUESTS[index]
+    # token i of a prompt segment: (seed * 7919 + i * 104729 + 17) % 32000
+    tokens = [(seed * 7919 + i * 104729 + 17) % 32000 for seed, n in segments for i in range(n)]
+    extra = {{"extra_args": {{"kv_transfer_params": params}}}} if params else {{}}
+    return Request(request_id=rid, prompt_token_ids=tokens, pooling_params=None,
+                   sampling_params=SamplingParams(max_tokens=decode, ignore_eos=True, **extra),
+                   arrival_time=float(index), block_hasher=hasher)
+
+
+def worker_output(sched, out, t, pending):
+    """Step t's output: a token per request at its end; the transfer jobs due (a load's
+    request also in finished_recving)."""
+    order = list(out.num_scheduled_tokens)
+    reqs = [sched.requests[rid] for rid in order]  # arrival_time: the request's index
+    sampled = [[(SEED * 1000003 + int(r.arrival_time) * 7919 + r.num_tokens * 104729 + 3) % 32000]
+               if r.num_computed_tokens >= r.num_tokens else [] for r in reqs]
+    done = sorted(j for j, (due, _) in pending.items() if due <= t + 1)
+    loads = {{pending[j][1] for j in done if pending[j][1] is not None}}
+    kvo = KVConnectorOutput(finished_recving=loads or None,
+                            kv_connector_worker_meta=OffloadingWorkerMetadata(
+                                completed_jobs=dict.fromkeys(done, 1))) if done else None
+    extra = {{"logprobs": None}} if "logprobs" in ModelRunnerOutput.__dataclass_fields__ else {{}}
+    return ModelRunnerOutput(req_ids=order, req_id_to_index={{r: i for i, r in enumerate(order)}},
+                             sampled_token_ids=sampled, kv_connector_output=kvo, **extra), done
+
+
+def test_{name}(tmp_path):
+{debug_guard}    sched, hasher = make_scheduler(tmp_path)
+    sent, pending, t = set(), {{}}, 0  # pending: job id -> (step due, request of a load)
+{before_loop}    for _ in range(STEP_CAP):
+        for i, (rid, _, arrival, _, abort_at, _) in enumerate(REQUESTS):
+            if arrival <= t and rid not in sent{skip}:
+                sched.add_request(make_request(i, hasher))
+                sent.add(rid)
+{abort_lines}        if not sched.has_requests() and not pending:
+            later = [r[2] for r in REQUESTS if r[0] not in sent{skip}]
+            if not later:
+                return  # every request finished
+            t = max(t + 1, min(later))
+            continue
+        out = sched.schedule()
+        meta = out.kv_connector_metadata
+        for j in meta.store_jobs or {{}}:
+            pending[j] = (t + STORE_LATENCY, None)
+        for j, job in (meta.load_jobs or {{}}).items():
+            pending[j] = (t + LOAD_LATENCY, job.req_id)
+        for j in set(meta.jobs_to_flush or ()) & set(pending):  # a flushed store ends now
+            pending[j] = (t, pending[j][1])
+        output, done = worker_output(sched, out, t, pending)
+        sched.update_from_output(out, output)
+{after_update}        t += 1
+    raise AssertionError(f"requests unfinished after {{STEP_CAP}} steps: {{list(sched.requests)}}")
+'''
+
+
+# --- verification on the installed releases -----------------------------------------------
+
+@dataclass
+class Verdict:
+    verified: bool
+    reason: str                       # why not verified ("" when verified)
+    results: dict = field(default_factory=dict)   # release -> "failed" / "passed" / "error: ..."
+
+    def to_json(self) -> dict:
+        return {"verified": self.verified, "reason": self.reason, "results": self.results}
+
+
+def run_on(path: Path, release, asserts: bool = True) -> tuple[str, str]:
+    """Run the test file with ``release``'s plain environment from an empty folder (with
+    ``python -O`` unless ``asserts``): its result (``passed``, ``failed``, ``error``) and
+    pytest's output."""
+    from simsched.vllm.releases import env_prefix
+    with tempfile.TemporaryDirectory(prefix="simsched-vllm-repro-") as tmp:
+        local = Path(tmp) / path.name
+        local.write_text(path.read_text())
+        try:
+            proc = subprocess.run(env_prefix(release) + ([] if asserts else ["-O"])
+                                  + ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                     local.name],
+                                  cwd=tmp, text=True, capture_output=True,
+                                  timeout=VERIFY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return "error", f"timed out after {VERIFY_TIMEOUT_S} s"
+    result = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
+    return result, proc.stdout + proc.stderr
+
+
+def verify(path: Path, data: dict, releases) -> Verdict:
+    """Fails on each affected release (with the finding's exception for a crash), passes on
+    each clean one; a release the case did not run on is run and reported, nothing required."""
+    results, wrong = {}, []
+    exc = data.get("exception") if data["kind"] == "crash" else None
+    for release in releases:
+        got, output = run_on(path, release, data["asserts"])
+        v = release.version
+        if got == "failed" and exc and f"{exc}" not in output:
+            got = "failed otherwise"
+        results[v] = got
+        want = ("failed" if v in data["releases_affected"]
+                else "passed" if v in data["releases_clean"] else None)
+        if want is not None and got != want:
+            last = [l for l in output.splitlines() if l.strip()][-1:] or [""]
+            wrong.append(f"{v}: {got}, expected {want} ({last[0].strip()[:160]})")
+    missing = [v for v in data["releases_affected"] + data["releases_clean"]
+               if v not in results]
+    if missing:
+        wrong.append(f"not installed: {', '.join(missing)}")
+    if not data["releases_affected"]:
+        wrong.append("no affected release to fail on")
+    return Verdict(not wrong, "; ".join(wrong), results)

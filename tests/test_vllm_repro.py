@@ -1,0 +1,315 @@
+"""vLLM-only repros: the plain release environment (`simsched releases env`), the generated
+``test_vllm_*.py`` files (fuzz/vllm_repro.py) and their verification on real releases.
+
+The real checks need `simsched releases install` to have run; they FAIL when a release they
+name is missing."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuzz import vllm_repro
+from simsched.case import Case
+from simsched.vllm import releases as rel
+from simsched.vllm.releases import InstalledRelease, ReleaseError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _installed(version: str) -> InstalledRelease:
+    have = {r.version: r for r in rel.installed()}
+    assert version in have, (f"vLLM {version} not installed in {rel.simsched_home()}: "
+                             f"run `simsched releases install {version}`")
+    return have[version]
+
+
+def _cli(*args: str, cwd: Path = ROOT, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "simsched.cli", *args], cwd=cwd, env=env,
+                          text=True, capture_output=True, timeout=timeout)
+
+
+# --- simsched releases env ---------------------------------------------------------------
+
+
+def test_env_prefix_has_only_the_release_on_the_path(tmp_path):
+    release = InstalledRelease("0.30.0", tmp_path / "releases" / "0.30.0",
+                               tmp_path / "base" / "bin" / "python", "")
+    parts = rel.env_prefix(release)
+    assert parts[0] == "env" and parts[-1] == str(release.python)
+    assigned = dict(p.split("=", 1) for p in parts if "=" in p)
+    assert assigned["PYTHONPATH"] == str(release.path)     # no simsched root beside it
+    assert assigned["PYTHONSAFEPATH"] == "1"               # nor the current directory
+    assert assigned["VLLM_NO_USAGE_STATS"] == assigned["HF_HUB_OFFLINE"] == "1"
+    assert ["-u", "PYTHONHOME"] == parts[1:3] and "PYTHONOPTIMIZE" in parts
+
+
+def test_env_prefix_refuses_white_space(tmp_path):
+    release = InstalledRelease("0.30.0", tmp_path / "my releases" / "0.30.0",
+                               tmp_path / "base" / "bin" / "python", "")
+    with pytest.raises(ReleaseError, match="white space"):
+        rel.env_prefix(release)
+
+
+def test_env_of_an_unknown_release_is_a_one_line_error():
+    for version in ("0.99.0", "0.30.0,0.33.0"):
+        proc = _cli("releases", "env", version)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.startswith("simsched: error: ") and proc.stderr.count("\n") == 1
+
+
+def test_changed_closure_updates_the_base_in_place(tmp_path, monkeypatch):
+    """A base env built from another closure is updated by pip, not removed and rebuilt
+    (release workers of other processes may be running on it)."""
+    home = tmp_path / "home"
+    (home / "base" / "bin").mkdir(parents=True)
+    (home / "base" / "bin" / "python").symlink_to(sys.executable)
+    (home / "base" / rel.BASE_MARKER).write_text(json.dumps({"closure_sha256": "old"}))
+    (home / "base" / "keep").write_text("a file of the installed env")
+    closure = tmp_path / "closure.txt"
+    closure.write_text("# one more pin\n")
+    calls = []
+    monkeypatch.setattr(rel, "_run", lambda cmd, what, **kw: calls.append(cmd) or "2.13.0+cpu\n")
+    rel._ensure_base(home, closure, lambda msg: None)
+    assert (home / "base" / "keep").exists()
+    assert not any("venv" in cmd for cmd in calls)
+    assert any(cmd[1:4] == ["-m", "pip", "install"] and str(closure) in cmd for cmd in calls)
+    assert rel.base_ready(home, closure)
+
+
+def test_release_env_runs_vllm_and_pytest_but_not_simsched(tmp_path):
+    """From the simsched checkout itself (where the cwd would make simsched importable) and
+    from an empty folder."""
+    proc = _cli("releases", "env", "0.33.0")
+    assert proc.returncode == 0, proc.stderr
+    prefix = shlex.split(proc.stdout.strip())
+    assert prefix[-1] == str(_installed("0.33.0").python)
+    test = tmp_path / "test_plain.py"
+    test.write_text(
+        "import importlib.util\n\n"
+        "import pytest\nimport vllm\n\n\n"
+        "def test_plain():\n"
+        "    assert vllm.__version__ == '0.33.0'\n"
+        "    assert importlib.util.find_spec('simsched') is None\n"
+        "    with pytest.raises(ModuleNotFoundError):\n"
+        "        import simsched  # noqa: F401\n")
+    for cwd in (ROOT, tmp_path):
+        run = subprocess.run(prefix + ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                       str(test)], cwd=cwd, text=True, capture_output=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        assert "1 passed" in run.stdout
+
+
+# --- the generated test files ------------------------------------------------------------
+
+
+# PR #55037's boot assert with a full-attention group (``simsched replay``: AssertionError in
+# build_offloading_config at start-up on 0.29.0 and 0.30.0; 0.31.0 leaves the ring out and
+# runs both steps; 0.25.1-0.28.0 have no CircularBufferSpec)
+RING = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                              {"kind": "ring", "block_size": 4}]},
+        "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+RING_FINDING = {
+    "id": "ring-boot", "kind": "crash", "signature": "crash:AssertionError:build_offloading_config",
+    "exception": "AssertionError", "function": "build_offloading_config",
+    "file": "distributed/kv_transfer/kv_connector/v1/offloading/config.py",
+    "message": "tokens_per_block=4 not divisible by tokens_per_hash=16.", "asserts": True,
+    "layout": "full/16 + ring/4", "stage": "build_offloading_config",
+    "releases_affected": ["0.29.0", "0.30.0"], "releases_clean": ["0.31.0"]}
+# docs/repro/one_token_prompt_load_livelock.py as a case: b's one-token prompt is a's first
+# chunk; `simsched replay` shows INV-8 on load on every release 0.25.1-0.33.0
+LIVELOCK = {"layout": {"groups": [{"kind": "mla", "block_size": 1}],
+                       "engine": {"num_gpu_blocks": 512}},
+            "requests": [{"id": "a", "prompt": [[3, 8]], "decode": 1},
+                         {"id": "b", "prompt": [[3, 1]], "arrival": 3, "decode": 4}],
+            "timing": {"max_num_batched_tokens": 64, "max_num_seqs": 2}}
+LIVELOCK_FINDING = {"id": "livelock", "kind": "invariant", "signature": "invariant:INV-8",
+                    "invariant": "INV-8", "op": "load", "asserts": True, "layout": "mla/1",
+                    "stage": "step",
+                    "releases_affected": ["0.29.0", "0.33.0"], "releases_clean": []}
+
+
+def _render(tmp_path: Path, case: dict, finding: dict) -> Path:
+    text = vllm_repro.render(Case.from_json(case), finding)
+    path = tmp_path / f"test_vllm_{vllm_repro.short_name(finding)}.py"
+    path.write_text(text)
+    return path
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+    tops = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            tops |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            tops.add(node.module.split(".")[0])
+    return tops
+
+
+@pytest.mark.parametrize("case,finding,name", [
+    (RING, RING_FINDING, "test_vllm_boot_assert_build_offloading_config.py"),
+    (LIVELOCK, LIVELOCK_FINDING, "test_vllm_livelock_load.py")])
+def test_generated_file_is_short_plain_and_lint_clean(tmp_path, case, finding, name):
+    path = _render(tmp_path, case, finding)
+    assert path.name == name
+    assert _imports(path) - set(sys.stdlib_module_names) <= {"vllm", "torch", "pytest"}
+    lines = path.read_text().splitlines()
+    assert max(len(line) for line in lines) <= 100
+    if len(case["requests"]) == 1:
+        assert len(lines) < 150
+    lint = subprocess.run([sys.executable, "-m", "pyflakes", str(path)], text=True,
+                          capture_output=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert lines[0].startswith('"""[Bug][KV offloading]: ')
+
+
+def test_asserts_stripped_case_is_run_with_python_O(tmp_path):
+    case = dict(RING, asserts=False)
+    finding = dict(RING_FINDING, asserts=False, exception="ValueError",
+                   function="update_offload_keys")
+    text = _render(tmp_path, case, finding).read_text()
+    assert "if __debug__:\n        pytest.fail(" in text
+    assert "releases env 0.30.0) -O -m pytest" in text
+
+
+def test_kinds_not_written_yet_say_why():
+    spec = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                       "engine": {"speculative": {"method": "eagle", "num_tokens": 2}}},
+            "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+    with pytest.raises(vllm_repro.NotGenerated, match="speculative decoding"):
+        vllm_repro.render(Case.from_json(spec), RING_FINDING)
+    inv4 = dict(LIVELOCK_FINDING, invariant="INV-4", op="store")
+    with pytest.raises(vllm_repro.NotGenerated, match="INV-4"):
+        vllm_repro.render(Case.from_json(LIVELOCK), inv4)
+
+
+def test_verify_wants_fail_where_affected_and_pass_where_clean(tmp_path, monkeypatch):
+    """The verdict's logic, on canned runs: what each release's run must give."""
+    runs = {"0.29.0": ("failed", "E   AssertionError: tokens_per_block=4"),
+            "0.30.0": ("failed", "E   ValueError: something else"),
+            "0.31.0": ("passed", "1 passed")}
+    monkeypatch.setattr(vllm_repro, "run_on", lambda path, r, asserts: runs[r.version])
+    rels = [InstalledRelease(v, tmp_path, tmp_path, "") for v in runs]
+    verdict = vllm_repro.verify(tmp_path / "t.py", RING_FINDING, rels)
+    assert not verdict.verified
+    assert verdict.results == {"0.29.0": "failed", "0.30.0": "failed otherwise",
+                               "0.31.0": "passed"}
+    assert verdict.reason.startswith("0.30.0: failed otherwise, expected failed")
+    runs["0.30.0"] = ("failed", "E   AssertionError: tokens_per_block=4")
+    assert vllm_repro.verify(tmp_path / "t.py", RING_FINDING, rels).verified
+    wider = dict(RING_FINDING, releases_clean=["0.31.0", "0.32.0"])
+    assert "not installed: 0.32.0" in vllm_repro.verify(tmp_path / "t.py", wider, rels).reason
+
+
+def test_repro_command_bad_input_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"layout": {"groups": []}}')
+    for path in (bad, tmp_path / "missing.json"):
+        proc = _cli("repro", str(path), "--no-shrink")
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.startswith("simsched: error: ") and proc.stderr.count("\n") == 1
+
+
+# --- real: each generated file run through `simsched releases env` from an empty folder ----
+
+
+def test_boot_assert_fails_where_present_and_passes_where_fixed(tmp_path):
+    path = _render(tmp_path, RING, RING_FINDING)
+    releases = [_installed(v) for v in ("0.29.0", "0.30.0", "0.31.0")]
+    verdict = vllm_repro.verify(path, RING_FINDING, releases)
+    assert verdict.results == {"0.29.0": "failed", "0.30.0": "failed", "0.31.0": "passed"}
+    assert verdict.verified, verdict.reason
+
+
+def test_livelock_fails_where_present_and_its_control_passes(tmp_path):
+    """No release is clean of the one-token livelock: the same workload with two-token
+    blocks (b's one token fills no chunk, so nothing is loaded; `simsched replay`: clean on
+    0.29.0 and 0.33.0) is the file's passing control."""
+    path = _render(tmp_path, LIVELOCK, LIVELOCK_FINDING)
+    releases = [_installed(v) for v in ("0.29.0", "0.33.0")]
+    verdict = vllm_repro.verify(path, LIVELOCK_FINDING, releases)
+    assert verdict.results == {"0.29.0": "failed", "0.33.0": "failed"}, verdict.reason
+    _, output = vllm_repro.run_on(path, releases[1])
+    assert "b loaded 3 times, never scheduled" in output
+    control = json.loads(json.dumps(LIVELOCK))
+    control["layout"]["groups"][0]["block_size"] = 2
+    (tmp_path / "control").mkdir()
+    path = _render(tmp_path / "control", control, LIVELOCK_FINDING)
+    assert vllm_repro.run_on(path, releases[1])[0] == "passed"
+
+
+def test_repro_command_writes_a_verified_step_crash_with_asserts_stripped(tmp_path):
+    """`simsched repro` on a hand-written case: the ring with asserts stripped gets past the
+    boot assert and the first step's update_offload_keys raises ValueError (islice) on 0.30.0;
+    0.31.0 leaves the ring out and runs clean (both from `simsched replay`)."""
+    case = tmp_path / "ring.json"
+    case.write_text(json.dumps(dict(RING, asserts=False)))
+    proc = _cli("repro", str(case), "--out", str(tmp_path / "out"), "--no-shrink",
+                "--releases", "0.30.0,0.31.0", cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verified: 0.30.0 failed, 0.31.0 passed" in proc.stdout
+    out = tmp_path / "out"
+    finding = json.loads((out / "finding.json").read_text())
+    assert (finding["exception"], finding["function"]) == ("ValueError", "update_offload_keys")
+    test = out / "test_vllm_step_crash_update_offload_keys.py"
+    assert "releases env 0.30.0) -O -m pytest" in test.read_text()
+    readme = (out / "README.md").read_text()
+    assert "`test_repro.py`: runs the case on simsched's harness" in readme
+    assert f"`{test.name}`: needs vLLM alone" in readme and "; verified (" in readme
+    assert (out / "test_repro.py").exists()
+
+
+COUNTING_DRIVER = '''import importlib.util, json, sys, tempfile
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("generated", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+counts = {"steps": 0, "stores": 0, "loads": 0}
+schedule = mod.Scheduler.schedule
+def counted(self):
+    out = schedule(self)
+    counts["steps"] += 1
+    counts["stores"] += len(out.kv_connector_metadata.store_jobs or {})
+    counts["loads"] += len(out.kv_connector_metadata.load_jobs or {})
+    return out
+mod.Scheduler.schedule = counted
+test = next(getattr(mod, n) for n in dir(mod) if n.startswith("test_"))
+with tempfile.TemporaryDirectory() as tmp:
+    test(Path(tmp))
+print(json.dumps(counts))
+'''
+
+
+def test_worker_stand_in_plays_the_steps_the_harness_plays(tmp_path):
+    """The generated file's engine loop and worker stand-in against simsched's harness on the
+    same release: a CPU hit loaded with latencies 2 and 3 and two-block chunks, a request
+    withdrawn before it arrives; the same schedule() calls, store jobs and load jobs."""
+    from simsched.lockstep import lockstep
+    from simsched.targets import Releases
+    case = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                       "engine": {"num_gpu_blocks": 8, "blocks_per_chunk": 2}},
+            "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                         {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                         {"id": "x", "prompt": [[9, 16]], "arrival": 6, "abort_at": 5},
+                         {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}],
+            "timing": {"store_latency": 2, "load_latency": 3}}
+    release = _installed("0.33.0")
+    with Releases.installed(["0.33.0"], timeout=120) as pool:
+        real = lockstep(Case.from_json(case), "0.33.0", pool).real
+    assert real["status"] == "ok", real
+    want = {k: real["counters"][k] for k in ("steps", "stores", "loads")}
+    assert want["loads"] >= 1
+    path = _render(tmp_path, case, RING_FINDING)
+    driver = tmp_path / "count.py"
+    driver.write_text(COUNTING_DRIVER)
+    run = subprocess.run(rel.env_prefix(release) + [str(driver), str(path)], cwd=tmp_path,
+                         text=True, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == want
