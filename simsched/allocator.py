@@ -558,6 +558,7 @@ class KVCacheManager:
         self.hits_possible = enable_prefix_caching and not any(
             r.code == MAMBA and not r.cacheable for r in self.rules)
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
+        self.has_drafter = any(r.drafter for r in self.rules)
         # the cacheable groups other than full attention (find_hit checks their reach at a hit)
         self.rest_rules = [r for r in self.cacheable_rules if r.code != FULLISH]
         # find_hit's per rest group state during a search: the run of blocks found cached
@@ -823,14 +824,11 @@ class KVCacheManager:
         # arithmetic, comparisons and list indexing)
         i: i64
         j: i64
+        aligned: i64 = self.cacheable_tokens(num_tokens)
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
-            # the tokens the coordinator caches: min(num_tokens, known tokens), aligned down by
-            # the hybrid coordinator (get_num_cacheable_tokens: _align_cacheable), not by the
-            # unitary one of a single group
-            t = min(num_tokens, req.num_tokens)
-            if len(self.rules) > 1:
-                t = t // self.align * self.align
+            # the tokens the coordinator caches, of the known tokens (allocate_slots' cap)
+            t = self.cacheable_tokens(min(num_tokens, req.num_tokens))
             if t and t % tph == 0 and t == (req.num_prompt - 1) // tph * tph:
                 for r in self.align_rules:
                     table = req.tables[r.gid]
@@ -838,10 +836,15 @@ class KVCacheManager:
                     if r.cacheable and i < len(table) and table[i] != NULL \
                             and key[table[i]] is not None and t % r.bs == 0:
                         self.cached_this_step.add(key[table[i]])
-        nt: i64 = num_tokens
+        nt: i64
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
+            nt = aligned
+            if aligned > 0 and aligned < num_tokens and self.caches_eagle_block(r):
+                # get_num_cacheable_tokens: an EAGLE group's lookup matches one block past the
+                # aligned boundary before it drops it, so that block is cached too
+                nt = min(num_tokens, aligned + r.bs)
             if r.code == SLIDING and self._window_needs_no_block(r):
                 done[gid] = max(i, min(nt // r.bs, len(table)))
                 continue
@@ -882,6 +885,22 @@ class KVCacheManager:
                     break
                 i += 1
             done[gid] = i
+
+    def cacheable_tokens(self, num_tokens: int) -> int:
+        """``HybridKVCacheCoordinator.cache_blocks``: of several groups, a GPU prefix hit is a
+        multiple of the scheduler block size (``find_longest_cache_hit``), so only the tokens up
+        to the last such boundary are cached (``_align_cacheable``, 0.28.0+; the rounding in
+        ``cache_blocks`` before): a block past it is freed unhashed, to the front of the free
+        queue. The unitary coordinator of one group caches every full block. (Fine-grained
+        hash hits, an align-mode Mamba block larger than the hash unit, are not modelled.)"""
+        if len(self.rules) > 1:
+            return num_tokens // self.align * self.align
+        return num_tokens
+
+    def caches_eagle_block(self, r: GroupRule) -> bool:
+        """``manager.use_eagle``: EAGLE-style drafting, and the group an EAGLE group (the drafter
+        groups, ``is_eagle_group``; every group when none is: ``eagle_group_ids``)."""
+        return self.eagle_drop and (r.drafter or not self.has_drafter)
 
     def _window_needs_no_block(self, r: GroupRule) -> bool:
         """``SlidingWindowManager.reachable_block_mask`` under dense retention (the harness's
@@ -1137,6 +1156,8 @@ class KVCacheManager:
         # (items unboxed to i64 directly: see BlockPool.free_blocks)
         done: list[Any] = req.num_cached_blocks
         leads: list[Any] = req.leads
+        hybrid = len(self.rules) > 1
+        align: i64 = self.align
         for r in self.rules:
             table = tables[r.gid]
             have: i64 = len(table)
@@ -1169,7 +1190,13 @@ class KVCacheManager:
             if r.cacheable:                            # cache_blocks stays a no-op
                 d: i64 = done[r.gid]
                 if d < have:
-                    b = (d + 1) * bs - 2
+                    # block d is cached once cacheable_tokens reaches its end: with several
+                    # groups at the first scheduler block boundary past it (an EAGLE group may
+                    # cache it sooner: its end bounds it then)
+                    e: i64 = (d + 1) * bs
+                    if hybrid and not self.caches_eagle_block(r):
+                        e = -(-e // align) * align
+                    b = e - 2
                     if b < bound:
                         bound = b
         return bound
