@@ -21,7 +21,10 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
   same step waits for the next one (``cached_blocks_this_step``). A hit is the one state block
   ending at the hit length (nulls before it);
 * a GPU prefix hit needs every prefix-cacheable group to hit (hit lengths are aligned to the
-  scheduler block size, and a windowed group only needs the blocks still in its reach).
+  scheduler block size, and a windowed group only needs the blocks still in its reach); with
+  several groups only the blocks of the tokens up to the last scheduler block boundary are
+  hashed (an EAGLE group's one block past it too), the others are freed unhashed
+  (``KVCacheManager.cacheable_tokens``).
 """
 
 from __future__ import annotations
