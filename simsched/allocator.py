@@ -504,7 +504,8 @@ class BlockPool:
 
 
 class GroupRule:
-    __slots__ = ("gid", "kind", "code", "bs", "window", "chunk", "cacheable", "drafter", "align")
+    __slots__ = ("gid", "kind", "code", "bs", "window", "chunk", "cacheable", "drafter", "align",
+                 "spec")
 
     def __init__(self, gid: int, group, block_size: int, enable_prefix_caching: bool):
         # (typed attributes: native arithmetic and tests in the compiled build)
@@ -519,6 +520,10 @@ class GroupRule:
         # MambaManager in ``mamba_cache_mode == "align"``: one running state block per request
         # (see KVCacheManager.allocate, remove_skipped_blocks, admission_blocks, cache_blocks)
         self.align: bool = group.kind == "mamba" and group.mamba_cache_mode == "align"
+        # what the group's KVCacheSpec compares equal by (the harness gives every attention
+        # spec the same heads and dtype): groups of one spec share a SpecGroup
+        self.spec: tuple = (self.kind, block_size, self.window, self.chunk,
+                            group.mamba_cache_mode if group.kind == "mamba" else None)
 
     def skipped_tokens(self, computed: i64) -> i64:
         """``get_num_skipped_tokens``: tokens out of this group's reach (i64: its callers'
@@ -561,7 +566,11 @@ class KVCacheManager:
         self.hits_possible = enable_prefix_caching and not any(
             r.code == MAMBA and not r.cacheable for r in self.rules)
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
+        # the coordinator's eagle_group_ids: the drafter groups (is_eagle_group), else every
+        # group; verify_and_split_kv_cache_groups then marks every group whose spec equals an
+        # EAGLE group's (one SpecGroup; is_draft is no part of the spec's equality) use_eagle
         self.has_drafter = any(r.drafter for r in self.rules)
+        self.drafter_specs = {r.spec for r in self.cacheable_rules if r.drafter}
         # the cacheable groups other than full attention (find_hit checks their reach at a hit)
         self.rest_rules = [r for r in self.cacheable_rules if r.code != FULLISH]
         # find_hit's per rest group state during a search: the run of blocks found cached
@@ -844,7 +853,7 @@ class KVCacheManager:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
             nt = aligned
-            if aligned > 0 and aligned < num_tokens and self.caches_eagle_block(r):
+            if aligned > 0 and aligned < num_tokens and self.use_eagle(r):
                 # get_num_cacheable_tokens: an EAGLE group's lookup matches one block past the
                 # aligned boundary before it drops it, so that block is cached too
                 nt = min(num_tokens, aligned + r.bs)
@@ -900,10 +909,10 @@ class KVCacheManager:
             return num_tokens // self.align * self.align
         return num_tokens
 
-    def caches_eagle_block(self, r: GroupRule) -> bool:
-        """``manager.use_eagle``: EAGLE-style drafting, and the group an EAGLE group (the drafter
-        groups, ``is_eagle_group``; every group when none is: ``eagle_group_ids``)."""
-        return self.eagle_drop and (r.drafter or not self.has_drafter)
+    def use_eagle(self, r: GroupRule) -> bool:
+        """``manager.use_eagle``: EAGLE-style drafting, and the group a drafter group or of the
+        spec of one (every group when no group is a drafter)."""
+        return self.eagle_drop and (not self.has_drafter or r.spec in self.drafter_specs)
 
     def _window_needs_no_block(self, r: GroupRule) -> bool:
         """``SlidingWindowManager.reachable_block_mask`` under dense retention (the harness's
@@ -913,7 +922,7 @@ class KVCacheManager:
         of the group's blocks: freed, they go to the front of the free queue (never-cached,
         LIFO). (A sparse mask, need < blocks per alignment segment, is not modelled: it needs a
         sliding-window block smaller than the scheduler block.)"""
-        need = -(-(r.window - 1) // r.bs) + (1 if self.eagle_drop else 0)
+        need = -(-(r.window - 1) // r.bs) + (1 if self.use_eagle(r) else 0)
         return need == 0
 
     # --- admission gates (Scheduler.schedule, waiting loop) ---------------------------------
@@ -1197,7 +1206,7 @@ class KVCacheManager:
                     # groups at the first scheduler block boundary past it (an EAGLE group may
                     # cache it sooner: its end bounds it then)
                     e: i64 = (d + 1) * bs
-                    if hybrid and not self.caches_eagle_block(r):
+                    if hybrid and not self.use_eagle(r):
                         e = -(-e // align) * align
                     b = e - 2
                     if b < bound:
