@@ -1289,10 +1289,22 @@ class _SlidingWindowStoreMask:
     def reachable(self, start_chunk: int, end_chunk: int, num_prompt: int,
                   junction: int = 0) -> list[bool]:
         """Whether each chunk ``start_chunk..end_chunk-1`` is reachable."""
-        bpc, need, shift, bs = self.bpc, self.need, self.shift, self.bs
+        bpc = self.bpc
         n = end_chunk - start_chunk
-        if self.dense:
+        mask = self.blocks(start_chunk, end_chunk, num_prompt, junction)
+        if mask is None:
             return [True] * n
+        if bpc == 1:
+            return mask                 # a chunk is one block
+        return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
+
+    def blocks(self, start_chunk: int, end_chunk: int, num_prompt: int,
+               junction: int = 0) -> list[bool] | None:
+        """The block mask of chunks ``start_chunk..end_chunk-1`` (None: every block
+        reachable)."""
+        bpc, need, shift, bs = self.bpc, self.need, self.shift, self.bs
+        if self.dense:
+            return None
         start, end_b = start_chunk * bpc, end_chunk * bpc
         mask = [False] * (end_b - start)
         if self.retention > 0:
@@ -1307,9 +1319,7 @@ class _SlidingWindowStoreMask:
             lo, hi = max(start, e - need), min(end_b, e)
             for i in range(lo - start, hi - start):
                 mask[i] = True          # (item stores: no list made for a slice assignment)
-        if bpc == 1:
-            return mask                 # a chunk is one block
-        return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
+        return mask
 
 
 class GroupState:
@@ -1548,6 +1558,10 @@ class OffloadScheduler:
         self.junction: dict[str, int] = {}
         # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
         self.restart_store_idx = profile.extra.get("restart_store_idx", False)
+        # 0.33.0's _build_store_jobs skips a chunk with a reachable null block, not only one
+        # whose last block is null ("A reachable null block would leave part of the chunk
+        # unwritten")
+        self.skip_null_chunks: bool = profile.extra.get("store_skip_null_chunks", False)
         # 0.33.0's update_state_after_alloc records every block of an admitted request, in every
         # group (also groups not offloaded, GPU hits included) as allocated in this batch, with or
         # without a load: a pending store fencing one of them is flushed
@@ -2273,6 +2287,32 @@ class OffloadScheduler:
                     self._store_job(fst, 0, out)    # (finished: its scheduled tokens not read)
         return out
 
+    def _null_chunk_keys(self, st: ReqOffload, gs: GroupState, start: int, cnt: int,
+                         mask: _SlidingWindowStoreMask | None, new_keys: list) -> int:
+        """0.33.0's ``_build_store_jobs`` key walk over chunks ``start..start+cnt-1``: a chunk
+        is kept when its last block is not null, one of its blocks is reachable
+        (``_reachable_store_block_mask``; no mask: all of them) and none of its reachable blocks
+        is null; the keys kept are appended to ``new_keys``. Returns the index (from
+        ``start``) of the first chunk kept, -1 if none."""
+        bpc = self.bpc
+        bl = gs.block_ids
+        blocks = None
+        if mask is not None:
+            blocks = mask.blocks(start, start + cnt, st.req.num_prompt,
+                                 self.junction.get(st.req.rid, 0))
+        first = -1
+        for i in range(cnt):
+            lo = (start + i) * bpc
+            reach = [True] * bpc if blocks is None else blocks[i * bpc:(i + 1) * bpc]
+            if bl[lo + bpc - 1] == NULL or not any(reach):
+                continue
+            if any(r and bl[lo + b] == NULL for b, r in enumerate(reach)):
+                continue
+            if first < 0:
+                first = i
+            new_keys.append(gs.keys[start + i])
+        return first
+
     def _store_job(self, st: ReqOffload, n_sched: int, out: list[Job]) -> None:
         """The store job of the request of ``st``, if it has chunks to store, appended to ``out``
         (``n_sched``: the tokens scheduled for it, read if it has not finished)."""
@@ -2339,6 +2379,14 @@ class OffloadScheduler:
             k0: i64 = len(new_keys)
             cnt: i64 = min(nk, nb)
             mask = masks.get(cfg.group_id) if masks else None
+            if self.skip_null_chunks and cnt:
+                i = self._null_chunk_keys(st, gs, start, cnt, mask, new_keys)
+                if i >= 0:
+                    firsts[-1] = start + i
+                if len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
+                    whole[-1] = k0
+                spans[-1] = len(new_keys) - k0
+                continue
             if mask is not None:
                 reach = mask.reachable(start, n, req.num_prompt, self.junction.get(rid, 0))
                 cnt = min(cnt, len(reach))

@@ -237,3 +237,37 @@ def test_scheduler_block_caching_agrees(pool, version):
         res = lockstep(Case.from_json(case), version, pool)
         assert res.agree, res.summary()
         assert line in res.real["trace"]
+
+
+# --- gap-trace_store-4d4914 (0.33.0): a chunk with a reachable null block is not stored ------
+
+#: mla/64 + mla/256 + sliding_window_mla/64 (w=128), chunks of 4 blocks, 64-token prefill chunks:
+#: by the last chunk the window's first block is out of reach (null), so its first offload chunk
+#: has a null block. 0.33.0's _build_store_jobs skips a chunk with a reachable null block ("A
+#: reachable null block would leave part of the chunk unwritten"); up to 0.32.0 only a null last
+#: block skips it, and the chunk is stored without the null block
+NULL_IN_CHUNK = {"layout": {"groups": [{"kind": "mla", "block_size": 64},
+                                       {"kind": "mla", "block_size": 256},
+                                       {"kind": "sliding_window_mla", "block_size": 64,
+                                        "sliding_window": 128}],
+                            "engine": {"blocks_per_chunk": 4}},
+                 "requests": [{"id": "r0", "prompt": [[0, 256]]}],
+                 "timing": {"max_num_batched_tokens": 64}}
+
+
+def null_chunk_store(version: str) -> list[str]:
+    tail = "" if version == "0.33.0" else " g2:3=5,7,8"
+    return [f"store 0 r0 g0:3=1,4,6,3{tail}"]
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.32.0", "0.33.0"])
+def test_model_skips_a_chunk_with_a_null_block_on_0330(version):
+    res = run_case(Case.from_json(NULL_IN_CHUNK), profile_for_release(version))
+    assert stores(res.trace) == null_chunk_store(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_null_block_chunk_store_agrees(pool, version):
+    res = lockstep(Case.from_json(NULL_IN_CHUNK), version, pool)
+    assert res.agree, res.summary()
+    assert stores(res.real["trace"]) == null_chunk_store(version)
