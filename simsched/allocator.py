@@ -21,7 +21,10 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
   same step waits for the next one (``cached_blocks_this_step``). A hit is the one state block
   ending at the hit length (nulls before it);
 * a GPU prefix hit needs every prefix-cacheable group to hit (hit lengths are aligned to the
-  scheduler block size, and a windowed group only needs the blocks still in its reach);
+  scheduler block size, and a windowed group only needs the blocks still in its reach); with
+  several groups only the blocks of the tokens up to the last scheduler block boundary are
+  hashed (an EAGLE group's one block past it too), the others are freed unhashed
+  (``KVCacheManager.cacheable_tokens``).
 * sliding-window and align-mode Mamba groups cache only the blocks their
   ``reachable_block_mask`` keeps (``window_reachable_blocks``, ``mamba_reachable_blocks``):
   every block by default (``prefix_cache_retention_interval`` None) unless a window needs fewer
@@ -582,7 +585,8 @@ class BlockPool:
 
 
 class GroupRule:
-    __slots__ = ("gid", "kind", "code", "bs", "window", "chunk", "cacheable", "drafter", "align")
+    __slots__ = ("gid", "kind", "code", "bs", "window", "chunk", "cacheable", "drafter", "align",
+                 "spec")
 
     def __init__(self, gid: int, group, block_size: int, enable_prefix_caching: bool):
         # (typed attributes: native arithmetic and tests in the compiled build)
@@ -597,6 +601,10 @@ class GroupRule:
         # MambaManager in ``mamba_cache_mode == "align"``: one running state block per request
         # (see KVCacheManager.allocate, remove_skipped_blocks, admission_blocks, cache_blocks)
         self.align: bool = group.kind == "mamba" and group.mamba_cache_mode == "align"
+        # what the group's KVCacheSpec compares equal by (the harness gives every attention
+        # spec the same heads and dtype): groups of one spec share a SpecGroup
+        self.spec: tuple = (self.kind, block_size, self.window, self.chunk,
+                            group.mamba_cache_mode if group.kind == "mamba" else None)
 
     def skipped_tokens(self, computed: i64) -> i64:
         """``get_num_skipped_tokens``: tokens out of this group's reach (i64: its callers'
@@ -639,6 +647,11 @@ class KVCacheManager:
         self.hits_possible = enable_prefix_caching and not any(
             r.code == MAMBA and not r.cacheable for r in self.rules)
         self.cacheable_rules = [r for r in self.rules if r.cacheable]
+        # the coordinator's eagle_group_ids: the drafter groups (is_eagle_group), else every
+        # group; verify_and_split_kv_cache_groups then marks every group whose spec equals an
+        # EAGLE group's (one SpecGroup; is_draft is no part of the spec's equality) use_eagle
+        self.has_drafter = any(r.drafter for r in self.rules)
+        self.drafter_specs = {r.spec for r in self.cacheable_rules if r.drafter}
         # the cacheable groups other than full attention (find_hit checks their reach at a hit)
         self.rest_rules = [r for r in self.cacheable_rules if r.code != FULLISH]
         # find_hit's per rest group state during a search: the run of blocks found cached
@@ -920,14 +933,11 @@ class KVCacheManager:
         # arithmetic, comparisons and list indexing)
         i: i64
         j: i64
+        aligned: i64 = self.cacheable_tokens(num_tokens)
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
-            # the tokens the coordinator caches: min(num_tokens, known tokens), aligned down by
-            # the hybrid coordinator (get_num_cacheable_tokens: _align_cacheable), not by the
-            # unitary one of a single group
-            t = min(num_tokens, req.num_tokens)
-            if len(self.rules) > 1:
-                t = t // self.align * self.align
+            # the tokens the coordinator caches, of the known tokens (allocate_slots' cap)
+            t = self.cacheable_tokens(min(num_tokens, req.num_tokens))
             if t and t % tph == 0 and t == (req.num_prompt - 1) // tph * tph:
                 for r in self.align_rules:
                     table = req.tables[r.gid]
@@ -935,10 +945,15 @@ class KVCacheManager:
                     if r.cacheable and i < len(table) and table[i] != NULL \
                             and key[table[i]] is not None and t % r.bs == 0:
                         self.cached_this_step.add(key[table[i]])
-        nt: i64 = num_tokens
+        nt: i64
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
+            nt = aligned
+            if aligned > 0 and aligned < num_tokens and self.use_eagle(r):
+                # get_num_cacheable_tokens: an EAGLE group's lookup matches one block past the
+                # aligned boundary before it drops it, so that block is cached too
+                nt = min(num_tokens, aligned + r.bs)
             bs: i64 = r.bs
             n: i64 = nt // bs
             nb: i64 = len(table)
@@ -982,6 +997,22 @@ class KVCacheManager:
                 i += 1
             done[gid] = i
 
+    def cacheable_tokens(self, num_tokens: int) -> int:
+        """``HybridKVCacheCoordinator.cache_blocks``: of several groups, a GPU prefix hit is a
+        multiple of the scheduler block size (``find_longest_cache_hit``), so only the tokens up
+        to the last such boundary are cached (``_align_cacheable``, 0.28.0+; the rounding in
+        ``cache_blocks`` before): a block past it is freed unhashed, to the front of the free
+        queue. The unitary coordinator of one group caches every full block. (Fine-grained
+        hash hits, an align-mode Mamba block larger than the hash unit, are not modelled.)"""
+        if len(self.rules) > 1:
+            return num_tokens // self.align * self.align
+        return num_tokens
+
+    def use_eagle(self, r: GroupRule) -> bool:
+        """``manager.use_eagle``: EAGLE-style drafting, and the group a drafter group or of the
+        spec of one (every group when no group is a drafter)."""
+        return self.eagle_drop and (not self.has_drafter or r.spec in self.drafter_specs)
+
     def _reachable_mask(self, req: Request, r: GroupRule, start: int, end: int
                         ) -> list[bool] | None:
         """``reachable_block_mask`` of the sliding-window or align-mode Mamba group ``r`` for
@@ -991,8 +1022,8 @@ class KVCacheManager:
         (with EAGLE, 0.33.0, a sliding-window group also keeps the junction one block lower).
         None: every block (dense)."""
         retention, align, bs = self.retention, self.align, r.bs
-        eagle = self.eagle_drop
-        need = -(-(r.window - 1) // bs) + (1 if eagle else 0)
+        eagle, group_eagle = self.eagle_drop, self.use_eagle(r)
+        need = -(-(r.window - 1) // bs) + (1 if group_eagle else 0)
         if retention is None and (r.align or need >= align // bs):
             return None                 # dense (the common case: no boundaries to work out)
         boundaries = list(replay_boundaries(req.num_prompt, align,
@@ -1000,11 +1031,11 @@ class KVCacheManager:
         junction = req.shared_prefix_boundary
         if junction:
             boundaries.append(junction)
-            if eagle and self.eagle_junction_below and not r.align:
+            if group_eagle and self.eagle_junction_below and not r.align:
                 boundaries.append(junction - bs)
         if r.align:
             return mamba_reachable_blocks(start, end, align, bs, retention, boundaries)
-        return window_reachable_blocks(start, end, align, bs, need, 1 if eagle else 0,
+        return window_reachable_blocks(start, end, align, bs, need, 1 if group_eagle else 0,
                                        retention, boundaries)
 
     # --- admission gates (Scheduler.schedule, waiting loop) ---------------------------------
@@ -1250,6 +1281,8 @@ class KVCacheManager:
         # (items unboxed to i64 directly: see BlockPool.free_blocks)
         done: list[Any] = req.num_cached_blocks
         leads: list[Any] = req.leads
+        hybrid = len(self.rules) > 1
+        align: i64 = self.align
         for r in self.rules:
             table = tables[r.gid]
             have: i64 = len(table)
@@ -1282,7 +1315,13 @@ class KVCacheManager:
             if r.cacheable:                            # cache_blocks stays a no-op
                 d: i64 = done[r.gid]
                 if d < have:
-                    b = (d + 1) * bs - 2
+                    # block d is cached once cacheable_tokens reaches its end: with several
+                    # groups at the first scheduler block boundary past it (an EAGLE group may
+                    # cache it sooner: its end bounds it then)
+                    e: i64 = (d + 1) * bs
+                    if hybrid and not self.use_eagle(r):
+                        e = -(-e // align) * align
+                    b = e - 2
                     if b < bound:
                         bound = b
         return bound

@@ -241,6 +241,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY,
             single_group_dcp_by_spec=True, single_group_unit_check=True,
             extra={"cpu_lru": "request-ranks", "restart_store_idx": True,
+                   "store_skip_null_chunks": True,
                    "mamba_checkpoint_below": True,
                    "alloc_all_groups": True, "spec_cache_on_output": True,
                    "eagle_hit_margin": True, "eagle_junction_below": True}),

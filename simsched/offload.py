@@ -1290,17 +1290,24 @@ class _SlidingWindowStoreMask:
         """Whether each chunk ``start_chunk..end_chunk-1`` is reachable."""
         bpc = self.bpc
         n = end_chunk - start_chunk
-        if self.dense:
-            return [True] * n
-        # reachable boundaries: num_prompt - 1 and the request's shared_prefix_boundary
-        mask = window_reachable_blocks(
-            start_chunk * bpc, end_chunk * bpc, self.align, self.bs, self.need, self.shift,
-            self.retention, (num_prompt - 1, junction) if junction else (num_prompt - 1,))
+        mask = self.blocks(start_chunk, end_chunk, num_prompt, junction)
         if mask is None:
             return [True] * n
         if bpc == 1:
             return mask                 # a chunk is one block
         return [any(mask[c * bpc:(c + 1) * bpc]) for c in range(n)]
+
+    def blocks(self, start_chunk: int, end_chunk: int, num_prompt: int,
+               junction: int = 0) -> list[bool] | None:
+        """The block mask of chunks ``start_chunk..end_chunk-1`` (None: every block
+        reachable)."""
+        if self.dense:
+            return None
+        # reachable boundaries: num_prompt - 1 and the request's shared_prefix_boundary
+        bpc = self.bpc
+        return window_reachable_blocks(
+            start_chunk * bpc, end_chunk * bpc, self.align, self.bs, self.need, self.shift,
+            self.retention, (num_prompt - 1, junction) if junction else (num_prompt - 1,))
 
 
 class GroupState:
@@ -1537,6 +1544,10 @@ class OffloadScheduler:
         self.window_v2 = profile.retention_check
         # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
         self.restart_store_idx = profile.extra.get("restart_store_idx", False)
+        # 0.33.0's _build_store_jobs skips a chunk with a reachable null block, not only one
+        # whose last block is null ("A reachable null block would leave part of the chunk
+        # unwritten")
+        self.skip_null_chunks: bool = profile.extra.get("store_skip_null_chunks", False)
         # 0.33.0's update_state_after_alloc records every block of an admitted request, in every
         # group (also groups not offloaded, GPU hits included) as allocated in this batch, with or
         # without a load: a pending store fencing one of them is flushed
@@ -2262,6 +2273,32 @@ class OffloadScheduler:
                     self._store_job(fst, 0, out)    # (finished: its scheduled tokens not read)
         return out
 
+    def _null_chunk_keys(self, st: ReqOffload, gs: GroupState, start: int, cnt: int,
+                         mask: _SlidingWindowStoreMask | None, new_keys: list) -> int:
+        """0.33.0's ``_build_store_jobs`` key walk over chunks ``start..start+cnt-1``: a chunk
+        is kept when its last block is not null, one of its blocks is reachable
+        (``_reachable_store_block_mask``; no mask: all of them) and none of its reachable blocks
+        is null; the keys kept are appended to ``new_keys``. Returns the index (from
+        ``start``) of the first chunk kept, -1 if none."""
+        bpc = self.bpc
+        bl = gs.block_ids
+        blocks = None
+        if mask is not None:
+            blocks = mask.blocks(start, start + cnt, st.req.num_prompt,
+                                 st.req.shared_prefix_boundary)
+        first = -1
+        for i in range(cnt):
+            lo = (start + i) * bpc
+            reach = [True] * bpc if blocks is None else blocks[i * bpc:(i + 1) * bpc]
+            if bl[lo + bpc - 1] == NULL or not any(reach):
+                continue
+            if any(r and bl[lo + b] == NULL for b, r in enumerate(reach)):
+                continue
+            if first < 0:
+                first = i
+            new_keys.append(gs.keys[start + i])
+        return first
+
     def _store_job(self, st: ReqOffload, n_sched: int, out: list[Job]) -> None:
         """The store job of the request of ``st``, if it has chunks to store, appended to ``out``
         (``n_sched``: the tokens scheduled for it, read if it has not finished)."""
@@ -2328,6 +2365,14 @@ class OffloadScheduler:
             k0: i64 = len(new_keys)
             cnt: i64 = min(nk, nb)
             mask = masks.get(cfg.group_id) if masks else None
+            if self.skip_null_chunks and cnt:
+                i = self._null_chunk_keys(st, gs, start, cnt, mask, new_keys)
+                if i >= 0:
+                    firsts[-1] = start + i
+                if len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
+                    whole[-1] = k0
+                spans[-1] = len(new_keys) - k0
+                continue
             if mask is not None:
                 reach = mask.reachable(start, n, req.num_prompt, req.shared_prefix_boundary)
                 cnt = min(cnt, len(reach))

@@ -268,3 +268,114 @@ def test_eagle_window_hit_under_retention_agrees(pool, version):
     assert res.agree, res.summary()
     alloc = allocs_of(res.real["trace"], "c")
     assert alloc[0].startswith(GPU_HIT_14) != (version == "0.29.0"), alloc
+# --- gap-trace_load-a2f0ca, gap-trace_alloc-bb3dc7: several groups cache up to the scheduler
+# --- block boundary -------------------------------------------------------------------------
+
+#: full/16 + full/3, scheduler block lcm = 48: HybridKVCacheCoordinator.cache_blocks caches r0's
+#: 64 tokens only up to 48 (_align_cacheable, 0.28.0+; the rounding in cache_blocks before), so
+#: g0's block 4 and g1's blocks 21-26 are freed unhashed, to the front of the free queue (26, 25,
+#: ..., 21, 4): r1's CPU load (48 to 63) lands in 26 and 25-21, its last g1 block is 4
+ALIGN_LOAD = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                    {"kind": "full", "block_size": 3}]},
+              "requests": [{"id": "r0", "prompt": [[0, 64]]}, {"id": "r1", "prompt": [[0, 64]]}],
+              "timing": {"max_num_seqs": 1}}
+ALIGN_LOAD_LINES = ["load 1 r1 g0:63=26 g1:50=25 g1:53=24 g1:56=23 g1:59=22 g1:62=21",
+                    "alloc r1 g0=1,2,3,26 g1=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,"
+                    "25,24,23,22,21,4"]
+
+#: three full/16 groups and a full/128 one (scheduler block 128), 18 usable blocks: a 64-token
+#: prompt caches nothing, every block of r0 is freed unhashed, each group's blocks prepended in
+#: turn (13, 12, ..., 1): r1 takes them from 13 down
+ALIGN_ALLOC = {"layout": {"groups": [{"kind": "full", "block_size": 16}] * 3
+                                    + [{"kind": "full", "block_size": 128}],
+                          "engine": {"num_gpu_blocks": 19}},
+               "requests": [{"id": "r0", "prompt": [[0, 64]]}, {"id": "r1", "prompt": [[0, 64]]}]}
+ALIGN_ALLOC_LINE = "alloc r1 g0=13,12,11,10 g1=9,8,7,6 g2=5,4,3,2 g3=1"
+
+#: EAGLE with a drafter group full/16 beside a target full/16 (the same spec, one SpecGroup:
+#: verify_and_split_kv_cache_groups marks both use_eagle) and a full/32: of r0's 56 tokens the
+#: aligned 32 are cached, the EAGLE groups' one block past it too (get_num_cacheable_tokens:
+#: min(56, 32 + 16)), so only block 4 of g0 and g1 and block 10 of g2 are freed unhashed
+ALIGN_EAGLE = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                     {"kind": "full", "block_size": 16, "drafter": True},
+                                     {"kind": "full", "block_size": 32}],
+                          "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+               "requests": [{"id": "r0", "prompt": [[0, 56]]},
+                            {"id": "r1", "prompt": [[1, 56]], "arrival": 2}]}
+ALIGN_EAGLE_LINE = "alloc r1 g0=10,8,4,11 g1=12,13,14,15 g2=16,17"
+
+#: a one-token window beside a drafter group of another spec is no EAGLE group: it hashes none
+#: of its blocks (reachable_block_mask, need = 0 without the EAGLE block); freed out of the
+#: window to the front, they are r0's next blocks
+WINDOW_ONE_DRAFTER = {"layout": {"groups": [
+    {"kind": "full", "block_size": 16},
+    {"kind": "sliding_window", "block_size": 16, "sliding_window": 1},
+    {"kind": "full", "block_size": 16, "drafter": True}],
+    "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+    "requests": [{"id": "r0", "prompt": [[0, 64]], "decode": 20}]}
+WINDOW_ONE_DRAFTER_LINE = "alloc r0 g0=9 g1=8 g2=7"
+
+
+def loads_allocs(trace: list[str], rid: str) -> list[str]:
+    return [x for x in trace if x.startswith((f"load 1 {rid} ", f"alloc {rid} "))]
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_model_caches_several_groups_up_to_the_scheduler_block(version):
+    """The load and alloc lines are those of the release's real run."""
+    profile = profile_for_release(version)
+    res = run_case(Case.from_json(ALIGN_LOAD), profile)
+    assert loads_allocs(res.trace, "r1") == ALIGN_LOAD_LINES
+    res = run_case(Case.from_json(ALIGN_ALLOC), profile)
+    assert ALIGN_ALLOC_LINE in res.trace
+    assert ALIGN_EAGLE_LINE in run_case(Case.from_json(ALIGN_EAGLE), profile).trace
+    assert WINDOW_ONE_DRAFTER_LINE in run_case(Case.from_json(WINDOW_ONE_DRAFTER), profile).trace
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.27.1", "0.29.0", "0.33.0"])
+def test_scheduler_block_caching_agrees(pool, version):
+    res = lockstep(Case.from_json(ALIGN_LOAD), version, pool)
+    assert res.agree, res.summary()
+    assert loads_allocs(res.real["trace"], "r1") == ALIGN_LOAD_LINES
+    res = lockstep(Case.from_json(ALIGN_ALLOC), version, pool)
+    assert res.agree, res.summary()
+    assert ALIGN_ALLOC_LINE in res.real["trace"]
+    for case, line in ((ALIGN_EAGLE, ALIGN_EAGLE_LINE),
+                       (WINDOW_ONE_DRAFTER, WINDOW_ONE_DRAFTER_LINE)):
+        res = lockstep(Case.from_json(case), version, pool)
+        assert res.agree, res.summary()
+        assert line in res.real["trace"]
+
+
+# --- gap-trace_store-4d4914 (0.33.0): a chunk with a reachable null block is not stored ------
+
+#: mla/64 + mla/256 + sliding_window_mla/64 (w=128), chunks of 4 blocks, 64-token prefill chunks:
+#: by the last chunk the window's first block is out of reach (null), so its first offload chunk
+#: has a null block. 0.33.0's _build_store_jobs skips a chunk with a reachable null block ("A
+#: reachable null block would leave part of the chunk unwritten"); up to 0.32.0 only a null last
+#: block skips it, and the chunk is stored without the null block
+NULL_IN_CHUNK = {"layout": {"groups": [{"kind": "mla", "block_size": 64},
+                                       {"kind": "mla", "block_size": 256},
+                                       {"kind": "sliding_window_mla", "block_size": 64,
+                                        "sliding_window": 128}],
+                            "engine": {"blocks_per_chunk": 4}},
+                 "requests": [{"id": "r0", "prompt": [[0, 256]]}],
+                 "timing": {"max_num_batched_tokens": 64}}
+
+
+def null_chunk_store(version: str) -> list[str]:
+    tail = "" if version == "0.33.0" else " g2:3=5,7,8"
+    return [f"store 0 r0 g0:3=1,4,6,3{tail}"]
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.32.0", "0.33.0"])
+def test_model_skips_a_chunk_with_a_null_block_on_0330(version):
+    res = run_case(Case.from_json(NULL_IN_CHUNK), profile_for_release(version))
+    assert stores(res.trace) == null_chunk_store(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_null_block_chunk_store_agrees(pool, version):
+    res = lockstep(Case.from_json(NULL_IN_CHUNK), version, pool)
+    assert res.agree, res.summary()
+    assert stores(res.real["trace"]) == null_chunk_store(version)
