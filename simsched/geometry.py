@@ -183,7 +183,7 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     "clamped to keyed chunks",
     releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
     alignment="absent", eagle_marks_all_groups=True, retention_check=False,
-    extra={"spec_pad_after_hit": False})
+    extra={"spec_pad_after_hit": False, "preempt_in_flight": True})
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,
@@ -203,7 +203,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             offload_dcp_all_groups=True, hybrid_dcp_error=True, hash_unit_all_groups=True,
             config_function="__init__", window_function="get_sliding_window_size_in_blocks",
             extra={"mamba_boundary_stores": False, "eagle_tail_hole": True,
-                   "spec_pad_after_hit": False}),
+                   "spec_pad_after_hit": False, "preempt_in_flight": True}),
     Profile("legacy-dcp-all",
             "0.29.0's rules, with DCP scaling every group's offload block, Mamba back-off by "
             "block size and no chunked-local window",
@@ -211,14 +211,16 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             alignment="absent", eagle_marks_all_groups=True, retention_check=False,
             window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
             offload_dcp_all_groups=True,
-            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False}),
+            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
+                   "preempt_in_flight": True}),
     Profile("legacy-mamba-block-size",
             "0.29.0's rules, with Mamba back-off by block size and no chunked-local window",
             releases=("0.27.0", "0.27.1"), keyed_chunk_clamp=False,
             chunk_size_error="AssertionError", alignment="absent", eagle_marks_all_groups=True,
             retention_check=False, window_in_chunks=window_before_chunked_local,
             mamba_backoff="block_size",
-            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False}),
+            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
+                   "preempt_in_flight": True}),
     Profile("every-group",
             "every group offloaded and asserted divisible by the hash unit",
             releases=("0.30.0",)),

@@ -348,15 +348,22 @@ class Model:
             # blocks (delay_free_blocks) until its load reports finished_recving;
             # _update_from_kv_xfer_finished frees them then (_load_done)
             self.delayed_free[req.rid] = req
-        elif self.async_ is not None and not self.async_.can_free(req):
-            self.async_.defer_free(req)
         else:
-            self.kv.free(req)
+            self._free_request_blocks(req)
         self.finished_ids.append(req.rid)
         self.unfinished -= 1
         self.counters["finished" if how == "finished" else "aborted"] += 1
         self.progress = True
         self._emit(f"finish {req.rid} {how}")
+
+    def _free_request_blocks(self, req: Request) -> None:
+        """``Scheduler._free_request_blocks``: a request scheduled in a batch still in flight
+        (async scheduling) has its blocks returned to the pool once that batch's output is
+        processed (``deferred_frees``), else at once."""
+        if self.async_ is not None and not self.async_.can_free(req):
+            self.async_.defer_free(req)
+        else:
+            self.kv.free(req)
 
     def _read_store(self, job: Job) -> None:
         """The worker reads a store's source blocks (at flush or completion)."""
@@ -532,7 +539,7 @@ class Model:
     # --- the scheduler step -------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.drafts.pop(req.rid, None)         # _preempt_request: spec_token_ids cleared
-        self.kv.free(req)
+        self._free_request_blocks(req)
         req.num_computed = 0
         req.status = WAITING
         self.waiting.insert(self.n_held, req)     # prepend_request: the front of ``waiting``
@@ -623,7 +630,8 @@ class Model:
                                  lookahead=self.lookahead)
                 if nb is not None:
                     break
-                if asy is not None and not asy.can_free(running[-1]):
+                if (asy is not None and not asy.preempt_in_flight
+                        and not asy.can_free(running[-1])):
                     break       # _request_blocks_can_be_freed: its batch is still in flight
                 victim = running.pop()
                 self._preempt(victim)
@@ -1147,11 +1155,16 @@ class AsyncRun:
       ``remove_skipped_blocks`` on that basis), the blocks to add still count every computed
       token;
     * ``defer_block_free`` (set with more than one concurrent batch and a connector that can
-      be a KV consumer, as the OffloadingConnector's ``kv_both``): a request scheduled in a batch
-      still in flight is never a preemption victim (``_request_blocks_can_be_freed``), and its
-      freed blocks return to the pool when that batch's output is processed
-      (``deferred_frees``, in reverse allocation order). No in-flight output ever becomes stale
-      (a preemption victim has no batch in flight), so ``num_stale_output_tokens`` stays 0.
+      be a KV consumer, as the OffloadingConnector's ``kv_both``): the freed blocks of a request
+      scheduled in a batch still in flight return to the pool when that batch's output is
+      processed (``_free_request_blocks``, ``deferred_frees``, in reverse allocation order).
+      From 0.30.0 such a request is never a preemption victim (``_request_blocks_can_be_freed``
+      in the preemption loop): no in-flight output ever becomes stale. 0.25.1-0.29.0
+      (``preempt_in_flight``) preempt it all the same; the output of its batch is still
+      delivered (appended, stop checked, 0.29.0's ``num_stale_output_tokens`` not dropped as the
+      OffloadingConnector's ``requires_kv_delivery`` is False) but caches no block, and the
+      preempted request cannot resume before it, as it is preempted in a step that schedules no
+      waiting request.
 
     The worker reports a transfer job in the output of the first step executed at or after
     ``due - 1`` (``due`` = creation + latency; a flushed job in the step that flushes it), as
@@ -1170,6 +1183,9 @@ class AsyncRun:
         self.deferred: deque = deque()        # (fence, blocks in allocation order)
         self.due: dict[int, int] = {}         # job ID -> due time
         self.batch: _Batch | None = None
+        # 0.25.1-0.29.0: no _request_blocks_can_be_freed check in Scheduler.schedule's
+        # preemption loop (0.30.0+), a request whose batch is in flight can be preempted
+        self.preempt_in_flight: bool = model.profile.extra.get("preempt_in_flight", False)
 
     def has_requests(self) -> bool:
         m = self.m

@@ -158,3 +158,49 @@ def test_lookahead_cap_agrees(pool, version):
     res = lockstep(Case.from_json(LOOKAHEAD_CAP), version, pool)
     assert res.agree, res.summary()
     assert "alloc r1 g0=265,266 g1=267,268" in res.real["trace"]
+
+
+# --- gap-trace_preempt-095f6e (20-minute campaign): async preemption of a request in flight --
+
+#: async scheduling, 4-token blocks, a pool of 295 that r0 (356 + 16 tokens) and r1 (128) fill.
+#: At step 10 r0's decode needs a block, none is free, and r1's last step is still in flight.
+#: 0.26.0-0.29.0's preemption loop (Scheduler.schedule) has no _request_blocks_can_be_freed
+#: check: r1 is preempted, its blocks deferred (_free_request_blocks), so r0 is preempted too;
+#: both batches' tokens still arrive (r1 stops), and r0 resumes at step 11 with a prefix hit of
+#: 356 tokens and 5 to compute. 0.30.0+ stop at the in-flight victim: nothing is preempted.
+PREEMPT_IN_FLIGHT = {"layout": {"groups": [{"kind": "full", "block_size": 4},
+                                           {"kind": "full", "block_size": 4},
+                                           {"kind": "sliding_window", "block_size": 4,
+                                            "sliding_window": 64}],
+                                "engine": {"async_scheduling": True, "num_gpu_blocks": 295}},
+                     "requests": [{"id": "r0", "prompt": [[0, 256], [100, 100]], "decode": 16},
+                                  {"id": "r1", "prompt": [[1, 128]]}],
+                     "timing": {"max_num_batched_tokens": 64}}
+
+
+def preempts_and_resume(trace: list[str]) -> tuple[list[str], list[str]]:
+    """The preempt lines (sorted: the release side lists them by request ID) and the sched
+    lines of r0 after them."""
+    first = next((i for i, x in enumerate(trace) if x.startswith("preempt ")), len(trace))
+    preempts = sorted(x for x in trace if x.startswith("preempt "))
+    return preempts, [x for x in trace[first:] if x.startswith("sched r0 ")][:2]
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.33.0"])
+def test_model_preempts_a_request_in_flight_before_0300(version):
+    """The preempt lines and r0's resume are those of the release's real run."""
+    res = run_case(Case.from_json(PREEMPT_IN_FLIGHT), profile_for_release(version))
+    if version < "0.30.0":
+        assert preempts_and_resume(res.trace) == (["preempt r0", "preempt r1"],
+                                                  ["sched r0 5", "sched r0 1"])
+    else:
+        assert preempts_and_resume(res.trace) == ([], [])
+    assert "finish r1 finished" in res.trace and "finish r0 finished" in res.trace
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.29.0", "0.30.0"])
+def test_preempt_in_flight_agrees(pool, version):
+    res = lockstep(Case.from_json(PREEMPT_IN_FLIGHT), version, pool)
+    assert res.agree, res.summary()
+    want = ["preempt r0", "preempt r1"] if version < "0.30.0" else []
+    assert preempts_and_resume(res.real["trace"])[0] == want
