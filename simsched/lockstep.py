@@ -69,8 +69,9 @@ HINTS = {
     "violation": "an invariant: one side breaks it",
     "end": "one side ran more steps than the other (liveness, stall detection, trailing step)",
     "check": "invariant checks",
-    "refused": "the start-up check of the KV cache pool for max_model_len "
-               "(geometry.check_enough_kv_cache_memory / check_enough_kv_cache_memory)",
+    "refused": "the start-up checks: the KV cache pool for max_model_len "
+               "(geometry.check_enough_kv_cache_memory / check_enough_kv_cache_memory), the "
+               "block size (geometry.validate_block_size / VllmConfig.validate_block_size)",
 }
 
 

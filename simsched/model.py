@@ -45,8 +45,8 @@ from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
                                check_enough_kv_cache_memory, derive, effective_block_size,
-                               max_model_len,
-                               prefix_cacheable_groups)
+                               max_model_len, prefix_cacheable_groups,
+                               validate_block_size)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -140,6 +140,8 @@ class Model:
         # the last block-aligned position whose state can be cached: floor(num_tokens) up to
         # 0.31.0, get_mamba_prefill_checkpoint_position (floor(num_tokens - 1)) from 0.32.0
         self.mamba_split_below = profile.extra.get("mamba_checkpoint_below", False)
+        # up to 0.26.0 no sub-block prefill chunk for a block wider than the budget
+        self.mamba_wide_block_skip = profile.extra.get("align_budget_assert", False)
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
         # VllmConfig.num_lookahead_tokens: EAGLE-style drafters write KV past the scheduled
@@ -840,7 +842,11 @@ class Model:
         end = start + n
         if end < prefill_end:
             aligned = end // bs * bs
-            if aligned > start or bs <= self.timing.max_num_batched_tokens:
+            # 0.27.0+: a block wider than the budget is advanced sub-block; up to 0.26.0 (where
+            # only python -O lets such an engine start, see validate_block_size) the chunk is
+            # empty and the request is skipped
+            if (aligned > start or bs <= self.timing.max_num_batched_tokens
+                    or self.mamba_wide_block_skip):
                 end = aligned
         stops = [last]
         if start % bs:
@@ -1348,8 +1354,9 @@ def collector_paused() -> Iterator[None]:
 def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: bool) -> RunResult:
     prof = resolve_profile(profile)
     result = RunResult(profile=prof.name)
-    # the engine checks its KV cache pool before it builds the scheduler (get_kv_cache_configs)
-    refusal = check_enough_kv_cache_memory(case)
+    # the engine checks its KV cache pool (get_kv_cache_configs), then the block size
+    # (validate_block_size), before it builds the scheduler
+    refusal = check_enough_kv_cache_memory(case) or validate_block_size(case, prof)
     if refusal is not None:
         result.refused = refusal
         result.trace = [header(prof.name, case.asserts), f"refused at start-up: {refusal}"]

@@ -204,3 +204,49 @@ def test_preempt_in_flight_agrees(pool, version):
     assert res.agree, res.summary()
     want = ["preempt r0", "preempt r1"] if version < "0.30.0" else []
     assert preempts_and_resume(res.real["trace"])[0] == want
+
+
+# --- INV-8-liveness-full+mamba-c78a6e: an align-mode block wider than the budget -------------
+
+#: a 96-token Mamba block in align mode and a budget of 64: no prefill chunk reaches a block
+#: boundary. Up to 0.26.0 VllmConfig.validate_block_size (EngineCore._initialize_kv_caches)
+#: asserts block_size <= max_num_batched_tokens: the engine refuses to start; under python -O
+#: the assert is gone and _mamba_block_aligned_split cuts every chunk to 0 tokens (r0 never
+#: runs). 0.27.0 drops the assert and advances such a block sub-block (64 + 32 to the boundary
+#: at 96, then 32).
+WIDE_ALIGN_BLOCK = {"layout": {"groups": [{"kind": "full", "block_size": 96},
+                                          {"kind": "mamba", "block_size": 96,
+                                           "mamba_cache_mode": "align"}]},
+                    "requests": [{"id": "r0", "prompt": [[0, 128]]}],
+                    "timing": {"max_num_batched_tokens": 64}}
+WIDE_ALIGN_REFUSAL = ("In Mamba cache align mode, block_size (96) must be <= "
+                      "max_num_batched_tokens (64).")
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.27.0", "0.33.0"])
+def test_model_applies_the_align_block_size_check(version):
+    res = run_case(Case.from_json(WIDE_ALIGN_BLOCK), profile_for_release(version))
+    if version < "0.27.0":
+        assert res.refused == WIDE_ALIGN_REFUSAL and not res.findings
+        stripped = run_case(Case.from_json(dict(WIDE_ALIGN_BLOCK, asserts=False)),
+                            profile_for_release(version))
+        assert stripped.refused is None
+        assert [f["inv_id"] for f in stripped.findings] == ["INV-8"]
+        assert scheds(stripped.trace) == []
+    else:
+        assert res.refused is None and not res.findings
+        assert scheds(res.trace) == ["sched r0 64", "sched r0 32", "sched r0 32"]
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.0"])
+def test_align_block_size_check_agrees(pool, version):
+    res = lockstep(Case.from_json(WIDE_ALIGN_BLOCK), version, pool)
+    assert not res.observations, res.summary()
+    if version == "0.26.0":
+        assert res.real["status"] == "refused" and res.real["reason"] == WIDE_ALIGN_REFUSAL
+        stripped = lockstep(Case.from_json(dict(WIDE_ALIGN_BLOCK, asserts=False)), version, pool)
+        assert stripped.agree, stripped.summary()
+        assert [f["inv_id"] for f in stripped.real["findings"]] == ["INV-8"]
+    else:
+        assert res.agree, res.summary()
+        assert scheds(res.real["trace"]) == ["sched r0 64", "sched r0 32", "sched r0 32"]
