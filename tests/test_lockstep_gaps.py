@@ -250,3 +250,30 @@ def test_align_block_size_check_agrees(pool, version):
     else:
         assert res.agree, res.summary()
         assert scheds(res.real["trace"]) == ["sched r0 64", "sched r0 32", "sched r0 32"]
+
+
+# --- AssertionError-_build_store_jobs-3e6630: aborting a request that waits with no block ----
+
+#: max_num_seqs 1: r1 waits behind r0, its lookup deferred while r0's store is in flight; it
+#: is aborted before step 2 (Scheduler.finish_requests, the engine core's abort_requests).
+#: 0.26.0's request_finished keys its whole prompt (update_offload_keys) and keeps its state;
+#: _build_store_jobs then walks it in finished_req_ids with four keys and no block:
+#: assert len(offload_keys) == len(offload_block_ids). 0.25.1 drops the state of a request
+#: without jobs; 0.27.0's RequestOffloadState.storable_chunks counts allocated chunks only.
+#: A vLLM-alone repro: docs/repro/abort_waiting_request_store_assert.py
+ABORT_WAITING = {"layout": {"groups": [{"kind": "full", "block_size": 16}]},
+                 "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                              {"id": "r1", "prompt": [[0, 64]], "abort_at": 2}],
+                 "timing": {"store_latency": 2, "max_num_seqs": 1}}
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.27.0"])
+def test_abort_of_a_waiting_request_crashes_0260_only(pool, version):
+    res = lockstep(Case.from_json(ABORT_WAITING), version, pool)
+    crashes = [(f["exception"], f["function"]) for f in res.real["findings"]
+               if f["kind"] == "crash"]
+    if version == "0.26.0":
+        assert crashes == [("AssertionError", "_build_store_jobs")], res.summary()
+        assert "finish r1 aborted" in res.real["trace"]
+    else:
+        assert res.agree and crashes == [], res.summary()
