@@ -260,7 +260,8 @@ def test_align_block_size_check_agrees(pool, version):
 #: _build_store_jobs then walks it in finished_req_ids with four keys and no block:
 #: assert len(offload_keys) == len(offload_block_ids). 0.25.1 drops the state of a request
 #: without jobs; 0.27.0's RequestOffloadState.storable_chunks counts allocated chunks only.
-#: A vLLM-alone repro: docs/repro/abort_waiting_request_store_assert.py
+#: A vLLM-alone repro (also a request aborted mid-prefill):
+#: docs/repro/abort_unallocated_chunks_store_assert.py
 ABORT_WAITING = {"layout": {"groups": [{"kind": "full", "block_size": 16}]},
                  "requests": [{"id": "r0", "prompt": [[0, 64]]},
                               {"id": "r1", "prompt": [[0, 64]], "abort_at": 2}],

@@ -1,6 +1,6 @@
-"""vLLM alone (no simsched): aborting a request that waits without blocks makes the next
-``schedule()`` raise ``AssertionError`` in ``OffloadingConnectorScheduler._build_store_jobs``
-(0.26.0).
+"""vLLM alone (no simsched): aborting a request that holds fewer blocks than its tokens fill
+(one waiting with none, one in the middle of its prefill) makes the next ``schedule()`` raise
+``AssertionError`` in ``OffloadingConnectorScheduler._build_store_jobs`` (0.26.0).
 
 The real ``Scheduler`` with the real ``OffloadingConnector`` (its own CPU offloading manager),
 driven step by step as the engine core and the offloading worker do: ``schedule()``, then
@@ -15,16 +15,18 @@ block. ``b`` is aborted before step 2. ``request_finished`` calls ``update_offlo
 keys of all four chunks of the prompt. At step 2 ``_build_store_jobs`` walks the finished
 request (``finished_req_ids``), takes ``num_tokens`` (64) as its offloadable tokens and slices
 four keys against an empty block list: ``assert len(offload_keys) == len(offload_block_ids)``.
-0.27.0's ``RequestOffloadState.storable_chunks`` counts only allocated chunks
+(0.25.1's ``request_finished`` drops the state of a request without transfer jobs.) 0.27.0's
+``RequestOffloadState.storable_chunks`` counts only allocated chunks
 (``len(group_state.block_ids) // blocks_per_chunk``): no chunk, no job.
 
 ``VARIANT=idle``: ``b`` is aborted at step 1 without ever being looked up (``a`` still
-decoding): ``request_finished`` keys its prompt all the same.
+decoding): ``request_finished`` keys its prompt all the same. ``VARIANT=prefill``: a budget of
+32 tokens, ``a`` aborted after its first prefill chunk: two blocks for four keys.
 
 Run with a release's own environment, e.g.::
 
     PYTHONPATH=~/.cache/simsched/releases/0.26.0 ~/.cache/simsched/base/bin/python \\
-        docs/repro/abort_waiting_request_store_assert.py
+        docs/repro/abort_unallocated_chunks_store_assert.py
 
 Prints the steps and exits 1 when ``schedule()`` raises.
 """
@@ -86,7 +88,8 @@ def engine():
             kv_connector_extra_config={"cpu_bytes_to_use": chunk_bytes * 256}))
     vc.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
     sc = copy.copy(vc.scheduler_config)
-    sc.max_num_batched_tokens, sc.max_num_seqs = 2048, 1
+    sc.max_num_batched_tokens = 32 if VARIANT == "prefill" else 2048
+    sc.max_num_seqs = 1
     if hasattr(sc, "disable_hybrid_kv_cache_manager"):
         sc.disable_hybrid_kv_cache_manager = False
     vc.scheduler_config = sc
@@ -128,13 +131,14 @@ def main() -> int:
     sched.add_request(request("a", 1 if VARIANT == "deferred" else 8))
     sched.add_request(request("b", 1))
     abort_step = 2 if VARIANT == "deferred" else 1
+    victim = "a" if VARIANT == "prefill" else "b"
     due: dict[int, int] = {}            # store job ID -> step whose output reports it
     for step in range(8):
         if step == abort_step:
-            b = sched.requests["b"]
-            print(f"abort b before step {step}: {b.status.name}, "
-                  f"blocks {sched.kv_cache_manager.get_block_ids('b')}")
-            sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+            r = sched.requests[victim]
+            print(f"abort {victim} before step {step}: {r.status.name}, computed "
+                  f"{r.num_computed_tokens}, blocks {sched.kv_cache_manager.get_block_ids(victim)}")
+            sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
         try:
             out = sched.schedule()
         except AssertionError:
