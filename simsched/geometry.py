@@ -204,7 +204,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             config_function="__init__", window_function="get_sliding_window_size_in_blocks",
             extra={"mamba_boundary_stores": False, "eagle_tail_hole": True,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
-                   "align_budget_assert": True}),
+                   "align_budget_assert": True, "window_frees_on_processed": False}),
     Profile("legacy-dcp-all",
             "0.29.0's rules, with DCP scaling every group's offload block, Mamba back-off by "
             "block size and no chunked-local window",

@@ -1192,6 +1192,8 @@ class AsyncRun:
         # 0.25.1-0.29.0: no _request_blocks_can_be_freed check in Scheduler.schedule's
         # preemption loop (0.30.0+), a request whose batch is in flight can be preempted
         self.preempt_in_flight: bool = model.profile.extra.get("preempt_in_flight", False)
+        self.window_frees_on_processed: bool = model.profile.extra.get(
+            "window_frees_on_processed", True)
 
     def has_requests(self) -> bool:
         m = self.m
@@ -1205,7 +1207,10 @@ class AsyncRun:
         """``num_computed_tokens - num_in_flight_tokens``: the tokens of batches whose output is
         processed, the basis on which blocks out of a window are freed (``allocate_slots``,
         ``_connector_finished``: "in-flight steps' attention windows still read blocks below
-        the optimistic boundary")."""
+        the optimistic boundary"). 0.25.1 has no ``num_in_flight_tokens``: both free them on
+        ``num_computed_tokens``, in-flight tokens included."""
+        if not self.window_frees_on_processed:
+            return req.num_computed
         return max(0, req.num_computed - self.in_flight.get(req.rid, 0))
 
     def can_free(self, req: Request) -> bool:

@@ -9,7 +9,7 @@ import pytest
 
 from simsched.case import Case
 from simsched.geometry import profile_for_release
-from simsched.lockstep import lockstep
+from simsched.lockstep import generate_case, lockstep
 from simsched.model import run_case
 from simsched.targets import Releases
 
@@ -168,6 +168,10 @@ def test_lookahead_cap_agrees(pool, version):
 #: check: r1 is preempted, its blocks deferred (_free_request_blocks), so r0 is preempted too;
 #: both batches' tokens still arrive (r1 stops), and r0 resumes at step 11 with a prefix hit of
 #: 356 tokens and 5 to compute. 0.30.0+ stop at the in-flight victim: nothing is preempted.
+#: 0.25.1 (no num_in_flight_tokens) frees r0's window blocks on its computed tokens, in-flight
+#: ones included: r1 is admitted one step earlier (step 6) and no pool runs dry. Its in-flight
+#: preemptions show on lockstep's generated case 20 (sliding window, async): r2, r3, r5 and r6
+#: preempted in one step.
 PREEMPT_IN_FLIGHT = {"layout": {"groups": [{"kind": "full", "block_size": 4},
                                            {"kind": "full", "block_size": 4},
                                            {"kind": "sliding_window", "block_size": 4,
@@ -186,11 +190,12 @@ def preempts_and_resume(trace: list[str]) -> tuple[list[str], list[str]]:
     return preempts, [x for x in trace[first:] if x.startswith("sched r0 ")][:2]
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0",
+                                     "0.33.0"])
 def test_model_preempts_a_request_in_flight_before_0300(version):
     """The preempt lines and r0's resume are those of the release's real run."""
     res = run_case(Case.from_json(PREEMPT_IN_FLIGHT), profile_for_release(version))
-    if version < "0.30.0":
+    if "0.26.0" <= version < "0.30.0":
         assert preempts_and_resume(res.trace) == (["preempt r0", "preempt r1"],
                                                   ["sched r0 5", "sched r0 1"])
     else:
@@ -198,12 +203,27 @@ def test_model_preempts_a_request_in_flight_before_0300(version):
     assert "finish r1 finished" in res.trace and "finish r0 finished" in res.trace
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.29.0", "0.30.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.29.0", "0.30.0"])
 def test_preempt_in_flight_agrees(pool, version):
     res = lockstep(Case.from_json(PREEMPT_IN_FLIGHT), version, pool)
     assert res.agree, res.summary()
-    want = ["preempt r0", "preempt r1"] if version < "0.30.0" else []
+    want = ["preempt r0", "preempt r1"] if "0.26.0" <= version < "0.30.0" else []
     assert preempts_and_resume(res.real["trace"])[0] == want
+
+
+def test_model_preempts_in_flight_on_0251():
+    case = generate_case(20, "full16+sw16w128+full16", async_scheduling=True)
+    res = run_case(case, profile_for_release("0.25.1"))
+    assert preempts_and_resume(res.trace)[0] == ["preempt r2", "preempt r3", "preempt r5",
+                                                 "preempt r6"]
+
+
+def test_preempt_in_flight_agrees_on_0251(pool):
+    res = lockstep(generate_case(20, "full16+sw16w128+full16", async_scheduling=True),
+                   "0.25.1", pool)
+    assert res.agree, res.summary()
+    assert preempts_and_resume(res.real["trace"])[0] == ["preempt r2", "preempt r3",
+                                                         "preempt r5", "preempt r6"]
 
 
 # --- INV-8-liveness-full+mamba-c78a6e: an align-mode block wider than the budget -------------
