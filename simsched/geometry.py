@@ -183,7 +183,8 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     "clamped to keyed chunks",
     releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
     alignment="absent", eagle_marks_all_groups=True, retention_check=False,
-    extra={"spec_pad_after_hit": False, "eagle_replay_pair": False})
+    extra={"spec_pad_after_hit": False, "eagle_replay_pair": False,
+           "preempt_in_flight": True})
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,
@@ -203,7 +204,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             offload_dcp_all_groups=True, hybrid_dcp_error=True, hash_unit_all_groups=True,
             config_function="__init__", window_function="get_sliding_window_size_in_blocks",
             extra={"mamba_boundary_stores": False, "eagle_tail_hole": True,
-                   "spec_pad_after_hit": False}),
+                   "spec_pad_after_hit": False, "preempt_in_flight": True,
+                   "align_budget_assert": True, "window_frees_on_processed": False}),
     Profile("legacy-dcp-all",
             "0.29.0's rules, with DCP scaling every group's offload block, Mamba back-off by "
             "block size and no chunked-local window",
@@ -211,14 +213,16 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             alignment="absent", eagle_marks_all_groups=True, retention_check=False,
             window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
             offload_dcp_all_groups=True,
-            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False}),
+            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
+                   "preempt_in_flight": True, "align_budget_assert": True}),
     Profile("legacy-mamba-block-size",
             "0.29.0's rules, with Mamba back-off by block size and no chunked-local window",
             releases=("0.27.0", "0.27.1"), keyed_chunk_clamp=False,
             chunk_size_error="AssertionError", alignment="absent", eagle_marks_all_groups=True,
             retention_check=False, window_in_chunks=window_before_chunked_local,
             mamba_backoff="block_size",
-            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False}),
+            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
+                   "preempt_in_flight": True}),
     Profile("every-group",
             "every group offloaded and asserted divisible by the hash unit",
             releases=("0.30.0",)),
@@ -546,6 +550,25 @@ def estimate_max_model_len(needed: Callable[[int], int], available: int,
         else:
             hi = mid - 1
     return best
+
+
+def validate_block_size(case, profile: "Profile") -> str | None:
+    """``VllmConfig.validate_block_size`` (``config/vllm.py``), which
+    ``EngineCore._initialize_kv_caches`` calls once ``cache_config.block_size`` is the smallest
+    block size of the KV cache groups: up to 0.26.0 (``profile.extra["align_budget_assert"]``)
+    it asserts, in Mamba align mode, ``block_size <= max_num_batched_tokens``, as a prefill
+    chunk must reach a block boundary there. An assert: ``python -O`` strips it. Returns the
+    refusal as vLLM words it, None when the engine starts."""
+    groups = case.layout.groups
+    if not (case.asserts and profile.extra.get("align_budget_assert", False)
+            and any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in groups)):
+        return None
+    block_size = min(g.block_size for g in groups)
+    budget = case.timing.max_num_batched_tokens
+    if block_size <= budget:
+        return None
+    return (f"In Mamba cache align mode, block_size ({block_size}) must be <= "
+            f"max_num_batched_tokens ({budget}).")
 
 
 def check_enough_kv_cache_memory(case) -> str | None:

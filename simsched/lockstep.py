@@ -14,7 +14,9 @@ of the real run. The model side is :func:`simsched.model.run_case` under
 
 Comparison (:func:`diff_traces`) is per step: the trace is cut into segments at ``step`` lines and
 each segment is put in a canonical order (lines of one kind keep their order; ``finish``/``done``
-lines, whose order inside a step is an artefact of event priorities, are sorted). ``crash`` lines
+lines, whose order inside a step is an artefact of event priorities, are sorted, and so are
+``preempt`` lines: the release side lists them in request-ID order, as
+``SchedulerOutput.preempted_req_ids`` is a set and keeps no preemption order). ``crash`` lines
 compare on exception and function (not stage), ``violation`` lines on the invariant ID.
 
 Findings (:func:`lockstep_observations`, :class:`simsched.replay.Observation`):
@@ -67,8 +69,9 @@ HINTS = {
     "violation": "an invariant: one side breaks it",
     "end": "one side ran more steps than the other (liveness, stall detection, trailing step)",
     "check": "invariant checks",
-    "refused": "the start-up check of the KV cache pool for max_model_len "
-               "(geometry.check_enough_kv_cache_memory / check_enough_kv_cache_memory)",
+    "refused": "the start-up checks: the KV cache pool for max_model_len "
+               "(geometry.check_enough_kv_cache_memory / check_enough_kv_cache_memory), the "
+               "block size (geometry.validate_block_size / VllmConfig.validate_block_size)",
 }
 
 
@@ -107,9 +110,13 @@ def segments(trace: list[str]) -> list[list[str]]:
             if i == 0 or not (len(seg) == 2 and seg[1] == "check ok")]
 
 
+#: ranks of the line kinds sorted inside a step (preempt; finish and done)
+_SORTED_RANKS = (1, 7)
+
+
 def canonical(seg: list[str]) -> list[str]:
     lines = ["step" if x.startswith("step ") else _norm(x) for x in seg]
-    keyed = [(_RANK.get(_kind(x), 8), (x if _RANK.get(_kind(x)) == 7 else ""), i, x)
+    keyed = [(_RANK.get(_kind(x), 8), (x if _RANK.get(_kind(x)) in _SORTED_RANKS else ""), i, x)
              for i, x in enumerate(lines)]
     keyed.sort()
     return [k[3] for k in keyed]

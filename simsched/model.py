@@ -45,8 +45,8 @@ from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
                                check_enough_kv_cache_memory, derive, effective_block_size,
-                               max_model_len,
-                               prefix_cacheable_groups)
+                               max_model_len, prefix_cacheable_groups,
+                               validate_block_size)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -141,6 +141,8 @@ class Model:
         # the last block-aligned position whose state can be cached: floor(num_tokens) up to
         # 0.31.0, get_mamba_prefill_checkpoint_position (floor(num_tokens - 1)) from 0.32.0
         self.mamba_split_below = profile.extra.get("mamba_checkpoint_below", False)
+        # up to 0.26.0 no sub-block prefill chunk for a block wider than the budget
+        self.mamba_wide_block_skip = profile.extra.get("align_budget_assert", False)
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
         # VllmConfig.num_lookahead_tokens: EAGLE-style drafters write KV past the scheduled
@@ -352,15 +354,22 @@ class Model:
             # blocks (delay_free_blocks) until its load reports finished_recving;
             # _update_from_kv_xfer_finished frees them then (_load_done)
             self.delayed_free[req.rid] = req
-        elif self.async_ is not None and not self.async_.can_free(req):
-            self.async_.defer_free(req)
         else:
-            self.kv.free(req)
+            self._free_request_blocks(req)
         self.finished_ids.append(req.rid)
         self.unfinished -= 1
         self.counters["finished" if how == "finished" else "aborted"] += 1
         self.progress = True
         self._emit(f"finish {req.rid} {how}")
+
+    def _free_request_blocks(self, req: Request) -> None:
+        """``Scheduler._free_request_blocks``: a request scheduled in a batch still in flight
+        (async scheduling) has its blocks returned to the pool once that batch's output is
+        processed (``deferred_frees``), else at once."""
+        if self.async_ is not None and not self.async_.can_free(req):
+            self.async_.defer_free(req)
+        else:
+            self.kv.free(req)
 
     def _read_store(self, job: Job) -> None:
         """The worker reads a store's source blocks (at flush or completion)."""
@@ -536,7 +545,7 @@ class Model:
     # --- the scheduler step -------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.drafts.pop(req.rid, None)         # _preempt_request: spec_token_ids cleared
-        self.kv.free(req)
+        self._free_request_blocks(req)
         req.num_computed = 0
         req.status = WAITING
         self.waiting.insert(self.n_held, req)     # prepend_request: the front of ``waiting``
@@ -627,7 +636,8 @@ class Model:
                                  lookahead=self.lookahead)
                 if nb is not None:
                     break
-                if asy is not None and not asy.can_free(running[-1]):
+                if (asy is not None and not asy.preempt_in_flight
+                        and not asy.can_free(running[-1])):
                     break       # _request_blocks_can_be_freed: its batch is still in flight
                 victim = running.pop()
                 self._preempt(victim)
@@ -836,7 +846,11 @@ class Model:
         end = start + n
         if end < prefill_end:
             aligned = end // bs * bs
-            if aligned > start or bs <= self.timing.max_num_batched_tokens:
+            # 0.27.0+: a block wider than the budget is advanced sub-block; up to 0.26.0 (where
+            # only python -O lets such an engine start, see validate_block_size) the chunk is
+            # empty and the request is skipped
+            if (aligned > start or bs <= self.timing.max_num_batched_tokens
+                    or self.mamba_wide_block_skip):
                 end = aligned
         stops = [last]
         if start % bs:
@@ -1152,11 +1166,16 @@ class AsyncRun:
       ``remove_skipped_blocks`` on that basis), the blocks to add still count every computed
       token;
     * ``defer_block_free`` (set with more than one concurrent batch and a connector that can
-      be a KV consumer, as the OffloadingConnector's ``kv_both``): a request scheduled in a batch
-      still in flight is never a preemption victim (``_request_blocks_can_be_freed``), and its
-      freed blocks return to the pool when that batch's output is processed
-      (``deferred_frees``, in reverse allocation order). No in-flight output ever becomes stale
-      (a preemption victim has no batch in flight), so ``num_stale_output_tokens`` stays 0.
+      be a KV consumer, as the OffloadingConnector's ``kv_both``): the freed blocks of a request
+      scheduled in a batch still in flight return to the pool when that batch's output is
+      processed (``_free_request_blocks``, ``deferred_frees``, in reverse allocation order).
+      From 0.30.0 such a request is never a preemption victim (``_request_blocks_can_be_freed``
+      in the preemption loop): no in-flight output ever becomes stale. 0.25.1-0.29.0
+      (``preempt_in_flight``) preempt it all the same; the output of its batch is still
+      delivered (appended, stop checked, 0.29.0's ``num_stale_output_tokens`` not dropped as the
+      OffloadingConnector's ``requires_kv_delivery`` is False) but caches no block, and the
+      preempted request cannot resume before it, as it is preempted in a step that schedules no
+      waiting request.
 
     The worker reports a transfer job in the output of the first step executed at or after
     ``due - 1`` (``due`` = creation + latency; a flushed job in the step that flushes it), as
@@ -1175,6 +1194,11 @@ class AsyncRun:
         self.deferred: deque = deque()        # (fence, blocks in allocation order)
         self.due: dict[int, int] = {}         # job ID -> due time
         self.batch: _Batch | None = None
+        # 0.25.1-0.29.0: no _request_blocks_can_be_freed check in Scheduler.schedule's
+        # preemption loop (0.30.0+), a request whose batch is in flight can be preempted
+        self.preempt_in_flight: bool = model.profile.extra.get("preempt_in_flight", False)
+        self.window_frees_on_processed: bool = model.profile.extra.get(
+            "window_frees_on_processed", True)
 
     def has_requests(self) -> bool:
         m = self.m
@@ -1188,7 +1212,10 @@ class AsyncRun:
         """``num_computed_tokens - num_in_flight_tokens``: the tokens of batches whose output is
         processed, the basis on which blocks out of a window are freed (``allocate_slots``,
         ``_connector_finished``: "in-flight steps' attention windows still read blocks below
-        the optimistic boundary")."""
+        the optimistic boundary"). 0.25.1 has no ``num_in_flight_tokens``: both free them on
+        ``num_computed_tokens``, in-flight tokens included."""
+        if not self.window_frees_on_processed:
+            return req.num_computed
         return max(0, req.num_computed - self.in_flight.get(req.rid, 0))
 
     def can_free(self, req: Request) -> bool:
@@ -1337,8 +1364,9 @@ def collector_paused() -> Iterator[None]:
 def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: bool) -> RunResult:
     prof = resolve_profile(profile)
     result = RunResult(profile=prof.name)
-    # the engine checks its KV cache pool before it builds the scheduler (get_kv_cache_configs)
-    refusal = check_enough_kv_cache_memory(case)
+    # the engine checks its KV cache pool (get_kv_cache_configs), then the block size
+    # (validate_block_size), before it builds the scheduler
+    refusal = check_enough_kv_cache_memory(case) or validate_block_size(case, prof)
     if refusal is not None:
         result.refused = refusal
         result.trace = [header(prof.name, case.asserts), f"refused at start-up: {refusal}"]

@@ -52,6 +52,15 @@ def test_canonical_orders_finish_and_done_but_keeps_schedule_order():
     assert out[-2:] == ["done 4 store", "finish a finished"]
 
 
+def test_canonical_sorts_preempt_lines():
+    """SchedulerOutput.preempted_req_ids is a set: the release side lists a step's preemptions
+    by request ID, the model in preemption order (the last running request first)."""
+    seg = ["step 10", "preempt r1", "preempt r0", "flush 8", "check ok"]
+    assert canonical(seg)[1:3] == ["preempt r0", "preempt r1"]
+    assert diff_traces(["# h"] + seg, ["# h", "step 10", "preempt r0", "preempt r1", "flush 8",
+                                       "check ok"]) is None
+
+
 def test_diff_names_first_differing_kind_and_drops_trailing_empty_steps():
     m = ["# h", "step 0", "sched a 4", "alloc a g0=1", "check ok", "step 1", "check ok"]
     r = ["# h", "step 0", "sched a 4", "alloc a g0=1", "check ok"]

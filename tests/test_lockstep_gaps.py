@@ -9,7 +9,7 @@ import pytest
 
 from simsched.case import Case
 from simsched.geometry import profile_for_release
-from simsched.lockstep import lockstep
+from simsched.lockstep import generate_case, lockstep
 from simsched.model import run_case
 from simsched.targets import Releases
 
@@ -379,3 +379,141 @@ def test_null_block_chunk_store_agrees(pool, version):
     res = lockstep(Case.from_json(NULL_IN_CHUNK), version, pool)
     assert res.agree, res.summary()
     assert stores(res.real["trace"]) == null_chunk_store(version)
+# --- gap-trace_preempt-095f6e (20-minute campaign): async preemption of a request in flight --
+
+#: async scheduling, 4-token blocks, a pool of 295 that r0 (356 + 16 tokens) and r1 (128) fill.
+#: At step 10 r0's decode needs a block, none is free, and r1's last step is still in flight.
+#: 0.26.0-0.29.0's preemption loop (Scheduler.schedule) has no _request_blocks_can_be_freed
+#: check: r1 is preempted, its blocks deferred (_free_request_blocks), so r0 is preempted too;
+#: both batches' tokens still arrive (r1 stops), and r0 resumes at step 11 with a prefix hit of
+#: 356 tokens and 5 to compute. 0.30.0+ stop at the in-flight victim: nothing is preempted.
+#: 0.25.1 (no num_in_flight_tokens) frees r0's window blocks on its computed tokens, in-flight
+#: ones included: r1 is admitted one step earlier (step 6) and no pool runs dry. Its in-flight
+#: preemptions show on lockstep's generated case 20 (sliding window, async): r2, r3, r5 and r6
+#: preempted in one step.
+PREEMPT_IN_FLIGHT = {"layout": {"groups": [{"kind": "full", "block_size": 4},
+                                           {"kind": "full", "block_size": 4},
+                                           {"kind": "sliding_window", "block_size": 4,
+                                            "sliding_window": 64}],
+                                "engine": {"async_scheduling": True, "num_gpu_blocks": 295}},
+                     "requests": [{"id": "r0", "prompt": [[0, 256], [100, 100]], "decode": 16},
+                                  {"id": "r1", "prompt": [[1, 128]]}],
+                     "timing": {"max_num_batched_tokens": 64}}
+
+
+def preempts_and_resume(trace: list[str]) -> tuple[list[str], list[str]]:
+    """The preempt lines (sorted: the release side lists them by request ID) and the sched
+    lines of r0 after them."""
+    first = next((i for i, x in enumerate(trace) if x.startswith("preempt ")), len(trace))
+    preempts = sorted(x for x in trace if x.startswith("preempt "))
+    return preempts, [x for x in trace[first:] if x.startswith("sched r0 ")][:2]
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0",
+                                     "0.33.0"])
+def test_model_preempts_a_request_in_flight_before_0300(version):
+    """The preempt lines and r0's resume are those of the release's real run."""
+    res = run_case(Case.from_json(PREEMPT_IN_FLIGHT), profile_for_release(version))
+    if "0.26.0" <= version < "0.30.0":
+        assert preempts_and_resume(res.trace) == (["preempt r0", "preempt r1"],
+                                                  ["sched r0 5", "sched r0 1"])
+    else:
+        assert preempts_and_resume(res.trace) == ([], [])
+    assert "finish r1 finished" in res.trace and "finish r0 finished" in res.trace
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.29.0", "0.30.0"])
+def test_preempt_in_flight_agrees(pool, version):
+    res = lockstep(Case.from_json(PREEMPT_IN_FLIGHT), version, pool)
+    assert res.agree, res.summary()
+    want = ["preempt r0", "preempt r1"] if "0.26.0" <= version < "0.30.0" else []
+    assert preempts_and_resume(res.real["trace"])[0] == want
+
+
+def test_model_preempts_in_flight_on_0251():
+    case = generate_case(20, "full16+sw16w128+full16", async_scheduling=True)
+    res = run_case(case, profile_for_release("0.25.1"))
+    assert preempts_and_resume(res.trace)[0] == ["preempt r2", "preempt r3", "preempt r5",
+                                                 "preempt r6"]
+
+
+def test_preempt_in_flight_agrees_on_0251(pool):
+    res = lockstep(generate_case(20, "full16+sw16w128+full16", async_scheduling=True),
+                   "0.25.1", pool)
+    assert res.agree, res.summary()
+    assert preempts_and_resume(res.real["trace"])[0] == ["preempt r2", "preempt r3",
+                                                         "preempt r5", "preempt r6"]
+
+
+# --- INV-8-liveness-full+mamba-c78a6e: an align-mode block wider than the budget -------------
+
+#: a 96-token Mamba block in align mode and a budget of 64: no prefill chunk reaches a block
+#: boundary. Up to 0.26.0 VllmConfig.validate_block_size (EngineCore._initialize_kv_caches)
+#: asserts block_size <= max_num_batched_tokens: the engine refuses to start; under python -O
+#: the assert is gone and _mamba_block_aligned_split cuts every chunk to 0 tokens (r0 never
+#: runs). 0.27.0 drops the assert and advances such a block sub-block (64 + 32 to the boundary
+#: at 96, then 32).
+WIDE_ALIGN_BLOCK = {"layout": {"groups": [{"kind": "full", "block_size": 96},
+                                          {"kind": "mamba", "block_size": 96,
+                                           "mamba_cache_mode": "align"}]},
+                    "requests": [{"id": "r0", "prompt": [[0, 128]]}],
+                    "timing": {"max_num_batched_tokens": 64}}
+WIDE_ALIGN_REFUSAL = ("In Mamba cache align mode, block_size (96) must be <= "
+                      "max_num_batched_tokens (64).")
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.27.0", "0.33.0"])
+def test_model_applies_the_align_block_size_check(version):
+    res = run_case(Case.from_json(WIDE_ALIGN_BLOCK), profile_for_release(version))
+    if version < "0.27.0":
+        assert res.refused == WIDE_ALIGN_REFUSAL and not res.findings
+        stripped = run_case(Case.from_json(dict(WIDE_ALIGN_BLOCK, asserts=False)),
+                            profile_for_release(version))
+        assert stripped.refused is None
+        assert [f["inv_id"] for f in stripped.findings] == ["INV-8"]
+        assert scheds(stripped.trace) == []
+    else:
+        assert res.refused is None and not res.findings
+        assert scheds(res.trace) == ["sched r0 64", "sched r0 32", "sched r0 32"]
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.0"])
+def test_align_block_size_check_agrees(pool, version):
+    res = lockstep(Case.from_json(WIDE_ALIGN_BLOCK), version, pool)
+    assert not res.observations, res.summary()
+    if version == "0.26.0":
+        assert res.real["status"] == "refused" and res.real["reason"] == WIDE_ALIGN_REFUSAL
+        stripped = lockstep(Case.from_json(dict(WIDE_ALIGN_BLOCK, asserts=False)), version, pool)
+        assert stripped.agree, stripped.summary()
+        assert [f["inv_id"] for f in stripped.real["findings"]] == ["INV-8"]
+    else:
+        assert res.agree, res.summary()
+        assert scheds(res.real["trace"]) == ["sched r0 64", "sched r0 32", "sched r0 32"]
+
+
+# --- AssertionError-_build_store_jobs-3e6630: aborting a request that waits with no block ----
+
+#: max_num_seqs 1: r1 waits behind r0, its lookup deferred while r0's store is in flight; it
+#: is aborted before step 2 (Scheduler.finish_requests, the engine core's abort_requests).
+#: 0.26.0's request_finished keys its whole prompt (update_offload_keys) and keeps its state;
+#: _build_store_jobs then walks it in finished_req_ids with four keys and no block:
+#: assert len(offload_keys) == len(offload_block_ids). 0.25.1 drops the state of a request
+#: without jobs; 0.27.0's RequestOffloadState.storable_chunks counts allocated chunks only.
+#: A vLLM-alone repro (also a request aborted mid-prefill):
+#: docs/repro/abort_unallocated_chunks_store_assert.py
+ABORT_WAITING = {"layout": {"groups": [{"kind": "full", "block_size": 16}]},
+                 "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                              {"id": "r1", "prompt": [[0, 64]], "abort_at": 2}],
+                 "timing": {"store_latency": 2, "max_num_seqs": 1}}
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.27.0"])
+def test_abort_of_a_waiting_request_crashes_0260_only(pool, version):
+    res = lockstep(Case.from_json(ABORT_WAITING), version, pool)
+    crashes = [(f["exception"], f["function"]) for f in res.real["findings"]
+               if f["kind"] == "crash"]
+    if version == "0.26.0":
+        assert crashes == [("AssertionError", "_build_store_jobs")], res.summary()
+        assert "finish r1 aborted" in res.real["trace"]
+    else:
+        assert res.agree and crashes == [], res.summary()

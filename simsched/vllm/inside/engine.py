@@ -213,6 +213,42 @@ class RealEngine:
         return out
 
     def startup_refusal(self, case: Case) -> str | None:
+        """The release's own start-up checks, in ``EngineCore._initialize_kv_caches``' order,
+        run before any Scheduler is built: the KV cache pool (:meth:`kv_memory_refusal`), then
+        ``VllmConfig.validate_block_size`` (:meth:`block_size_refusal`). The first refusal's
+        message, or None."""
+        try:
+            vc, kvc = self.builder.build(case.layout)
+        except self.Unsupported:
+            return None             # the run says so
+        return self.kv_memory_refusal(case, vc, kvc) or self.block_size_refusal(case, vc, kvc)
+
+    def block_size_refusal(self, case: Case, vc, kvc) -> str | None:
+        """``VllmConfig.validate_block_size`` (``config/vllm.py``, called by
+        ``EngineCore._initialize_kv_caches`` once ``cache_config.block_size`` is the smallest
+        block size of the KV cache groups): up to 0.26.0 it asserts, in Mamba align mode,
+        ``block_size <= max_num_batched_tokens`` (a chunk must reach a block boundary; 0.27.0
+        dropped the assert, its ``_mamba_block_aligned_split`` advancing sub-block instead).
+        Run on copies with the case's budget; its AssertionError's message (stripped under
+        ``python -O``, as in a real engine), or None."""
+        import copy
+        if not hasattr(vc, "validate_block_size"):
+            return None
+        vc = copy.copy(vc)
+        cc = vc.cache_config = copy.copy(vc.cache_config)
+        vc.parallel_config = copy.copy(vc.parallel_config)
+        sc = vc.scheduler_config = copy.copy(vc.scheduler_config)
+        sc.max_num_batched_tokens = case.timing.max_num_batched_tokens
+        if hasattr(sc, "long_prefill_token_threshold"):
+            sc.long_prefill_token_threshold = 0       # as boot sets it
+        cc.block_size = min(g.kv_cache_spec.block_size for g in kvc.kv_cache_groups)
+        try:
+            vc.validate_block_size()
+        except AssertionError as e:
+            return str(e)
+        return None
+
+    def kv_memory_refusal(self, case: Case, vc, kvc) -> str | None:
         """The release's own start-up check of the KV cache pool, run before any Scheduler is
         built: ``_check_enough_kv_cache_memory`` (``v1/core/kv_cache_utils.py``,
         ``kv_cache_planning.py`` from 0.33.0) with the case's ``max_model_len``
@@ -233,10 +269,6 @@ class RealEngine:
                 break
         if check is None or not case.requests:
             return None
-        try:
-            vc, kvc = self.builder.build(case.layout)
-        except self.Unsupported:
-            return None             # the run says so
         vc = copy.copy(vc)
         vc.model_config = copy.copy(vc.model_config)
         sc = vc.scheduler_config = copy.copy(vc.scheduler_config)
