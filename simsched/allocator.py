@@ -817,6 +817,10 @@ class KVCacheManager:
                     lo: i64 = r.skipped_tokens(L) // bs
                     if peek and r.code == SLIDING and lo > 0:
                         lo -= 1
+                    if r.code == SLIDING and lo >= hi > 0:
+                        # find_longest_cache_hit matches only where it finds a cached block: a
+                        # one-token window, which needs none, still needs the hit's last one
+                        lo = hi - 1
                     keys = rest_keys[x]
                     known = memo[r.gid]
                     n = len(keys)

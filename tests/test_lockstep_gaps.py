@@ -517,3 +517,33 @@ def test_abort_of_a_waiting_request_crashes_0260_only(pool, version):
         assert "finish r1 aborted" in res.real["trace"]
     else:
         assert res.agree and crashes == [], res.summary()
+
+
+# --- gap-trace_alloc-bb3dc7 / gap-trace_load-a2f0ca of campaign c20e: a one-token window ------
+
+#: full/16 beside a one-token sliding window: r0's window blocks are never cached (their mask
+#: is all False), and SlidingWindowManager.find_longest_cache_hit matches only on a cached
+#: block, so r1 gets no GPU hit at all (0.25.1-0.29.0 load it from the CPU tier instead)
+ONE_TOKEN_WINDOW = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                          {"kind": "sliding_window", "block_size": 16,
+                                           "sliding_window": 1}]},
+                    "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                                 {"id": "r1", "prompt": [[0, 128]]}],
+                    "timing": {"max_num_batched_tokens": 64}}
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])
+def test_model_gives_a_one_token_window_no_gpu_hit(version):
+    """The lines 0.29.0's and 0.33.0's real Scheduler emit for r1."""
+    res = run_case(Case.from_json(ONE_TOKEN_WINDOW), profile_for_release(version))
+    r1 = [x for x in res.trace if x.startswith(("alloc r1", "load 1 r1"))]
+    if version == "0.29.0":
+        assert r1[0] == "load 1 r1 g0:0=8 g0:1=7 g0:2=6 g0:3=5"
+    else:
+        assert r1[0] == "alloc r1 g0=8,7,6,5 g1=9,10,11,12"
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.29.0", "0.33.0"])
+def test_one_token_window_hit_agrees(pool, version):
+    res = lockstep(Case.from_json(ONE_TOKEN_WINDOW), version, pool)
+    assert res.agree, res.summary()

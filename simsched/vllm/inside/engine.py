@@ -81,6 +81,29 @@ class _Crash(Exception):
         self.exc = exc
 
 
+class _ChunkIndex:
+    """The chunk index of a job's key: where it sits in its request's offload keys (the
+    connector's ``RequestOffloadState``, per group), else the chunk its hash index ends. A
+    request's keys are distinct (block hashes are chained, each over its parent's), so a key
+    found at the chunk its hash index ends is there; a group whose keys do not start at chunk 0
+    has them searched, once."""
+
+    def __init__(self, offload_keys: list, tph: int, tpc: int):
+        self.offload_keys, self.tph, self.tpc = offload_keys, tph, tpc
+        self.position: dict[bytes, int] | None = None
+
+    def of(self, key, hidx: int) -> int:
+        c = (hidx + 1) * self.tph // self.tpc - 1
+        kb = bytes(key)
+        if 0 <= c < len(self.offload_keys) and bytes(self.offload_keys[c]) == kb:
+            return c
+        if self.position is None:
+            self.position = {}
+            for i, k in enumerate(self.offload_keys):
+                self.position.setdefault(bytes(k), i)
+        return self.position.get(kb, c)
+
+
 class _Job:
     """One real transfer job as the shadow sees it: ``items`` like the model's
     ``(group_id, chunk_idx, hash_idx, key, [(block_index, block_id), ...])``."""
@@ -628,11 +651,9 @@ class _Run:
             if not keys:
                 continue        # the job has no chunk of this group
             tpc = gcfg.tokens_per_chunk
-            # chunk index of every key: where it sits in the request's offload keys
-            chunk_of = {}
-            if req_state is not None and gi < len(req_state.group_states):
-                for c, kk in enumerate(req_state.group_states[gi].offload_keys):
-                    chunk_of.setdefault(bytes(kk), c)
+            offload_keys = (req_state.group_states[gi].offload_keys
+                            if req_state is not None and gi < len(req_state.group_states) else [])
+            chunk_of = _ChunkIndex(offload_keys, self.tph, tpc)
             if is_store and self._is_tail_job(keys, tpc):
                 items.append(self._tail_item(gid, keys[0], blocks, starts, gi, tpc, ident))
             elif is_store and gcfg.cow_source:
@@ -641,9 +662,7 @@ class _Run:
                 # the table cannot be read positionally (interior states nulled or relocated)
                 start = starts[gi] if gi < len(starts) else 0
                 for hidx, k in keys:
-                    c = chunk_of.get(bytes(k))
-                    if c is None:
-                        c = (hidx + 1) * self.tph // tpc - 1
+                    c = chunk_of.of(k, hidx)
                     take, blocks = blocks[:1], blocks[1:]
                     items.append((gid, c, hidx, make_key(gid, ident.ident_at((hidx + 1) * self.tph)),
                                   [(start, b) for b in take]))
@@ -652,9 +671,7 @@ class _Run:
                 table = (req_state.group_states[gi].block_ids
                          if req_state is not None else [])
                 for hidx, k in keys:
-                    c = chunk_of.get(bytes(k))
-                    if c is None:
-                        c = (hidx + 1) * self.tph // tpc - 1
+                    c = chunk_of.of(k, hidx)
                     idxs = [i for i in range(c * self.bpc, (c + 1) * self.bpc)
                             if i < len(table) and table[i] != 0]
                     take, blocks = blocks[:len(idxs)], blocks[len(idxs):]
@@ -667,9 +684,7 @@ class _Run:
                     i = start + off
                     per_chunk.setdefault(i // self.bpc, []).append((i, b))
                 for hidx, k in keys:
-                    c = chunk_of.get(bytes(k))
-                    if c is None:
-                        c = (hidx + 1) * self.tph // tpc - 1
+                    c = chunk_of.of(k, hidx)
                     items.append((gid, c, hidx, make_key(gid, ident.ident_at((hidx + 1) * self.tph)),
                                   per_chunk.get(c, [])))
         return items
