@@ -844,7 +844,9 @@ class Model:
         else:
             last = ((nt - 1) if self.mamba_split_below else nt) // bs * bs
         end = start + n
-        if end < prefill_end:
+        # chunk ends are block-aligned until the prefill's end (0.27.0+), up to 0.26.0 until the
+        # last cacheable position only ("if end < last_cache_position")
+        if end < (last if self.mamba_wide_block_skip else prefill_end):
             aligned = end // bs * bs
             # 0.27.0+: a block wider than the budget is advanced sub-block; up to 0.26.0 (where
             # only python -O lets such an engine start, see validate_block_size) the chunk is

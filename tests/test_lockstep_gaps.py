@@ -547,3 +547,26 @@ def test_model_gives_a_one_token_window_no_gpu_hit(version):
 def test_one_token_window_hit_agrees(pool, version):
     res = lockstep(Case.from_json(ONE_TOKEN_WINDOW), version, pool)
     assert res.agree, res.summary()
+
+
+#: gap-model_predicts_invariant_INV-8-a6b5d7 of campaign c20e: a lone align-mode Mamba group of
+#: 1152 tokens, asserts stripped, a 128-token prompt and a budget of 64. 0.25.1-0.26.0 align a
+#: chunk's end only below the last cacheable position (here 0: the prompt fills no block), so
+#: the prompt runs in two chunks of 64 and does not stall
+LONE_WIDE_MAMBA = {"layout": {"groups": [{"kind": "mamba", "block_size": 1152,
+                                          "mamba_cache_mode": "align"}]},
+                   "requests": [{"id": "r0", "prompt": [[0, 128]]}],
+                   "timing": {"max_num_batched_tokens": 64}, "asserts": False}
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.27.0"])
+def test_model_splits_a_prompt_shorter_than_the_mamba_block(version):
+    res = run_case(Case.from_json(LONE_WIDE_MAMBA), profile_for_release(version))
+    assert scheds(res.trace) == ["sched r0 64", "sched r0 64"], res.trace
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.0"])
+def test_prompt_shorter_than_the_mamba_block_agrees(pool, version):
+    res = lockstep(Case.from_json(LONE_WIDE_MAMBA), version, pool)
+    assert res.agree, res.summary()
+    assert scheds(res.real["trace"]) == ["sched r0 64", "sched r0 64"]
