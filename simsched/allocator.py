@@ -641,6 +641,8 @@ class KVCacheManager:
                 cap = -(-(r.chunk + max_in_flight_tokens) // r.bs)
             self.admission_cap.append(cap)
         self.align = align
+        # enable_partial_hash_hits (geometry.partial_hash_hits); set by the model
+        self.partial_hash_hits = False
         self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len: int = 0         # set by the model (0: no cap)
         # a mamba group without align mode disables GPU prefix hits altogether
@@ -1006,9 +1008,10 @@ class KVCacheManager:
         multiple of the scheduler block size (``find_longest_cache_hit``), so only the tokens up
         to the last such boundary are cached (``_align_cacheable``, 0.28.0+; the rounding in
         ``cache_blocks`` before): a block past it is freed unhashed, to the front of the free
-        queue. The unitary coordinator of one group caches every full block. (Fine-grained
-        hash hits, an align-mode Mamba block larger than the hash unit, are not modelled.)"""
-        if len(self.rules) > 1:
+        queue. The unitary coordinator of one group caches every full block, and so does the
+        hybrid one with fine-grained hash hits (``geometry.partial_hash_hits``; the hits
+        themselves are not modelled at hash-block granularity)."""
+        if len(self.rules) > 1 and not self.partial_hash_hits:
             return num_tokens // self.align * self.align
         return num_tokens
 

@@ -184,7 +184,7 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
     alignment="absent", eagle_marks_all_groups=True, retention_check=False,
     extra={"spec_pad_after_hit": False, "eagle_replay_pair": False,
-           "preempt_in_flight": True})
+           "preempt_in_flight": True, "partial_hash_hits": "no-dcp"})
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,
@@ -205,7 +205,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             config_function="__init__", window_function="get_sliding_window_size_in_blocks",
             extra={"mamba_boundary_stores": False, "eagle_tail_hole": True,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
-                   "align_budget_assert": True, "window_frees_on_processed": False}),
+                   "align_budget_assert": True, "window_frees_on_processed": False,
+                   "partial_hash_hits": "none"}),
     Profile("legacy-dcp-all",
             "0.29.0's rules, with DCP scaling every group's offload block, Mamba back-off by "
             "block size and no chunked-local window",
@@ -214,7 +215,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
             offload_dcp_all_groups=True,
             extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
-                   "preempt_in_flight": True, "align_budget_assert": True}),
+                   "preempt_in_flight": True, "align_budget_assert": True,
+                   "partial_hash_hits": "no-dcp-any-group"}),
     Profile("legacy-mamba-block-size",
             "0.29.0's rules, with Mamba back-off by block size and no chunked-local window",
             releases=("0.27.0", "0.27.1"), keyed_chunk_clamp=False,
@@ -222,7 +224,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             retention_check=False, window_in_chunks=window_before_chunked_local,
             mamba_backoff="block_size",
             extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
-                   "preempt_in_flight": True}),
+                   "preempt_in_flight": True, "partial_hash_hits": "no-dcp-any-group"}),
     Profile("every-group",
             "every group offloaded and asserted divisible by the hash unit",
             releases=("0.30.0",)),
@@ -296,6 +298,28 @@ def get_profile(name: str) -> Profile:
 def effective_block_size(group: Group, dcp: int) -> int:
     """``resolve_dcp_kv_block_size``: attention groups span ``dcp`` times their block size."""
     return group.block_size * dcp if group.dcp_sharded else group.block_size
+
+
+def partial_hash_hits(layout: Layout, profile: Profile, tokens_per_hash: int) -> bool:
+    """The hybrid coordinator's ``enable_partial_hash_hits``: an align-mode Mamba group whose
+    block is wider than the hash unit (at least as wide under DCP, 0.30.0+:
+    ``partial_hash_hits_enabled``) gives hits on hash-block boundaries, and the coordinator then
+    caches every computed token, not rounded to the scheduler block (``_align_cacheable``). From
+    0.28.0 every other prefix-cacheable group must take fine-grained lookups (full attention and
+    Mamba managers) or have blocks of the hash unit; before 0.28.0 any group will do, and DCP
+    turns it off. 0.25.1 has none. ``profile.extra["partial_hash_hits"]``: "none",
+    "no-dcp-any-group" (0.26.0-0.27.1), "no-dcp" (0.28.0-0.29.0), absent: 0.30.0's rule."""
+    rule = profile.extra.get("partial_hash_hits", "dcp")
+    dcp = layout.engine.dcp_size
+    if rule == "none" or (dcp > 1 and rule != "dcp"):
+        return False
+    if not any(g.kind == "mamba" and g.mamba_cache_mode == "align"
+               and (g.block_size > tokens_per_hash or (dcp > 1 and g.block_size == tokens_per_hash))
+               for g in layout.groups):
+        return False
+    return rule == "no-dcp-any-group" or all(
+        g.kind in ("full", "mla", "mamba") or effective_block_size(g, dcp) == tokens_per_hash
+        for g in layout.groups if g.prefix_cacheable)
 
 
 def cache_block_size(layout: Layout) -> int:

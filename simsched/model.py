@@ -45,7 +45,7 @@ from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
                                check_enough_kv_cache_memory, derive, effective_block_size,
-                               max_model_len, prefix_cacheable_groups,
+                               max_model_len, partial_hash_hits, prefix_cacheable_groups,
                                validate_block_size)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
@@ -128,6 +128,7 @@ class Model:
                                  retention_interval=layout.engine.retention_interval)
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
+        self.kv.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)

@@ -570,3 +570,43 @@ def test_prompt_shorter_than_the_mamba_block_agrees(pool, version):
     res = lockstep(Case.from_json(LONE_WIDE_MAMBA), version, pool)
     assert res.agree, res.summary()
     assert scheds(res.real["trace"]) == ["sched r0 64", "sched r0 64"]
+
+
+# --- gap-trace_store-4d4914 of campaign c20e: fine-grained hash hits under DCP ---------------
+
+#: full/16 + align-mode Mamba/16 under DCP 2: from 0.30.0 the hybrid coordinator enables partial
+#: hash hits (partial_hash_hits_enabled: a Mamba block at least the hash unit under DCP), so it
+#: caches every computed token, unrounded: the Mamba state at 48 is cached and offered to the
+#: connector (0.32.0+ store it); 0.28.0-0.29.0 turn partial hits off under DCP
+DCP_MAMBA = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                   {"kind": "mamba", "block_size": 16,
+                                    "mamba_cache_mode": "align"}],
+                        "engine": {"dcp_size": 2}},
+             "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+
+
+def test_partial_hash_hits_by_release():
+    from simsched.geometry import partial_hash_hits
+    from simsched.layout import Layout
+    dcp = Layout.from_json(DCP_MAMBA["layout"])
+    unit = Layout.from_json({"groups": DCP_MAMBA["layout"]["groups"],
+                             "engine": {"prefix_match_unit": 4}})
+    window = Layout.from_json({"groups": DCP_MAMBA["layout"]["groups"] + [
+        {"kind": "sliding_window", "block_size": 16, "sliding_window": 32}],
+        "engine": {"prefix_match_unit": 4}})
+    got = {v: (partial_hash_hits(dcp, profile_for_release(v), 16),
+               partial_hash_hits(unit, profile_for_release(v), 4),
+               partial_hash_hits(window, profile_for_release(v), 4))
+           for v in ("0.25.1", "0.27.0", "0.29.0", "0.33.0")}
+    # kv_cache_coordinator.py of each release: none in 0.25.1; no DCP and any other group up to
+    # 0.27.1; from 0.28.0 a sliding-window group of blocks wider than the unit turns them off
+    assert got == {"0.25.1": (False, False, False), "0.27.0": (False, True, True),
+                   "0.29.0": (False, True, False), "0.33.0": (True, True, False)}
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])
+def test_dcp_mamba_state_cached_unrounded_agrees(pool, version):
+    res = lockstep(Case.from_json(DCP_MAMBA), version, pool)
+    assert res.agree, res.summary()
+    if version == "0.33.0":
+        assert stores(res.real["trace"])[0] == "store 0 r0 g1:2=3"
