@@ -97,7 +97,7 @@ def _spec(group) -> str:
     return f"kvi.{cls}({', '.join(args)})"
 
 
-def _cache_fields(case: Case) -> str:
+def _cache_fields(case: Case) -> dict:
     """CacheConfig's fields as ``ConfigBuilder.build`` sets them: the block size of the first
     attention group (else the first group), prefix caching, Mamba's align mode."""
     groups = case.layout.groups
@@ -106,7 +106,7 @@ def _cache_fields(case: Case) -> str:
               "enable_prefix_caching": case.layout.engine.enable_prefix_caching}
     if any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in groups):
         fields["mamba_cache_mode"] = "align"
-    return ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    return fields
 
 
 def _extra_config(case: Case) -> tuple[dict, int]:
@@ -161,12 +161,36 @@ def _requests(case: Case) -> str:
     return ",\n            ".join(rows)
 
 
+#: an invariant in plain words, for a title: (invariant, first bad op) or the invariant alone
+PLAIN = {
+    ("INV-8", "load"): "a request loaded from the CPU tier again and again is never scheduled",
+    ("INV-8", "lookup"): "the lookup of a request defers forever while its prefix is ready",
+    ("INV-8", None): "requests make no progress while no transfer is in flight",
+    ("INV-9", None): "a prefix ready in the CPU tier is not hit by the lookup",
+    ("INV-10", "store"): "a store ignores the request's max_offload_tokens",
+    ("INV-10", "load"): "a load ignores the request's max_load_tokens",
+    ("INV-10", None): "a transfer ignores the request's max_offload_tokens / max_load_tokens",
+    ("INV-3", None): "a store job pairs offload keys and GPU blocks out of step",
+    ("INV-4", None): "a chunk is stored under a key that names other tokens",
+    ("INV-5", None): "a load brings back the KV of other tokens",
+    ("INV-6", None): "a block is rewritten while a pending store still reads it",
+    ("INV-7", None): "a chunk is loaded before its store completed",
+}
+
+
+def plain(data: dict) -> str:
+    """The finding in a few plain words: the exception and function, or the invariant."""
+    if data["kind"] == "crash":
+        return f"{data['exception']} in {data['function']}"
+    inv, op = data.get("invariant"), data.get("op")
+    if inv == "INV-10":   # op "cap": the detail names the job ("store 3 g0:2 ...", "load 5 ...")
+        op = (data.get("message") or "").split(" ")[0] or None
+    return PLAIN.get((inv, op), PLAIN.get((inv, None), f"{inv} broken"))
+
+
 def title(data: dict) -> str:
     """An upstream issue's title, in vLLM's style."""
-    if data["kind"] == "crash":
-        what = f"{data['exception']} in {data['function']}"
-    else:
-        what = "a request loaded from the CPU tier again and again is never scheduled"
+    what = plain(data)
     head = f"[Bug][KV offloading]: {what}"
     full = f"{head} on {data['layout']}"
     return full if len(full) <= 96 else head
@@ -210,7 +234,7 @@ def render(case: Case, data: dict) -> str:
     return TEMPLATE.format(
         title=title(data), about=_about(data), groups=groups,
         num_gpu_blocks=eng.num_gpu_blocks, cpu_chunks=eng.cpu_chunks, bpc=bpc, extra=extra,
-        cache=_cache_fields(case),
+        cache=", ".join(f"{k}={v!r}" for k, v in _cache_fields(case).items()),
         batched=timing.max_num_batched_tokens, seqs=timing.max_num_seqs,
         store=timing.store_latency, load=timing.load_latency, requests=_requests(case),
         max_model_len=max_model_len(case), seed=case.seed % VOCAB,

@@ -217,6 +217,68 @@ def test_repro_command_bad_input_is_a_one_line_error(tmp_path):
         assert proc.stderr.startswith("simsched: error: ") and proc.stderr.count("\n") == 1
 
 
+# --- ISSUE.md ------------------------------------------------------------------------------
+
+
+def test_issue_environment_gives_release_ranges_and_why_a_release_did_not_run():
+    from fuzz import issue
+    data = dict(RING_FINDING, releases_clean=["0.31.0", "0.32.0", "0.33.0"],
+                releases_not_run={v: "unsupported: no CircularBufferSpec" for v in
+                                  ("0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0")})
+    assert issue.environment(data) == (
+        "Present in 0.29.0 to 0.30.0; absent from 0.31.0 to 0.33.0; not reached on 0.25.1 to "
+        "0.28.0 (unsupported: no CircularBufferSpec).")
+    assert issue.environment(dict(data, asserts=False)).endswith("stripped (`python -O`).")
+
+
+def test_issue_flags_are_only_what_the_case_sets():
+    from fuzz import issue
+    plain = issue.serve_flags(Case.from_json(RING))
+    assert plain[0] == "--block-size 16" and len(plain) == 2
+    assert '"kv_connector": "OffloadingConnector"' in plain[1]
+    case = json.loads(json.dumps(RING))
+    case["layout"]["engine"] = {"blocks_per_chunk": 2, "dcp_size": 2, "retention_interval": 32,
+                                "speculative": {"method": "eagle", "num_tokens": 2},
+                                "async_scheduling": True}
+    case["timing"] = {"max_num_batched_tokens": 64}
+    flags = issue.serve_flags(Case.from_json(case))
+    assert '"kv_connector_extra_config": {"blocks_per_chunk": 2' in flags[1]
+    assert flags[2:] == [
+        "--prefix-cache-retention-interval 32", "--decode-context-parallel-size 2",
+        '--speculative-config \'{"method": "eagle", "num_speculative_tokens": 2}\'',
+        "--async-scheduling", "--max-num-batched-tokens 64"]
+
+
+def test_write_repro_writes_an_issue_for_a_bug(tmp_path):
+    """ISSUE.md of the livelock (a bug): vLLM's title, the family and flags, the steps in
+    words, the layout caveat, the vLLM-only test inline; not for another class."""
+    from fuzz import repro
+    from fuzz.campaign import Finding
+    from simsched.outcome import Signature
+    case = Case.from_json(LIVELOCK)
+    finding = Finding(
+        id="livelock", key=("invariant", "INV-8", "load", "mla"), klass="bug",
+        signature=Signature("invariant", invariant="INV-8"), case=case, present_on=("0.33.0",),
+        fingerprint=(), first_target="0.33.0", found_after_s=0.0, examples_before=0,
+        outcome={"op": "load", "stage": "step", "detail": "b: loaded 3 times without being "
+                 "scheduled"}, releases_affected=["0.29.0", "0.33.0"],
+        releases_clean=[], installed=("0.29.0", "0.33.0"))
+    folder = repro.write_repro(tmp_path, finding)
+    text = (folder / "ISSUE.md").read_text()
+    assert text.startswith("# [Bug][KV offloading]: a request loaded from the CPU tier again "
+                           "and again is never scheduled")
+    assert "Present in 0.29.0 and 0.33.0; not tried on 0.25.1 to 0.28.0 and 0.30.0 to " \
+        "0.32.0." in text
+    assert "a dense model" in text and "--block-size 1 \\\n" in text
+    assert "--max-num-batched-tokens 64 \\\n  --max-num-seqs 2\n```" in text
+    assert "2. `b` arrives at step 3: prompt the first 1 token of A, 4 output tokens." in text
+    assert "built by hand" in text
+    assert "```python\n\"\"\"[Bug][KV offloading]" in text and "not verified yet" in text
+    assert "### Actual\n\nb: loaded 3 times without being scheduled." in text
+    other = Finding(**{**finding.__dict__, "id": "gap", "klass": "model-gap"})
+    assert not (repro.write_repro(tmp_path, other) / "ISSUE.md").exists()
+
+
 # --- real: each generated file run through `simsched releases env` from an empty folder ----
 
 
