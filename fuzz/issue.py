@@ -18,6 +18,9 @@ from fuzz.strategies import family_of
 from simsched.case import Case
 from simsched.invariants import INVARIANTS
 from simsched.layout import Layout
+from simsched.vllm.releases import KNOWN_RELEASES
+
+_ranges = vllm_repro.release_ranges
 
 #: the realistic model family a layout looks like (fuzz/strategies.py ``family_of``)
 FAMILIES = {
@@ -32,37 +35,32 @@ FAMILIES = {
 }
 
 
-def _span(versions: list[str], order: list[str]) -> str:
-    """``0.29.0 to 0.30.0 and 0.33.0``: consecutive releases of ``order`` as ranges."""
-    runs = [a if a == b else f"{a} to {b}" for a, b in tri.ranges(versions, order)]
-    return " and ".join(runs)
-
-
 def environment(data: dict) -> str:
     """Present, absent (ran every step clean) and not run (with why), as release ranges."""
     not_run = data.get("releases_not_run") or {}
     other = data.get("releases_other") or {}
-    from simsched.vllm.releases import KNOWN_RELEASES
     seen = set(data["releases_affected"]) | set(data["releases_clean"]) | set(not_run) \
         | set(other)
     # over every release simsched knows: one not run breaks a range
     order = sorted(seen | set(KNOWN_RELEASES), key=tri._vkey)
-    parts = [f"Present in {_span(data['releases_affected'], order) or 'no release run'}"]
+    parts = [f"Present in {_ranges(data['releases_affected'], order)}"]
     if data["releases_clean"]:
-        parts.append(f"absent from {_span(data['releases_clean'], order)}")
+        parts.append(f"absent from {_ranges(data['releases_clean'], order)}")
     by_reason: dict[str, list[str]] = {}
     for v, why in {**not_run, **other}.items():
         by_reason.setdefault(str(why).split(";")[0][:90], []).append(v)
-    parts += [f"not reached on {_span(vs, order)} ({why})" for why, vs in by_reason.items()]
+    parts += [f"not reached on {_ranges(vs, order)} ({why})" for why, vs in by_reason.items()]
     untried = [v for v in order if v not in seen]
     if untried:
-        parts.append(f"not tried on {_span(untried, order)}")
+        parts.append(f"not tried on {_ranges(untried, order)}")
     asserts = "" if data["asserts"] else " With Python's asserts stripped (`python -O`)."
     return "; ".join(parts) + "." + asserts
 
 
 def family(layout: Layout) -> str:
     name = family_of(layout)
+    if name == "deepseek_v4" and any(g.kind == "ring" for g in layout.groups):
+        return "DeepSeek V4 (MLA + sliding-window MLA groups, and its compression ring)"
     if name in FAMILIES:
         return FAMILIES[name]
     kinds = " + ".join(dict.fromkeys(g.kind for g in layout.groups))
