@@ -385,7 +385,8 @@ def runs(tmp_path_factory):
     for version in RUN_ON:
         proc = subprocess.run(rel.env_prefix(_installed(version)) + [
             "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "."], cwd=folder,
-            text=True, capture_output=True, timeout=600)
+            text=True, capture_output=True, timeout=600,
+            env={**os.environ, "COLUMNS": "1000"})    # summary lines not cut
         for m in re.finditer(r"^(PASSED|FAILED) test_(\w+)\.py::\S+(.*)$", proc.stdout, re.M):
             out[(m.group(2), version)] = (m.group(1).lower(), m.group(3))
         missing = [n for n in GENERATED if (n, version) not in out]
@@ -427,9 +428,12 @@ def test_store_past_max_offload_tokens_fails_where_present_and_passes_where_clea
 
 
 def test_quiet_stall_fails_where_the_scheduler_stalls_and_passes_with_room(runs):
+    """b waits for a block forever; on 0.33.0 f too, preempted at its second chunk (0.32.0+
+    cut its 96-token prefill 80 + 16: docs/invariants.md, "align-mode Mamba requests stall")."""
+    stuck = {v: "['f', 'b']" if v == "0.33.0" else "['b']" for v in RUN_ON}
     for v in RUN_ON:
-        assert runs[("stall", v)] == ("failed", " - AssertionError: ['b']: nothing scheduled, "
-                                                "no transfer for 9 steps"), v
+        assert runs[("stall", v)] == ("failed", f" - AssertionError: {stuck[v]}: nothing "
+                                                "scheduled, no transfer for 9 steps"), v
         assert runs[("stall_control", v)][0] == "passed", v
 
 
