@@ -15,6 +15,7 @@ import pytest
 
 from fuzz import vllm_repro
 from simsched.case import Case
+from simsched.lockstep import HANDMADE
 from simsched.vllm import releases as rel
 from simsched.vllm.releases import InstalledRelease, ReleaseError
 
@@ -369,7 +370,11 @@ GENERATED = {
     "livelock_control": (_control(LIVELOCK, block_size=2), LIVELOCK_FINDING),
     "max_load": (MAX_LOAD, MAX_LOAD_FINDING), "tail_cap": (TAIL, TAIL_FINDING),
     "stall": (STALL, STALL_FINDING), "stall_control": (_pool(STALL, 16), STALL_FINDING),
-    "load_cap": (LOAD_UNDER_CAP, LOAD_CAP_FINDING)}
+    "load_cap": (LOAD_UNDER_CAP, LOAD_CAP_FINDING),
+    # lookups the harness's INV-9 oracle finds clean on 0.30.0 and 0.33.0
+    # (tests/test_real_oracles.py::test_real_lookups_meet_the_oracle)
+    **{f"lookup_{name}": (HANDMADE[name], MAX_LOAD_FINDING)
+       for name in ("load", "window_load", "mamba_load")}}
 RUN_ON = ("0.29.0", "0.30.0", "0.31.0", "0.33.0")
 
 
@@ -418,6 +423,12 @@ def test_lookup_missing_a_ready_prefix_fails_where_present_and_passes_where_clea
             "found 0" in runs[("max_load", v)][1], v
     assert runs[("max_load", "0.30.0")][0] == "passed"   # reads no max_load_tokens
     assert runs[("max_load", "0.29.0")][0] == "passed"
+
+
+def test_lookup_check_passes_where_the_harness_oracle_is_clean(runs):
+    for name in ("load", "window_load", "mamba_load"):
+        for v in ("0.30.0", "0.33.0"):
+            assert runs[(f"lookup_{name}", v)][0] == "passed", (name, v)
 
 
 def test_store_past_max_offload_tokens_fails_where_present_and_passes_where_clean(runs):
