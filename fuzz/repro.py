@@ -5,7 +5,8 @@ standalone pytest file: it needs only simsched and the installed releases, and f
 releases where the finding is present) and ``README.md`` (the text of an upstream issue). A
 ``bug`` finding of a kind :mod:`fuzz.vllm_repro` writes also gets ``test_vllm_<name>.py``, a test
 that needs vLLM alone, verified on the installed releases when asked (``verify``), and
-``vllm_repro.json`` (what the verification found).
+``vllm_repro.json`` (what the verification found). A ``bug`` finding also gets ``ISSUE.md``
+(:mod:`fuzz.issue`): the text of a vLLM issue, ready to paste.
 """
 
 from __future__ import annotations
@@ -176,11 +177,21 @@ def write_repro(out: Path, finding, folder: Path | None = None,
     readme = issue_text(data, case_text, finding.outcomes, model_trace(finding.case, data))
     _write(folder / "README.md", readme + "\n".join(vllm_test(folder, finding, data, False))
            + "\n")
+    write_issue(folder, finding, data)
     write_finding(out, finding, folder)
     if verify:   # minutes: after the durable record, the README then says what it found
         _write(folder / "README.md", readme + "\n".join(vllm_test(folder, finding, data, True))
                + "\n")
+        write_issue(folder, finding, data)
     return folder
+
+
+def write_issue(folder: Path, finding, data: dict) -> None:
+    """``ISSUE.md`` of a ``bug`` finding (:mod:`fuzz.issue`), with its vLLM-only test inline."""
+    from fuzz import issue
+    from fuzz import triage as tri
+    if finding.klass == tri.BUG:
+        _write(folder / "ISSUE.md", issue.issue_md(finding.case, data, folder))
 
 
 def write_finding(out: Path, finding, folder: Path | None = None) -> None:

@@ -11,7 +11,16 @@ What it checks, by the finding's kind:
 
 * a crash (at start-up or at a step): nothing; vLLM's exception propagates and fails the test;
 * INV-8 on ``load`` (a request loaded again and again and never scheduled): inline, the loads
-  of a request between two steps that schedule it, bounded as the harness bounds them.
+  of a request between two steps that schedule it, bounded as the harness bounds them;
+* INV-8 ``liveness``: no token scheduled for more than ``STALL_STEPS`` steps while no transfer
+  is in flight and no request is still to come (``engine._Run._stall``);
+* INV-9 (``lookup``): every answer of the connector's ``get_num_new_matched_tokens`` against the
+  chunks the CPU manager holds ready (its own ``lookup``), the window each group needs, the last
+  token and ``max_load_tokens`` where the release reads it (``invariants.expected_lookup_hit``,
+  with every group's reach taken as full attention's but a sliding window's: it expects no more
+  than the harness does);
+* INV-10 (``cap``): a store job's keys end within the request's ``max_offload_tokens``, a load
+  job's keys span at most its ``max_load_tokens``, as the release parsed them.
 
 Every file also fails when a request is unfinished at the step cap. A case run with asserts
 stripped is run under ``python -O`` (the file refuses to run otherwise): what breaks where the
@@ -32,6 +41,7 @@ from pathlib import Path
 from fuzz.triage import START_UP_STAGES
 from simsched.case import VOCAB, Case
 from simsched.geometry import max_model_len
+from simsched.model import STALL_STEPS
 
 # What the harness bounds (engine.MAX_LOADS_UNSCHEDULED, engine.DEFAULT_STEP_CAP).
 MAX_LOADS_UNSCHEDULED = 2
@@ -53,6 +63,11 @@ class NotGenerated(Exception):
     """The finding or its case is of a kind the generator does not write yet; says which."""
 
 
+#: the invariant findings the generator writes, (invariant, op) -> the test's short name
+INVARIANT_KINDS = {("INV-8", "load"): "livelock_load", ("INV-8", "liveness"): "stall",
+                   ("INV-9", "lookup"): "lookup_misses_ready_prefix", ("INV-10", "cap"): "cap"}
+
+
 def supported(case: Case, data: dict) -> None:
     """Raise :class:`NotGenerated` unless the generator can write this finding."""
     eng = case.layout.engine
@@ -60,23 +75,32 @@ def supported(case: Case, data: dict) -> None:
            ("async scheduling", eng.async_scheduling),
            ("a drafter group", any(g.drafter for g in case.layout.groups)),
            ("no request", not case.requests)]
+    if data.get("invariant") == "INV-9":   # the chunk arithmetic of the inline lookup oracle
+        # (and every group offloaded by every release: no group bounds the load from the GPU)
+        why += [("DCP", eng.dcp_size != 1),
+                ("a ring or cross-attention group",
+                 any(g.kind in ("ring", "cross_attention") for g in case.layout.groups))]
     for reason, holds in why:
         if holds:
             raise NotGenerated(f"not generated yet for a case with {reason}")
     if data["kind"] == "crash":
         return
-    if data["kind"] == "invariant" and data.get("invariant") == "INV-8" \
-            and data.get("op") == "load":
+    if data["kind"] == "invariant" and (data.get("invariant"), data.get("op")) \
+            in INVARIANT_KINDS:
         return
     raise NotGenerated(f"not generated yet for a {data['kind']} finding "
-                       f"({data.get('invariant') or data.get('signature')})")
+                       f"({data.get('invariant') or data.get('signature')}"
+                       f"{' on ' + data['op'] if data.get('op') else ''})")
 
 
 def short_name(data: dict) -> str:
     """``boot_assert_build_offloading_config`` (a start-up stage raised), ``step_crash_...``,
-    ``livelock_load``."""
+    or the invariant's (``livelock_load``, ``lookup_misses_ready_prefix``, ``cap_store``)."""
     if data["kind"] == "invariant":
-        return "livelock_load"
+        name = INVARIANT_KINDS[(data.get("invariant"), data.get("op"))]
+        if name == "cap":   # the detail names the job: "store 0 g0:2 ...", "load 3 ..."
+            name += "_" + ("load" if (data.get("message") or "").startswith("load") else "store")
+        return name
     exc = {"AssertionError": "assert"}.get(data.get("exception") or "", "crash")
     where = "boot" if data.get("stage") in START_UP_STAGES else "step"
     name = re.sub(r"[^a-z0-9]+", "_", (data.get("function") or "").lower()).strip("_")
@@ -97,7 +121,7 @@ def _spec(group) -> str:
     return f"kvi.{cls}({', '.join(args)})"
 
 
-def _cache_fields(case: Case) -> str:
+def _cache_fields(case: Case) -> dict:
     """CacheConfig's fields as ``ConfigBuilder.build`` sets them: the block size of the first
     attention group (else the first group), prefix caching, Mamba's align mode."""
     groups = case.layout.groups
@@ -106,7 +130,7 @@ def _cache_fields(case: Case) -> str:
               "enable_prefix_caching": case.layout.engine.enable_prefix_caching}
     if any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in groups):
         fields["mamba_cache_mode"] = "align"
-    return ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    return fields
 
 
 def _extra_config(case: Case) -> tuple[dict, int]:
@@ -130,10 +154,9 @@ def _engine_lines(case: Case) -> list[str]:
     eng = case.layout.engine
     lines = []
     if eng.prefix_match_unit is not None:   # hash_block_size before 0.26.0
-        lines += ["    for name in ('prefix_match_unit', 'hash_block_size'):",
-                  "        if hasattr(vc.cache_config, name):",
-                  f"            setattr(vc.cache_config, name, {eng.prefix_match_unit})",
-                  "            break"]
+        lines += ["    unit = 'prefix_match_unit'  # hash_block_size before 0.26.0",
+                  "    setattr(vc.cache_config, unit if hasattr(vc.cache_config, unit) else "
+                  f"'hash_block_size', {eng.prefix_match_unit})"]
     if eng.retention_interval is not None:
         lines.append(f"    vc.cache_config.prefix_cache_retention_interval = "
                      f"{eng.retention_interval}")
@@ -161,12 +184,36 @@ def _requests(case: Case) -> str:
     return ",\n            ".join(rows)
 
 
+#: an invariant in plain words, for a title: (invariant, first bad op) or the invariant alone
+PLAIN = {
+    ("INV-8", "load"): "a request loaded from the CPU tier again and again is never scheduled",
+    ("INV-8", "lookup"): "the lookup of a request defers forever while its prefix is ready",
+    ("INV-8", None): "requests make no progress while no transfer is in flight",
+    ("INV-9", None): "a prefix ready in the CPU tier is not hit by the lookup",
+    ("INV-10", "store"): "a store ignores the request's max_offload_tokens",
+    ("INV-10", "load"): "a load ignores the request's max_load_tokens",
+    ("INV-10", None): "a transfer ignores the request's max_offload_tokens / max_load_tokens",
+    ("INV-3", None): "a store job pairs offload keys and GPU blocks out of step",
+    ("INV-4", None): "a chunk is stored under a key that names other tokens",
+    ("INV-5", None): "a load brings back the KV of other tokens",
+    ("INV-6", None): "a block is rewritten while a pending store still reads it",
+    ("INV-7", None): "a chunk is loaded before its store completed",
+}
+
+
+def plain(data: dict) -> str:
+    """The finding in a few plain words: the exception and function, or the invariant."""
+    if data["kind"] == "crash":
+        return f"{data['exception']} in {data['function']}"
+    inv, op = data.get("invariant"), data.get("op")
+    if inv == "INV-10":   # op "cap": the detail names the job ("store 3 g0:2 ...", "load 5 ...")
+        op = (data.get("message") or "").split(" ")[0] or None
+    return PLAIN.get((inv, op), PLAIN.get((inv, None), f"{inv} broken"))
+
+
 def title(data: dict) -> str:
     """An upstream issue's title, in vLLM's style."""
-    if data["kind"] == "crash":
-        what = f"{data['exception']} in {data['function']}"
-    else:
-        what = "a request loaded from the CPU tier again and again is never scheduled"
+    what = plain(data)
     head = f"[Bug][KV offloading]: {what}"
     full = f"{head} on {data['layout']}"
     return full if len(full) <= 96 else head
@@ -180,15 +227,23 @@ def _about(data: dict) -> str:
         what = (f"vLLM raises {data['exception']} in {data['function']}{where}"
                 + (f": {msg}" if msg else "") + ". The test lets it propagate.")
     else:
-        what = ("A request whose prompt the CPU tier holds is loaded again and again and never "
-                f"scheduled (INV-8): the test fails when a request is loaded more than "
-                f"{MAX_LOADS_UNSCHEDULED} times between two steps that schedule it.")
+        what = plain(data)
+        what = f"{what[0].upper()}{what[1:]} ({data['invariant']}): " + {
+            "livelock_load": f"the test fails when a request is loaded more than "
+                             f"{MAX_LOADS_UNSCHEDULED} times between two steps that schedule it.",
+            "stall": f"the test fails after {STALL_STEPS} steps that schedule nothing while no "
+                     f"transfer is in flight.",
+            "lookup_misses_ready_prefix": "the test checks every lookup against the chunks "
+                                          "the CPU tier holds ready.",
+            "cap_store": "the test checks every store job's keys against the cap.",
+            "cap_load": "the test checks every load job's keys against the cap.",
+        }[short_name(data)]
     mode = "" if data["asserts"] else " With Python's asserts stripped (python -O)."
-    text = (f"The real Scheduler with the OffloadingConnector and its CPU offloading manager, "
-            f"KV cache groups {data['layout']}, driven step by step on CPU as the engine core "
-            f"and the offloading worker do.{mode} {what} Present in vLLM "
-            f"{_ranges(data['releases_affected'])}; "
-            + (f"absent from {_ranges(data['releases_clean'])}" if data["releases_clean"]
+    text = (f"The real Scheduler, OffloadingConnector and CPU offloading manager on KV cache "
+            f"groups {data['layout'].split(' | ')[0]}, stepped as the engine core and the "
+            f"offloading worker do.{mode} {what} Present in vLLM "
+            f"{release_ranges(data['releases_affected'])}; "
+            + (f"absent from {release_ranges(data['releases_clean'])}" if data["releases_clean"]
                else "no release run is clean of it")
             + f" (simsched finding {data['id']}).")
     example = (data["releases_affected"] or ["0.33.0"])[-1]
@@ -197,8 +252,15 @@ def _about(data: dict) -> str:
     return textwrap.fill(text, 96, break_on_hyphens=False, break_long_words=False) + "\n" + run
 
 
-def _ranges(versions: list[str]) -> str:
-    return ", ".join(versions) if versions else "no installed release"
+def release_ranges(versions: list[str], order: list[str] | None = None) -> str:
+    """``0.28.0 to 0.31.0 and 0.33.0``: the releases as runs over ``order`` (default every
+    release simsched knows, so that one not run breaks a range)."""
+    from fuzz.triage import _vkey, ranges
+    from simsched.vllm.releases import KNOWN_RELEASES
+    order = order or sorted(set(versions) | set(KNOWN_RELEASES), key=_vkey)
+    runs = [a if a == b else f"{a} to {b}" for a, b in ranges(versions, order)]
+    return " and ".join(runs) or "no installed release"
+
 
 
 def render(case: Case, data: dict) -> str:
@@ -206,11 +268,13 @@ def render(case: Case, data: dict) -> str:
     supported(case, data)
     extra, bpc = _extra_config(case)
     eng, timing = case.layout.engine, case.timing
-    groups = ",\n          ".join(f"({_spec(g)}, {g.layers})" for g in case.layout.groups)
+    groups = ",\n          ".join(_wrap(f"({_spec(g)}, {g.layers})", 10)
+                                   for g in case.layout.groups)
+    cache = _wrap(", ".join(f"{k}={v!r}" for k, v in _cache_fields(case).items()), 33)
     return TEMPLATE.format(
         title=title(data), about=_about(data), groups=groups,
         num_gpu_blocks=eng.num_gpu_blocks, cpu_chunks=eng.cpu_chunks, bpc=bpc, extra=extra,
-        cache=_cache_fields(case),
+        cache=cache,
         batched=timing.max_num_batched_tokens, seqs=timing.max_num_seqs,
         store=timing.store_latency, load=timing.load_latency, requests=_requests(case),
         max_model_len=max_model_len(case), seed=case.seed % VOCAB,
@@ -218,6 +282,15 @@ def render(case: Case, data: dict) -> str:
         engine_lines="".join(line + "\n" for line in _engine_lines(case)),
         kvc_extra=_kv_cache_config_extra(case),
         name=short_name(data))
+
+
+def _wrap(text: str, indent: int, width: int = 96) -> str:
+    """A constructor call of the file broken before its Mamba cache mode when too wide."""
+    if indent + len(text) <= width or ", mamba_cache_mode=" not in text:
+        return text
+    head, tail = text.split(", mamba_cache_mode=", 1)
+    at = indent + (head.index("(", 1) + 1 if head.startswith("(") else 0)
+    return f"{head},\n{' ' * at}mamba_cache_mode={tail}"
 
 
 def _optional(case: Case, data: dict) -> dict:
@@ -228,6 +301,8 @@ def _optional(case: Case, data: dict) -> dict:
     parts = {"skip": " | withdrawn" if aborts else "",
              "request_imports": "Request, RequestStatus" if aborts else "Request",
              "before_loop": "", "abort_lines": "", "pytest_import": "", "debug_guard": "",
+             "offload_import": "", "helpers": "", "after_schedule": "", "store_items": "",
+             "store_items_end": "", "store_check": "", "load_check": "",
              "after_update": "        for j in done:\n            del pending[j]\n"}
     if aborts:
         parts["before_loop"] = ("    withdrawn = {r[0] for r in REQUESTS "
@@ -239,32 +314,133 @@ def _optional(case: Case, data: dict) -> dict:
         parts["pytest_import"] = "import pytest\n"
         parts["debug_guard"] = ("    if __debug__:\n        pytest.fail(\"vLLM's asserts refuse "
                                 "this layout before the bug: run with python -O\")\n")
-    if data["kind"] == "invariant":   # INV-8 on load (supported() lets no other through)
-        parts["before_loop"] += "    loads_unscheduled = {}  # request -> its loads since it ran\n"
-        parts["after_update"] = (
-            "        for rid in output.req_ids:\n"
-            "            loads_unscheduled.pop(rid, None)\n"
-            "        for rid in [pending.pop(j)[1] for j in done]:\n"
-            "            if rid is not None:\n"
-            "                n = loads_unscheduled[rid] = loads_unscheduled.get(rid, 0) + 1\n"
-            f"                if n > {MAX_LOADS_UNSCHEDULED}:\n"
-            "                    raise AssertionError(f\"{rid} loaded {n} times, never "
-            "scheduled\")\n")
+    if data["kind"] == "invariant":
+        parts.update(_CHECKS[short_name(data)](parts))
     return parts
 
+
+def _check_reloads(parts: dict) -> dict:
+    """INV-8 on loads (``engine._Run._check_reloads``): a request loaded again and again
+    between two steps that schedule it."""
+    return {"before_loop": parts["before_loop"]
+            + "    loads_unscheduled = {}  # request -> its loads since it ran\n",
+            "after_update": (
+                "        for rid in output.req_ids:\n"
+                "            loads_unscheduled.pop(rid, None)\n"
+                "        for rid in [pending.pop(j)[1] for j in done]:\n"
+                "            if rid is not None:\n"
+                "                n = loads_unscheduled[rid] = loads_unscheduled.get(rid, 0) + 1\n"
+                f"                if n > {MAX_LOADS_UNSCHEDULED}:\n"
+                "                    raise AssertionError(f\"{rid} loaded {n} times, never "
+                "scheduled\")\n")}
+
+
+def _check_stall(parts: dict) -> dict:
+    """INV-8 liveness (``engine._Run._stall``): no token scheduled for more than
+    ``STALL_STEPS`` steps while no transfer is in flight and no request is still to come."""
+    return {"before_loop": parts["before_loop"]
+            + "    idle = 0  # steps scheduling nothing, no transfer in flight, none to come\n",
+            "after_schedule": (
+                "        to_come = [r for r in REQUESTS if r[0] not in sent" + parts["skip"] + "]\n"
+                "        busy = out.total_num_scheduled_tokens or pending or to_come\n"
+                "        idle = 0 if busy else idle + 1\n"
+                f"        assert idle <= {STALL_STEPS}, f\"{{list(sched.requests)}}: nothing "
+                "scheduled, no transfer for {idle} steps\"\n")}
+
+
+def _check_lookups(parts: dict) -> dict:
+    """INV-9 (``engine._Run._check_lookup``, ``invariants.expected_lookup_hit``): every
+    lookup finds at least what the CPU tier holds ready."""
+    return {"offload_import": "from vllm.v1.kv_offload.base import make_offload_key\n",
+            "helpers": LOOKUP_HELPERS,
+            "before_loop": "    watch_lookups(sched, hash_block_size)\n" + parts["before_loop"]}
+
+
+def _check_caps(parts: dict, load: bool) -> dict:
+    """INV-10 (``engine._Run._check_caps``, ``invariants.check_store_cap``/``check_load_cap``):
+    a store job's keys end within its request's ``max_offload_tokens``; a load job's keys span
+    at most its ``max_load_tokens`` (the caps as the release parses ``kv_transfer_params``).
+    The key of block hash i names the prompt's tokens [0, (i + 1) * hash_block_size)."""
+    cap = "max_load_tokens" if load else "max_offload_tokens"
+    span = "span" if load else "ends[-1]"
+    check = (f"\n            cap = getattr(cs._req_status[job.req_id], {cap!r}, None)  # INV-10\n"
+             "            index = {h: i for i, h in "
+             "enumerate(sched.requests[job.req_id].block_hashes)}\n"
+             "            ends = sorted((index[get_offload_block_hash(k)] + 1) * hash_block_size"
+             "\n                          for k in cs._jobs[j].keys)\n"
+             + ("            span = ends[-1] - ends[0] + min(s.block_size for s, _ in GROUPS)"
+                " * BLOCKS_PER_CHUNK\n" if load else "")
+             + f"            assert cap is None or {span} <= cap, f\"keys to {{ends}}, {cap} "
+             "{cap}\"")
+    parts = {"offload_import": "from vllm.v1.kv_offload.base import get_offload_block_hash\n",
+             "before_loop": parts["before_loop"]
+             + "    cs = sched.connector.connector_scheduler  # its jobs' keys, the caps parsed\n"}
+    if load:
+        return {**parts, "load_check": check}
+    return {**parts, "store_check": check, "store_items": ", job", "store_items_end": ".items()"}
+
+
+#: the words each inline check fails with (a failure without them is another failure)
+MARKS = {"livelock_load": "never scheduled", "stall": "nothing scheduled, no transfer",
+         "lookup_misses_ready_prefix": "the lookup found", "cap_store": "max_offload_tokens",
+         "cap_load": "max_load_tokens"}
+_CHECKS = {"livelock_load": _check_reloads, "stall": _check_stall,
+           "lookup_misses_ready_prefix": _check_lookups,
+           "cap_store": lambda parts: _check_caps(parts, False),
+           "cap_load": lambda parts: _check_caps(parts, True)}
+
+
+LOOKUP_HELPERS = '''
+
+def ready_beyond(sched, request, num_local, hash_block_size):
+    """INV-9: the tokens past the GPU hit a lookup must find: up to the largest chunk end e at
+    which every group holds ready (stored: the CPU manager's lookup is HIT) the chunks e needs
+    (a sliding window W: those of [e - W + 1, e)), short of the last token (recomputed to
+    sample) and within max_load_tokens where the release reads it."""
+    cs = sched.connector.connector_scheduler
+    state = cs._req_status[request.request_id]
+    cap = request.num_tokens - 1
+    if getattr(state, "max_load_tokens", None) is not None:
+        cap = min(cap, num_local + state.max_load_tokens)
+
+    def ready(g, spec, end):
+        per_chunk, window = spec.block_size * BLOCKS_PER_CHUNK, getattr(spec, "sliding_window", 0)
+        first = max(num_local, min(end - window + 1, end - 1)) if window else num_local
+        hashes = [(c + 1) * per_chunk // hash_block_size - 1
+                  for c in range(first // per_chunk, -(-end // per_chunk))]
+        return all(h < len(request.block_hashes) and cs.manager.lookup(make_offload_key(
+            request.block_hashes[h], g), state.req_context).name == "HIT" for h in hashes)
+    unit = max(spec.block_size for spec, _ in GROUPS) * BLOCKS_PER_CHUNK
+    ends = range(cap // unit * unit, num_local + unit - 1, -unit)
+    return next((e - num_local for e in ends
+                 if all(ready(g, spec, e) for g, (spec, _) in enumerate(GROUPS))), 0)
+
+
+def watch_lookups(sched, hash_block_size):
+    """Every lookup the connector answers, checked (a deferral, None, is not a miss)."""
+    cs = sched.connector.connector_scheduler
+    lookup = cs.get_num_new_matched_tokens
+
+    def checked(request, num_computed_tokens, *args, **kwargs):
+        out = lookup(request, num_computed_tokens, *args, **kwargs)
+        got = out[0] if isinstance(out, tuple) else out
+        want = ready_beyond(sched, request, num_computed_tokens, hash_block_size)
+        assert got is None or got >= want, (
+            f"{request.request_id}: the CPU tier holds {want} tokens ready beyond the GPU hit "
+            f"of {num_computed_tokens}; the lookup found {got}")
+        return out
+    cs.get_num_new_matched_tokens = checked
+'''
 
 TEMPLATE = '''"""{title}
 
 {about}
 """
-import dataclasses
 import json
-import logging
 
 {pytest_import}import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                         VllmConfig)
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata)
 from vllm.sampling_params import SamplingParams
@@ -272,16 +448,13 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1 import kv_cache_interface as kvi
 from vllm.v1.core import kv_cache_utils as kcu
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+{offload_import}from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import {request_imports}
 
-logging.getLogger("vllm").setLevel(logging.ERROR)
-
 TINY_LLAMA = {{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 20,
-              "rms_norm_eps": 1e-6, "torch_dtype": "float16", "head_dim": 16}}
+              "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 20}}
 ATTN = dict(num_kv_heads=1, head_size=16, dtype=torch.float16)
 # The KV cache groups in KVCacheConfig order: (spec, number of layers).
 GROUPS = [{groups}]
@@ -300,11 +473,9 @@ def make_scheduler(model_dir):
     names = iter(layers)
     groups = [kvi.KVCacheGroupSpec([next(names) for _ in range(n)], spec) for spec, n in GROUPS]
     page = sum(spec.page_size_bytes * n for spec, n in GROUPS)
-    size = page * NUM_GPU_BLOCKS
-    if "shared_by" in {{f.name for f in dataclasses.fields(kvi.KVCacheTensor)}}:  # to 0.28
-        tensor = kvi.KVCacheTensor(size=size, shared_by=layers)
-    else:
-        tensor = kvi.KVCacheTensor(size=size, layers=layers, layer_stride=0, block_stride=page)
+    shared = ({{"shared_by": layers}} if "shared_by" in kvi.KVCacheTensor.__dataclass_fields__
+              else {{"layers": layers, "layer_stride": 0, "block_stride": page}})  # (to 0.28)
+    tensor = kvi.KVCacheTensor(size=page * NUM_GPU_BLOCKS, **shared)
     kv_cache_config = kvi.KVCacheConfig(num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[tensor],
                                         kv_cache_groups=groups{kvc_extra})
     align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT  # the CPU tier's chunk, aligned
@@ -320,10 +491,8 @@ def make_scheduler(model_dir):
     vc.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
 {engine_lines}    sc = vc.scheduler_config
     sc.max_num_batched_tokens, sc.max_num_seqs = MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
-    sc.max_num_scheduled_tokens, sc.enable_chunked_prefill = None, True
-    sc.long_prefill_token_threshold = 0
-    if hasattr(sc, "max_num_partial_prefills"):  # to 0.26.0
-        sc.max_num_partial_prefills = 1
+    sc.max_num_scheduled_tokens, sc.long_prefill_token_threshold = None, 0
+    sc.enable_chunked_prefill = True
     # the hybrid KV cache manager on, as on CUDA: on CPU vLLM turns it off and merges groups
     sc.disable_hybrid_kv_cache_manager = False
     block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(kv_cache_config, vc)
@@ -337,7 +506,7 @@ def make_scheduler(model_dir):
     assert len(sched.kv_cache_manager.coordinator.single_type_managers) == len(GROUPS)
     hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
     kcu.init_none_hash(hash_fn)
-    return sched, kcu.get_request_block_hasher(hash_block_size, hash_fn)
+    return sched, kcu.get_request_block_hasher(hash_block_size, hash_fn), hash_block_size
 
 
 def make_request(index, hasher):
@@ -351,8 +520,7 @@ def make_request(index, hasher):
 
 
 def worker_output(sched, out, t, pending):
-    """Step t's output: a token per request at its end; the transfer jobs due (a load's
-    request also in finished_recving)."""
+    """Step t's output: a token per request at its end; the transfers due (loads' requests)."""
     order = list(out.num_scheduled_tokens)
     reqs = [sched.requests[rid] for rid in order]  # arrival_time: the request's index
     sampled = [[(SEED * 1000003 + int(r.arrival_time) * 7919 + r.num_tokens * 104729 + 3) % 32000]
@@ -365,10 +533,10 @@ def worker_output(sched, out, t, pending):
     extra = {{"logprobs": None}} if "logprobs" in ModelRunnerOutput.__dataclass_fields__ else {{}}
     return ModelRunnerOutput(req_ids=order, req_id_to_index={{r: i for i, r in enumerate(order)}},
                              sampled_token_ids=sampled, kv_connector_output=kvo, **extra), done
-
+{helpers}
 
 def test_{name}(tmp_path):
-{debug_guard}    sched, hasher = make_scheduler(tmp_path)
+{debug_guard}    sched, hasher, hash_block_size = make_scheduler(tmp_path)
     sent, pending, t = set(), {{}}, 0  # pending: job id -> (step due, request of a load)
 {before_loop}    for _ in range(STEP_CAP):
         for i, (rid, _, arrival, _, abort_at, _) in enumerate(REQUESTS):
@@ -383,10 +551,10 @@ def test_{name}(tmp_path):
             continue
         out = sched.schedule()
         meta = out.kv_connector_metadata
-        for j in meta.store_jobs or {{}}:
-            pending[j] = (t + STORE_LATENCY, None)
+{after_schedule}        for j{store_items} in (meta.store_jobs or {{}}){store_items_end}:
+            pending[j] = (t + STORE_LATENCY, None){store_check}
         for j, job in (meta.load_jobs or {{}}).items():
-            pending[j] = (t + LOAD_LATENCY, job.req_id)
+            pending[j] = (t + LOAD_LATENCY, job.req_id){load_check}
         for j in set(meta.jobs_to_flush or ()) & set(pending):  # a flushed store ends now
             pending[j] = (t, pending[j][1])
         output, done = worker_output(sched, out, t, pending)
@@ -432,11 +600,13 @@ def verify(path: Path, data: dict, releases) -> Verdict:
     """Fails on each affected release (with the finding's exception for a crash), passes on
     each clean one; a release the case did not run on is run and reported, nothing required."""
     results, wrong = {}, []
-    exc = data.get("exception") if data["kind"] == "crash" else None
+    # what the failure must say: the crash's exception, or the inline check's own message
+    mark = data.get("exception") if data["kind"] == "crash" else MARKS[short_name(data)]
     for release in releases:
         got, output = run_on(path, release, data["asserts"])
         v = release.version
-        if got == "failed" and exc and f"{exc}" not in output:
+        errors = [line for line in output.splitlines() if line.startswith("E ")]
+        if got == "failed" and mark and not any(mark in line for line in errors):
             got = "failed otherwise"
         results[v] = got
         want = ("failed" if v in data["releases_affected"]

@@ -105,6 +105,24 @@ def test_vllm_only_repro_of_the_campaign_fails_on_030_and_passes_on_033(campaign
     assert verdict.verified
 
 
+def test_every_bug_cluster_gets_an_issue_text(campaign):
+    """ISSUE.md beside each bug's repro; the boot assert's cites the raising line as 0.30.0's
+    own config.py has it, and gives the releases as ranges."""
+    out, data = campaign
+    bugs = [f for f in data["findings"] if f["class"] == "bug"]
+    for f in bugs:
+        text = (out / "repros" / f["id"] / "ISSUE.md").read_text()
+        assert text.startswith("# [Bug][KV offloading]: "), f["id"]
+    others = [f for f in data["findings"] if f["class"] != "bug"]
+    assert not any((out / "repros" / f["id"] / "ISSUE.md").exists() for f in others)
+    text = (out / "repros" / boot_finding(data)["id"] / "ISSUE.md").read_text()
+    assert text.startswith("# [Bug][KV offloading]: AssertionError in build_offloading_config")
+    assert "Present in 0.30.0; absent from 0.33.0" in text
+    assert "offloading/config.py` line " in text and "(vLLM 0.30.0)" in text
+    assert "tokens_per_block % tokens_per_hash" in text.split("### Where\n")[1].split("###")[0]
+    assert "--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\"" in text
+
+
 def test_no_config_divergence_between_model_and_releases(campaign):
     """The model's config chain agrees with both releases' (trace-level gaps are listed as
     model-gap clusters; the config level is the part the model must get exactly)."""

@@ -15,6 +15,7 @@ import pytest
 
 from fuzz import vllm_repro
 from simsched.case import Case
+from simsched.lockstep import HANDMADE
 from simsched.vllm import releases as rel
 from simsched.vllm.releases import InstalledRelease, ReleaseError
 
@@ -155,8 +156,13 @@ def _imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("case,finding,name", [
     (RING, RING_FINDING, "test_vllm_boot_assert_build_offloading_config.py"),
-    (LIVELOCK, LIVELOCK_FINDING, "test_vllm_livelock_load.py")])
+    (LIVELOCK, LIVELOCK_FINDING, "test_vllm_livelock_load.py"),
+    ("MAX_LOAD", "MAX_LOAD_FINDING", "test_vllm_lookup_misses_ready_prefix.py"),
+    ("TAIL", "TAIL_FINDING", "test_vllm_cap_store.py"),
+    ("TAIL", "LOAD_CAP_FINDING", "test_vllm_cap_load.py"),
+    ("TAIL", "STALL_FINDING", "test_vllm_stall.py")])
 def test_generated_file_is_short_plain_and_lint_clean(tmp_path, case, finding, name):
+    case, finding = (globals()[x] if isinstance(x, str) else x for x in (case, finding))
     path = _render(tmp_path, case, finding)
     assert path.name == name
     assert _imports(path) - set(sys.stdlib_module_names) <= {"vllm", "torch", "pytest"}
@@ -217,32 +223,244 @@ def test_repro_command_bad_input_is_a_one_line_error(tmp_path):
         assert proc.stderr.startswith("simsched: error: ") and proc.stderr.count("\n") == 1
 
 
+# --- ISSUE.md ------------------------------------------------------------------------------
+
+
+def test_issue_environment_gives_release_ranges_and_why_a_release_did_not_run():
+    from fuzz import issue
+    data = dict(RING_FINDING, releases_clean=["0.31.0", "0.32.0", "0.33.0"],
+                releases_not_run={v: "unsupported: no CircularBufferSpec" for v in
+                                  ("0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0")})
+    assert issue.environment(data) == (
+        "Present in 0.29.0 to 0.30.0; absent from 0.31.0 to 0.33.0; not reached on 0.25.1 to "
+        "0.28.0 (unsupported: no CircularBufferSpec).")
+    assert issue.environment(dict(data, asserts=False)).endswith("stripped (`python -O`).")
+
+
+def test_issue_flags_are_only_what_the_case_sets():
+    from fuzz import issue
+    plain = issue.serve_flags(Case.from_json(RING))
+    assert plain[0] == "--block-size 16" and len(plain) == 2
+    assert '"kv_connector": "OffloadingConnector"' in plain[1]
+    case = json.loads(json.dumps(RING))
+    case["layout"]["engine"] = {"blocks_per_chunk": 2, "dcp_size": 2, "retention_interval": 32,
+                                "speculative": {"method": "eagle", "num_tokens": 2},
+                                "async_scheduling": True}
+    case["timing"] = {"max_num_batched_tokens": 64}
+    flags = issue.serve_flags(Case.from_json(case))
+    assert '"kv_connector_extra_config": {"blocks_per_chunk": 2' in flags[1]
+    assert flags[2:] == [
+        "--prefix-cache-retention-interval 32", "--decode-context-parallel-size 2",
+        '--speculative-config \'{"method": "eagle", "num_speculative_tokens": 2}\'',
+        "--async-scheduling", "--max-num-batched-tokens 64"]
+
+
+def test_write_repro_writes_an_issue_for_a_bug(tmp_path):
+    """ISSUE.md of the livelock (a bug): vLLM's title, the family and flags, the steps in
+    words, the layout caveat, the vLLM-only test inline; not for another class."""
+    from fuzz import repro
+    from fuzz.campaign import Finding
+    from simsched.outcome import Signature
+    case = Case.from_json(LIVELOCK)
+    finding = Finding(
+        id="livelock", key=("invariant", "INV-8", "load", "mla"), klass="bug",
+        signature=Signature("invariant", invariant="INV-8"), case=case, present_on=("0.33.0",),
+        fingerprint=(), first_target="0.33.0", found_after_s=0.0, examples_before=0,
+        outcome={"op": "load", "stage": "step", "detail": "b: loaded 3 times without being "
+                 "scheduled"}, releases_affected=["0.29.0", "0.33.0"],
+        releases_clean=[], installed=("0.29.0", "0.33.0"))
+    folder = repro.write_repro(tmp_path, finding)
+    text = (folder / "ISSUE.md").read_text()
+    assert text.startswith("# [Bug][KV offloading]: a request loaded from the CPU tier again "
+                           "and again is never scheduled")
+    assert "Present in 0.29.0 and 0.33.0; not tried on 0.25.1 to 0.28.0 and 0.30.0 to " \
+        "0.32.0." in text
+    assert "a dense model" in text and "--block-size 1 \\\n" in text
+    assert "--max-num-batched-tokens 64 \\\n  --max-num-seqs 2\n```" in text
+    assert "2. `b` arrives at step 3: prompt the first 1 token of A, 4 output tokens." in text
+    assert "built by hand" in text
+    assert "```python\n\"\"\"[Bug][KV offloading]" in text and "not verified yet" in text
+    assert "### Actual\n\nb: loaded 3 times without being scheduled." in text
+    other = Finding(**{**finding.__dict__, "id": "gap", "klass": "model-gap"})
+    assert not (repro.write_repro(tmp_path, other) / "ISSUE.md").exists()
+
+
 # --- real: each generated file run through `simsched releases env` from an empty folder ----
 
 
-def test_boot_assert_fails_where_present_and_passes_where_fixed(tmp_path):
-    path = _render(tmp_path, RING, RING_FINDING)
-    releases = [_installed(v) for v in ("0.29.0", "0.30.0", "0.31.0")]
-    verdict = vllm_repro.verify(path, RING_FINDING, releases)
-    assert verdict.results == {"0.29.0": "failed", "0.30.0": "failed", "0.31.0": "passed"}
-    assert verdict.verified, verdict.reason
+# simsched.lockstep.HANDMADE["max_load_window"] (docs/repro/max_load_window_hit_loss.py): b's
+# lookup, max_load_tokens 48, finds 0 where the ready chunks give 48 (`simsched replay`: INV-9 on
+# 0.31.0 and 0.33.0, 0.28.0-0.30.0 clean: no max_load_tokens field; the generated file, run on
+# all ten: fails on 0.31.0-0.33.0, passes on 0.25.1-0.30.0)
+MAX_LOAD = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                  {"kind": "sliding_window", "block_size": 16,
+                                   "sliding_window": 32}],
+                       "engine": {"num_gpu_blocks": 16}},
+            "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                         {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                         {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2,
+                          "max_load_tokens": 48}]}
+MAX_LOAD_FINDING = {
+    "id": "max-load", "kind": "invariant", "signature": "invariant:INV-9", "invariant": "INV-9",
+    "op": "lookup", "asserts": True, "layout": "full/16 + sliding_window/16(w=32)",
+    "stage": "step", "message": "b: ready chunks cover 48 tokens beyond the GPU hit of 0, "
+    "lookup found 0", "releases_affected": ["0.31.0", "0.33.0"], "releases_clean": ["0.30.0"]}
+# tests/test_real_caps.py's partial tail under max_offload_tokens 0
+# (docs/repro/partial_tail_ignores_max_offload.py): `simsched replay` shows INV-10 on 0.28.0 to
+# 0.31.0 and 0.33.0 clean; the generated file, run on all ten: fails on 0.28.0-0.31.0, passes on
+# 0.25.1-0.27.1 (no partial tail) and 0.32.0-0.33.0 (the 48-token prompt in one chunk)
+TAIL = {"layout": {"groups": [{"kind": "full", "block_size": 32},
+                              {"kind": "mamba", "block_size": 32, "mamba_cache_mode": "align"}],
+                   "engine": {"num_gpu_blocks": 16, "prefix_match_unit": 16}},
+        "requests": [{"id": "a", "prompt": [[7, 48]], "decode": 3, "max_offload_tokens": 0}]}
+TAIL_FINDING = {
+    "id": "tail-cap", "kind": "invariant", "signature": "invariant:INV-10", "invariant": "INV-10",
+    "op": "cap", "asserts": True, "layout": "full/32 + mamba/32(align) | prefix_match_unit=16",
+    "stage": "step", "message": "store 0 g0:2 holds tokens up to 48 beyond max_offload_tokens 0",
+    "releases_affected": ["0.30.0"], "releases_clean": ["0.33.0"]}
 
 
-def test_livelock_fails_where_present_and_its_control_passes(tmp_path):
-    """No release is clean of the one-token livelock: the same workload with two-token
-    blocks (b's one token fills no chunk, so nothing is loaded; `simsched replay`: clean on
-    0.29.0 and 0.33.0) is the file's passing control."""
-    path = _render(tmp_path, LIVELOCK, LIVELOCK_FINDING)
-    releases = [_installed(v) for v in ("0.29.0", "0.33.0")]
-    verdict = vllm_repro.verify(path, LIVELOCK_FINDING, releases)
-    assert verdict.results == {"0.29.0": "failed", "0.33.0": "failed"}, verdict.reason
-    _, output = vllm_repro.run_on(path, releases[1])
-    assert "b loaded 3 times, never scheduled" in output
-    control = json.loads(json.dumps(LIVELOCK))
-    control["layout"]["groups"][0]["block_size"] = 2
-    (tmp_path / "control").mkdir()
-    path = _render(tmp_path / "control", control, LIVELOCK_FINDING)
-    assert vllm_repro.run_on(path, releases[1])[0] == "passed"
+# the file of a load-cap finding (no real release is known to load past max_load_tokens), on
+# HANDMADE["load"] with b's max_load_tokens 32: 0.33.0 loads two of the three ready chunks
+# (tests/test_real_oracles.py), 0.29.0 and 0.30.0 do not read the field
+LOAD_CAP_FINDING = dict(TAIL_FINDING, message="load 3 brings tokens 0 to 64 (64) beyond "
+                        "max_load_tokens 32")
+LOAD_UNDER_CAP = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                             "engine": {"num_gpu_blocks": 8}},
+                  "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                               {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                               {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
+                                "decode": 2, "max_load_tokens": 32}]}
+
+
+def _control(case: dict, **group) -> dict:
+    out = json.loads(json.dumps(case))
+    out["layout"]["groups"][0].update(group)
+    return out
+
+
+def _pool(case: dict, blocks: int) -> dict:
+    out = json.loads(json.dumps(case))
+    out["layout"]["engine"]["num_gpu_blocks"] = blocks
+    return out
+
+
+# No release is known to stall a pool it accepts; the quiet-tier check is shown on
+# simsched.lockstep.HANDMADE["mamba_stall"], whose 8 blocks a deployment refuses at start-up
+# (check_enough_kv_cache_memory; the hand-built KVCacheConfig skips that check): b waits for a
+# block forever once f holds the pool. With 16 blocks every request runs.
+STALL = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                               {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
+                    "engine": {"num_gpu_blocks": 8}},
+         "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                      {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                      {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}]}
+STALL_FINDING = {
+    "id": "stall", "kind": "invariant", "signature": "invariant:INV-8", "invariant": "INV-8",
+    "op": "liveness", "asserts": True, "layout": "full/16 + mamba/16(align)", "stage": "step",
+    "message": "no progress for 9 steps with the tier quiet; stuck: ['b']",
+    "releases_affected": ["0.30.0"], "releases_clean": []}
+
+
+#: name -> (case, finding) of each file the module runs on real releases
+GENERATED = {
+    "ring": (RING, RING_FINDING), "livelock": (LIVELOCK, LIVELOCK_FINDING),
+    # two-token blocks: b's one token fills no chunk, nothing is loaded (`simsched replay`:
+    # clean on 0.29.0 and 0.33.0)
+    "livelock_control": (_control(LIVELOCK, block_size=2), LIVELOCK_FINDING),
+    "max_load": (MAX_LOAD, MAX_LOAD_FINDING), "tail_cap": (TAIL, TAIL_FINDING),
+    "stall": (STALL, STALL_FINDING), "stall_control": (_pool(STALL, 16), STALL_FINDING),
+    "load_cap": (LOAD_UNDER_CAP, LOAD_CAP_FINDING),
+    # lookups the harness's INV-9 oracle finds clean on 0.30.0 and 0.33.0
+    # (tests/test_real_oracles.py::test_real_lookups_meet_the_oracle)
+    **{f"lookup_{name}": (HANDMADE[name], MAX_LOAD_FINDING)
+       for name in ("load", "window_load", "mamba_load")}}
+RUN_ON = ("0.29.0", "0.30.0", "0.31.0", "0.33.0")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every file of GENERATED run once per release, all in one pytest process from a folder
+    holding only them: {(name, release): (outcome, pytest's summary line)}."""
+    import re
+    folder = tmp_path_factory.mktemp("generated")
+    for name, (case, finding) in GENERATED.items():
+        (folder / f"test_{name}.py").write_text(vllm_repro.render(Case.from_json(case), finding))
+    out = {}
+    for version in RUN_ON:
+        proc = subprocess.run(rel.env_prefix(_installed(version)) + [
+            "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "."], cwd=folder,
+            text=True, capture_output=True, timeout=600,
+            env={**os.environ, "COLUMNS": "1000"})    # summary lines not cut
+        for m in re.finditer(r"^(PASSED|FAILED) test_(\w+)\.py::\S+(.*)$", proc.stdout, re.M):
+            out[(m.group(2), version)] = (m.group(1).lower(), m.group(3))
+        missing = [n for n in GENERATED if (n, version) not in out]
+        assert not missing, f"{version}: no result for {missing}: {proc.stdout[-3000:]}"
+    return out
+
+
+def test_boot_assert_fails_where_present_and_passes_where_fixed(runs):
+    assert [runs[("ring", v)][0] for v in ("0.29.0", "0.30.0", "0.31.0")] == \
+        ["failed", "failed", "passed"]
+    assert "AssertionError" in runs[("ring", "0.30.0")][1]
+
+
+def test_livelock_fails_where_present_and_its_control_passes(runs):
+    """No release is clean of the one-token livelock: the same workload with two-token blocks
+    is the file's passing control."""
+    for v in ("0.29.0", "0.33.0"):
+        assert runs[("livelock", v)] == ("failed", " - AssertionError: b loaded 3 times, never "
+                                                   "scheduled"), v
+        assert runs[("livelock_control", v)][0] == "passed", v
+
+
+def test_lookup_missing_a_ready_prefix_fails_where_present_and_passes_where_clean(runs):
+    """INV-9 inline: b's lookup against the chunks the CPU tier holds ready, the same numbers
+    as the harness's oracle."""
+    for v in ("0.31.0", "0.33.0"):
+        assert runs[("max_load", v)][0] == "failed", v
+        assert "b: the CPU tier holds 48 tokens ready beyond the GPU hit of 0; the lookup " \
+            "found 0" in runs[("max_load", v)][1], v
+    assert runs[("max_load", "0.30.0")][0] == "passed"   # reads no max_load_tokens
+    assert runs[("max_load", "0.29.0")][0] == "passed"
+
+
+def test_lookup_check_passes_where_the_harness_oracle_is_clean(runs):
+    for name in ("load", "window_load", "mamba_load"):
+        for v in ("0.30.0", "0.33.0"):
+            assert runs[(f"lookup_{name}", v)][0] == "passed", (name, v)
+
+
+def test_store_past_max_offload_tokens_fails_where_present_and_passes_where_clean(runs):
+    for v in ("0.29.0", "0.30.0", "0.31.0"):
+        assert runs[("tail_cap", v)] == ("failed", " - AssertionError: keys to [48, 48], "
+                                                   "max_offload_tokens 0"), v
+    assert runs[("tail_cap", "0.33.0")][0] == "passed"
+
+
+def test_quiet_stall_fails_where_the_scheduler_stalls_and_passes_with_room(runs):
+    """b waits for a block forever; on 0.33.0 f too, preempted at its second chunk (0.32.0+
+    cut its 96-token prefill 80 + 16: docs/invariants.md, "align-mode Mamba requests stall")."""
+    stuck = {v: "['f', 'b']" if v == "0.33.0" else "['b']" for v in RUN_ON}
+    for v in RUN_ON:
+        assert runs[("stall", v)] == ("failed", f" - AssertionError: {stuck[v]}: nothing "
+                                                "scheduled, no transfer for 9 steps"), v
+        assert runs[("stall_control", v)][0] == "passed", v
+
+
+def test_load_within_max_load_tokens_passes(runs):
+    """The load-cap check has no real bug to fail on; it must not fail a release that keeps
+    to the cap (0.31.0, 0.33.0) or does not read it (0.29.0, 0.30.0)."""
+    assert {v: runs[("load_cap", v)][0] for v in RUN_ON} == dict.fromkeys(RUN_ON, "passed")
+
+
+def test_verify_runs_a_generated_invariant_file_from_an_empty_folder(tmp_path):
+    """fuzz.vllm_repro.verify end to end (each release's plain environment, an empty folder),
+    on the INV-10 file: it fails with its own message where present, passes where clean."""
+    path = _render(tmp_path, TAIL, TAIL_FINDING)
+    verdict = vllm_repro.verify(path, TAIL_FINDING, [_installed(v) for v in ("0.30.0", "0.33.0")])
+    assert verdict.results == {"0.30.0": "failed", "0.33.0": "passed"}, verdict.reason
+    assert verdict.verified
 
 
 def test_repro_command_writes_a_verified_step_crash_with_asserts_stripped(tmp_path):
@@ -264,6 +482,31 @@ def test_repro_command_writes_a_verified_step_crash_with_asserts_stripped(tmp_pa
     assert "`test_repro.py`: runs the case on simsched's harness" in readme
     assert f"`{test.name}`: needs vLLM alone" in readme and "; verified (" in readme
     assert (out / "test_repro.py").exists()
+    issue = (out / "ISSUE.md").read_text()
+    assert issue.startswith("# [Bug][KV offloading]: ValueError in update_offload_keys")
+    assert "Present in 0.30.0; absent from 0.31.0" in issue and "`python -O`" in issue
+    assert "verified from an empty folder: 0.30.0 failed, 0.31.0 passed" in issue
+    assert test.read_text().rstrip() in issue
+
+
+def test_repro_command_writes_a_verified_lookup_miss(tmp_path):
+    """`simsched repro` on the hand-written INV-9 case: the finding, its vLLM-only test verified
+    (fails on 0.33.0, passes on 0.30.0) and its ISSUE.md."""
+    case = tmp_path / "max_load.json"
+    case.write_text(json.dumps(MAX_LOAD))
+    proc = _cli("repro", str(case), "--out", str(tmp_path / "out"), "--no-shrink",
+                "--releases", "0.30.0,0.33.0", cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verified: 0.30.0 passed, 0.33.0 failed" in proc.stdout
+    out = tmp_path / "out"
+    finding = json.loads((out / "finding.json").read_text())
+    assert (finding["invariant"], finding["op"]) == ("INV-9", "lookup")
+    issue = (out / "ISSUE.md").read_text()
+    assert issue.startswith("# [Bug][KV offloading]: a prefix ready in the CPU tier is not hit "
+                            "by the lookup")
+    assert "gpt-oss (full + sliding-window attention)" in issue
+    assert "2. `f` arrives at step 4: prompt 96 tokens of B" in issue
+    assert "`max_load_tokens=48`" in issue and "Present in 0.33.0; absent from 0.30.0" in issue
 
 
 COUNTING_DRIVER = '''import importlib.util, json, sys, tempfile
