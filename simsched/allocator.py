@@ -732,10 +732,18 @@ class KVCacheManager:
         # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
         # in the arithmetic, comparisons and list indexing)
         align: i64 = self.align
-        L: i64 = (req.num_tokens - 1) // align * align
-        if self.eagle_drop and self.eagle_margin and L >= 0:
-            # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
-            L += min(r.bs for r in self.cacheable_rules)
+        # max_cache_hit_length: the last token is recomputed for its logits
+        L: i64 = req.num_tokens - 1
+        # an EAGLE sliding-window group (no Mamba or chunked local group beside it) drops the
+        # block for the whole hit after its reach search (the peek, below); else every EAGLE
+        # full-attention group matches past the candidate and drops its own block (_eagle_reach)
+        drop_last = self.eagle_drop and not self.eagle_keepers and any(
+            r.code == SLIDING and self.use_eagle(r) for r in self.rest_rules)
+        if drop_last or not self.full_rules:
+            L = L // align * align
+            if drop_last and self.eagle_margin and L >= 0:
+                # the keys of known tokens bound it (len(block_hashes) * hash_block_size)
+                L += min(r.bs for r in self.cacheable_rules)
         # req.hit_blocks[gid]: the blocks this search found cached under the group's keys, by
         # key index (a waiting request that cannot be admitted searches again at every step):
         # a full-attention group's run from its first key, another group's blocks found in its
@@ -753,7 +761,8 @@ class KVCacheManager:
             # known has no key: the run stops there)
             keys = req.keys(r.gid, r.bs)
             bs: i64 = r.bs
-            m: i64 = L // bs
+            eagle = not drop_last and self.use_eagle(r)
+            m: i64 = self._eagle_reach(req, L, bs) // bs if eagle else L // bs
             nkeys: i64 = len(keys)
             if nkeys < m:
                 m = nkeys
@@ -780,11 +789,18 @@ class KVCacheManager:
                 if n == len(known):
                     known.append(bo)
                 n += 1
-            if n * bs < L:
-                L = n * bs
+            hit: i64 = n * bs
+            if eagle and hit > 0:
+                # FullAttentionManager.find_longest_cache_hit(drop_eagle_block): the drafter
+                # needs the tokens before the generation point recomputed
+                hit -= min(align, bs)
+            if hit < L:
+                L = hit
             L = L // align * align
-        if self.eagle_drop and self.eagle_keepers:
-            L = self._eagle_drop_first(req, L)
+        if self.eagle_drop and self.eagle_keepers and not self.full_rules:
+            # one Mamba or chunked local group (UnitaryKVCacheCoordinator): nothing drops, and
+            # no group matches past the candidate hit (no eagle_proof_margin)
+            L = (req.num_tokens - 1) // align * align
         # the full-attention blocks of [0, L) were all found above (L only shrinks): the
         # check below only needs the other groups. Where a group misses block j of its reach
         # at L, it misses it at every smaller L whose reach still covers j (the reach's start,
@@ -805,7 +821,7 @@ class KVCacheManager:
             # blocks it needs counts EAGLE's peek block (_contiguous_blocks_for_hit: one more),
             # popped after the match, so the window of the hit L minus that block reaches one
             # block below L's window
-            peek: i64 = 1 if self.eagle_drop and not self.eagle_keepers else 0
+            peek: i64 = 1 if drop_last else 0
             x: i64 = 0
             for r in rest:
                 ok_lo[x] = ok_hi[x] = 0
@@ -867,24 +883,21 @@ class KVCacheManager:
                     break                         # every group hits at L
         if rest and full_hit > L and len(rest) < len(self.cacheable_rules):
             self.junction = full_hit
-        if self.eagle_drop and not self.eagle_keepers and L > 0:
+        if drop_last and L > 0:
             L = (L - min(align, min(r.bs for r in self.cacheable_rules))) // align * align
         return L
 
-    def _eagle_drop_first(self, req: Request, L: int) -> int:
-        """EAGLE's drop where a group never drops (Mamba, chunked local): the coordinator
-        searches full attention first, its last block dropped (``FullAttentionManager.
-        find_longest_cache_hit(drop_eagle_block)``), then the other groups within that hit
-        only, so the hit ends where the keeping group holds a block (Mamba: the state block
-        at the hit) instead of one block below it. Without full attention (one group: the
-        ``UnitaryKVCacheCoordinator``) nothing drops, and no group matches past the
-        candidate hit either (no ``eagle_proof_margin``)."""
-        align = self.align
-        if not self.full_rules:
-            return (req.num_tokens - 1) // align * align
-        if L <= 0:
-            return L
-        return (L - min(align, min(r.bs for r in self.full_rules))) // align * align
+    def _eagle_reach(self, req: Request, L: int, bs: int) -> int:
+        """How far an EAGLE full-attention group of block size ``bs`` matches at the candidate
+        hit ``L``: one block past it, which it drops after the match (the coordinator's
+        ``_max_length``, ``HybridKVCacheCoordinator.find_longest_cache_hit``), capped by
+        ``max_cache_hit_length`` (up to 0.31.0: no margin at the first candidate, the request's
+        tokens but one) or by the keys of known tokens (0.32.0+,
+        ``len(block_hashes) * hash_block_size``: the group's keys bound the run). One group
+        (``UnitaryKVCacheCoordinator``): no margin, ``L`` itself."""
+        if not self.eagle_margin:
+            return min(L + bs, req.num_tokens - 1) if len(self.rules) > 1 else L
+        return L + bs
 
     def _hit_block(self, known: list[Any], j: i64, k: Key) -> Any:
         """The block a hit on ``k``, a group's ``j``-th key, takes (``cached[k]``, valid: a hit's

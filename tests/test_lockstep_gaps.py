@@ -610,3 +610,90 @@ def test_dcp_mamba_state_cached_unrounded_agrees(pool, version):
     assert res.agree, res.summary()
     if version == "0.33.0":
         assert stores(res.real["trace"])[0] == "store 0 r0 g1:2=3"
+# --- gap-trace_load (full/5 + full/16[drafter]) and gap-trace_sched (full/4 + full/16[drafter]) -
+# EAGLE with a drafter group of another block size: only the EAGLE groups (the drafter's spec,
+# verify_and_split_kv_cache_groups' use_eagle) match past the candidate hit and drop a block of
+# their own size (HybridKVCacheCoordinator.find_longest_cache_hit, FullAttentionManager.
+# find_longest_cache_hit(drop_eagle_block)); the target group neither matches past nor drops.
+# The margin is capped at max_cache_hit_length (num_tokens - 1) up to 0.31.0, by the keys of
+# known tokens (len(block_hashes) * hash_block_size) from 0.32.0.
+
+#: full/5 + full/16[drafter] (scheduler block 80), a 100-token prompt repeated: g0 (no EAGLE group)
+#: hits 99 // 5 = 19 blocks of the 16 cached, 80; g1 matches its 6 cached blocks (96, the EAGLE
+#: block past 80) and drops one: 80, on every release (a model dropping a block of the smallest
+#: size from every group finds 75, aligned 0)
+DRAFTER_HIT = {"layout": {"groups": [{"kind": "full", "block_size": 5},
+                                     {"kind": "full", "block_size": 16, "drafter": True}],
+                          "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+               "requests": [{"id": "a", "prompt": [[7, 100]], "decode": 1},
+                            {"id": "b", "prompt": [[7, 100]], "arrival": 3, "decode": 1}]}
+DRAFTER_HIT_LINES = ["sched b 20", "alloc b g0=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,28,21,20,19,"
+                     "18 g1=22,23,24,25,26,17,29"]
+
+#: the same layout, a (176 tokens) caches 160 in g0 and, the EAGLE
+#: block past it, 176 in g1. b repeats the prompt: g0 hits 160; g1 matches 175 // 16 = 10 blocks up
+#: to 0.31.0 (the cap), drops one: 144, aligned 80 (the CPU tier loads 80 more); 0.32.0+ match 11
+#: blocks, drop one: 160
+DRAFTER_OTHER_SIZE = {"layout": {"groups": [{"kind": "full", "block_size": 5},
+                                            {"kind": "full", "block_size": 16, "drafter": True}],
+                                 "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+                      "requests": [{"id": "a", "prompt": [[7, 176]], "decode": 1},
+                                   {"id": "b", "prompt": [[7, 176]], "arrival": 3, "decode": 1}]}
+
+#: full/4 + full/16[drafter] (scheduler block 16), two 32-token requests at step 0: b hits a's
+#: blocks cached in the same step. g0 hits 31 // 4 = 7 blocks, aligned 16; g1 matches 31 // 16 = 1
+#: block up to 0.31.0 and drops it: no hit; 0.32.0+ match min(16 + 16, 32) // 16 = 2, drop one: 16
+DRAFTER_SAME_STEP = {"layout": {"groups": [{"kind": "full", "block_size": 4},
+                                           {"kind": "full", "block_size": 16, "drafter": True}],
+                                "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+                     "requests": [{"id": "a", "prompt": [[7, 32]], "decode": 3},
+                                  {"id": "b", "prompt": [[7, 32]], "decode": 3}]}
+
+
+def b_hit_lines(trace: list[str]) -> list[str]:
+    return [x for x in trace if x.startswith(("load 1 b ", "sched b ", "alloc b "))][:3]
+
+
+def drafter_hit_lines(version: str) -> tuple[list[str], list[str]]:
+    """b's lines in the real traces of DRAFTER_OTHER_SIZE and DRAFTER_SAME_STEP."""
+    if version == "0.25.1":
+        other = ["load 1 b g0:84=48 g0:89=36 g0:94=35 g0:99=34 g0:104=33 g0:109=49 g0:114=50 "
+                 "g0:119=51 g0:124=52 g0:129=53 g0:134=54 g0:139=55 g0:144=56 g1:95=57 g1:111=58 "
+                 "g1:127=59 g1:143=60", "sched b 32",
+                 "alloc b g0=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,48,36,35,34,33,49,50,51,52,53,"
+                 "54,55,56,61,62,63,64,65,66,67 g1=37,38,39,40,41,57,58,59,60,68,69,70"]
+    elif version < "0.32.0":
+        other = ["load 1 b g0:84=48 g0:89=36 g0:94=35 g0:99=34 g0:104=33 g0:109=49 g0:114=50 "
+                 "g0:119=51 g0:124=52 g0:129=53 g0:134=54 g0:139=55 g0:144=56 g0:149=57 g0:154=58 "
+                 "g0:159=59 g1:95=60 g1:111=61 g1:127=62 g1:143=63 g1:159=64", "sched b 16",
+                 "alloc b g0=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,48,36,35,34,33,49,50,51,52,53,"
+                 "54,55,56,57,58,59,65,66,67,68 g1=37,38,39,40,41,60,61,62,63,64,69,70"]
+    else:
+        other = ["sched b 16",
+                 "alloc b g0=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,"
+                 "27,28,29,30,31,32,48,36,35,34 g1=37,38,39,40,41,42,43,44,45,46,33,49"]
+    if version < "0.32.0":
+        same = ["sched b 32", "alloc b g0=13,14,15,16,17,18,19,20,21 g1=22,23,24", "sched b 2"]
+    else:
+        same = ["sched b 16", "alloc b g0=1,2,3,4,13,14,15,16,17 g1=10,18,19", "sched b 2"]
+    return other, same
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.29.0", "0.32.0", "0.33.0"])
+def test_model_drops_eagle_block_in_drafter_groups_only(version):
+    """b's load, sched and alloc lines are those of the release's real run."""
+    profile = profile_for_release(version)
+    other, same = drafter_hit_lines(version)
+    assert b_hit_lines(run_case(Case.from_json(DRAFTER_HIT), profile).trace) == DRAFTER_HIT_LINES
+    assert b_hit_lines(run_case(Case.from_json(DRAFTER_OTHER_SIZE), profile).trace) == other
+    assert b_hit_lines(run_case(Case.from_json(DRAFTER_SAME_STEP), profile).trace) == same
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.29.0", "0.32.0", "0.33.0"])
+def test_drafter_group_eagle_hits_agree(pool, version):
+    other, same = drafter_hit_lines(version)
+    for case, want in ((DRAFTER_HIT, DRAFTER_HIT_LINES), (DRAFTER_OTHER_SIZE, other),
+                       (DRAFTER_SAME_STEP, same)):
+        res = lockstep(Case.from_json(case), version, pool)
+        assert res.agree, res.summary()
+        assert b_hit_lines(res.real["trace"]) == want
