@@ -45,7 +45,7 @@ from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
                                check_enough_kv_cache_memory, derive, effective_block_size,
-                               max_model_len, prefix_cacheable_groups,
+                               max_model_len, prefix_cacheable_groups, retention_interval,
                                validate_block_size)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
@@ -125,7 +125,7 @@ class Model:
                                  max_in_flight_tokens=in_flight,
                                  mamba_tail_recache=(geo.tokens_per_hash if profile.extra.get(
                                      "mamba_tail_recache") else 0),
-                                 retention_interval=layout.engine.retention_interval)
+                                 retention_interval=retention_interval(layout, profile))
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
