@@ -311,9 +311,7 @@ def make_scheduler(model_dir):
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={{**EXTRA_CONFIG, "cpu_bytes_to_use": chunk * CPU_CHUNKS}}))
     vc.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
-{engine_lines}    if hasattr(kv_cache_config, "prefix_cache_retention_interval"):  # 0.29.0+
-        # the planner copies it (get_kv_cache_config_from_groups): the KV cache manager and the
-        # connector read one value
+{engine_lines}    if hasattr(kv_cache_config, "prefix_cache_retention_interval"):  # as the planner copies it
         kv_cache_config.prefix_cache_retention_interval = (
             vc.cache_config.prefix_cache_retention_interval)
     sc = vc.scheduler_config
