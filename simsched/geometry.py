@@ -140,7 +140,8 @@ class _WindowAssert(Exception):
 # v1/core/kv_cache_utils.py; kv_cache_planning.py in 0.33.0). None is dense (every block cached).
 
 def retention_absent(layout: Layout) -> int | None:
-    """Before 0.29.0: no retention interval anywhere; the KV cache manager caches every block."""
+    """Before 0.29.0 no config field: the KV cache coordinator reads the environment's
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (``envs.py``), None when unset: every block cached."""
     return None
 
 

@@ -137,7 +137,7 @@ EAGLE = {"method": "eagle", "num_tokens": 1}
 
 
 @pytest.mark.parametrize("version, default, hybrid_eagle", [
-    # no prefix_cache_retention_interval before 0.29.0: every block cached
+    # before 0.29.0 only VLLM_PREFIX_CACHE_RETENTION_INTERVAL (envs.py), unset: None, dense
     ("0.25.1", None, None), ("0.27.1", None, None), ("0.28.0", None, None),
     # 0.29.0: _get_prefix_cache_retention_interval's 0; EngineArgs.create_engine_config sets
     # None for a hybrid model with EAGLE when the flag is left out
