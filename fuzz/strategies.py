@@ -16,7 +16,8 @@ from functools import lru_cache
 from hypothesis import strategies as st
 
 from simsched.case import Case, RequestSpec, Timing
-from simsched.layout import DCP_UNSUPPORTED_KINDS, KINDS, Engine, Group, Layout, Speculative
+from simsched.layout import (DCP_UNSUPPORTED_KINDS, KINDS, RETENTION_UNSET, Engine, Group, Layout,
+                             RetentionUnset, Speculative)
 
 # Roundest first: hypothesis shrinks a sampled_from toward its first element.
 BLOCK_SIZES = (16, 4, 32, 64, 8, 1, 2, 128, 256, 12, 48, 96, 1152, 3, 5)
@@ -114,6 +115,12 @@ def _maybe(draw, values, p_none: float = 0.75):
     return None if draw(_ints(0, 99)) < p_none * 100 else draw(_pick(values))
 
 
+def _retention(draw) -> int | RetentionUnset:
+    """Mostly the release's default (the flag left out, as most deployments do)."""
+    value = _maybe(draw, (0, 256, 1024, 100), 0.85)
+    return RETENTION_UNSET if value is None else value
+
+
 def _dcp_size(draw, groups: tuple[Group, ...]) -> int:
     dcp = 1 if draw(_ints(0, 9)) < 8 else draw(_pick((2, 4)))
     if any(g.kind in DCP_UNSUPPORTED_KINDS for g in groups):
@@ -141,7 +148,7 @@ def _engine(draw, groups: tuple[Group, ...]) -> Engine:
         dcp_size=_dcp_size(draw, groups),
         speculative=spec,
         async_scheduling=draw(_ints(0, 9)) == 9,
-        retention_interval=_maybe(draw, (0, 256, 1024, 100), 0.85),
+        retention_interval=_retention(draw),
         num_gpu_blocks=draw(_pick((1024, 64, 256))),
         cpu_chunks=draw(_pick((256, 16, 1024, 4))),   # 4: evictions under loads
     )

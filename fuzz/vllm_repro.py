@@ -41,6 +41,7 @@ from pathlib import Path
 from fuzz.triage import START_UP_STAGES
 from simsched.case import VOCAB, Case
 from simsched.geometry import max_model_len
+from simsched.layout import RetentionUnset
 from simsched.model import STALL_STEPS
 
 # What the harness bounds (engine.MAX_LOADS_UNSCHEDULED, engine.DEFAULT_STEP_CAP).
@@ -157,19 +158,12 @@ def _engine_lines(case: Case) -> list[str]:
         lines += ["    unit = 'prefix_match_unit'  # hash_block_size before 0.26.0",
                   "    setattr(vc.cache_config, unit if hasattr(vc.cache_config, unit) else "
                   f"'hash_block_size', {eng.prefix_match_unit})"]
-    if eng.retention_interval is not None:
+    if not isinstance(eng.retention_interval, RetentionUnset):
         lines.append(f"    vc.cache_config.prefix_cache_retention_interval = "
                      f"{eng.retention_interval}")
     if eng.dcp_size != 1:
         lines.append(f"    vc.parallel_config.decode_context_parallel_size = {eng.dcp_size}")
     return lines
-
-
-def _kv_cache_config_extra(case: Case) -> str:
-    """A deployment's KVCacheConfig copies cache_config.prefix_cache_retention_interval
-    (``get_kv_cache_config_from_groups``); the harness sets both when the case sets it."""
-    interval = case.layout.engine.retention_interval
-    return "" if interval is None else f",\n{' ' * 40}prefix_cache_retention_interval={interval}"
 
 
 def _requests(case: Case) -> str:
@@ -280,7 +274,6 @@ def render(case: Case, data: dict) -> str:
         max_model_len=max_model_len(case), seed=case.seed % VOCAB,
         step_cap=STEP_CAP, **_optional(case, data),
         engine_lines="".join(line + "\n" for line in _engine_lines(case)),
-        kvc_extra=_kv_cache_config_extra(case),
         name=short_name(data))
 
 
@@ -477,7 +470,7 @@ def make_scheduler(model_dir):
               else {{"layers": layers, "layer_stride": 0, "block_stride": page}})  # (to 0.28)
     tensor = kvi.KVCacheTensor(size=page * NUM_GPU_BLOCKS, **shared)
     kv_cache_config = kvi.KVCacheConfig(num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[tensor],
-                                        kv_cache_groups=groups{kvc_extra})
+                                        kv_cache_groups=groups)
     align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT  # the CPU tier's chunk, aligned
     chunk = -(-page * BLOCKS_PER_CHUNK // align) * align
     vc = VllmConfig(
@@ -489,7 +482,10 @@ def make_scheduler(model_dir):
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={{**EXTRA_CONFIG, "cpu_bytes_to_use": chunk * CPU_CHUNKS}}))
     vc.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
-{engine_lines}    sc = vc.scheduler_config
+{engine_lines}    if hasattr(kv_cache_config, "prefix_cache_retention_interval"):  # as the planner copies it
+        kv_cache_config.prefix_cache_retention_interval = (
+            vc.cache_config.prefix_cache_retention_interval)
+    sc = vc.scheduler_config
     sc.max_num_batched_tokens, sc.max_num_seqs = MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
     sc.max_num_scheduled_tokens, sc.long_prefill_token_threshold = None, 0
     sc.enable_chunked_prefill = True

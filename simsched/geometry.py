@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from simsched.layout import Group, Layout
+from simsched.layout import Group, Layout, RetentionUnset
 
 CONFIG_PY = "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
 SCHEDULER_PY = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
@@ -134,6 +134,32 @@ class _WindowAssert(Exception):
     pass
 
 
+# --- prefix_cache_retention_interval without --prefix-cache-retention-interval ----------------
+# What an engine started without the flag has in cache_config, and so in the KVCacheConfig the
+# KV cache manager reads: the planner copies it there (get_kv_cache_config_from_groups,
+# v1/core/kv_cache_utils.py; kv_cache_planning.py in 0.33.0). None is dense (every block cached).
+
+def retention_absent(layout: Layout) -> int | None:
+    """Before 0.29.0 no config field: the KV cache coordinator reads the environment's
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (``envs.py``), None when unset: every block cached."""
+    return None
+
+
+def retention_sparse(layout: Layout) -> int | None:
+    """0.30.0+: ``CacheConfig.prefix_cache_retention_interval`` is ``Field(default=0)``."""
+    return 0
+
+
+def retention_dense_for_hybrid_eagle(layout: Layout) -> int | None:
+    """0.29.0: 0 (``_get_prefix_cache_retention_interval``), but
+    ``EngineArgs.create_engine_config`` sets None for a hybrid model with EAGLE-style drafting:
+    sparse retention would leave the Mamba states at the replay boundary unreachable behind
+    EAGLE's dropped tail block."""
+    spec = layout.engine.speculative
+    eagle = spec is not None and spec.method in EAGLE_METHODS
+    return None if layout.hybrid and eagle else 0
+
+
 @dataclass(frozen=True)
 class Profile:
     """One distinct behaviour of the offloading scheduler's configuration and keying."""
@@ -163,6 +189,8 @@ class Profile:
     eagle_marks_all_groups: bool = False
     # ``from_spec`` checks prefix_cache_retention_interval against windowed chunk sizes (0.30.0+).
     retention_check: bool = True
+    # The retention interval of an engine started without the flag (see retention_sparse).
+    retention_default: Callable[[Layout], int | None] = retention_sparse
     # Mamba groups send the hash unit back to the scheduler block size when their cache mode is
     # not "align" (0.28.0+), or when their block size differs from the cache block size (before).
     mamba_backoff: str = "mode"
@@ -183,6 +211,7 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     "clamped to keyed chunks",
     releases=("0.29.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
     alignment="absent", eagle_marks_all_groups=True, retention_check=False,
+    retention_default=retention_dense_for_hybrid_eagle,
     extra={"spec_pad_after_hit": False, "eagle_replay_pair": False,
            "preempt_in_flight": True, "partial_hash_hits": "no-dcp"})
 
@@ -194,6 +223,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     replace(_EVERY_GROUP_NO_CLAMP, name="every-group-no-clamp-chunked-mamba",
             summary="as every-group-no-clamp; an align-mode Mamba state is stored in the chunk "
             "store job, not as a boundary job of its own", releases=("0.28.0",),
+            retention_default=retention_absent,
             extra={**_EVERY_GROUP_NO_CLAMP.extra, "mamba_boundary_stores": False}),
     Profile("legacy-spec-init",
             "0.29.0's rules as 0.25.1 has them: boot checks in OffloadingSpec.__init__, no DCP "
@@ -203,6 +233,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
             offload_dcp_all_groups=True, hybrid_dcp_error=True, hash_unit_all_groups=True,
             config_function="__init__", window_function="get_sliding_window_size_in_blocks",
+            retention_default=retention_absent,
             extra={"mamba_boundary_stores": False, "eagle_tail_hole": True,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
                    "align_budget_assert": True, "window_frees_on_processed": False,
@@ -213,7 +244,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             releases=("0.26.0",), keyed_chunk_clamp=False, chunk_size_error="AssertionError",
             alignment="absent", eagle_marks_all_groups=True, retention_check=False,
             window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
-            offload_dcp_all_groups=True,
+            offload_dcp_all_groups=True, retention_default=retention_absent,
             extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
                    "preempt_in_flight": True, "align_budget_assert": True,
                    "partial_hash_hits": "no-dcp-any-group"}),
@@ -222,7 +253,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             releases=("0.27.0", "0.27.1"), keyed_chunk_clamp=False,
             chunk_size_error="AssertionError", alignment="absent", eagle_marks_all_groups=True,
             retention_check=False, window_in_chunks=window_before_chunked_local,
-            mamba_backoff="block_size",
+            mamba_backoff="block_size", retention_default=retention_absent,
             extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
                    "preempt_in_flight": True, "partial_hash_hits": "no-dcp-any-group"}),
     Profile("every-group",
@@ -285,6 +316,15 @@ def profile_for_release(version: str) -> Profile:
     if key < (0, 29, 0):
         return PROFILES["every-group-no-clamp"]
     return PROFILES[DEFAULT_PROFILE]
+
+
+def retention_interval(layout: Layout, profile: Profile) -> int | None:
+    """``prefix_cache_retention_interval`` of the case's engine, in its CacheConfig and its
+    KVCacheConfig alike: the case's value (null: dense), else the release's default."""
+    value = layout.engine.retention_interval
+    if isinstance(value, RetentionUnset):
+        return profile.retention_default(layout)
+    return value
 
 
 def get_profile(name: str) -> Profile:
@@ -454,7 +494,7 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
     if profile.alignment == "absent":
         alignment = None
 
-    retention = layout.engine.retention_interval
+    retention = retention_interval(layout, profile)
     if retention is not None and profile.retention_check:
         for g in groups:
             if g.sliding_window_in_chunks is not None and g.tokens_per_chunk == 0:

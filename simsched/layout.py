@@ -83,6 +83,30 @@ def _int(obj: dict, key: str, path: str, *, default: Any = ..., lo: int = 1,
     return value
 
 
+class RetentionUnset:
+    """``engine.retention_interval`` left out of the case: the release's own default, what an
+    engine started without ``--prefix-cache-retention-interval`` has in its ``CacheConfig`` and
+    ``KVCacheConfig`` (``geometry.retention_interval``). An explicit JSON null is the flag's
+    ``None`` (dense). 0.29.0's ``EngineArgs`` tells the two apart the same way
+    (``PREFIX_CACHE_RETENTION_INTERVAL_UNSET``, ``engine/arg_utils.py``)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:
+        return "RETENTION_UNSET"        # copies and pickles are the one instance
+
+
+RETENTION_UNSET = RetentionUnset()
+
+
+def _retention(obj: dict, path: str) -> int | None | RetentionUnset:
+    """Absent: the release's default; null: ``--prefix-cache-retention-interval None``."""
+    if "retention_interval" not in obj:
+        return RETENTION_UNSET
+    return _int(obj, "retention_interval", path, default=None, optional=True, lo=0)
+
+
 def _bool(obj: dict, key: str, path: str, default: bool) -> bool:
     value = obj.get(key, default)
     if not isinstance(value, bool):
@@ -191,7 +215,8 @@ class Engine:
     dcp_size: int = 1                       # decode context parallel size
     speculative: Speculative | None = None
     async_scheduling: bool = False
-    retention_interval: int | None = None   # cache_config.prefix_cache_retention_interval
+    # cache_config.prefix_cache_retention_interval (None: dense); unset: the release's default
+    retention_interval: int | None | RetentionUnset = RETENTION_UNSET
     num_gpu_blocks: int = 1024
     cpu_chunks: int = 256                   # capacity of the CPU tier, in offload chunks
     offload_prompt_only: bool = True        # kv_connector_extra_config["offload_prompt_only"]
@@ -216,8 +241,7 @@ class Engine:
             dcp_size=_int(obj, "dcp_size", path, default=1, hi=64),
             speculative=spec,
             async_scheduling=_bool(obj, "async_scheduling", path, False),
-            retention_interval=_int(obj, "retention_interval", path, default=None, optional=True,
-                                    lo=0),
+            retention_interval=_retention(obj, path),
             num_gpu_blocks=_int(obj, "num_gpu_blocks", path, default=1024, lo=2, hi=1 << 20),
             cpu_chunks=_int(obj, "cpu_chunks", path, default=256, lo=1, hi=1 << 20),
             offload_prompt_only=_bool(obj, "offload_prompt_only", path, True),
@@ -267,6 +291,13 @@ class Layout:
         if engine:
             out["engine"] = engine
         return out
+
+    @property
+    def hybrid(self) -> bool:
+        """``ModelConfig.is_hybrid``: Mamba layers beside the target model's attention layers
+        (an ``IsHybrid`` model; Mamba groups alone are an attention-free model)."""
+        return any(g.kind == "mamba" for g in self.groups) and any(
+            g.kind != "mamba" and not g.drafter for g in self.groups)
 
     def with_engine(self, **changes: Any) -> "Layout":
         return replace(self, engine=replace(self.engine, **changes))

@@ -46,7 +46,7 @@ from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
                                check_enough_kv_cache_memory, derive, effective_block_size,
                                max_model_len, partial_hash_hits, prefix_cacheable_groups,
-                               validate_block_size)
+                               retention_interval, validate_block_size)
 from simsched.offload import Job, ModelCrash, OffloadScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -125,7 +125,7 @@ class Model:
                                  max_in_flight_tokens=in_flight,
                                  mamba_tail_recache=(geo.tokens_per_hash if profile.extra.get(
                                      "mamba_tail_recache") else 0),
-                                 retention_interval=layout.engine.retention_interval)
+                                 retention_interval=retention_interval(layout, profile))
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
         self.kv.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 from simsched.allocator import (ABORTED, INTS, NULL, Key, Request, ints_to, key_group,
                                 make_key, window_reachable_blocks)
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
-                               offload_key_indices, prefix_cacheable_groups)
+                               offload_key_indices, prefix_cacheable_groups,
+                               retention_interval)
 
 # CPUTier.lookup results (Final: constants mypyc inlines, no module-dict lookup at each use)
 MISS: Final = 0
@@ -1265,14 +1266,19 @@ class ListCPUTier(CPUTier):
 class _SlidingWindowStoreMask:
     """``_reachable_store_block_mask`` for a sliding-window group (0.30.0-0.33.0), per chunk.
 
-    ``CacheConfig.prefix_cache_retention_interval`` defaults to 0 in these releases, so the
-    scheduler config's retention interval is never None: there is no store horizon, the
-    reachable boundaries are ``(num_prompt - 1,)`` and the request's shared-prefix junction, and ``SlidingWindowManager.reachable_block_mask`` (``window_reachable_blocks``)
-    keeps the ``need`` blocks ending at each aligned boundary (retention 0) or a tail once per
-    retention segment. A chunk is reachable when any of its blocks is.
+    The scheduler config's retention interval is ``CacheConfig.prefix_cache_retention_interval``
+    (0 by default in these releases). Under an interval the reachable boundaries are
+    ``(num_prompt - 1,)`` and the request's shared-prefix junction, and
+    ``SlidingWindowManager.reachable_block_mask`` (``window_reachable_blocks``) keeps the
+    ``need`` blocks ending at each aligned boundary (0) or also a tail once per interval-sized
+    segment. A chunk is reachable when any of its blocks is. Under None (dense, the flag's
+    ``None``) the tails are per alignment segment; the store horizon that then also keeps the
+    tail of a request's final partial segment (``final_segment_end_block``,
+    ``reconsider_final_swa_tail`` in ``_build_store_jobs``) is not modelled.
     """
 
-    def __init__(self, cfg: GroupGeometry, window: int, geometry: Geometry, retention: int):
+    def __init__(self, cfg: GroupGeometry, window: int, geometry: Geometry,
+                 retention: int | None):
         self.bpc: int = geometry.blocks_per_chunk
         self.align: int = geometry.alignment_tokens or 0      # (0: None, then dense)
         self.bs: int = cfg.tokens_per_block
@@ -1280,10 +1286,12 @@ class _SlidingWindowStoreMask:
         eagle = cfg.drafter
         self.need: int = -(-(window - 1) // bs) + (1 if eagle else 0)
         self.shift: int = 1 if eagle else 0
-        self.retention: int = retention
-        # every block reachable (no alignment, a sub-block alignment, or a dense segment)
+        self.retention: int | None = retention
+        # every block reachable (no alignment, a sub-block alignment, or a segment whose tail
+        # is all of it)
+        segment = self.align if retention is None else retention
         self.dense: bool = geometry.alignment_tokens is None or self.align % bs != 0 or (
-            retention > 0 and self.need >= retention // bs)
+            segment > 0 and self.need >= segment // bs)
 
     def reachable(self, start_chunk: int, end_chunk: int, num_prompt: int,
                   junction: int = 0) -> list[bool]:
@@ -1560,12 +1568,12 @@ class OffloadScheduler:
                           if layout is not None and layout.groups[g.group_id].kind in
                           ("sliding_window", "sliding_window_mla")}
         if layout is not None and profile.retention_check:
-            retention = layout.engine.retention_interval
+            retention = retention_interval(layout, profile)
             for g in self.cfgs:
                 grp = layout.groups[g.group_id]
                 if grp.kind in ("sliding_window", "sliding_window_mla"):
                     self.sw_store_mask[g.group_id] = _SlidingWindowStoreMask(
-                        g, grp.sliding_window, geometry, 0 if retention is None else retention)
+                        g, grp.sliding_window, geometry, retention)
 
     # --- RequestOffloadState ----------------------------------------------------------------
     def update_offload_keys(self, st: ReqOffload, caller: str = "") -> None:

@@ -139,3 +139,46 @@ def test_a_batch_answers_every_item(workers, version):
     out = w.config_batch(items)
     assert len(out) == 200
     assert {o["status"] for o in out} <= {"ok", "error", "unsupported"}
+
+
+# --- prefix_cache_retention_interval: one value on both sides ---------------------------------
+
+SW_FULL = [{"kind": "full", "block_size": 16},
+           {"kind": "sliding_window", "block_size": 16, "sliding_window": 128}]
+HYBRID_EAGLE = {"groups": [{"kind": "full", "block_size": 16},
+                           {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
+                "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}}
+
+
+def boot_retention(worker: ReleaseWorker, layout: dict) -> dict:
+    return worker.call("boot_retention", case={"layout": layout})
+
+
+@pytest.mark.parametrize("version, default, hybrid_eagle", [
+    # no config field; the coordinator reads VLLM_PREFIX_CACHE_RETENTION_INTERVAL, unset: None
+    ("0.28.0", "absent", "absent"),
+    ("0.29.0", 0, None),              # EngineArgs.create_engine_config: dense for hybrid+EAGLE
+    ("0.30.0", 0, 0), ("0.33.0", 0, 0)])
+def test_unset_retention_is_one_value_on_both_sides(workers, version, default, hybrid_eagle):
+    """With the knob left out, the booted engine's KVCacheConfig (read by the KV cache manager)
+    carries the CacheConfig's value (read by the connector, 0.30.0+), as
+    get_kv_cache_config_from_groups copies it: the release's default (config/cache.py)."""
+    w = workers(version)
+    connector = "absent" if version < "0.30.0" else default
+    manager = None if default == "absent" else default
+    assert boot_retention(w, {"groups": SW_FULL}) == {
+        "cache_config": default, "kv_cache_config": default, "kv_cache_manager": manager,
+        "connector": connector}
+    out = boot_retention(w, HYBRID_EAGLE)
+    assert out["kv_cache_config"] == out["cache_config"] == hybrid_eagle
+    assert out["kv_cache_manager"] == (None if hybrid_eagle == "absent" else hybrid_eagle)
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])
+@pytest.mark.parametrize("value", [None, 64])
+def test_set_retention_reaches_both_sides(workers, version, value):
+    """A case's value, null (--prefix-cache-retention-interval None) included, on every side."""
+    layout = {**HYBRID_EAGLE, "engine": {**HYBRID_EAGLE["engine"], "retention_interval": value}}
+    out = boot_retention(workers(version), layout)
+    assert out == {"cache_config": value, "kv_cache_config": value, "kv_cache_manager": value,
+                   "connector": value if version >= "0.30.0" else "absent"}

@@ -4,8 +4,8 @@ the vLLM source (not from the model's own output)."""
 import pytest
 
 from simsched.geometry import (PROFILES, ConfigError, config_outcome, derive,
-                               offload_key_indices, profile_for_release)
-from simsched.layout import Layout
+                               offload_key_indices, profile_for_release, retention_interval)
+from simsched.layout import RETENTION_UNSET, Layout
 
 FULL16_RING4 = Layout.from_json({"groups": [{"kind": "full", "block_size": 16},
                                             {"kind": "ring", "block_size": 4}]})
@@ -127,6 +127,45 @@ def test_retention_interval_must_be_a_multiple_of_windowed_chunks():
                retention_interval=100)
     out = config_outcome(layout, 16)
     assert (out["exception"], out["function"]) == ("ValueError", "from_spec")
+
+
+SW_FULL = ({"kind": "full", "block_size": 16},
+           {"kind": "sliding_window", "block_size": 16, "sliding_window": 128})
+HYBRID = ({"kind": "full", "block_size": 16},
+          {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"})
+EAGLE = {"method": "eagle", "num_tokens": 1}
+
+
+@pytest.mark.parametrize("version, default, hybrid_eagle", [
+    # before 0.29.0 only VLLM_PREFIX_CACHE_RETENTION_INTERVAL (envs.py), unset: None, dense
+    ("0.25.1", None, None), ("0.27.1", None, None), ("0.28.0", None, None),
+    # 0.29.0: _get_prefix_cache_retention_interval's 0; EngineArgs.create_engine_config sets
+    # None for a hybrid model with EAGLE when the flag is left out
+    ("0.29.0", 0, None),
+    # 0.30.0+: Field(default=0), whatever the model (config/cache.py)
+    ("0.30.0", 0, 0), ("0.31.0", 0, 0), ("0.32.0", 0, 0), ("0.33.0", 0, 0)])
+def test_retention_left_out_is_the_release_default(version, default, hybrid_eagle):
+    profile = profile_for_release(version)
+    assert L(*SW_FULL).engine.retention_interval is RETENTION_UNSET
+    assert retention_interval(L(*SW_FULL), profile) == default
+    assert retention_interval(L(*SW_FULL, speculative=EAGLE), profile) == default
+    assert retention_interval(L(*HYBRID), profile) == default
+    assert retention_interval(L(*HYBRID, speculative=EAGLE), profile) == hybrid_eagle
+    # ngram drafts without the target's hidden states: no use_eagle(), no dense default
+    ngram = {"method": "ngram", "num_tokens": 2}
+    assert retention_interval(L(*HYBRID, speculative=ngram), profile) == default
+    # the flag given: its value, None (--prefix-cache-retention-interval None) included
+    for value in (None, 0, 64):
+        assert retention_interval(L(*HYBRID, speculative=EAGLE, retention_interval=value),
+                                  profile) == value
+
+
+def test_retention_null_and_absent_round_trip():
+    absent, null = L(*SW_FULL), L(*SW_FULL, retention_interval=None)
+    assert absent.to_json() == {"groups": list(SW_FULL)}
+    assert null.to_json()["engine"] == {"retention_interval": None}
+    assert Layout.from_json(null.to_json()) == null != absent
+    assert "retention_interval=None" in null.describe()
 
 
 def test_single_group_prefix_match_unit_is_refused_from_0_32():

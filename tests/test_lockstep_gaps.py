@@ -163,10 +163,15 @@ def test_lookahead_cap_agrees(pool, version):
 # --- gap-trace_sched-91bff9 / gap-trace_store-4d4914: prefix_cache_retention_interval 0 ------
 
 RETENTION = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+#: ``engine.retention_interval`` left out: the release's default, as an engine started without
+#: --prefix-cache-retention-interval has it (0 here; None, below, is the flag's None: dense)
+UNSET = "unset"
 
 
-def with_retention(case: dict, retention: int | None) -> dict:
-    engine = {} if retention is None else {"retention_interval": retention}
+def with_retention(case: dict, retention: int | None | str) -> dict:
+    engine = {**case["layout"].get("engine", {})}
+    if retention != UNSET:
+        engine["retention_interval"] = retention
     return {**case, "layout": {**case["layout"], "engine": engine}}
 
 
@@ -189,49 +194,90 @@ MAMBA_LONE = {"layout": {"groups": [{"kind": "mamba", "block_size": 16,
                                     "mamba_cache_mode": "align"}]},
               "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
 
+#: a hybrid model (full attention and an align-mode Mamba group) with EAGLE: left out, 0.29.0's
+#: EngineArgs.create_engine_config makes the interval None (dense), so a's Mamba state at 64 is
+#: cached and stored (store 2 a g1:3=7) as under an explicit None; 0.30.0+ keep CacheConfig's 0
+#: (only the replay-boundary state at 48)
+HYBRID_EAGLE = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                      {"kind": "mamba", "block_size": 16,
+                                       "mamba_cache_mode": "align"}],
+                           "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+                "requests": [{"id": "a", "prompt": [[0, 64]], "decode": 2},
+                             {"id": "b", "prompt": [[0, 64], [1, 40]], "arrival": 4,
+                              "decode": 2}]}
+DENSE_STATE_STORE = "store 2 a g1:3=7"
+
 
 def allocs_of(trace: list[str], rid: str) -> list[str]:
     return [x for x in trace if x.startswith(f"alloc {rid} ")]
 
 
+def sparse(retention) -> bool:
+    """Whether the engine keeps only the reachable boundaries (0), as it does with the flag
+    left out on these layouts (no hybrid model with EAGLE)."""
+    return retention == 0 or retention == UNSET
+
+
 @pytest.mark.parametrize("version", RETENTION)
-@pytest.mark.parametrize("retention", [None, 0, 64])
+@pytest.mark.parametrize("retention", [UNSET, None, 0, 64])
 def test_model_caches_sliding_window_blocks_as_retention_keeps(version, retention):
     """The sched and alloc lines are those of each release's real run."""
     res = run_case(Case.from_json(with_retention(SW_SIBLING, retention)),
                    profile_for_release(version))
-    hit = 48 if retention == 0 else 64
+    hit = 48 if sparse(retention) else 64
     assert scheds(res.trace) == ["sched r0 64", f"sched r1 {128 - hit}"]
-    assert allocs_of(res.trace, "r1") == (["alloc r1 g0=1,2,3,5,6,7,8,9"] if retention == 0
+    assert allocs_of(res.trace, "r1") == (["alloc r1 g0=1,2,3,5,6,7,8,9"] if hit == 48
                                           else ["alloc r1 g0=1,2,3,4,5,6,7,8"])
 
 
 @pytest.mark.parametrize("version", RETENTION)
-@pytest.mark.parametrize("retention", [None, 0, 64])
+@pytest.mark.parametrize("retention", [UNSET, None, 0, 64])
 def test_model_offers_mamba_states_as_retention_keeps(version, retention):
     """The store lines are those of each release's real run."""
     res = run_case(Case.from_json(with_retention(MAMBA_LONE, retention)),
                    profile_for_release(version))
     checkpoint = version >= "0.32.0"
     want = ["store 0 r0 g0:2=1"] if checkpoint else []
-    if retention != 0:
+    if not sparse(retention):
         want += ["store 1 r0 g0:3=2"] if checkpoint else ["store 0 r0 g0:3=1"]
     assert stores(res.trace) == want
 
 
+@pytest.mark.parametrize("version", ["0.29.0", "0.30.0", "0.33.0"])
+@pytest.mark.parametrize("retention", [UNSET, None, 0])
+def test_model_stores_hybrid_eagle_states_as_retention_keeps(version, retention):
+    """0.29.0's real run stores the dense state with the flag left out, 0.30.0's does not."""
+    res = run_case(Case.from_json(with_retention(HYBRID_EAGLE, retention)),
+                   profile_for_release(version))
+    dense = retention is None or (retention == UNSET and version == "0.29.0")
+    assert (DENSE_STATE_STORE in res.trace) == dense
+
+
 @pytest.mark.parametrize("version", RETENTION)
-@pytest.mark.parametrize("retention", [None, 0, 64])
+@pytest.mark.parametrize("retention", [UNSET, None, 0, 64])
 def test_retention_agrees(pool, version, retention):
     sw = lockstep(Case.from_json(with_retention(SW_SIBLING, retention)), version, pool)
     assert sw.agree, sw.summary()
     mamba = lockstep(Case.from_json(with_retention(MAMBA_LONE, retention)), version, pool)
     assert mamba.agree, mamba.summary()
-    if retention == 0:
-        # the real lines the model-only tests above expect
+    if sparse(retention):
+        # the real lines the model-only tests above expect: a case without the knob runs as a
+        # deployment without the flag, retention 0 on both sides
         assert scheds(sw.real["trace"]) == ["sched r0 64", "sched r1 80"]
         assert allocs_of(sw.real["trace"], "r1") == ["alloc r1 g0=1,2,3,5,6,7,8,9"]
         assert stores(mamba.real["trace"]) == (["store 0 r0 g0:2=1"] if version >= "0.32.0"
                                                 else [])
+    if retention is None:
+        assert allocs_of(sw.real["trace"], "r1") == ["alloc r1 g0=1,2,3,4,5,6,7,8"]
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.30.0", "0.33.0"])
+@pytest.mark.parametrize("retention", [UNSET, None])
+def test_hybrid_eagle_retention_default_agrees(pool, version, retention):
+    res = lockstep(Case.from_json(with_retention(HYBRID_EAGLE, retention)), version, pool)
+    assert res.agree, res.summary()
+    dense = retention is None or version == "0.29.0"
+    assert (DENSE_STATE_STORE in res.real["trace"]) == dense
 
 
 #: EAGLE (one draft) beside full attention, window 32: c resends a's 256-token prompt after b

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from simsched.layout import DCP_UNSUPPORTED_KINDS, Layout
+from simsched.layout import DCP_UNSUPPORTED_KINDS, Layout, RetentionUnset
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -77,6 +77,12 @@ class ConfigBuilder:
                                       if n in self.cache_fields), None)
         self.retention_field = ("prefix_cache_retention_interval"
                                 if "prefix_cache_retention_interval" in self.cache_fields else None)
+        # 0.29.0's EngineArgs leaves an interval the user did not give unset until it knows the
+        # model and the drafting (create_engine_config); its sentinel marks the release that
+        # resolves it so
+        import vllm.engine.arg_utils as arg_utils
+        self.retention_resolved_by_engine_args = hasattr(
+            arg_utils, "PREFIX_CACHE_RETENTION_INTERVAL_UNSET")
         # Before 0.26.0 the scheduler knows no 'blocks_per_chunk' (only 'block_size').
         import vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler as sched
         self.knob_blocks_per_chunk = "blocks_per_chunk" in sched.SchedulerOffloadConfig._fields
@@ -112,6 +118,7 @@ class ConfigBuilder:
             "is_eagle_group": "is_eagle_group" in self.group_fields,
             "kv_cache_tensor_fields": sorted(self.tensor_fields),
             "kv_cache_config_retention": "prefix_cache_retention_interval" in self.config_fields,
+            "retention_resolved_by_engine_args": self.retention_resolved_by_engine_args,
             "mamba_cache_mode": "mamba_cache_mode" in self.spec_fields.get("mamba", ()),
             "spec_dcp_sharded_field": "dcp_sharded" in self.spec_fields.get("full", ()),
             "blocks_per_chunk_knob": self.knob_blocks_per_chunk,
@@ -169,17 +176,8 @@ class ConfigBuilder:
         else:                                        # 0.29.0+: layers + strides
             tensor = kvi.KVCacheTensor(size=total, layers=tensor_layers,
                                        layer_stride=0, block_stride=bytes_per_block)
-        ckw: dict[str, Any] = {"num_blocks": num_blocks, "kv_cache_tensors": [tensor],
-                               "kv_cache_groups": groups}
-        # A deployment's KVCacheConfig copies cache_config.prefix_cache_retention_interval
-        # (get_kv_cache_config_from_groups), as here when the case sets it. A case without it
-        # leaves the KVCacheConfig at None (dense) and the CacheConfig at its default 0: the
-        # KV cache manager and the connector then disagree, which no deployment does
-        # (docs/case-format.md)
-        if eng.retention_interval is not None:
-            if "prefix_cache_retention_interval" in self.config_fields:
-                ckw["prefix_cache_retention_interval"] = eng.retention_interval
-        kv_cache_config = kvi.KVCacheConfig(**ckw)
+        kv_cache_config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                                            kv_cache_groups=groups)
 
         # --- VllmConfig derived from the base one ---
         base = self.base
@@ -222,7 +220,7 @@ class ConfigBuilder:
                 raise Unsupported("prefix_match_unit: CacheConfig has neither prefix_match_unit "
                                   "nor hash_block_size")
             setattr(cc, self.match_unit_field, eng.prefix_match_unit)
-        if eng.retention_interval is not None:
+        if not isinstance(eng.retention_interval, RetentionUnset):     # null: the flag's None
             if self.retention_field is None:
                 raise Unsupported("retention_interval: CacheConfig has no "
                                   "prefix_cache_retention_interval")
@@ -272,7 +270,27 @@ class ConfigBuilder:
                 raise Unsupported("async_scheduling: SchedulerConfig has no async_scheduling")
             sc.async_scheduling = True
             vc.scheduler_config = sc
+        self.retention(layout, vc, kv_cache_config)
         return vc, kv_cache_config
+
+    def retention(self, layout: Layout, vc, kv_cache_config) -> None:
+        """``prefix_cache_retention_interval`` as an engine has it: in ``cache_config`` (the
+        connector reads it) and in the ``KVCacheConfig`` (the KV cache manager reads it), where
+        the planner copies it (``get_kv_cache_config_from_groups``). A case's value is set by
+        :meth:`build`. Left out, it is the ``CacheConfig`` field's own default, which the base
+        config already holds, and on 0.29.0 ``EngineArgs.create_engine_config``'s rule: None
+        (dense) for a hybrid model with EAGLE-style drafting. A VllmConfig built by hand skips
+        EngineArgs, and the tiny Llama is no hybrid model, so the rule is played here on the
+        layout, with the real ``SpeculativeConfig.use_eagle()``."""
+        if self.retention_field is None:
+            return                      # before 0.29.0: no interval, on either side
+        cc = vc.cache_config
+        if isinstance(layout.engine.retention_interval, RetentionUnset) \
+                and self.retention_resolved_by_engine_args and layout.hybrid \
+                and vc.speculative_config is not None and vc.speculative_config.use_eagle():
+            setattr(cc, self.retention_field, None)
+        if "prefix_cache_retention_interval" in self.config_fields:
+            kv_cache_config.prefix_cache_retention_interval = getattr(cc, self.retention_field)
 
     def speculative(self, spec) -> Any:
         """A SpeculativeConfig carrying ``method`` and ``num_speculative_tokens``.

@@ -199,6 +199,24 @@ class RealEngine:
                                f"layout has {len(case.layout.groups)}")
         return vc, kvc, sched, sbs, tph
 
+    def boot_retention(self, case_json: dict) -> dict:
+        """The retention interval each side of the booted engine reads (op ``boot_retention``):
+        ``cache_config``, the ``KVCacheConfig``, the KV cache manager's coordinator (0.29.0+)
+        and the connector's scheduler config (0.30.0+); ``"absent"`` where the release has no
+        such field. An unsupported case: ``{"unsupported": reason}``."""
+        try:
+            vc, kvc, sched, _, _ = self.boot(Case.from_json(case_json))
+        except self.Unsupported as e:
+            return {"unsupported": str(e)}
+        sides = {"cache_config": vc.cache_config, "kv_cache_config": kvc}
+        name = "prefix_cache_retention_interval"
+        out = {side: getattr(obj, name, "absent") for side, obj in sides.items()}
+        out["kv_cache_manager"] = getattr(sched.kv_cache_manager.coordinator,
+                                          "retention_interval", "absent")
+        out["connector"] = getattr(sched.connector.connector_scheduler.config,
+                                   "retention_interval", "absent")
+        return out
+
     # -- the run ---------------------------------------------------------------------------
     def run_case(self, case_json: dict, mutant: str | None = None,
                  step_cap: int = DEFAULT_STEP_CAP, checks: str = "full",

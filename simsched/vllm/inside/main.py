@@ -100,6 +100,11 @@ def main() -> int:
                 kw = {"step_cap": int(req["step_cap"])} if req.get("step_cap") else {}
                 result = state["engine"].run_case(req["case"], req.get("mutant") or mutant,
                                                      bare=bool(req.get("bare", False)), **kw)
+            elif op == "boot_retention":
+                if "engine" not in state:
+                    from simsched.vllm.inside.engine import RealEngine
+                    state["engine"] = RealEngine(probe())
+                result = state["engine"].boot_retention(req["case"])
             elif op == "features":
                 result = probe().builder.features
             elif op == "coverage":
