@@ -6,13 +6,22 @@ lockstep against real releases in tests/test_lockstep.py (test_agreement_on_rule
 
 from __future__ import annotations
 
+import copy
+
 from simsched.case import Case
 from simsched.lockstep import HANDMADE
 from simsched.model import run_case
 
 
-def trace(name: str, profile: str = "prefix-cacheable-windows-in-config") -> list[str]:
-    r = run_case(Case.from_json(HANDMADE[name]), profile)
+def trace(name: str, profile: str = "prefix-cacheable-windows-in-config",
+          dense: bool = False) -> list[str]:
+    """The model's trace of a hand-made case; ``dense``: with ``retention_interval`` null (the
+    flag's None: every block cached, as the rules below were read with), not the release's
+    default."""
+    case = copy.deepcopy(HANDMADE[name])
+    if dense:
+        case["layout"].setdefault("engine", {})["retention_interval"] = None
+    r = run_case(Case.from_json(case), profile)
     assert r.ok, r.findings
     return r.trace
 
@@ -131,7 +140,7 @@ def test_window_block_leaving_with_the_last_token_is_freed_before_the_request():
     partial blocks) | the three blocks a never took (the pool holds one request of the longest
     length, as vLLM's start-up check asks) | s0 (freed during the decode) s1 f2 f1 f0 s2; b (64
     tokens, 4 blocks per group, full group first) takes it in that order."""
-    t = trace("window_finish")
+    t = trace("window_finish", dense=True)
     a = [x for x in t if x.startswith("alloc a ") and "g0=-" not in x]
     f = [int(b) for x in a for b in x.split()[2][3:].split(",")]
     s = [int(b) for x in a for b in x.split()[3][3:].split(",")]
@@ -326,7 +335,7 @@ def test_mamba_align_state_is_stored_and_loaded_as_one_boundary_block():
     loads one Mamba key, the state at 64, into the one state block update_state_after_alloc finds
     (index 3). b's next chunk (_mamba_block_aligned_split, 0.30.0: the last cacheable position is
     84 - 84 % 16 = 80, inside (64, 84)) is 16 tokens, its state at index 4 = cdiv(80, 16) - 1."""
-    t = trace("mamba_load", "every-group")
+    t = trace("mamba_load", "every-group", dense=True)
     stores = [x for x in t if x.startswith("store ")]
     a0, a1 = stores[0].split(), stores[1].split()
     assert a0[:3] == ["store", "0", "a"] and len(a0) == 4 and a0[3].startswith("g1:3=")
@@ -353,7 +362,8 @@ def test_mamba_align_prefill_chunks_end_at_cacheable_block_boundaries():
     ((num_tokens - 1) // block_size * block_size, one token left to recompute). a's 64-token
     prompt: one chunk on 0.30.0 (64 is not inside (0, 64)), 48 + 16 on 0.33.0; b's 20 tokens
     after its 64-token hit: 16 + 4 on both (80 is inside (64, 84))."""
-    old, new = trace("mamba_load", "every-group"), trace("mamba_load")
+    old, new = (trace("mamba_load", "every-group", dense=True),
+                trace("mamba_load", dense=True))
     assert [x for x in old if x.startswith("sched a ")][:1] == ["sched a 64"]
     assert [x for x in new if x.startswith("sched a ")][:2] == ["sched a 48", "sched a 16"]
     for t in (old, new):
