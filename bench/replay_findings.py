@@ -38,25 +38,22 @@ def signatures(finding: dict) -> set[str]:
 
 
 def check(out: Path, finding: dict) -> list[str]:
-    case = out / finding["case"]
+    """What differs from the report: the affected releases must exit 1 and FAIL with the
+    finding's signature (or an alias), the clean ones exit 0 and pass."""
+    case, sigs = out / finding["case"], signatures(finding)
     wrong = []
-    affected, clean = finding["releases_affected"], finding["releases_clean"]
-    if affected:
-        rc, status = replay(case, affected)
-        if rc != 1:
-            wrong.append(f"exit {rc} on the affected releases")
-        for v in affected:
+    for releases, stated, want_rc in ((finding["releases_affected"], "affected", 1),
+                                      (finding["releases_clean"], "clean", 0)):
+        if not releases:
+            continue
+        rc, status = replay(case, releases)
+        if rc != want_rc:
+            wrong.append(f"exit {rc} on the {stated} releases")
+        for v in releases:
             word, sig = status.get(v, ("missing", ""))
-            if word != "FAIL" or sig not in signatures(finding):
-                wrong.append(f"{v}: {word} {sig}, stated affected")
-    if clean:
-        rc, status = replay(case, clean)
-        if rc != 0:
-            wrong.append(f"exit {rc} on the clean releases")
-        for v in clean:
-            word, sig = status.get(v, ("missing", ""))
-            if word != "pass":
-                wrong.append(f"{v}: {word} {sig}, stated clean")
+            ok = word == "FAIL" and sig in sigs if want_rc else word == "pass"
+            if not ok:
+                wrong.append(f"{v}: {word} {sig}, stated {stated}")
     return wrong
 
 
