@@ -287,11 +287,14 @@ def test_eagle_beside_a_group_that_keeps_its_hit_block(pool, version, asserts, n
 #: align-mode Mamba with 2-block chunks (the case of finding invariant-INV-4-e66b97, grown to a
 #: CPU load): on 0.33.0 the MambaManager's align table nulls interior states, so the state block a
 #: boundary store job reads sits at the index its source spec names (block_indices, boundary //
-#: tokens_per_block - 1), not at a position the harness can read off the table
+#: tokens_per_block - 1), not at a position the harness can read off the table. Every state is
+#: kept (retention_interval null, the flag's None): under the releases' default of 0 only the
+#: replay boundary's state is, and b has nothing to load
 MAMBA_CHUNK2 = {"layout": {"groups": [{"kind": "full", "block_size": 16},
                                       {"kind": "mamba", "block_size": 16,
                                        "mamba_cache_mode": "align"}],
-                           "engine": {"blocks_per_chunk": 2, "num_gpu_blocks": 10}},
+                           "engine": {"blocks_per_chunk": 2, "num_gpu_blocks": 10,
+                                      "retention_interval": None}},
                 "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
                              {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
                              {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8,
