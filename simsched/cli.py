@@ -48,8 +48,9 @@ def cmd_geometry(args) -> int:
 def cmd_replay(args) -> int:
     """Run a case; exit 1 exactly when something shows: on a release, a crash or a broken
     invariant of its real run (step by step, or its config chain with ``--config-only``); on the
-    model, any finding. A release where the case could not run says why; if nothing showed and
-    no release could run it, exit 3."""
+    model, any finding. A release where the case could not run says why; a release worker that
+    died or hung is a tool error (exit 2 when nothing else showed); if nothing showed and no
+    release could run it, exit 3."""
     from simsched.case import load_case
     from simsched.geometry import PROFILES, get_profile
     from simsched.outcome import describe
@@ -72,14 +73,20 @@ def cmd_replay(args) -> int:
         releases = pool.targets() if only != [] else []
         obs = observe(case, models, releases, outcomes, config=args.config_only,
                       steps=[] if args.config_only else None, traces=traces)
-    # a release's difference from the model is the model's to explain, not the release's fault
-    shown = [o for o in obs if o.signature.kind != "divergence" or o.level == "model"]
+    # a release's difference from the model is the model's to explain, not the release's fault;
+    # a release worker that died or hung is simsched's failure, never a finding about vLLM
+    tool = [o for o in obs if o.signature.function == "release_worker"]
+    shown = [o for o in obs if (o.signature.kind != "divergence" or o.level == "model")
+             and o not in tool]
     print(f"case: {case.layout.describe()}  (asserts {'on' if case.asserts else 'off'}; "
           f"{'config chain only' if args.config_only else 'every step on the real Scheduler'})")
     for name, outcome in outcomes.items():
         sigs = sorted({str(o.signature) for o in shown if o.target == name})
+        broke = sorted({o.signature.exception for o in tool if o.target == name})
         ran = name.startswith("model:") or outcome.get("status") in ("ran", "ok", "error")
-        verdict = "FAIL " + ", ".join(sigs) if sigs else "pass" if ran else "not run"
+        verdict = ("FAIL " + ", ".join(sigs) if sigs else
+                   "tool error (simsched's worker, not vLLM): " + ", ".join(broke) if broke else
+                   "pass" if ran else "not run")
         print(f"  {name:>38}: {verdict}  | {describe(outcome)}")
     for name, res in traces.items():
         bad = _first_bad_step(res)
@@ -95,6 +102,8 @@ def cmd_replay(args) -> int:
         print(f"{sig}: present in {', '.join(present)}; absent from {', '.join(absent) or '-'}")
     if shown:
         return 1
+    if tool:
+        return 2
     ran = [o for name, o in outcomes.items()
            if name.startswith("model:") or o.get("status") in ("ran", "ok", "error")]
     return 0 if ran or not outcomes else 3

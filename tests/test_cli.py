@@ -94,3 +94,35 @@ def test_replay_a_release_not_installed(tmp_path, monkeypatch, release, needle):
     assert needle in lines[0]
     if release == "9.9.9":
         assert "releases install" not in lines[0] and "0.33.0" in lines[0]
+
+
+def test_replay_a_dead_worker_is_a_tool_error_not_a_finding(tmp_path, monkeypatch, capsys):
+    """A release worker that died (``crash:*:release_worker``) is simsched's failure: the release
+    says tool error, not FAIL, and replay exits 2, not 1 (the exit of a finding)."""
+    import contextlib
+    import simsched.replay
+    import simsched.targets
+    from simsched.cli import main
+    from simsched.outcome import Observation, Signature
+
+    class Pool:
+        versions = ["0.33.0"]
+
+        def targets(self):
+            return []
+
+    def observe(case, models, releases, outcomes, **kw):
+        outcomes["0.33.0"] = {"status": "worker", "exception": "WorkerDied",
+                              "function": "release_worker", "message": "killed"}
+        return [Observation(Signature("crash", "WorkerDied", "release_worker"), "0.33.0",
+                            outcomes["0.33.0"])]
+
+    monkeypatch.setattr(simsched.targets.Releases, "installed",
+                        classmethod(lambda cls, only=None: contextlib.nullcontext(Pool())))
+    monkeypatch.setattr(simsched.replay, "observe", observe)
+    case = tmp_path / "case.json"
+    case.write_text(json.dumps({"layout": {"groups": [{"kind": "full", "block_size": 16}]},
+                                "requests": [{"id": "r0", "prompt": [[0, 64]]}]}))
+    assert main(["replay", str(case), "--release", "0.33.0"]) == 2
+    out = capsys.readouterr().out
+    assert "tool error (simsched's worker, not vLLM): WorkerDied" in out and "FAIL" not in out
