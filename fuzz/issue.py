@@ -17,7 +17,7 @@ from fuzz import vllm_repro
 from fuzz.strategies import family_of
 from simsched.case import Case
 from simsched.invariants import INVARIANTS
-from simsched.layout import Layout
+from simsched.layout import Layout, RetentionUnset
 from simsched.vllm.releases import KNOWN_RELEASES
 
 _ranges = vllm_repro.release_ranges
@@ -81,7 +81,7 @@ def serve_flags(case: Case) -> list[str]:
         flags.append(f"--mamba-cache-mode {cache['mamba_cache_mode']}")
     if eng.prefix_match_unit is not None:
         flags.append(f"--prefix-match-unit {eng.prefix_match_unit}")
-    if eng.retention_interval is not None:
+    if not isinstance(eng.retention_interval, RetentionUnset):   # null: the flag's None
         flags.append(f"--prefix-cache-retention-interval {eng.retention_interval}")
     if eng.dcp_size != 1:
         flags.append(f"--decode-context-parallel-size {eng.dcp_size}")

@@ -641,8 +641,10 @@ class KVCacheManager:
                 cap = -(-(r.chunk + max_in_flight_tokens) // r.bs)
             self.admission_cap.append(cap)
         self.align = align
-        # enable_partial_hash_hits (geometry.partial_hash_hits); set by the model
+        # enable_partial_hash_hits (geometry.partial_hash_hits) and the hash unit; set by the
+        # model. With partial hits the managers' cache_hit_alignment_tokens is the hash unit
         self.partial_hash_hits = False
+        self.tokens_per_hash = align
         self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len: int = 0         # set by the model (0: no cap)
         # a mamba group without align mode disables GPU prefix hits altogether
@@ -1038,10 +1040,14 @@ class KVCacheManager:
         """``reachable_block_mask`` of the sliding-window or align-mode Mamba group ``r`` for
         blocks ``start..end-1``, as ``SingleTypeKVCacheManager.cache_blocks`` asks for it: the
         coordinator's retention interval, alignment ``cache_hit_alignment_tokens`` (the
-        scheduler block size), the request's replay boundaries and its shared-prefix junction
+        scheduler block size; the hash unit with fine-grained hash hits), the request's replay
+        boundaries and its shared-prefix junction
         (with EAGLE, 0.33.0, a sliding-window group also keeps the junction one block lower).
         None: every block (dense)."""
         retention, align, bs = self.retention, self.align, r.bs
+        # the masks align boundaries to cache_hit_alignment_tokens (replay_boundaries to the
+        # scheduler block)
+        hit_align = self.tokens_per_hash if self.partial_hash_hits else align
         eagle, group_eagle = self.eagle_drop, self.use_eagle(r)
         need = -(-(r.window - 1) // bs) + (1 if group_eagle else 0)
         if retention is None and (r.align or need >= align // bs):
@@ -1054,8 +1060,8 @@ class KVCacheManager:
             if group_eagle and self.eagle_junction_below and not r.align:
                 boundaries.append(junction - bs)
         if r.align:
-            return mamba_reachable_blocks(start, end, align, bs, retention, boundaries)
-        return window_reachable_blocks(start, end, align, bs, need, 1 if group_eagle else 0,
+            return mamba_reachable_blocks(start, end, hit_align, bs, retention, boundaries)
+        return window_reachable_blocks(start, end, hit_align, bs, need, 1 if group_eagle else 0,
                                        retention, boundaries)
 
     # --- admission gates (Scheduler.schedule, waiting loop) ---------------------------------

@@ -129,6 +129,7 @@ class Model:
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
         self.kv.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
+        self.kv.tokens_per_hash = geo.tokens_per_hash
         self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
                                     layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)
