@@ -16,8 +16,8 @@ from functools import lru_cache
 from hypothesis import strategies as st
 
 from simsched.case import Case, RequestSpec, Timing
-from simsched.layout import (DCP_UNSUPPORTED_KINDS, KINDS, RETENTION_UNSET, Engine, Group, Layout,
-                             RetentionUnset, Speculative)
+from simsched.layout import (KINDS, RETENTION_UNSET, Engine, Group, Layout, RetentionUnset,
+                             Speculative, dcp_refusal)
 
 # Roundest first: hypothesis shrinks a sampled_from toward its first element.
 BLOCK_SIZES = (16, 4, 32, 64, 8, 1, 2, 128, 256, 12, 48, 96, 1152, 3, 5)
@@ -123,10 +123,9 @@ def _retention(draw) -> int | RetentionUnset:
 
 def _dcp_size(draw, groups: tuple[Group, ...]) -> int:
     dcp = 1 if draw(_ints(0, 9)) < 8 else draw(_pick((2, 4)))
-    if any(g.kind in DCP_UNSUPPORTED_KINDS for g in groups):
-        # vLLM refuses windowed and chunked-local groups under DCP (asserts in
-        # single_type_kv_cache_manager.py, kv_cache_interface.py, kv_cache_coordinator.py; see
-        # layout.DCP_UNSUPPORTED_KINDS): no deployment has such a layout, the harness says
+    if dcp_refusal(groups):
+        # a layout vLLM refuses under DCP by asserts (layout.dcp_refusal: windowed, chunked-local
+        # and ring groups; a Mamba model's one group): no deployment has it, the harness says
         # unsupported. Same draws either way: the stream of the other knobs is unchanged.
         return 1
     return dcp

@@ -42,6 +42,24 @@ DCP_SHARDED_KINDS = tuple(k for k in KINDS if k != "mamba")
 #: V4.1's compressor, ``models/deepseek_v41/compressor.py``) leave it ``dcp_sharded``, and 0.31.0
 #: on accept only full attention, Mamba and replicated groups under DCP.
 DCP_UNSUPPORTED_KINDS = ("sliding_window", "sliding_window_mla", "chunked_local", "ring")
+
+
+def dcp_refusal(groups, enable_prefix_caching: bool = True) -> str | None:
+    """Why no release serves these groups under decode context parallelism (None: some may).
+    Besides :data:`DCP_UNSUPPORTED_KINDS`, a model of Mamba layers alone: with one group the
+    ``UnitaryKVCacheCoordinator`` hands its ``dcp_world_size`` to ``MambaManager.
+    find_longest_cache_hit``, which asserts "DCP not support mamba now." at the first lookup in
+    every release 0.25.1-0.33.0 (``v1/core/single_type_kv_cache_manager.py``); the hybrid
+    coordinator passes 1 to Mamba groups (their state is replicated, not sharded)."""
+    bad = sorted({g.kind for g in groups if g.kind in DCP_UNSUPPORTED_KINDS})
+    if bad:
+        return (f"vLLM does not support DCP with {', '.join(bad)} groups (its asserts \"DCP "
+                "not support ... now.\" in single_type_kv_cache_manager.py, the hybrid "
+                "coordinator's, the start-up sizing's)")
+    if len(groups) == 1 and groups[0].kind == "mamba" and enable_prefix_caching:
+        return ("vLLM does not support DCP with a Mamba model's one group under prefix caching "
+                "(MambaManager.find_longest_cache_hit asserts \"DCP not support mamba now.\")")
+    return None
 MAMBA_CACHE_MODES = ("none", "align")
 SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
 

@@ -42,9 +42,11 @@ def test_mamba_hybrid_align_mode_uses_the_attention_block_size(layout):
 @given(layouts(families=("gpt_oss", "deepseek_v4", "free")))
 def test_no_windowed_or_chunked_local_group_is_drawn_under_dcp(layout):
     """vLLM asserts sliding-window and chunked-local groups unsupported under DCP (the harness
-    refuses them): the families with such groups draw them at dcp_size 1 only."""
+    refuses them), and a Mamba model's one group too: the families with such groups draw them at
+    dcp_size 1 only."""
     kinds = {g.kind for g in layout.groups}
-    if kinds & {"sliding_window", "sliding_window_mla", "chunked_local"}:
+    if kinds & {"sliding_window", "sliding_window_mla", "chunked_local"} or kinds == {"mamba"} \
+            and len(layout.groups) == 1:
         assert layout.engine.dcp_size == 1, layout.describe()
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from simsched.layout import DCP_UNSUPPORTED_KINDS, Layout, RetentionUnset
+from simsched.layout import Layout, RetentionUnset, dcp_refusal
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -228,15 +228,11 @@ class ConfigBuilder:
         vc.cache_config = cc
 
         if eng.dcp_size != 1:
-            # vLLM refuses windowed and chunked-local groups under DCP (asserts only: see
-            # layout.DCP_UNSUPPORTED_KINDS); asserts stripped, the run would be of a layout no
-            # release supports, not a behaviour of one
-            bad = sorted({g.kind for g in layout.groups if g.kind in DCP_UNSUPPORTED_KINDS})
-            if bad:
-                raise Unsupported(f"dcp_size {eng.dcp_size}: vLLM does not support DCP with "
-                                  f"{', '.join(bad)} groups (its asserts \"DCP not support ... "
-                                  "now.\" in single_type_kv_cache_manager.py, the hybrid "
-                                  "coordinator's, the start-up sizing's)")
+            # layouts vLLM refuses under DCP by asserts only (layout.dcp_refusal); asserts
+            # stripped, the run would be of a layout no release supports, not a behaviour of one
+            why = dcp_refusal(layout.groups, eng.enable_prefix_caching)
+            if why:
+                raise Unsupported(f"dcp_size {eng.dcp_size}: {why}")
             pc = copy.copy(base.parallel_config)
             pc.decode_context_parallel_size = eng.dcp_size
             vc.parallel_config = pc
