@@ -657,15 +657,23 @@ class Campaign:
         (0.33.0 moved ``get_sliding_window_size_in_chunks`` into ``offloading/config.py``), or
         from the same statement in another function (0.25.1 keeps the offload checks in
         ``OffloadingSpec.__init__``), or with the same message, its numbers aside (a check
-        rewritten with the same words). Another exception (an assert that became a
-        ``ValueError``), statement, function and message is another finding."""
+        rewritten with the same words), or at the same start-up stage (a check moved and
+        rewritten: 0.25.1's ``OffloadingSpec.__init__`` asserts ``offloaded_block_size %
+        gpu_block_size == 0`` where 0.26.0's ``build_offloading_config`` asserts
+        ``tokens_per_chunk % tokens_per_block == 0``; the shrunk case is the one configuration
+        both refuse). Another exception (an assert that became a ``ValueError``), statement,
+        function, message and stage is another finding."""
         _, exc, _, function, source = finding.key
         words = tri.message_words(finding.outcome.get("message"))
+        stage = finding.outcome.get("stage")
+        start_up = stage in tri.START_UP_STAGES
         return sorted({s.key for s in seen if s.klass == tri.BUG and s.obs.level != "model"
                        and s.key[0] == "crash" and s.key != finding.key and s.key[1] == exc
                        and (s.key[3] == function or s.key[4] == source
                             or (words and tri.message_words(s.obs.outcome.get("message"))
-                                == words))}, key=repr)
+                                == words)
+                            or (start_up and s.obs.outcome.get("stage") == stage))},
+                      key=repr)
 
     def _twins(self, finding: Finding) -> list[tuple]:
         """The bug keys the case shows in the other asserts mode on the affected releases: one

@@ -50,3 +50,34 @@ def test_an_invariant_without_asserts_joins_the_assert_that_guards_it():
                     outcome=crash.obs.outcome, found_after_s=0.0, examples_before=0)
         c.replay_everywhere(g)
         assert g.releases_affected == ["0.30.0"] and bug.key in g.aliases, g.aliases
+
+
+# an offload block smaller than the GPU block: 0.25.1 asserts it in OffloadingSpec.__init__
+# (v1/kv_offload/base.py, ``offloaded_block_size % gpu_block_size == 0``), 0.26.0 in
+# build_offloading_config (offloading/config.py, ``tokens_per_chunk % tokens_per_block == 0``)
+SMALL_OFFLOAD_BLOCK = {"layout": {"groups": [{"kind": "sliding_window", "block_size": 128,
+                                              "sliding_window": 128}],
+                                  "engine": {"offload_block_size": 64}},
+                       "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+
+
+def test_a_start_up_assert_moved_and_rewritten_is_one_cluster():
+    case = Case.from_json(SMALL_OFFLOAD_BLOCK)
+    with Releases.installed(["0.25.1", "0.26.0"], timeout=300) as pool, \
+            tempfile.TemporaryDirectory() as out:
+        c = Campaign(Path(out), pool, model=True, run_releases=["0.26.0"], budget=1, seed_=0,
+                     asserts=True, progress=lambda s: None)
+        outcomes: dict = {}
+        seen = c.triage(case, c._step(case, c.release_targets, outcomes), outcomes)
+        bug = next(s for s in seen if s.klass == "bug")
+        assert bug.key[1:4] == ("AssertionError", "distributed/kv_transfer/kv_connector/v1/"
+                                "offloading/config.py", "build_offloading_config"), bug.key
+        f = Finding(id="small", key=bug.key, klass="bug", signature=bug.obs.signature,
+                    case=case, present_on=("0.26.0",), fingerprint=(), first_target="0.26.0",
+                    outcome=bug.obs.outcome, found_after_s=0.0, examples_before=0)
+        c.replay_everywhere(f)
+        assert f.releases_affected == ["0.25.1", "0.26.0"], (f.releases_affected,
+                                                             f.releases_other)
+        # (besides the ZeroDivisionError both raise in CPUOffloadingSpec with asserts stripped)
+        assert [(a[2], a[3]) for a in f.aliases if a[1] == "AssertionError"] == [
+            ("v1/kv_offload/base.py", "__init__")], f.aliases
