@@ -72,8 +72,7 @@ INVARIANT_KINDS = {("INV-8", "load"): "livelock_load", ("INV-8", "liveness"): "s
 def supported(case: Case, data: dict) -> None:
     """Raise :class:`NotGenerated` unless the generator can write this finding."""
     eng = case.layout.engine
-    why = [("speculative decoding", eng.speculative is not None),
-           ("async scheduling", eng.async_scheduling),
+    why = [("async scheduling", eng.async_scheduling),
            ("a drafter group", any(g.drafter for g in case.layout.groups)),
            ("no request", not case.requests)]
     if data.get("invariant") == "INV-9":   # the chunk arithmetic of the inline lookup oracle
@@ -163,6 +162,9 @@ def _engine_lines(case: Case) -> list[str]:
                      f"{eng.retention_interval}")
     if eng.dcp_size != 1:
         lines.append(f"    vc.parallel_config.decode_context_parallel_size = {eng.dcp_size}")
+    if eng.speculative is not None:
+        lines.append(f"    vc.speculative_config = speculative_config("
+                     f"{eng.speculative.method!r}, NUM_SPEC_TOKENS)")
     return lines
 
 
@@ -296,7 +298,9 @@ def _optional(case: Case, data: dict) -> dict:
              "before_loop": "", "abort_lines": "", "pytest_import": "", "debug_guard": "",
              "offload_import": "", "helpers": "", "after_schedule": "", "store_items": "",
              "store_items_end": "", "store_check": "", "load_check": "",
-             "after_update": "        for j in done:\n            del pending[j]\n"}
+             "after_update": "        for j in done:\n            del pending[j]\n",
+             "config_imports": "", "dataclasses_import": "", "outputs_imports": "",
+             "spec_constants": "", "drafter": "", "sampled": SAMPLED}
     if aborts:
         parts["before_loop"] = ("    withdrawn = {r[0] for r in REQUESTS "
                                 "if r[4] is not None and r[4] < r[2]}\n")
@@ -307,9 +311,27 @@ def _optional(case: Case, data: dict) -> dict:
         parts["pytest_import"] = "import pytest\n"
         parts["debug_guard"] = ("    if __debug__:\n        pytest.fail(\"vLLM's asserts refuse "
                                 "this layout before the bug: run with python -O\")\n")
+    if case.layout.engine.speculative is not None:
+        parts.update(_speculative(case, parts))
     if data["kind"] == "invariant":
         parts.update(_CHECKS[short_name(data)](parts))
     return parts
+
+
+def _speculative(case: Case, parts: dict) -> dict:
+    """Speculative decoding, sync scheduling (``engine._Run._propose_drafts`` and its
+    verification): after each step the drafter proposes the tokens that follow each request's
+    known ones; the worker accepts as many as the case's ``accept`` pattern says."""
+    accept = {r.id: list(r.accept) for r in case.requests if r.accept is not None}
+    return {"config_imports": "from vllm.config import SpeculativeConfig\n",
+            "dataclasses_import": "import dataclasses\n", "outputs_imports": "DraftTokenIds, ",
+            "spec_constants": (f"NUM_SPEC_TOKENS = {case.layout.engine.speculative.num_tokens}\n"
+                               f"ACCEPT = {accept!r}  # drafts accepted per verification "
+                               "step (else all)\nVERIFIED = {}  # request -> its verification "
+                               "steps so far\n"),
+            "helpers": SPEC_HELPERS + parts["helpers"],
+            "sampled": "    sampled = [sampled_tokens(out, r) for r in reqs]\n",
+            "drafter": "        propose_drafts(sched, out, output.req_ids)\n"}
 
 
 def _check_reloads(parts: dict) -> dict:
@@ -383,6 +405,50 @@ _CHECKS = {"livelock_load": _check_reloads, "stall": _check_stall,
            "cap_load": lambda parts: _check_caps(parts, True)}
 
 
+SAMPLED = ("    sampled = [[(SEED * 1000003 + int(r.arrival_time) * 7919 + r.num_tokens * 104729"
+           " + 3) % 32000]\n               if r.num_computed_tokens >= r.num_tokens else [] "
+           "for r in reqs]\n")
+
+SPEC_HELPERS = '''
+
+def token(r, pos):
+    return (SEED * 1000003 + int(r.arrival_time) * 7919 + pos * 104729 + 3) % 32000
+
+
+def speculative_config(method, num_tokens):
+    """A SpeculativeConfig without the draft model its __post_init__ loads: every field at its
+    default, then the method and the number of drafts, which the Scheduler reads."""
+    cfg = object.__new__(SpeculativeConfig)
+    for f in dataclasses.fields(SpeculativeConfig):
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        object.__setattr__(cfg, f.name, None if value is dataclasses.MISSING else value)
+    object.__setattr__(cfg, "method", method)
+    object.__setattr__(cfg, "num_speculative_tokens", num_tokens)
+    return cfg
+
+
+def sampled_tokens(out, r):
+    """At the end of r's known tokens: the drafts accepted (padding drafts -1 never) + one."""
+    if r.num_computed_tokens < r.num_tokens:
+        return []
+    drafts, a = out.scheduled_spec_decode_tokens.get(r.request_id, []), 0
+    if any(x != -1 for x in drafts):
+        k = VERIFIED[r.request_id] = VERIFIED.get(r.request_id, -1) + 1
+        pattern = ACCEPT.get(r.request_id)
+        a = len(drafts) if pattern is None else min(len(drafts), pattern[k % len(pattern)])
+    return [token(r, r.num_tokens + j) for j in range(a + 1)]
+
+
+def propose_drafts(sched, out, order):
+    """The drafter after a step (EngineCore.post_step): the tokens that follow each request's
+    known ones, as many as the scheduler asks for."""
+    k = getattr(out, "num_spec_tokens_to_schedule", None)
+    k = 0 if getattr(out, "skip_drafts", False) else NUM_SPEC_TOKENS if k is None else int(k)
+    reqs = [sched.requests.get(rid) for rid in order]
+    drafts = [[token(r, r.num_tokens + j) for j in range(k)] if r else [] for r in reqs]
+    sched.update_draft_token_ids(DraftTokenIds(list(order), drafts))
+'''
+
 LOOKUP_HELPERS = '''
 
 def ready_beyond(sched, request, num_local, hash_block_size):
@@ -429,12 +495,12 @@ TEMPLATE = '''"""{title}
 
 {about}
 """
-import json
+{dataclasses_import}import json
 
 {pytest_import}import torch
 
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+{config_imports}from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -442,7 +508,7 @@ from vllm.v1 import kv_cache_interface as kvi
 from vllm.v1.core import kv_cache_utils as kcu
 from vllm.v1.core.sched.scheduler import Scheduler
 {offload_import}from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import {outputs_imports}KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import {request_imports}
 
 TINY_LLAMA = {{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -458,7 +524,7 @@ STORE_LATENCY, LOAD_LATENCY = {store}, {load}  # steps until the worker reports 
 # (id, prompt segments (seed, length), arrival step, max_tokens, abort step, kv_transfer_params)
 REQUESTS = [{requests}]
 SEED, STEP_CAP = {seed}, {step_cap}
-
+{spec_constants}
 
 def make_scheduler(model_dir):
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -519,9 +585,7 @@ def worker_output(sched, out, t, pending):
     """Step t's output: a token per request at its end; the transfers due (loads' requests)."""
     order = list(out.num_scheduled_tokens)
     reqs = [sched.requests[rid] for rid in order]  # arrival_time: the request's index
-    sampled = [[(SEED * 1000003 + int(r.arrival_time) * 7919 + r.num_tokens * 104729 + 3) % 32000]
-               if r.num_computed_tokens >= r.num_tokens else [] for r in reqs]
-    done = sorted(j for j, (due, _) in pending.items() if due <= t + 1)
+{sampled}    done = sorted(j for j, (due, _) in pending.items() if due <= t + 1)
     loads = {{pending[j][1] for j in done if pending[j][1] is not None}}
     kvo = KVConnectorOutput(finished_recving=loads or None,
                             kv_connector_worker_meta=OffloadingWorkerMetadata(
@@ -555,7 +619,7 @@ def test_{name}(tmp_path):
             pending[j] = (t, pending[j][1])
         output, done = worker_output(sched, out, t, pending)
         sched.update_from_output(out, output)
-{after_update}        t += 1
+{drafter}{after_update}        t += 1
     raise AssertionError(f"requests unfinished after {{STEP_CAP}} steps: {{list(sched.requests)}}")
 '''
 

@@ -189,7 +189,8 @@ def test_kinds_not_written_yet_say_why():
     spec = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                        "engine": {"speculative": {"method": "eagle", "num_tokens": 2}}},
             "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
-    with pytest.raises(vllm_repro.NotGenerated, match="speculative decoding"):
+    spec["layout"]["engine"]["async_scheduling"] = True
+    with pytest.raises(vllm_repro.NotGenerated, match="async scheduling"):
         vllm_repro.render(Case.from_json(spec), RING_FINDING)
     inv4 = dict(LIVELOCK_FINDING, invariant="INV-4", op="store")
     with pytest.raises(vllm_repro.NotGenerated, match="INV-4"):
@@ -362,8 +363,22 @@ STALL_FINDING = {
     "releases_affected": ["0.30.0"], "releases_clean": []}
 
 
+#: AssertionError-find_longest_cache_hit-62d723 of the 600 s campaign on 0.30.0 and 0.33.0: a
+#: lone chunked-local group with EAGLE, refused by an assert at the first lookup (0.28.0 on)
+EAGLE_CHUNKED = {"layout": {"groups": [{"kind": "chunked_local", "block_size": 16,
+                                        "attention_chunk_size": 64}],
+                            "engine": {"speculative": {"method": "eagle", "num_tokens": 1}}},
+                 "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
+EAGLE_CHUNKED_FINDING = {
+    "id": "eagle-chunked", "kind": "crash", "signature": "crash:AssertionError:"
+    "find_longest_cache_hit", "exception": "AssertionError", "function": "find_longest_cache_hit",
+    "file": "v1/core/single_type_kv_cache_manager.py", "stage": "schedule", "asserts": True,
+    "layout": "chunked_local/16(w=64)", "releases_affected": ["0.30.0", "0.33.0"],
+    "releases_clean": []}
+
 #: name -> (case, finding) of each file the module runs on real releases
 GENERATED = {
+    "eagle_chunked": (EAGLE_CHUNKED, EAGLE_CHUNKED_FINDING),
     "ring": (RING, RING_FINDING), "livelock": (LIVELOCK, LIVELOCK_FINDING),
     # two-token blocks: b's one token fills no chunk, nothing is loaded (`simsched replay`:
     # clean on 0.29.0 and 0.33.0)
@@ -403,6 +418,13 @@ def test_boot_assert_fails_where_present_and_passes_where_fixed(runs):
     assert [runs[("ring", v)][0] for v in ("0.29.0", "0.30.0", "0.31.0")] == \
         ["failed", "failed", "passed"]
     assert "AssertionError" in runs[("ring", "0.30.0")][1]
+
+
+def test_a_step_assert_under_speculative_decoding_fails_where_present(runs):
+    for v in RUN_ON:
+        assert runs[("eagle_chunked", v)] == ("failed", " - AssertionError: Hybrid KV cache is "
+                                              "not supported for eagle + chunked local "
+                                              "attention."), v
 
 
 def test_livelock_fails_where_present_and_its_control_passes(runs):
@@ -530,19 +552,31 @@ print(json.dumps(counts))
 '''
 
 
-def test_worker_stand_in_plays_the_steps_the_harness_plays(tmp_path):
-    """The generated file's engine loop and worker stand-in against simsched's harness on the
-    same release: a CPU hit loaded with latencies 2 and 3 and two-block chunks, a request
-    withdrawn before it arrives; the same schedule() calls, store jobs and load jobs."""
-    from simsched.lockstep import lockstep
-    from simsched.targets import Releases
-    case = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+#: a CPU hit loaded with latencies 2 and 3 and two-block chunks, a request withdrawn before it
+#: arrives
+STAND_IN = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
                        "engine": {"num_gpu_blocks": 8, "blocks_per_chunk": 2}},
             "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
                          {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
                          {"id": "x", "prompt": [[9, 16]], "arrival": 6, "abort_at": 5},
                          {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}],
             "timing": {"store_latency": 2, "load_latency": 3}}
+#: EAGLE with three drafts a step, accepted 3, 0, 1, 0 in turn (a, the last to finish) or all
+#: (b): the steps it takes to decode depend on every draft proposed and accepted
+SPEC_STAND_IN = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                            "engine": {"speculative": {"method": "eagle", "num_tokens": 3}}},
+                 "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 24,
+                               "accept": [3, 0, 1, 0]},
+                              {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 1,
+                               "decode": 6}]}
+
+
+@pytest.mark.parametrize("case", [STAND_IN, SPEC_STAND_IN], ids=["transfers", "speculative"])
+def test_worker_stand_in_plays_the_steps_the_harness_plays(tmp_path, case):
+    """The generated file's engine loop and worker stand-in against simsched's harness on the
+    same release: the same schedule() calls, store jobs and load jobs."""
+    from simsched.lockstep import lockstep
+    from simsched.targets import Releases
     release = _installed("0.33.0")
     with Releases.installed(["0.33.0"], timeout=120) as pool:
         real = lockstep(Case.from_json(case), "0.33.0", pool).real
