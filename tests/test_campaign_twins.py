@@ -21,19 +21,24 @@ RING = {"layout": {"groups": [{"kind": "ring", "block_size": 4}]},
         "requests": [{"id": "r0", "prompt": [[0, 64]]}], "asserts": False}
 
 
+def _first_bug(c: Campaign, case: Case, release: str) -> tuple:
+    """The case's first bug on ``release``'s real run, and a finding made of it."""
+    outcomes: dict = {}
+    seen = c.triage(case, c._step(case, c.release_targets, outcomes), outcomes)
+    bug = next(s for s in seen if s.klass == "bug")
+    return bug, Finding(id=release, key=bug.key, klass="bug", signature=bug.obs.signature,
+                        case=case, present_on=(release,), fingerprint=(), first_target=release,
+                        outcome=bug.obs.outcome, found_after_s=0.0, examples_before=0)
+
+
 def test_an_invariant_without_asserts_joins_the_assert_that_guards_it():
     case = Case.from_json(RING)
     with Releases.installed(["0.30.0"], timeout=300) as pool, \
             tempfile.TemporaryDirectory() as out:
         c = Campaign(Path(out), pool, model=True, run_releases=["0.30.0"], budget=1, seed_=0,
                      asserts=False, progress=lambda s: None)
-        outcomes: dict = {}
-        seen = c.triage(case, c._step(case, c.release_targets, outcomes), outcomes)
-        bug = next(s for s in seen if s.klass == "bug")
+        bug, f = _first_bug(c, case, "0.30.0")
         assert bug.key[0] == "invariant", bug.key          # asserts stripped: no crash
-        f = Finding(id="ring", key=bug.key, klass="bug", signature=bug.obs.signature,
-                    case=case, present_on=("0.30.0",), fingerprint=(), first_target="0.30.0",
-                    outcome=bug.obs.outcome, found_after_s=0.0, examples_before=0)
         c.replay_everywhere(f)
         assert f.releases_affected == ["0.30.0"]
         crashes = [a for a in f.aliases if a[0] == "crash"]
@@ -41,13 +46,8 @@ def test_an_invariant_without_asserts_joins_the_assert_that_guards_it():
             ("AssertionError", "get_sliding_window_size_in_chunks")], f.aliases
         # and the assert, found first, names the invariant as its own
         on = replace(case, asserts=True)
-        outcomes = {}
-        crash = next(s for s in c.triage(on, c._step(on, c.release_targets, outcomes), outcomes)
-                     if s.klass == "bug")
+        crash, g = _first_bug(c, on, "0.30.0")
         assert crash.key == crashes[0]
-        g = Finding(id="ring-boot", key=crash.key, klass="bug", signature=crash.obs.signature,
-                    case=on, present_on=("0.30.0",), fingerprint=(), first_target="0.30.0",
-                    outcome=crash.obs.outcome, found_after_s=0.0, examples_before=0)
         c.replay_everywhere(g)
         assert g.releases_affected == ["0.30.0"] and bug.key in g.aliases, g.aliases
 
@@ -67,14 +67,9 @@ def test_a_start_up_assert_moved_and_rewritten_is_one_cluster():
             tempfile.TemporaryDirectory() as out:
         c = Campaign(Path(out), pool, model=True, run_releases=["0.26.0"], budget=1, seed_=0,
                      asserts=True, progress=lambda s: None)
-        outcomes: dict = {}
-        seen = c.triage(case, c._step(case, c.release_targets, outcomes), outcomes)
-        bug = next(s for s in seen if s.klass == "bug")
+        bug, f = _first_bug(c, case, "0.26.0")
         assert bug.key[1:4] == ("AssertionError", "distributed/kv_transfer/kv_connector/v1/"
                                 "offloading/config.py", "build_offloading_config"), bug.key
-        f = Finding(id="small", key=bug.key, klass="bug", signature=bug.obs.signature,
-                    case=case, present_on=("0.26.0",), fingerprint=(), first_target="0.26.0",
-                    outcome=bug.obs.outcome, found_after_s=0.0, examples_before=0)
         c.replay_everywhere(f)
         assert f.releases_affected == ["0.25.1", "0.26.0"], (f.releases_affected,
                                                              f.releases_other)
