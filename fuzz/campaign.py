@@ -47,7 +47,7 @@ from fuzz.strategies import cases, edge_scores, family_of
 from simsched.case import Case, Timing
 from simsched.geometry import PROFILES
 from simsched.invariants import INV_OPS
-from simsched.layout import Engine, Layout, LayoutError
+from simsched.layout import Engine, Layout, LayoutError, deployment_refusal
 from simsched.outcome import Observation, Signature, crash_signature, describe
 from simsched.replay import observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
@@ -92,6 +92,7 @@ class Finding:
     profiles_affected: list[str] = field(default_factory=list)
     releases_not_run: dict = field(default_factory=dict)  # release -> why it did not run
     releases_other: dict = field(default_factory=dict)    # release -> what it shows instead
+    releases_refused: dict = field(default_factory=dict)  # release -> its clean refusal
     outcomes: dict = field(default_factory=dict)     # target -> outcome of the shrunk case
     aliases: list[tuple] = field(default_factory=list)   # keys of the same cause (asserts twins)
     variants: list[dict] = field(default_factory=list)   # other cases showing it, unshrunk
@@ -118,8 +119,9 @@ class Finding:
             "releases_affected": self.releases_affected, "releases_clean": self.releases_clean,
             "releases_not_run": self.releases_not_run,
             "releases_other": self.releases_other,
+            "releases_refused": self.releases_refused,
             "range": tri.regressed_fixed(self.releases_affected, self.releases_clean,
-                                         list(self.installed)),
+                                         list(self.installed), list(self.releases_refused)),
             "profiles_affected": self.profiles_affected,
             "present_on": list(self.present_on),
             "fingerprint": list(self.fingerprint),
@@ -310,7 +312,7 @@ class Campaign:
         self.prior: list[dict] = []
         self.damaged: set[Path] = set()
         self.tool_errors: dict[tuple, dict] = {}
-        self.set_aside: set[tuple] = set()   # causes that did not show again on their case
+        self.set_aside: set[tuple] = set()   # causes not hunted again (flaky, or aliases)
         self.examples = 0
         self.families: dict[str, int] = {}
         self.knobs: dict[str, int] = {}
@@ -401,9 +403,14 @@ class Campaign:
     def triage(self, case: Case, obs: list[Observation], outcomes: dict) -> list[Seen]:
         ran = {name: not out.get("findings") for name, out in outcomes.items()
                if not name.startswith("model:") and out.get("status") == "ran"}
+        # a layout no engine builds (every release answers unsupported): what the model alone
+        # shows on it, under a release's profile or a fix proposal's, is no deployment's
+        undeployable = deployment_refusal(case.layout) is not None
         seen = []
         for o in obs:
             if o.level == "model":
+                if undeployable:
+                    continue
                 t = tri.triage_model(o, ran, self.steps_mode != "none")
             else:
                 t = tri.triage_release(o, case.layout, ran.get(o.target))
@@ -564,9 +571,10 @@ class Campaign:
                 seen = self.shrink_run(case, hunt)
                 if self.collect_coverage:
                     self._take_coverage()    # what shrinking covers is nobody's novelty
-            if hunt.still_shown(seen):
+            shown = hunt.showing(seen)
+            if shown is not None:
                 state["case"] = case
-                state["seen"] = next(s for s in seen if s.key == hunt.key)
+                state["seen"] = shown
                 raise Found(repr(hunt.key))
 
         # Shrinking is bounded by hypothesis's own MAX_SHRINKING_SECONDS (300 s); a campaign keeps
@@ -593,12 +601,22 @@ class Campaign:
             def still_shows(case: Case) -> Seen | None:
                 if not self.same_bug(case, hunt):
                     return None
-                seen = self.shrink_run(case, hunt)
-                return next(s for s in seen if s.key == hunt.key) \
-                    if hunt.still_shown(seen) else None
+                return hunt.showing(self.shrink_run(case, hunt))
 
             case, s = simplify(state["case"], still_shows, state["seen"])
-            return Finding(id=finding_id(hunt.key), key=hunt.key, klass=hunt.klass,
+            if s.key != hunt.key and s.key in self.known_keys():
+                # shrunk onto a cause found already (an invariant on fewer group kinds): a
+                # variant of it, and the hunted key its alias, never hunted again
+                f = self.findings.get(s.key)
+                if f is not None:
+                    f.aliases.append(hunt.key)
+                else:
+                    self.set_aside.add(hunt.key)
+                self._note_variant(state["case"], s)
+                return None
+            # the cause under its key on the shrunk case (an invariant's, on fewer group kinds)
+            return Finding(id=finding_id(s.key), key=s.key, klass=hunt.klass,
+                           aliases=[hunt.key] if s.key != hunt.key else [],
                            signature=s.obs.signature, case=case,
                            present_on=present_on(hunt.shown), fingerprint=hunt.fingerprint,
                            first_target=s.obs.target, outcome=s.obs.outcome,
@@ -628,6 +646,9 @@ class Campaign:
             finding.klass = min(classes, key=lambda k: (tri.CLASSES + (tri.TOOL_ERROR,)).index(k))
         if finding.signature.kind == "crash" and finding.klass == tri.BUG:
             finding.aliases = self._moved(finding, seen)
+        refusals = self._refusals(finding, seen)
+        finding.aliases = sorted(set(finding.aliases) | {s.key for s in refusals.values()},
+                                 key=repr)
         keys = {finding.key, *finding.aliases}
         hit = {s.obs.target for s in seen if s.key in keys}
         finding.profiles_affected = [p for p in PROFILES if any(
@@ -639,7 +660,10 @@ class Campaign:
                  and s.klass in (tri.BUG, tri.VALIDATION)}
         for t in self.all_release_targets:
             outcome = outcomes[t.name]
-            if t.name in hit:
+            if t.name in refusals:
+                sig = refusals[t.name].obs.signature
+                finding.releases_refused[t.name] = f"refuses it at start-up: {sig}"
+            elif t.name in hit:
                 finding.releases_affected.append(t.name)
             elif t.name in other:
                 finding.releases_other[t.name] = f"shows {other[t.name]} instead"
@@ -674,6 +698,19 @@ class Campaign:
                                 == words)
                             or (start_up and s.obs.outcome.get("stage") == stage))},
                       key=repr)
+
+    @staticmethod
+    def _refusals(finding: Finding, seen: list[Seen]) -> dict[str, Seen]:
+        """Releases that refuse a start-up crash's shrunk case with a clean error: the fix of
+        the crash, one cause with it (the offload block smaller than the GPU block: 0.25.1-
+        0.29.0 assert in ``build_offloading_config``, 0.30.0 raises a ``ValueError`` saying
+        which block size to use; a lone ring group: 0.29.0-0.30.0 assert in
+        ``get_sliding_window_size_in_chunks``, 0.31.0 finds no eligible cache group)."""
+        if (finding.klass != tri.BUG or finding.signature.kind != "crash"
+                or finding.outcome.get("stage") not in tri.START_UP_STAGES):
+            return {}
+        return {s.obs.target: s for s in seen
+                if s.obs.level != "model" and s.klass == tri.VALIDATION}
 
     def _twins(self, finding: Finding) -> list[tuple]:
         """The bug keys the case shows in the other asserts mode on the affected releases: one
@@ -864,5 +901,23 @@ class Hunt:
     steps: list
     shown: frozenset       # the targets that must still show it
 
+    def matches(self, key: tuple) -> bool:
+        """``key`` stands for the hunted cause: the same key; or, for an invariant, the same ID
+        and operation on fewer group kinds. An invariant's key names the layout's kinds where
+        the run names no group it broke in (a stall), so a shrink that drops a group whose
+        kind does not matter changes the key: a Mamba block wider than the budget stalls
+        0.25.1-0.26.0 alone as beside a full-attention group, one cause."""
+        if key == self.key:
+            return True
+        return (key[0] == self.key[0] == "invariant" and key[1:3] == self.key[1:3]
+                and set(key[3].split("+")) < set(self.key[3].split("+")))
+
+    def showing(self, seen: list[Seen]) -> Seen | None:
+        """The observation of the hunted cause, if every target that must still show it does."""
+        hits = [s for s in seen if self.matches(s.key)]
+        if not self.shown <= {s.obs.target for s in hits}:
+            return None
+        return next((s for s in hits if s.key == self.key), hits[0])
+
     def still_shown(self, seen: list[Seen]) -> bool:
-        return self.shown <= {s.obs.target for s in seen if s.key == self.key}
+        return self.showing(seen) is not None

@@ -39,13 +39,18 @@ def environment(data: dict) -> str:
     """Present, absent (ran every step clean) and not run (with why), as release ranges."""
     not_run = data.get("releases_not_run") or {}
     other = data.get("releases_other") or {}
+    refused = data.get("releases_refused") or {}
     seen = set(data["releases_affected"]) | set(data["releases_clean"]) | set(not_run) \
-        | set(other)
+        | set(other) | set(refused)
     # over every release simsched knows: one not run breaks a range
     order = sorted(seen | set(KNOWN_RELEASES), key=tri._vkey)
     parts = [f"Present in {_ranges(data['releases_affected'], order)}"]
     if data["releases_clean"]:
         parts.append(f"absent from {_ranges(data['releases_clean'], order)}")
+    if refused:
+        why = str(next(iter(refused.values())))
+        parts.append(f"refused cleanly at start-up on {_ranges(list(refused), order)} "
+                     f"({why.removeprefix('refuses it at start-up: ')[:90]})")
     by_reason: dict[str, list[str]] = {}
     for v, why in {**not_run, **other}.items():
         by_reason.setdefault(str(why).split(";")[0][:90], []).append(v)

@@ -9,7 +9,10 @@ relative to the output folder) and the sizes ``groups``, ``requests``, ``steps``
 cause: findings with one cluster are variants of one bug), ``first_bad_step`` and ``range``
 ("regressed in / fixed in"). A release is in ``releases_clean`` only when the case ran there step
 by step and nothing showed; ``releases_other`` names what a release showed instead;
-``releases_not_run`` says why a release could not run it. The report
+``releases_refused`` names the releases that refuse a start-up crash's case with a clean error
+(the crash's fix: they end its ``range``, and the refusal joins its cluster);
+``releases_not_run`` says why a release could not run it. A cluster's class is its gravest
+member's. The report
 also has ``summary`` (clusters per class, cases and real steps per release, examples per second,
 seconds per target) and ``tool_errors`` (simsched's own failures, never findings). Both files are
 written atomically: a campaign killed at any moment leaves the last complete report. At the end
@@ -24,6 +27,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from fuzz import triage as tri
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -40,16 +45,31 @@ def clusters(findings: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def cluster_class(members: list[dict]) -> str:
+    """A cluster's class: its gravest member's (a start-up assert joined by the clean refusal
+    that fixed it in later releases is a bug, whichever was found first)."""
+    order = tri.CLASSES
+    return min((m.get("class", "unclassified") for m in members),
+               key=lambda k: order.index(k) if k in order else len(order))
+
+
+def affected(members: list[dict]) -> set[str]:
+    """The releases a cluster's cause shows on: those of its members of the cluster's class
+    (the clean refusal that fixed a start-up assert is not the assert's presence)."""
+    klass = cluster_class(members)
+    return {v for m in members if m.get("class") == klass for v in m["releases_affected"]}
+
+
 def summary(data: dict) -> dict:
     """The headline figures: clusters per class, what ran per release, where the time went."""
     per_class: dict[str, int] = {}
     for members in clusters(data["findings"]).values():
-        k = members[0].get("class", "unclassified")
+        k = cluster_class(members)
         per_class[k] = per_class.get(k, 0) + 1
     newest = _newest(data.get("releases_installed", []))
     bugs_newest = sum(1 for m in clusters(data["findings"]).values()
-                      if m[0].get("class") == "bug"
-                      and any(newest in f["releases_affected"] for f in m))
+                      if cluster_class(m) == "bug"
+                      and newest in affected(m))
     per_release = data.get("per_release", {})
     el = data.get("elapsed_s") or 0.0
     real = sum(st.get("real_steps", 0) for st in per_release.values())
@@ -91,12 +111,14 @@ def _rows(members_by_cluster: list[list[dict]]) -> list[str]:
     lines = ["| cluster | what broke | minimal layout | first bad step | present in | "
              "regressed in / fixed in | variants | repro |", "|---|---|---|---|---|---|---|---|"]
     for members in members_by_cluster:
-        f = min(members, key=lambda m: (m["groups"], m["requests"], m["id"]))
-        affected = sorted({v for m in members for v in m["releases_affected"]}, key=_vkey)
+        klass = cluster_class(members)
+        f = min((m for m in members if m.get("class") == klass),
+                key=lambda m: (m["groups"], m["requests"], m["id"]))
+        releases = sorted(affected(members), key=_vkey)
         variants = sum(1 + len(m.get("variants", [])) for m in members)
         folder = f["case"].rsplit("/", 1)[0]
         lines.append(f"| {f.get('cluster') or f['id']} | {_what(f)} | `{f['layout']}` | "
-                     f"{_step(f)} | {', '.join(affected) or '-'} | {f.get('range', '-')} | "
+                     f"{_step(f)} | {', '.join(releases) or '-'} | {f.get('range', '-')} | "
                      f"{variants} | [{f['id']}]({folder}/README.md) |")
     return lines
 
@@ -127,15 +149,15 @@ def markdown(data: dict, plots: list[tuple[str, str]] | None = None,
              f"{summ['real_steps']:,} real Scheduler steps ({summ['real_steps_per_s']}/s).  ",
              f"Targets: {', '.join(data['targets']) or 'none'}.  ",
              f"Releases installed: {', '.join(data['releases_installed']) or 'none'}.", ""]
-    bugs = [m for m in by_cluster.values() if m[0].get("class") == "bug"]
-    present = [m for m in bugs if any(newest in f["releases_affected"] for f in m)]
+    bugs = [m for m in by_cluster.values() if cluster_class(m) == "bug"]
+    present = [m for m in bugs if newest in affected(m)]
     fixed = [m for m in bugs if m not in present]
     lines += [f"## Bugs present in {newest or 'the newest release'} ({len(present)})", ""]
     lines += _rows(present) if present else ["None."]
     lines += ["", f"## Bugs fixed since ({len(fixed)})", ""]
     lines += _rows(fixed) if fixed else ["None."]
     for klass, title in SECTIONS:
-        members = [m for m in by_cluster.values() if m[0].get("class") == klass]
+        members = [m for m in by_cluster.values() if cluster_class(m) == klass]
         if not members:
             continue
         lines += ["", f"<details><summary>{title} ({len(members)})</summary>", ""]

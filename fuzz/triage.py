@@ -174,14 +174,21 @@ def ranges(affected: list[str], installed: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def regressed_fixed(affected: list[str], clean: list[str], installed: list[str]) -> str:
-    """"regressed in / fixed in" as ClusterFuzz says it, over the releases that really ran."""
-    ran = sorted(set(affected) | set(clean), key=_vkey)
+def regressed_fixed(affected: list[str], clean: list[str], installed: list[str],
+                    refused: list[str] = ()) -> str:
+    """"regressed in / fixed in" as ClusterFuzz says it, over the releases that really ran;
+    ``refused``: releases that refuse the case at start-up with a clean error instead of the
+    crash (the fix of a start-up assert: 0.30.0 raises a ``ValueError`` naming the offload
+    block size where 0.25.1-0.29.0 assert)."""
+    ran = sorted(set(affected) | set(clean) | set(refused), key=_vkey)
     parts = []
     for first, last in ranges(affected, ran):
         i, j = ran.index(first), ran.index(last)
         before = f"regressed in {first}" if i > 0 else f"present since {first} (oldest run)"
-        after = f"fixed in {ran[j + 1]}" if j + 1 < len(ran) else "not fixed in the newest"
+        after = "not fixed in the newest"
+        if j + 1 < len(ran):
+            after = f"fixed in {ran[j + 1]}" + (
+                " (refused at start-up)" if ran[j + 1] in refused else "")
         span = first if first == last else f"{first} to {last}"
         parts.append(f"{span}: {before}, {after}")
     return "; ".join(parts) or "-"

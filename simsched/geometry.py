@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from simsched.layout import Group, Layout, RetentionUnset
+from simsched.layout import cache_block_size as layout_cache_block_size
 
 CONFIG_PY = "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
 SCHEDULER_PY = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
@@ -213,7 +214,8 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     alignment="absent", eagle_marks_all_groups=True, retention_check=False,
     retention_default=retention_dense_for_hybrid_eagle,
     extra={"spec_pad_after_hit": False, "eagle_replay_pair": False,
-           "preempt_in_flight": True, "partial_hash_hits": "no-dcp"})
+           "preempt_in_flight": True, "partial_hash_hits": "no-dcp",
+           "mamba_tail_eagle_shift": False})
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,
@@ -247,7 +249,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             offload_dcp_all_groups=True, retention_default=retention_absent,
             extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
                    "preempt_in_flight": True, "align_budget_assert": True,
-                   "partial_hash_hits": "no-dcp-any-group"}),
+                   "partial_hash_hits": "no-dcp-any-group", "mamba_tail_eagle_shift": False}),
     Profile("legacy-mamba-block-size",
             "0.29.0's rules, with Mamba back-off by block size and no chunked-local window",
             releases=("0.27.0", "0.27.1"), keyed_chunk_clamp=False,
@@ -255,7 +257,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             retention_check=False, window_in_chunks=window_before_chunked_local,
             mamba_backoff="block_size", retention_default=retention_absent,
             extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
-                   "preempt_in_flight": True, "partial_hash_hits": "no-dcp-any-group"}),
+                   "preempt_in_flight": True, "partial_hash_hits": "no-dcp-any-group",
+                   "mamba_tail_eagle_shift": False}),
     Profile("every-group",
             "every group offloaded and asserted divisible by the hash unit",
             releases=("0.30.0",)),
@@ -363,9 +366,8 @@ def partial_hash_hits(layout: Layout, profile: Profile, tokens_per_hash: int) ->
 
 
 def cache_block_size(layout: Layout) -> int:
-    """``cache_config.block_size`` as the engine sets it: the first attention target group's."""
-    attention = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
-    return (attention[0] if attention else layout.groups[0]).block_size
+    """``cache_config.block_size`` as the engine sets it (:func:`simsched.layout.cache_block_size`)."""
+    return layout_cache_block_size(layout.groups)
 
 
 def resolve_block_sizes(layout: Layout, profile: Profile) -> tuple[int, int]:

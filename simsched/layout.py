@@ -60,6 +60,43 @@ def dcp_refusal(groups, enable_prefix_caching: bool = True) -> str | None:
         return ("vLLM does not support DCP with a Mamba model's one group under prefix caching "
                 "(MambaManager.find_longest_cache_hit asserts \"DCP not support mamba now.\")")
     return None
+
+
+def cache_block_size(groups) -> int:
+    """``cache_config.block_size`` as the engine sets it: the first attention target group's."""
+    attention = [g for g in groups if g.kind != "mamba" and not g.drafter]
+    return (attention[0] if attention else groups[0]).block_size
+
+
+def deployment_refusal(layout: "Layout") -> str | None:
+    """Why no engine of any release builds this layout (None: some may). The release harness
+    answers ``unsupported`` for it, and a campaign reports nothing the model alone shows on it.
+
+    - With Mamba prefix caching ("align") every release sets ``cache_config.mamba_block_size =
+      cache_config.block_size`` (the platform's hybrid block-size alignment, after raising the
+      attention block to fit the Mamba page): an align-mode Mamba group of another size is a
+      layout no engine has.
+    - With prefix caching on, ``MambaModelConfig.verify_and_update_config`` (run for every hybrid
+      model through ``HybridAttentionMambaModelConfig``) turns ``mamba_cache_mode`` "none" into
+      "align": no engine runs a "none" Mamba group with prefix caching.
+    - Under decode context parallelism, :func:`dcp_refusal`.
+    """
+    groups, eng = layout.groups, layout.engine
+    block_size = cache_block_size(groups)
+    for g in groups:
+        if g.kind == "mamba" and g.mamba_cache_mode == "align" and g.block_size != block_size:
+            return (f"mamba_cache_mode align: Mamba block size {g.block_size} is not the "
+                    f"engine's block size {block_size} (vLLM sets mamba_block_size = block_size "
+                    "in align mode)")
+    if eng.enable_prefix_caching and any(g.kind == "mamba" and g.mamba_cache_mode == "none"
+                                         for g in groups):
+        return ("mamba_cache_mode none with prefix caching: vLLM sets it to align "
+                "(MambaModelConfig.verify_and_update_config)")
+    if eng.dcp_size != 1:
+        why = dcp_refusal(groups, eng.enable_prefix_caching)
+        if why:
+            return f"dcp_size {eng.dcp_size}: {why}"
+    return None
 MAMBA_CACHE_MODES = ("none", "align")
 SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
 

@@ -145,6 +145,14 @@ class Model:
         self.mamba_split_below = profile.extra.get("mamba_checkpoint_below", False)
         # up to 0.26.0 no sub-block prefill chunk for a block wider than the budget
         self.mamba_wide_block_skip = profile.extra.get("align_budget_assert", False)
+        # Scheduler.mamba_partial_cache_hit (0.26.0+): a hash unit below the scheduler block and
+        # fine-grained hash hits on: a prefill chunk also stops at the prompt's last hash
+        # boundary, the only step end that registers its partial-tail Mamba state (_mamba_tail)
+        self.mamba_tail_unit = geo.tokens_per_hash if (
+            self.mamba_split_bs and self.kv.partial_hash_hits
+            and geo.tokens_per_hash < geo.scheduler_block_size) else 0
+        # 0.30.0+: under EAGLE's block drop that boundary is one hash unit lower
+        self.mamba_tail_eagle_shift = profile.extra.get("mamba_tail_eagle_shift", True)
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
         # VllmConfig.num_lookahead_tokens: EAGLE-style drafters write KV past the scheduled
@@ -828,11 +836,12 @@ class Model:
         self.progress = self.progress or bool(sched_reqs)
 
     def _mamba_split(self, req: Request, n: int, start: int) -> int:
-        """``Scheduler._mamba_block_aligned_split`` (no partial-tail hits, no prefill
-        checkpoint blocks, long_prefill_token_threshold 0): a prefill chunk of ``n`` tokens from
-        ``start`` ends on a block boundary unless it ends the prefill, stops at the next
-        boundary when it starts inside a block, at the last cacheable boundary and at the
-        block-floored shared-prefix junction."""
+        """``Scheduler._mamba_block_aligned_split`` (no prefill checkpoint blocks,
+        long_prefill_token_threshold 0): a prefill chunk of ``n`` tokens from ``start`` ends on
+        a block boundary unless it ends the prefill, stops at the next boundary when it starts
+        inside a block, at the last cacheable boundary, at the prompt's last hash boundary
+        under fine-grained hits (:meth:`_mamba_tail`) and at the block-floored shared-prefix
+        junction."""
         prefill_end = max(req.num_prompt, req.num_tokens - 1)
         if start >= prefill_end:
             return n
@@ -859,6 +868,10 @@ class Model:
         stops = [last]
         if start % bs:
             stops.append((start // bs + 1) * bs)
+        if self.mamba_tail_unit:
+            tail = self._mamba_tail(req.num_prompt)
+            if last < tail < req.num_prompt:
+                stops.append(tail)
         junction = req.shared_prefix_boundary
         if start < junction < end:
             stops.append(start + (junction - start) // bs * bs)
@@ -866,6 +879,19 @@ class Model:
         if inside:
             end = min(inside)
         return max(end - start, 0)
+
+    def _mamba_tail(self, num_prompt: int) -> int:
+        """``tail_boundary`` of ``_mamba_block_aligned_split``: the prompt's last hash boundary,
+        floored to the hash unit up to 0.31.0 (one unit lower under EAGLE's block drop from
+        0.30.0), ``get_mamba_prefill_checkpoint_position`` from 0.32.0 (which leaves the last
+        prompt token to recompute: a prompt of whole hash units stops one unit short)."""
+        h = self.mamba_tail_unit
+        eagle = self.kv.eagle_drop
+        if self.mamba_split_below:
+            tail = (num_prompt if eagle else num_prompt - 1) // h * h - (h if eagle else 0)
+        else:
+            tail = num_prompt // h * h - (h if eagle and self.mamba_tail_eagle_shift else 0)
+        return max(tail, 0)
 
     def _fast_bound(self, req: Request) -> None:
         """After a full step of a running request: up to which ``num_computed`` its next decode

@@ -210,6 +210,16 @@ def test_report_leads_with_the_bugs_of_the_newest_release():
     assert md.index("<details><summary>Validation") > md.index("old-bug")
     assert md.index("refusal") > md.index("<details><summary>Validation")
 
+    # a start-up assert whose fix is a clean refusal, found after the refusal: it joins the
+    # refusal's cluster, and the cluster is a bug (its gravest member's class)
+    data["findings"].append(dict(finding("assert", "bug", ["0.30.0"], []), cluster="refusal"))
+    data["summary"] = summary(data)
+    assert data["summary"]["clusters"] == {"bug": 3}
+    md = markdown(data)
+    # the refusal on 0.33.0 is the fix, not the assert's presence there
+    assert data["summary"]["bugs_in_newest"] == 1
+    assert md.index("## Bugs fixed since (2)") < md.index("[assert]")
+
 
 def test_a_cause_that_does_not_show_again_is_set_aside(tmp_path, monkeypatch):
     """A run that is not deterministic (here: the model shows an invariant on the first call
@@ -234,3 +244,30 @@ def test_a_cause_that_does_not_show_again_is_set_aside(tmp_path, monkeypatch):
     assert calls
     assert any(e["exception"] == "Nondeterministic" for e in data["tool_errors"])
     assert not any(f["signature"] == "invariant:INV-5" for f in data["findings"])
+
+
+def test_nothing_is_reported_on_a_layout_no_engine_builds(tmp_path):
+    """An align-mode Mamba block other than the engine's block size is a layout no release
+    builds (vLLM sets mamba_block_size = block_size): the model's crash on it, under a
+    release's profile or a fix proposal's, is no finding; the same crash on a layout engines
+    do build is one."""
+    from simsched.case import Case
+    from simsched.layout import deployment_refusal
+    from simsched.replay import observe
+
+    def case(mamba_block):
+        return Case.from_json({"layout": {
+            "groups": [{"kind": "full", "block_size": 16},
+                       {"kind": "mamba", "block_size": mamba_block, "mamba_cache_mode": "align"}],
+            "engine": {"prefix_match_unit": 32}},
+            "requests": [{"id": "r0", "prompt": [[0, 64]]}]})
+    with Releases(()) as pool:
+        c = Campaign(tmp_path, pool, model=True, run_releases=[], budget=1.0, seed_=1,
+                     progress=lambda s: None)
+        for mamba_block, reported in ((16, True), (4, False)):
+            one = case(mamba_block)
+            assert (deployment_refusal(one.layout) is None) == reported
+            outcomes: dict = {}
+            obs = observe(one, c.model_targets, [], outcomes, steps=[])
+            assert any(o.signature.function == "resolve_kv_cache_block_sizes" for o in obs)
+            assert bool(c.triage(one, obs, outcomes)) == reported

@@ -76,3 +76,52 @@ def test_a_start_up_assert_moved_and_rewritten_is_one_cluster():
         # (besides the ZeroDivisionError both raise in CPUOffloadingSpec with asserts stripped)
         assert [(a[2], a[3]) for a in f.aliases if a[1] == "AssertionError"] == [
             ("v1/kv_offload/base.py", "__init__")], f.aliases
+
+
+def test_a_clean_refusal_in_later_releases_is_the_fix_of_a_start_up_assert():
+    # 0.29.0 asserts the offload block size; 0.30.0 refuses the same case with a ValueError
+    # saying which block size to use (offloading/config.py): one cause, fixed in 0.30.0
+    case = Case.from_json(SMALL_OFFLOAD_BLOCK)
+    with Releases.installed(["0.29.0", "0.30.0"], timeout=300) as pool, \
+            tempfile.TemporaryDirectory() as out:
+        c = Campaign(Path(out), pool, model=True, run_releases=["0.29.0"], budget=1, seed_=0,
+                     asserts=True, progress=lambda s: None)
+        bug, f = _first_bug(c, case, "0.29.0")
+        assert bug.key[1] == "AssertionError", bug.key
+        c.replay_everywhere(f)
+        assert f.releases_affected == ["0.29.0"] and f.releases_clean == [], f.releases_other
+        assert list(f.releases_refused) == ["0.30.0"], (f.releases_refused, f.releases_other)
+        assert "ValueError" in f.releases_refused["0.30.0"]
+        refusals = [a for a in f.aliases if a[1] == "ValueError"]
+        assert [a[3] for a in refusals] == ["build_offloading_config"], f.aliases
+        assert f.to_json()["range"] == \
+            "0.29.0: present since 0.29.0 (oldest run), fixed in 0.30.0 (refused at start-up)"
+
+
+# an align-mode Mamba block of 96 tokens under a 64-token budget, asserts stripped (with them,
+# validate_block_size refuses the engine): 0.26.0 schedules no sub-block chunk and the request
+# stalls, beside a full-attention group or alone (the full group's kind does not matter)
+WIDE_MAMBA_STALL = {"layout": {"groups": [{"kind": "full", "block_size": 96},
+                                          {"kind": "mamba", "block_size": 96,
+                                           "mamba_cache_mode": "align"}]},
+                    "requests": [{"id": "r0", "prompt": [[0, 128]]}],
+                    "timing": {"max_num_batched_tokens": 64}, "asserts": False}
+
+
+def test_an_invariant_shrinks_onto_fewer_group_kinds():
+    from fuzz.campaign import Hunt, simplify
+    case = Case.from_json(WIDE_MAMBA_STALL)
+    with Releases.installed(["0.26.0"], timeout=300) as pool, \
+            tempfile.TemporaryDirectory() as out:
+        c = Campaign(Path(out), pool, model=True, run_releases=["0.26.0"], budget=1, seed_=0,
+                     asserts=False, progress=lambda s: None)
+        bug, _ = _first_bug(c, case, "0.26.0")
+        assert bug.key == ("invariant", "INV-8", "liveness", "full+mamba"), bug.key
+        hunt = Hunt(bug.key, "bug", bug.obs.signature, (), [], [], c.release_targets,
+                    frozenset({"0.26.0"}))
+        shrunk, s = simplify(case, lambda x: hunt.showing(c.shrink_run(x, hunt)), bug)
+        assert [g.kind for g in shrunk.layout.groups] == ["mamba"]
+        assert s.key == ("invariant", "INV-8", "liveness", "mamba")
+        # a stall of another operation, or of more kinds, is not the hunted cause
+        assert not hunt.matches(("invariant", "INV-8", "load", "mamba"))
+        assert not hunt.matches(("invariant", "INV-8", "liveness", "full+mamba+ring"))

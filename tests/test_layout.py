@@ -116,3 +116,24 @@ def test_bare_layout_file_is_a_case(tmp_path):
     path = tmp_path / "layout.json"
     path.write_text(json.dumps(REF))
     assert load_case(path).layout == Layout.from_json(REF)
+
+
+@pytest.mark.parametrize("groups, engine, why", [
+    ([{"kind": "full", "block_size": 16},
+      {"kind": "mamba", "block_size": 4, "mamba_cache_mode": "align"}], {}, "Mamba block size 4"),
+    ([{"kind": "full", "block_size": 16},
+      {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "none"}], {}, "sets it to align"),
+    ([{"kind": "sliding_window", "block_size": 16, "sliding_window": 32}], {"dcp_size": 2},
+     "dcp_size 2"),
+    # engines do build these: same Mamba block as the attention block; "none" without prefix
+    # caching; Mamba beside full attention under DCP
+    ([{"kind": "full", "block_size": 16},
+      {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}], {"dcp_size": 2}, None),
+    ([{"kind": "full", "block_size": 16},
+      {"kind": "mamba", "block_size": 4, "mamba_cache_mode": "none"}],
+     {"enable_prefix_caching": False}, None),
+])
+def test_deployment_refusal_names_the_layouts_no_engine_builds(groups, engine, why):
+    from simsched.layout import deployment_refusal
+    got = deployment_refusal(Layout.from_json({"groups": groups, "engine": engine}))
+    assert (got is None) if why is None else (why in got), got

@@ -749,3 +749,51 @@ def test_drafter_group_eagle_hits_agree(pool, version):
         res = lockstep(Case.from_json(case), version, pool)
         assert res.agree, res.summary()
         assert b_hit_lines(res.real["trace"]) == want
+
+
+# --- gap-trace_sched of the 2026-12-02 tenth-session run: the prompt's last hash boundary -------
+
+#: full/16 + align-mode Mamba/16 with prefix_match_unit 4: Scheduler.mamba_partial_cache_hit (a
+#: hash unit below the block, fine-grained hits on) adds a stop at the prompt's last hash boundary
+#: (``tail_boundary`` in ``_mamba_block_aligned_split``) when it lies past the last cacheable
+#: block boundary. Up to 0.31.0 it is num_prompt floored to the unit: 64 for a 64-token prompt (no
+#: stop), 60 for 62; from 0.32.0 get_mamba_prefill_checkpoint_position floors num_prompt - 1: 60
+#: for both. The first step ends at the last cacheable block boundary: num_tokens floored to the
+#: block up to 0.31.0 (64 for 64: one step), num_tokens - 1 floored from 0.32.0 (48).
+def _tail_case(prompt: int) -> dict:
+    return {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                  {"kind": "mamba", "block_size": 16,
+                                   "mamba_cache_mode": "align"}],
+                       "engine": {"prefix_match_unit": 4}},
+            "requests": [{"id": "r0", "prompt": [[0, prompt]]}]}
+
+
+TAIL_SCHEDS = {("0.31.0", 64): [64], ("0.31.0", 62): [48, 12, 2],
+               ("0.32.0", 64): [48, 12, 4], ("0.33.0", 62): [48, 12, 2]}
+
+
+@pytest.mark.parametrize("version, prompt", sorted(TAIL_SCHEDS))
+def test_model_stops_at_the_prompts_last_hash_boundary(version, prompt):
+    res = run_case(Case.from_json(_tail_case(prompt)), profile_for_release(version))
+    assert scheds(res.trace) == [f"sched r0 {n}" for n in TAIL_SCHEDS[version, prompt]], \
+        res.trace
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.1"])
+def test_last_hash_boundary_stop_agrees(pool, version):
+    res = lockstep(Case.from_json(_tail_case(62)), version, pool)
+    assert res.agree, res.summary()
+    assert scheds(res.real["trace"]) == ["sched r0 48", "sched r0 12", "sched r0 2"]
+
+
+@pytest.mark.parametrize("version, prompt", [("0.28.0", 62), ("0.31.0", 62), ("0.32.0", 64),
+                                             ("0.33.0", 64)])
+def test_last_hash_boundary_schedule_agrees(pool, version, prompt):
+    """From 0.28.0 the step that ends at the boundary also stores the partial tail (the
+    connector's ``_build_partial_tail_store_jobs``: the attention block and the Mamba state's
+    copy-on-write block under the boundary's key), which the model does not have yet: the
+    schedule agrees, the store that follows is a model gap."""
+    res = lockstep(Case.from_json(_tail_case(prompt)), version, pool)
+    assert scheds(res.model.trace) == scheds(res.real["trace"]), res.summary()
+    tail = prompt - 60          # 60: the prompt's last hash boundary for both lengths
+    assert scheds(res.real["trace"]) == ["sched r0 48", "sched r0 12", f"sched r0 {tail}"]

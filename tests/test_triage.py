@@ -117,3 +117,6 @@ def test_ranges():
     # a release that did not run is no evidence either way
     assert tri.regressed_fixed(["0.30.0"], ["0.33.0"], installed) == \
         "0.30.0: present since 0.30.0 (oldest run), fixed in 0.33.0"
+    # a release refusing the case cleanly at start-up ends the range as its fix
+    assert tri.regressed_fixed(["0.28.0", "0.29.0"], [], installed, ["0.30.0", "0.31.0"]) == \
+        "0.28.0 to 0.29.0: present since 0.28.0 (oldest run), fixed in 0.30.0 (refused at start-up)"

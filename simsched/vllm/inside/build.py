@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from simsched.layout import Layout, RetentionUnset, dcp_refusal
+from simsched.layout import Layout, RetentionUnset, cache_block_size, deployment_refusal
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -183,31 +183,14 @@ class ConfigBuilder:
         base = self.base
         vc = copy.copy(base)
         cc = copy.copy(base.cache_config)
-        # The engine's cache_config.block_size is the attention block size; mamba groups in
-        # "align" mode share it. Take the first non-mamba target group (else the first group).
-        attn = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
-        cc.block_size = (attn[0] if attn else layout.groups[0]).block_size
-        # With Mamba prefix caching ("align") every release sets cache_config.mamba_block_size =
-        # cache_config.block_size (Platform's hybrid block-size alignment, after raising the
-        # attention block to fit the Mamba page): an align-mode Mamba group of another size is a
-        # layout no real engine has (the real scheduler would then cut prefill chunks inside
-        # Mamba blocks and break invariants no real run can)
-        for g in layout.groups:
-            if g.kind == "mamba" and g.mamba_cache_mode == "align" \
-                    and g.block_size != cc.block_size:
-                raise Unsupported(f"mamba_cache_mode align: Mamba block size {g.block_size} is "
-                                  f"not the engine's block size {cc.block_size} (vLLM sets "
-                                  "mamba_block_size = block_size in align mode)")
-        # With prefix caching on, every release's MambaModelConfig.verify_and_update_config
-        # (run for every hybrid model through HybridAttentionMambaModelConfig) turns
-        # mamba_cache_mode "none" into "align" ("all" where 0.25.1's model supports it): no engine
-        # runs a "none" Mamba group with prefix caching, and the state it would reach (0.33.0's
-        # MambaManager asserts "Mamba prefix caching requires mamba_cache_mode='align'") is not a
-        # deployment's
-        if eng.enable_prefix_caching and any(g.kind == "mamba" and g.mamba_cache_mode == "none"
-                                             for g in layout.groups):
-            raise Unsupported("mamba_cache_mode none with prefix caching: vLLM sets it to align "
-                              "(MambaModelConfig.verify_and_update_config)")
+        # The engine's cache_config.block_size is the attention block size; Mamba groups in
+        # "align" mode share it. A layout no engine builds (layout.deployment_refusal: an
+        # align-mode Mamba block of another size, a "none" Mamba group under prefix caching, a
+        # layout vLLM refuses under DCP by asserts only) is no behaviour of a release
+        cc.block_size = cache_block_size(layout.groups)
+        why = deployment_refusal(layout)
+        if why:
+            raise Unsupported(why)
         cc.enable_prefix_caching = eng.enable_prefix_caching
         # An engine whose Mamba layers cache in "align" mode has cache_config.mamba_cache_mode
         # "align" (the specs take it from there); the Scheduler reads it
@@ -228,11 +211,6 @@ class ConfigBuilder:
         vc.cache_config = cc
 
         if eng.dcp_size != 1:
-            # layouts vLLM refuses under DCP by asserts only (layout.dcp_refusal); asserts
-            # stripped, the run would be of a layout no release supports, not a behaviour of one
-            why = dcp_refusal(layout.groups, eng.enable_prefix_caching)
-            if why:
-                raise Unsupported(f"dcp_size {eng.dcp_size}: {why}")
             pc = copy.copy(base.parallel_config)
             pc.decode_context_parallel_size = eng.dcp_size
             vc.parallel_config = pc
