@@ -60,6 +60,20 @@ def affected(members: list[dict]) -> set[str]:
     return {v for m in members if m.get("class") == klass for v in m["releases_affected"]}
 
 
+def cluster_range(members: list[dict]) -> str:
+    """"regressed in / fixed in" of the whole cluster: over its members of the cluster's class,
+    a release affected by any of them is affected; one that ran clean or refused the case for
+    all of them ends a range (a member alone keeps its own ``range``)."""
+    klass = cluster_class(members)
+    own = [m for m in members if m.get("class") == klass]
+    if len(own) == 1:
+        return own[0].get("range", "-")
+    hit = affected(members)
+    clean = {v for m in own for v in m.get("releases_clean", [])} - hit
+    refused = {v for m in own for v in m.get("releases_refused", {})} - hit - clean
+    return tri.regressed_fixed(sorted(hit), sorted(clean), [], sorted(refused))
+
+
 def summary(data: dict) -> dict:
     """The headline figures: clusters per class, what ran per release, where the time went."""
     per_class: dict[str, int] = {}
@@ -118,7 +132,7 @@ def _rows(members_by_cluster: list[list[dict]]) -> list[str]:
         variants = sum(1 + len(m.get("variants", [])) for m in members)
         folder = f["case"].rsplit("/", 1)[0]
         lines.append(f"| {f.get('cluster') or f['id']} | {_what(f)} | `{f['layout']}` | "
-                     f"{_step(f)} | {', '.join(releases) or '-'} | {f.get('range', '-')} | "
+                     f"{_step(f)} | {', '.join(releases) or '-'} | {cluster_range(members)} | "
                      f"{variants} | [{f['id']}]({folder}/README.md) |")
     return lines
 

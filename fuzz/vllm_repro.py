@@ -298,7 +298,7 @@ def _optional(case: Case, data: dict) -> dict:
              "before_loop": "", "abort_lines": "", "pytest_import": "", "debug_guard": "",
              "offload_import": "", "helpers": "", "after_schedule": "", "store_items": "",
              "store_items_end": "", "store_check": "", "load_check": "",
-             "after_update": "        for j in done:\n            del pending[j]\n",
+             "after_update": "",
              "config_imports": "", "dataclasses_import": "", "outputs_imports": "",
              "spec_constants": "", "drafter": "", "sampled": SAMPLED}
     if aborts:
@@ -342,7 +342,7 @@ def _check_reloads(parts: dict) -> dict:
             "after_update": (
                 "        for rid in output.req_ids:\n"
                 "            loads_unscheduled.pop(rid, None)\n"
-                "        for rid in [pending.pop(j)[1] for j in done]:\n"
+                "        for _, rid in done.values():\n"
                 "            if rid is not None:\n"
                 "                n = loads_unscheduled[rid] = loads_unscheduled.get(rid, 0) + 1\n"
                 f"                if n > {MAX_LOADS_UNSCHEDULED}:\n"
@@ -582,11 +582,11 @@ def make_request(index, hasher):
 
 
 def worker_output(sched, out, t, pending):
-    """Step t's output: a token per request at its end; the transfers due (loads' requests)."""
+    """Step t's output: a token per request at its end; the transfers due, out of pending."""
     order = list(out.num_scheduled_tokens)
     reqs = [sched.requests[rid] for rid in order]  # arrival_time: the request's index
-{sampled}    done = sorted(j for j, (due, _) in pending.items() if due <= t + 1)
-    loads = {{pending[j][1] for j in done if pending[j][1] is not None}}
+{sampled}    done = {{j: pending.pop(j) for j in sorted(pending) if pending[j][0] <= t + 1}}
+    loads = {{rid for _, rid in done.values() if rid is not None}}
     kvo = KVConnectorOutput(finished_recving=loads or None,
                             kv_connector_worker_meta=OffloadingWorkerMetadata(
                                 completed_jobs=dict.fromkeys(done, 1))) if done else None

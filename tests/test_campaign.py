@@ -271,3 +271,20 @@ def test_nothing_is_reported_on_a_layout_no_engine_builds(tmp_path):
             obs = observe(one, c.model_targets, [], outcomes, steps=[])
             assert any(o.signature.function == "resolve_kv_cache_block_sizes" for o in obs)
             assert bool(c.triage(one, obs, outcomes)) == reported
+
+
+def test_a_clusters_range_spans_its_members():
+    """Two bug findings of one cause, one on 0.29.0 (0.30.0 refuses its case), one on
+    0.31.0-0.33.0: the cluster's row spans both, its own range each finding keeps."""
+    from fuzz.report import cluster_range
+
+    def member(fid, affected, clean, refused):
+        return {"id": fid, "class": "bug", "cluster": "c", "releases_affected": affected,
+                "releases_clean": clean, "releases_refused": dict.fromkeys(refused, "r"),
+                "range": "own"}
+    one = member("a", ["0.29.0"], [], ["0.30.0"])
+    assert cluster_range([one]) == "own"
+    two = member("b", ["0.31.0", "0.33.0"], ["0.28.0"], [])
+    assert cluster_range([one, two]) == ("0.29.0: regressed in 0.29.0, fixed in 0.30.0 (refused "
+                                         "at start-up); 0.31.0 to 0.33.0: regressed in 0.31.0, "
+                                         "not fixed in the newest")

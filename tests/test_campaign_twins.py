@@ -3,6 +3,7 @@ where ``python -O`` strips it. Needs vLLM 0.30.0 installed (`simsched releases i
 without it this test fails."""
 
 import tempfile
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +22,15 @@ RING = {"layout": {"groups": [{"kind": "ring", "block_size": 4}]},
         "requests": [{"id": "r0", "prompt": [[0, 64]]}], "asserts": False}
 
 
+@contextmanager
+def _campaign(installed: list[str], run_on: str, asserts: bool = True):
+    """A campaign stepping ``run_on``, with ``installed`` in its pool (a finding's replay)."""
+    with Releases.installed(installed, timeout=300) as pool, \
+            tempfile.TemporaryDirectory() as out:
+        yield Campaign(Path(out), pool, model=True, run_releases=[run_on], budget=1, seed_=0,
+                       asserts=asserts, progress=lambda s: None)
+
+
 def _first_bug(c: Campaign, case: Case, release: str) -> tuple:
     """The case's first bug on ``release``'s real run, and a finding made of it."""
     outcomes: dict = {}
@@ -33,10 +43,7 @@ def _first_bug(c: Campaign, case: Case, release: str) -> tuple:
 
 def test_an_invariant_without_asserts_joins_the_assert_that_guards_it():
     case = Case.from_json(RING)
-    with Releases.installed(["0.30.0"], timeout=300) as pool, \
-            tempfile.TemporaryDirectory() as out:
-        c = Campaign(Path(out), pool, model=True, run_releases=["0.30.0"], budget=1, seed_=0,
-                     asserts=False, progress=lambda s: None)
+    with _campaign(["0.30.0"], "0.30.0", asserts=False) as c:
         bug, f = _first_bug(c, case, "0.30.0")
         assert bug.key[0] == "invariant", bug.key          # asserts stripped: no crash
         c.replay_everywhere(f)
@@ -61,12 +68,12 @@ SMALL_OFFLOAD_BLOCK = {"layout": {"groups": [{"kind": "sliding_window", "block_s
                        "requests": [{"id": "r0", "prompt": [[0, 64]]}]}
 
 
-def test_a_start_up_assert_moved_and_rewritten_is_one_cluster():
+def test_a_start_up_assert_moved_rewritten_and_fixed_is_one_cluster():
+    """0.25.1 and 0.26.0 assert the offload block size in two places; 0.30.0 refuses the same
+    case with a ValueError saying which block size to use (offloading/config.py): one cause,
+    fixed in 0.30.0 by a clean refusal."""
     case = Case.from_json(SMALL_OFFLOAD_BLOCK)
-    with Releases.installed(["0.25.1", "0.26.0"], timeout=300) as pool, \
-            tempfile.TemporaryDirectory() as out:
-        c = Campaign(Path(out), pool, model=True, run_releases=["0.26.0"], budget=1, seed_=0,
-                     asserts=True, progress=lambda s: None)
+    with _campaign(["0.25.1", "0.26.0", "0.30.0"], "0.26.0") as c:
         bug, f = _first_bug(c, case, "0.26.0")
         assert bug.key[1:4] == ("AssertionError", "distributed/kv_transfer/kv_connector/v1/"
                                 "offloading/config.py", "build_offloading_config"), bug.key
@@ -76,26 +83,13 @@ def test_a_start_up_assert_moved_and_rewritten_is_one_cluster():
         # (besides the ZeroDivisionError both raise in CPUOffloadingSpec with asserts stripped)
         assert [(a[2], a[3]) for a in f.aliases if a[1] == "AssertionError"] == [
             ("v1/kv_offload/base.py", "__init__")], f.aliases
-
-
-def test_a_clean_refusal_in_later_releases_is_the_fix_of_a_start_up_assert():
-    # 0.29.0 asserts the offload block size; 0.30.0 refuses the same case with a ValueError
-    # saying which block size to use (offloading/config.py): one cause, fixed in 0.30.0
-    case = Case.from_json(SMALL_OFFLOAD_BLOCK)
-    with Releases.installed(["0.29.0", "0.30.0"], timeout=300) as pool, \
-            tempfile.TemporaryDirectory() as out:
-        c = Campaign(Path(out), pool, model=True, run_releases=["0.29.0"], budget=1, seed_=0,
-                     asserts=True, progress=lambda s: None)
-        bug, f = _first_bug(c, case, "0.29.0")
-        assert bug.key[1] == "AssertionError", bug.key
-        c.replay_everywhere(f)
-        assert f.releases_affected == ["0.29.0"] and f.releases_clean == [], f.releases_other
-        assert list(f.releases_refused) == ["0.30.0"], (f.releases_refused, f.releases_other)
+        assert f.releases_clean == [] and list(f.releases_refused) == ["0.30.0"], \
+            (f.releases_refused, f.releases_other)
         assert "ValueError" in f.releases_refused["0.30.0"]
         refusals = [a for a in f.aliases if a[1] == "ValueError"]
         assert [a[3] for a in refusals] == ["build_offloading_config"], f.aliases
-        assert f.to_json()["range"] == \
-            "0.29.0: present since 0.29.0 (oldest run), fixed in 0.30.0 (refused at start-up)"
+        assert f.to_json()["range"] == ("0.25.1 to 0.26.0: present since 0.25.1 (oldest run), "
+                                        "fixed in 0.30.0 (refused at start-up)")
 
 
 # an align-mode Mamba block of 96 tokens under a 64-token budget, asserts stripped (with them,
@@ -111,10 +105,7 @@ WIDE_MAMBA_STALL = {"layout": {"groups": [{"kind": "full", "block_size": 96},
 def test_an_invariant_shrinks_onto_fewer_group_kinds():
     from fuzz.campaign import Hunt, simplify
     case = Case.from_json(WIDE_MAMBA_STALL)
-    with Releases.installed(["0.26.0"], timeout=300) as pool, \
-            tempfile.TemporaryDirectory() as out:
-        c = Campaign(Path(out), pool, model=True, run_releases=["0.26.0"], budget=1, seed_=0,
-                     asserts=False, progress=lambda s: None)
+    with _campaign(["0.26.0"], "0.26.0", asserts=False) as c:
         bug, _ = _first_bug(c, case, "0.26.0")
         assert bug.key == ("invariant", "INV-8", "liveness", "full+mamba"), bug.key
         hunt = Hunt(bug.key, "bug", bug.obs.signature, (), [], [], c.release_targets,
