@@ -701,11 +701,13 @@ class Campaign:
 
     @staticmethod
     def _refusals(finding: Finding, seen: list[Seen]) -> dict[str, Seen]:
-        """Releases that refuse a start-up crash's shrunk case with a clean error: the fix of
-        the crash, one cause with it (the offload block smaller than the GPU block: 0.25.1-
-        0.29.0 assert in ``build_offloading_config``, 0.30.0 raises a ``ValueError`` saying
-        which block size to use; a lone ring group: 0.29.0-0.30.0 assert in
-        ``get_sliding_window_size_in_chunks``, 0.31.0 finds no eligible cache group)."""
+        """Releases that refuse a start-up crash's shrunk case with a clean error: one cause
+        with the crash, its fix where they come after it (the offload block smaller than the
+        GPU block: 0.25.1-0.29.0 assert in ``build_offloading_config``, 0.30.0 raises a
+        ``ValueError`` saying which block size to use; a lone ring group: 0.29.0-0.30.0 assert
+        in ``get_sliding_window_size_in_chunks``, 0.31.0 finds no eligible cache group), and
+        where they come before it, the check the crash replaced (the range says "regressed
+        in")."""
         if (finding.klass != tri.BUG or finding.signature.kind != "crash"
                 or finding.outcome.get("stage") not in tri.START_UP_STAGES):
             return {}
