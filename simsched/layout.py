@@ -78,7 +78,9 @@ def deployment_refusal(layout: "Layout") -> str | None:
       layout no engine has.
     - With prefix caching on, ``MambaModelConfig.verify_and_update_config`` (run for every hybrid
       model through ``HybridAttentionMambaModelConfig``) turns ``mamba_cache_mode`` "none" into
-      "align": no engine runs a "none" Mamba group with prefix caching.
+      "align" ("all" where 0.25.1's model supports it): no engine runs a "none" Mamba group with
+      prefix caching, and the state it would reach (0.33.0's ``MambaManager`` asserts "Mamba
+      prefix caching requires mamba_cache_mode='align'") is not a deployment's.
     - Under decode context parallelism, :func:`dcp_refusal`.
     """
     groups, eng = layout.groups, layout.engine

@@ -43,7 +43,7 @@ from simsched.allocator import (ABORTED, CHUNKED, FINISHED, NULL, RING, RUNNING,
                                 WAITING_FOR_LOAD, KVCacheManager, Request, make_key)
 from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
-                               SINGLE_TYPE_MANAGER_PY, ConfigError, Profile,
+                               SINGLE_TYPE_MANAGER_PY, ConfigError, Profile, cache_block_size,
                                check_enough_kv_cache_memory, derive, effective_block_size,
                                max_model_len, partial_hash_hits, prefix_cacheable_groups,
                                retention_interval, validate_block_size)
@@ -138,8 +138,7 @@ class Model:
         # of cache_config.block_size, the first attention group's block size (_mamba_split)
         self.mamba_split_bs = 0
         if any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in layout.groups):
-            attn = [g for g in layout.groups if g.kind != "mamba" and not g.drafter]
-            self.mamba_split_bs = (attn[0] if attn else layout.groups[0]).block_size
+            self.mamba_split_bs = cache_block_size(layout)
         # the last block-aligned position whose state can be cached: floor(num_tokens) up to
         # 0.31.0, get_mamba_prefill_checkpoint_position (floor(num_tokens - 1)) from 0.32.0
         self.mamba_split_below = profile.extra.get("mamba_checkpoint_below", False)
