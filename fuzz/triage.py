@@ -48,6 +48,11 @@ CLASSES = (BUG, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED)
 START_UP_STAGES = frozenset({"resolve", "build_offloading_config", "spec", "from_spec",
                              "scheduler", "boot", "add_request"})
 REFUSAL_EXCEPTIONS = frozenset({"ValueError", "TypeError", "NotImplementedError"})
+#: the kind whose scheduler-side manager a kind shares: the spec registry at the end of
+#: ``vllm/v1/core/single_type_kv_cache_manager.py`` (0.25.1-0.33.0) registers
+#: ``MLAAttentionSpec`` with ``FullAttentionManager`` and ``SlidingWindowMLASpec`` with
+#: ``SlidingWindowManager``; every other kind has a manager of its own
+SAME_MANAGER = {"mla": "full", "sliding_window_mla": "sliding_window"}
 #: a release worker's own failures: the case is saved, the cause is not known to be vLLM's
 WORKER_FAILURES = frozenset({"WorkerDied", "WorkerTimeout", "HarnessError", "WorkerError"})
 
@@ -63,8 +68,17 @@ class Triage:
 
 def group_kinds(layout: Layout) -> str:
     """The kinds of a layout's groups, as a cluster sees them: ``full+ring``, ``full+mamba``."""
-    kinds = sorted({g.kind + ("-drafter" if g.drafter else "") for g in layout.groups})
-    return "+".join(kinds)
+    return "+".join(g.kind + ("-drafter" if g.drafter else "") for g in layout.groups)
+
+
+def manager_kinds(kinds: str) -> str:
+    """Group kinds as the scheduler's managers see them: one step-level cause shows alike on
+    kinds that share a manager (``mla`` is ``full``, ``sliding_window_mla`` is
+    ``sliding_window``), so they are one cluster."""
+    def manager(kind: str) -> str:
+        base, drafter, _ = kind.partition("-drafter")
+        return SAME_MANAGER.get(base, base) + drafter
+    return "+".join(sorted({manager(k) for k in kinds.split("+") if k}))
 
 
 def is_refusal(outcome: dict) -> bool:
@@ -104,7 +118,7 @@ def triage_release(obs, layout: Layout, run_clean: bool | None) -> Triage | None
     if sig.kind == "invariant":
         # the kinds of the groups where it broke, where the run names them; else the layout's
         op = out.get("op") or INV_OPS.get(sig.invariant, "?")
-        kinds = out.get("group_kinds") or group_kinds(layout)
+        kinds = manager_kinds(out.get("group_kinds") or group_kinds(layout))
         return Triage(BUG, ("invariant", sig.invariant, op, kinds))
     # a divergence from the model: the model's gap, unless the release's run broke something
     # (then the bug of that run is the finding, and this is its consequence)

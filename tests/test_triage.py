@@ -72,6 +72,21 @@ def test_invariant_cluster_is_id_op_and_the_kinds_where_it_broke():
     assert tri.triage_release(inv(None), three, False).key[3] == "full+ring+sliding_window"
 
 
+def test_kinds_that_share_a_manager_are_one_invariant_cluster():
+    # vLLM registers MLAAttentionSpec with FullAttentionManager and SlidingWindowMLASpec with
+    # SlidingWindowManager: a stall of one token on the full and on the MLA layout is one cause
+    stall = Observation(Signature("invariant", invariant="INV-8"), "0.31.0",
+                        {"kind": "invariant", "inv_id": "INV-8", "op": "load"}, "steps")
+    def key(*groups):
+        return tri.triage_release(stall, Layout(groups=groups), False).key
+    assert key(Group("full", 16)) == key(Group("mla", 16)) == \
+        ("invariant", "INV-8", "load", "full")
+    assert key(Group("mla", 16), Group("sliding_window_mla", 16, sliding_window=64)) == \
+        key(Group("full", 16), Group("sliding_window", 16, sliding_window=64))
+    assert key(Group("full", 16), Group("mla", 16, drafter=True))[3] == "full+full-drafter"
+    assert key(Group("full", 16), Group("ring", 16))[3] == "full+ring"
+
+
 def test_a_divergence_is_a_model_gap_only_on_a_clean_run():
     o = Observation(Signature("divergence", function="trace.store"), "0.33.0", {}, "steps")
     assert tri.triage_release(o, RING, True).klass == tri.MODEL_GAP
