@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -454,6 +455,10 @@ def _remove_leftovers(home: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+#: releases installed at once (``install``)
+INSTALL_WORKERS = 2
+
+
 def install(versions: Iterable[str] | None = None, home: Path | str | None = None,
             progress: Progress = print, *,
             releases: Mapping[str, Release] = KNOWN_RELEASES,
@@ -472,10 +477,17 @@ def install(versions: Iterable[str] | None = None, home: Path | str | None = Non
         _releases_dir(home).mkdir(parents=True, exist_ok=True)
         _remove_leftovers(home)
         closure_sha = _ensure_base(home, closure, progress)
-        for i, version in enumerate(wanted, 1):
+
+        def one(i: int, version: str) -> None:
             prefix = f"[{i}/{len(wanted)}] vllm {version}: "
             _install_release(releases[version], home, closure_sha, download,
                              lambda msg: progress(prefix + msg))
+        # two at a time: one wheel downloads (the network) while the other unpacks and
+        # smoke-imports (the disk and a core); each release has its own temp dir and marker.
+        # A release that fails does not stop the others: its error is raised once they ran.
+        with ThreadPoolExecutor(max_workers=INSTALL_WORKERS) as pool:
+            for done in [pool.submit(one, i, v) for i, v in enumerate(wanted, 1)]:
+                done.result()
     by_version = {r.version: r for r in installed(home)}
     return [by_version[v] for v in wanted]
 
