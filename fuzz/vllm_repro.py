@@ -163,8 +163,14 @@ def _engine_lines(case: Case) -> list[str]:
     if eng.dcp_size != 1:
         lines.append(f"    vc.parallel_config.decode_context_parallel_size = {eng.dcp_size}")
     if eng.speculative is not None:
-        lines.append(f"    vc.speculative_config = speculative_config("
-                     f"{eng.speculative.method!r}, NUM_SPEC_TOKENS)")
+        lines += [  # build.ConfigBuilder.speculative
+            "    # a SpeculativeConfig without the draft model __post_init__ loads, fields at default",
+            "    vc.speculative_config = spec = object.__new__(SpeculativeConfig)",
+            "    for f in dataclasses.fields(SpeculativeConfig):",
+            "        object.__setattr__(spec, f.name, None if f.default is dataclasses.MISSING "
+            "else f.default)",
+            f"    object.__setattr__(spec, 'method', {eng.speculative.method!r})",
+            "    object.__setattr__(spec, 'num_speculative_tokens', NUM_SPEC_TOKENS)"]
     return lines
 
 
@@ -220,8 +226,8 @@ def _about(data: dict) -> str:
     if data["kind"] == "crash":
         where = f" (vllm/{data['file']})" if data.get("file") else ""
         msg = (data.get("message") or "").strip().rstrip(".")
-        what = (f"vLLM raises {data['exception']} in {data['function']}{where}"
-                + (f": {msg}" if msg else "") + ". The test lets it propagate.")
+        what = (f"The test fails with the {data['exception']} vLLM raises in "
+                f"{data['function']}{where}" + (f": {msg}" if msg else "") + ".")
     else:
         what = plain(data)
         what = f"{what[0].upper()}{what[1:]} ({data['invariant']}): " + {
@@ -234,11 +240,8 @@ def _about(data: dict) -> str:
             "cap_store": "the test checks every store job's keys against the cap.",
             "cap_load": "the test checks every load job's keys against the cap.",
         }[short_name(data)]
-    mode = "" if data["asserts"] else " With Python's asserts stripped (python -O)."
-    text = (f"The real Scheduler, OffloadingConnector and CPU offloading manager on KV cache "
-            f"groups {data['layout'].split(' | ')[0]}, stepped as the engine core and the "
-            f"offloading worker do.{mode} {what} Present in vLLM "
-            f"{release_ranges(data['releases_affected'])}; "
+    mode = "" if data["asserts"] else "With Python's asserts stripped (python -O). "
+    text = (f"{mode}{what} Present in vLLM {release_ranges(data['releases_affected'])}; "
             + (f"absent from {release_ranges(data['releases_clean'])}" if data["releases_clean"]
                else "no release run is clean of it")
             + f" (simsched finding {data['id']}).")
@@ -293,14 +296,13 @@ def _optional(case: Case, data: dict) -> dict:
     arrival is never sent, ``RequestSpec.withdrawn``) and INV-8's check on loads
     (``engine._Run._check_reloads``)."""
     aborts = any(r.abort_at is not None for r in case.requests)
-    parts = {"skip": " | withdrawn" if aborts else "",
+    parts = {"skip": " and rid not in withdrawn" if aborts else "",
              "request_imports": "Request, RequestStatus" if aborts else "Request",
              "before_loop": "", "abort_lines": "", "pytest_import": "", "debug_guard": "",
-             "offload_import": "", "helpers": "", "after_schedule": "", "store_items": "",
-             "store_items_end": "", "store_check": "", "load_check": "",
+             "offload_import": "", "helpers": "", "after_schedule": "", "job_check": "",
              "after_update": "",
              "config_imports": "", "dataclasses_import": "", "outputs_imports": "",
-             "spec_constants": "", "drafter": "", "sampled": SAMPLED}
+             "spec_constants": "", "spec_names": "", "spec_values": "", "drafter": "", "sampled": SAMPLED}
     if aborts:
         parts["before_loop"] = ("    withdrawn = {r[0] for r in REQUESTS "
                                 "if r[4] is not None and r[4] < r[2]}\n")
@@ -321,16 +323,20 @@ def _optional(case: Case, data: dict) -> dict:
 def _speculative(case: Case, parts: dict) -> dict:
     """Speculative decoding, sync scheduling (``engine._Run._propose_drafts`` and its
     verification): after each step the drafter proposes the tokens that follow each request's
-    known ones; the worker accepts as many as the case's ``accept`` pattern says."""
+    known ones; the worker accepts as many as the case's ``accept`` pattern says (else all)."""
     accept = {r.id: list(r.accept) for r in case.requests if r.accept is not None}
+    constants = ""
+    if accept:
+        constants = (f"ACCEPT = {accept!r}  # drafts accepted per verification step (else "
+                      "all)\nVERIFIED = {}  # request -> its verification steps so far\n")
+    helpers = SPEC_HELPERS.format(accepted=ACCEPT_PATTERN if accept else ACCEPT_ALL)
     return {"config_imports": "from vllm.config import SpeculativeConfig\n",
             "dataclasses_import": "import dataclasses\n", "outputs_imports": "DraftTokenIds, ",
-            "spec_constants": (f"NUM_SPEC_TOKENS = {case.layout.engine.speculative.num_tokens}\n"
-                               f"ACCEPT = {accept!r}  # drafts accepted per verification "
-                               "step (else all)\nVERIFIED = {}  # request -> its verification "
-                               "steps so far\n"),
-            "helpers": SPEC_HELPERS + parts["helpers"],
-            "sampled": "    sampled = [sampled_tokens(out, r) for r in reqs]\n",
+            "spec_constants": constants, "spec_names": ", NUM_SPEC_TOKENS",
+            "spec_values": f", {case.layout.engine.speculative.num_tokens}", "helpers": helpers + parts["helpers"],
+            "sampled": ("    sampled = [[token(r, r.num_tokens + j) for j in range(accepted(out, r)"
+                        " + 1)]\n               if r.num_computed_tokens >= r.num_tokens else []"
+                        " for r in reqs]\n"),
             "drafter": "        propose_drafts(sched, out, output.req_ids)\n"}
 
 
@@ -356,7 +362,8 @@ def _check_stall(parts: dict) -> dict:
     return {"before_loop": parts["before_loop"]
             + "    idle = 0  # steps scheduling nothing, no transfer in flight, none to come\n",
             "after_schedule": (
-                "        to_come = [r for r in REQUESTS if r[0] not in sent" + parts["skip"] + "]\n"
+                "        to_come = [r for r in REQUESTS if r[2] > t"
+                + (" and r[0] not in withdrawn" if parts["skip"] else "") + "]\n"
                 "        busy = out.total_num_scheduled_tokens or pending or to_come\n"
                 "        idle = 0 if busy else idle + 1\n"
                 f"        assert idle <= {STALL_STEPS}, f\"{{list(sched.requests)}}: nothing "
@@ -390,9 +397,8 @@ def _check_caps(parts: dict, load: bool) -> dict:
     parts = {"offload_import": "from vllm.v1.kv_offload.base import get_offload_block_hash\n",
              "before_loop": parts["before_loop"]
              + "    cs = sched.connector.connector_scheduler  # its jobs' keys, the caps parsed\n"}
-    if load:
-        return {**parts, "load_check": check}
-    return {**parts, "store_check": check, "store_items": ", job", "store_items_end": ".items()"}
+    jobs = "loads" if load else "stores"
+    return {**parts, "job_check": f"        for j, job in {jobs}.items():{check}\n"}
 
 
 #: the words each inline check fails with (a failure without them is another failure)
@@ -413,40 +419,37 @@ SPEC_HELPERS = '''
 
 def token(r, pos):
     return (SEED * 1000003 + int(r.arrival_time) * 7919 + pos * 104729 + 3) % 32000
-
-
-def speculative_config(method, num_tokens):
-    """A SpeculativeConfig without the draft model its __post_init__ loads: every field at its
-    default, then the method and the number of drafts, which the Scheduler reads."""
-    cfg = object.__new__(SpeculativeConfig)
-    for f in dataclasses.fields(SpeculativeConfig):
-        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        object.__setattr__(cfg, f.name, None if value is dataclasses.MISSING else value)
-    object.__setattr__(cfg, "method", method)
-    object.__setattr__(cfg, "num_speculative_tokens", num_tokens)
-    return cfg
-
-
-def sampled_tokens(out, r):
-    """At the end of r's known tokens: the drafts accepted (padding drafts -1 never) + one."""
-    if r.num_computed_tokens < r.num_tokens:
-        return []
-    drafts, a = out.scheduled_spec_decode_tokens.get(r.request_id, []), 0
-    if any(x != -1 for x in drafts):
-        k = VERIFIED[r.request_id] = VERIFIED.get(r.request_id, -1) + 1
-        pattern = ACCEPT.get(r.request_id)
-        a = len(drafts) if pattern is None else min(len(drafts), pattern[k % len(pattern)])
-    return [token(r, r.num_tokens + j) for j in range(a + 1)]
-
+{accepted}
 
 def propose_drafts(sched, out, order):
-    """The drafter after a step (EngineCore.post_step): the tokens that follow each request's
-    known ones, as many as the scheduler asks for."""
-    k = getattr(out, "num_spec_tokens_to_schedule", None)
-    k = 0 if getattr(out, "skip_drafts", False) else NUM_SPEC_TOKENS if k is None else int(k)
+    """The drafter after a step (EngineCore.post_step): the tokens after each request's own."""
+    k = 0 if getattr(out, "skip_drafts", False) else out.num_spec_tokens_to_schedule
     reqs = [sched.requests.get(rid) for rid in order]
     drafts = [[token(r, r.num_tokens + j) for j in range(k)] if r else [] for r in reqs]
     sched.update_draft_token_ids(DraftTokenIds(list(order), drafts))
+'''
+
+#: the drafts the worker accepts at a verification step: every one (no request has a pattern)
+ACCEPT_ALL = '''
+
+def accepted(out, r):
+    """The drafts the worker accepts at r's verification step: all (of padding, -1: none)."""
+    drafts = out.scheduled_spec_decode_tokens.get(r.request_id, [])
+    return len(drafts) if any(x != -1 for x in drafts) else 0
+'''
+
+#: ... or as each request's pattern says, in turn, where it has one
+ACCEPT_PATTERN = '''
+
+def accepted(out, r):
+    """The drafts the worker accepts at r's verification step: as ACCEPT says in turn, else
+    all (of padding, -1: none)."""
+    drafts = out.scheduled_spec_decode_tokens.get(r.request_id, [])
+    if not any(x != -1 for x in drafts):
+        return 0
+    k = VERIFIED[r.request_id] = VERIFIED.get(r.request_id, -1) + 1
+    pattern = ACCEPT.get(r.request_id)
+    return len(drafts) if pattern is None else min(len(drafts), pattern[k % len(pattern)])
 '''
 
 LOOKUP_HELPERS = '''
@@ -510,6 +513,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 {offload_import}from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import {outputs_imports}KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import {request_imports}
+from vllm.v1.structured_output import StructuredOutputManager
 
 TINY_LLAMA = {{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -523,7 +527,7 @@ MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN = {batched}, {seqs}, {max_mo
 STORE_LATENCY, LOAD_LATENCY = {store}, {load}  # steps until the worker reports a job done
 # (id, prompt segments (seed, length), arrival step, max_tokens, abort step, kv_transfer_params)
 REQUESTS = [{requests}]
-SEED, STEP_CAP = {seed}, {step_cap}
+SEED, STEP_CAP{spec_names} = {seed}, {step_cap}{spec_values}
 {spec_constants}
 
 def make_scheduler(model_dir):
@@ -553,18 +557,11 @@ def make_scheduler(model_dir):
             vc.cache_config.prefix_cache_retention_interval)
     sc = vc.scheduler_config
     sc.max_num_batched_tokens, sc.max_num_seqs = MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
-    sc.max_num_scheduled_tokens, sc.long_prefill_token_threshold = None, 0
-    sc.enable_chunked_prefill = True
-    # the hybrid KV cache manager on, as on CUDA: on CPU vLLM turns it off and merges groups
-    sc.disable_hybrid_kv_cache_manager = False
+    sc.disable_hybrid_kv_cache_manager = False  # as on CUDA (on CPU vLLM merges the groups)
     block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(kv_cache_config, vc)
-    params = Scheduler.__init__.__code__.co_varnames
-    kw = {{k: v for k, v in (("block_size", block_size), ("hash_block_size", hash_block_size))
-          if k in params}}
-    if "structured_output_manager" in params:
-        from vllm.v1.structured_output import StructuredOutputManager
-        kw["structured_output_manager"] = StructuredOutputManager(vc)
-    sched = Scheduler(vllm_config=vc, kv_cache_config=kv_cache_config, log_stats=False, **kw)
+    sched = Scheduler(vllm_config=vc, kv_cache_config=kv_cache_config, log_stats=False,
+                      structured_output_manager=StructuredOutputManager(vc),
+                      block_size=block_size, hash_block_size=hash_block_size)
     assert len(sched.kv_cache_manager.coordinator.single_type_managers) == len(GROUPS)
     hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
     kcu.init_none_hash(hash_fn)
@@ -573,7 +570,6 @@ def make_scheduler(model_dir):
 
 def make_request(index, hasher):
     rid, segments, _, decode, _, params = REQUESTS[index]
-    # token i of a prompt segment: (seed * 7919 + i * 104729 + 17) % 32000
     tokens = [(seed * 7919 + i * 104729 + 17) % 32000 for seed, n in segments for i in range(n)]
     extra = {{"extra_args": {{"kv_transfer_params": params}}}} if params else {{}}
     return Request(request_id=rid, prompt_token_ids=tokens, pooling_params=None,
@@ -590,37 +586,31 @@ def worker_output(sched, out, t, pending):
     kvo = KVConnectorOutput(finished_recving=loads or None,
                             kv_connector_worker_meta=OffloadingWorkerMetadata(
                                 completed_jobs=dict.fromkeys(done, 1))) if done else None
-    extra = {{"logprobs": None}} if "logprobs" in ModelRunnerOutput.__dataclass_fields__ else {{}}
     return ModelRunnerOutput(req_ids=order, req_id_to_index={{r: i for i, r in enumerate(order)}},
-                             sampled_token_ids=sampled, kv_connector_output=kvo, **extra), done
+                             sampled_token_ids=sampled, kv_connector_output=kvo), done
 {helpers}
 
 def test_{name}(tmp_path):
 {debug_guard}    sched, hasher, hash_block_size = make_scheduler(tmp_path)
-    sent, pending, t = set(), {{}}, 0  # pending: job id -> (step due, request of a load)
-{before_loop}    for _ in range(STEP_CAP):
+    pending = {{}}  # job id -> (step due, request of a load)
+{before_loop}    for t in range(STEP_CAP):
         for i, (rid, _, arrival, _, abort_at, _) in enumerate(REQUESTS):
-            if arrival <= t and rid not in sent{skip}:
+            if arrival == t{skip}:
                 sched.add_request(make_request(i, hasher))
-                sent.add(rid)
 {abort_lines}        if not sched.has_requests() and not pending:
-            later = [r[2] for r in REQUESTS if r[0] not in sent{skip}]
-            if not later:
+            if all(r[2] <= t for r in REQUESTS):
                 return  # every request finished
-            t = max(t + 1, min(later))
-            continue
+            continue  # nothing to do before the next arrival
         out = sched.schedule()
         meta = out.kv_connector_metadata
-{after_schedule}        for j{store_items} in (meta.store_jobs or {{}}){store_items_end}:
-            pending[j] = (t + STORE_LATENCY, None){store_check}
-        for j, job in (meta.load_jobs or {{}}).items():
-            pending[j] = (t + LOAD_LATENCY, job.req_id){load_check}
-        for j in set(meta.jobs_to_flush or ()) & set(pending):  # a flushed store ends now
+{after_schedule}        stores, loads = meta.store_jobs or {{}}, meta.load_jobs or {{}}
+        pending.update({{j: (t + STORE_LATENCY, None) for j in stores}})
+        pending.update({{j: (t + LOAD_LATENCY, job.req_id) for j, job in loads.items()}})
+{job_check}        for j in set(meta.jobs_to_flush or ()) & set(pending):  # a flushed store ends now
             pending[j] = (t, pending[j][1])
         output, done = worker_output(sched, out, t, pending)
         sched.update_from_output(out, output)
-{drafter}{after_update}        t += 1
-    raise AssertionError(f"requests unfinished after {{STEP_CAP}} steps: {{list(sched.requests)}}")
+{drafter}{after_update}    raise AssertionError(f"requests unfinished after {{STEP_CAP}} steps: {{list(sched.requests)}}")
 '''
 
 

@@ -160,7 +160,9 @@ def _imports(path: Path) -> set[str]:
     ("MAX_LOAD", "MAX_LOAD_FINDING", "test_vllm_lookup_misses_ready_prefix.py"),
     ("TAIL", "TAIL_FINDING", "test_vllm_cap_store.py"),
     ("TAIL", "LOAD_CAP_FINDING", "test_vllm_cap_load.py"),
-    ("TAIL", "STALL_FINDING", "test_vllm_stall.py")])
+    ("TAIL", "STALL_FINDING", "test_vllm_stall.py"),
+    ("EAGLE_CHUNKED", "EAGLE_CHUNKED_FINDING",
+     "test_vllm_step_assert_find_longest_cache_hit.py")])
 def test_generated_file_is_short_plain_and_lint_clean(tmp_path, case, finding, name):
     case, finding = (globals()[x] if isinstance(x, str) else x for x in (case, finding))
     path = _render(tmp_path, case, finding)
