@@ -10,6 +10,9 @@ and load job reported done ``store_latency`` / ``load_latency`` steps after it w
 What it checks, by the finding's kind:
 
 * a crash (at start-up or at a step): nothing; vLLM's exception propagates and fails the test;
+* INV-6 (``write``, by a request's forward): no block a store job still reads (created at an
+  earlier step, neither flushed nor done) among the blocks a step writes: a request's blocks
+  holding the tokens it computes, a ring group's first block (``shadow.write_computed``);
 * INV-8 on ``load`` (a request loaded again and again and never scheduled): inline, the loads
   of a request between two steps that schedule it, bounded as the harness bounds them;
 * INV-8 ``liveness``: no token scheduled for more than ``STALL_STEPS`` steps while no transfer
@@ -65,7 +68,8 @@ class NotGenerated(Exception):
 
 
 #: the invariant findings the generator writes, (invariant, op) -> the test's short name
-INVARIANT_KINDS = {("INV-8", "load"): "livelock_load", ("INV-8", "liveness"): "stall",
+INVARIANT_KINDS = {("INV-6", "write"): "store_source_rewritten",
+                   ("INV-8", "load"): "livelock_load", ("INV-8", "liveness"): "stall",
                    ("INV-9", "lookup"): "lookup_misses_ready_prefix", ("INV-10", "cap"): "cap"}
 
 
@@ -75,6 +79,11 @@ def supported(case: Case, data: dict) -> None:
     why = [("async scheduling", eng.async_scheduling),
            ("a drafter group", any(g.drafter for g in case.layout.groups)),
            ("no request", not case.requests)]
+    if data.get("invariant") == "INV-6":  # the blocks a step writes, as the shadow counts them
+        why += [("a Mamba group (its state copies, partial tails)",
+                 any(g.kind == "mamba" for g in case.layout.groups)),
+                ("a block a load writes (not a request's forward)",
+                 " by request " not in (data.get("message") or ""))]
     if data.get("invariant") == "INV-9":   # the chunk arithmetic of the inline lookup oracle
         # (and every group offloaded by every release: no group bounds the load from the GPU)
         why += [("DCP", eng.dcp_size != 1),
@@ -166,11 +175,11 @@ def _engine_lines(case: Case) -> list[str]:
         lines += [  # build.ConfigBuilder.speculative
             "    # a SpeculativeConfig without the draft model __post_init__ loads, fields at default",
             "    vc.speculative_config = spec = object.__new__(SpeculativeConfig)",
-            "    for f in dataclasses.fields(SpeculativeConfig):",
-            "        object.__setattr__(spec, f.name, None if f.default is dataclasses.MISSING "
-            "else f.default)",
-            f"    object.__setattr__(spec, 'method', {eng.speculative.method!r})",
-            "    object.__setattr__(spec, 'num_speculative_tokens', NUM_SPEC_TOKENS)"]
+            "    spec.__dict__.update({f.name: None if f.default is dataclasses.MISSING else "
+            "f.default",
+            "                          for f in dataclasses.fields(SpeculativeConfig)},",
+            f"                         method={eng.speculative.method!r}, "
+            "num_speculative_tokens=NUM_SPEC_TOKENS)"]
     return lines
 
 
@@ -226,6 +235,7 @@ def _about(data: dict) -> str:
     if data["kind"] == "crash":
         where = f" (vllm/{data['file']})" if data.get("file") else ""
         msg = (data.get("message") or "").strip().rstrip(".")
+        msg = msg if len(msg) <= 90 else msg[:89] + "..."   # whole in the test's failure
         what = (f"The test fails with the {data['exception']} vLLM raises in "
                 f"{data['function']}{where}" + (f": {msg}" if msg else "") + ".")
     else:
@@ -239,6 +249,8 @@ def _about(data: dict) -> str:
                                           "the CPU tier holds ready.",
             "cap_store": "the test checks every store job's keys against the cap.",
             "cap_load": "the test checks every load job's keys against the cap.",
+            "store_source_rewritten": "the test fails when a step's forward writes a block "
+                                      "that a store job still reads.",
         }[short_name(data)]
     mode = "" if data["asserts"] else "With Python's asserts stripped (python -O). "
     text = (f"{mode}{what} Present in vLLM {release_ranges(data['releases_affected'])}; "
@@ -316,7 +328,7 @@ def _optional(case: Case, data: dict) -> dict:
     if case.layout.engine.speculative is not None:
         parts.update(_speculative(case, parts))
     if data["kind"] == "invariant":
-        parts.update(_CHECKS[short_name(data)](parts))
+        parts.update(_CHECKS[short_name(data)](parts, case))
     return parts
 
 
@@ -401,14 +413,56 @@ def _check_caps(parts: dict, load: bool) -> dict:
     return {**parts, "job_check": f"        for j, job in {jobs}.items():{check}\n"}
 
 
+def _check_writes(parts: dict, case: Case) -> dict:
+    """INV-6 (``engine._Run._schedule_execute``, ``shadow.write_computed``): no block a store
+    job still reads (created at an earlier step, neither flushed nor reported done) is written
+    by a step's forward: a request's blocks holding the tokens it computes, a ring group's
+    first block at every step."""
+    rings = {i for i, g in enumerate(case.layout.groups) if g.kind == "ring"}
+    return {"helpers": parts["helpers"] + WRITES_HELPER.format(rings=rings or "set()"),
+            "before_loop": parts["before_loop"]
+            + "    reads = {}  # store job -> the GPU blocks it reads until done (a flushed one: "
+            "first)\n",
+            "job_check": parts["job_check"] + (
+                "        hit = written_blocks(sched, out) & {b for j in reads if pending[j][0] > t"
+                " for b in reads[j]}\n"
+                "        assert not hit, f\"blocks {sorted(hit)} written while a store still "
+                "reads them\"\n"
+                "        reads.update({j: [int(b) for b in job.src_spec.block_ids] for j, job in "
+                "stores.items()})\n"),
+            "after_update": parts["after_update"]
+            + "        for j in done:\n            reads.pop(j, None)\n"}
+
+
+WRITES_HELPER = '''
+RINGS = {rings}  # the ring groups: a circular buffer in its first block
+
+
+def written_blocks(sched, out):
+    """The GPU blocks a step's forward writes: each request's blocks holding the tokens it
+    computes (schedule() has counted them), and a ring group's first block at every step."""
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    written = set()
+    for rid, n in out.num_scheduled_tokens.items():
+        end = sched.requests[rid].num_computed_tokens
+        for g, ((spec, _), m) in enumerate(zip(GROUPS, managers)):
+            table, bs = m.req_to_blocks.get(rid, []), spec.block_size
+            span = table[:1] if g in RINGS else table[(end - n) // bs:-(-end // bs)]
+            written |= {{b.block_id for b in span if not b.is_null}}
+    return written
+'''
+
+
 #: the words each inline check fails with (a failure without them is another failure)
-MARKS = {"livelock_load": "never scheduled", "stall": "nothing scheduled, no transfer",
+MARKS = {"store_source_rewritten": "still reads", "livelock_load": "never scheduled", "stall": "nothing scheduled, no transfer",
          "lookup_misses_ready_prefix": "the lookup found", "cap_store": "max_offload_tokens",
          "cap_load": "max_load_tokens"}
-_CHECKS = {"livelock_load": _check_reloads, "stall": _check_stall,
-           "lookup_misses_ready_prefix": _check_lookups,
-           "cap_store": lambda parts: _check_caps(parts, False),
-           "cap_load": lambda parts: _check_caps(parts, True)}
+_CHECKS = {"livelock_load": lambda parts, case: _check_reloads(parts),
+           "stall": lambda parts, case: _check_stall(parts),
+           "lookup_misses_ready_prefix": lambda parts, case: _check_lookups(parts),
+           "cap_store": lambda parts, case: _check_caps(parts, False),
+           "cap_load": lambda parts, case: _check_caps(parts, True),
+           "store_source_rewritten": _check_writes}
 
 
 SAMPLED = ("    sampled = [[(SEED * 1000003 + int(r.arrival_time) * 7919 + r.num_tokens * 104729"
@@ -606,9 +660,9 @@ def test_{name}(tmp_path):
 {after_schedule}        stores, loads = meta.store_jobs or {{}}, meta.load_jobs or {{}}
         pending.update({{j: (t + STORE_LATENCY, None) for j in stores}})
         pending.update({{j: (t + LOAD_LATENCY, job.req_id) for j, job in loads.items()}})
-{job_check}        for j in set(meta.jobs_to_flush or ()) & set(pending):  # a flushed store ends now
+        for j in set(meta.jobs_to_flush or ()) & set(pending):  # a flushed store ends now
             pending[j] = (t, pending[j][1])
-        output, done = worker_output(sched, out, t, pending)
+{job_check}        output, done = worker_output(sched, out, t, pending)
         sched.update_from_output(out, output)
 {drafter}{after_update}    raise AssertionError(f"requests unfinished after {{STEP_CAP}} steps: {{list(sched.requests)}}")
 '''

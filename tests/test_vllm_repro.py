@@ -162,7 +162,8 @@ def _imports(path: Path) -> set[str]:
     ("TAIL", "LOAD_CAP_FINDING", "test_vllm_cap_load.py"),
     ("TAIL", "STALL_FINDING", "test_vllm_stall.py"),
     ("EAGLE_CHUNKED", "EAGLE_CHUNKED_FINDING",
-     "test_vllm_step_assert_find_longest_cache_hit.py")])
+     "test_vllm_step_assert_find_longest_cache_hit.py"),
+    ("RING_REWRITE", "RING_REWRITE_FINDING", "test_vllm_store_source_rewritten.py")])
 def test_generated_file_is_short_plain_and_lint_clean(tmp_path, case, finding, name):
     case, finding = (globals()[x] if isinstance(x, str) else x for x in (case, finding))
     path = _render(tmp_path, case, finding)
@@ -378,8 +379,31 @@ EAGLE_CHUNKED_FINDING = {
     "layout": "chunked_local/16(w=64)", "releases_affected": ["0.30.0", "0.33.0"],
     "releases_clean": []}
 
+#: a CPU hit loaded with latencies 2 and 3 and two-block chunks, a request withdrawn before it
+#: arrives
+STAND_IN = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                       "engine": {"num_gpu_blocks": 8, "blocks_per_chunk": 2}},
+            "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
+                         {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
+                         {"id": "x", "prompt": [[9, 16]], "arrival": 6, "abort_at": 5},
+                         {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}],
+            "timing": {"store_latency": 2, "load_latency": 3}}
+#: INV-6-write-ring-5b9ac3 of the 600 s campaign on 0.30.0 and 0.33.0: with asserts stripped, a
+#: lone ring group is offloaded (0.29.0-0.30.0); its decode rewrites the ring's block while the
+#: store of the prompt still reads it. 0.31.0 on offload no ring ("no eligible cache groups")
+RING_REWRITE = {"layout": {"groups": [{"kind": "ring", "block_size": 4}]},
+                "requests": [{"id": "r0", "prompt": [[0, 64]], "decode": 4}],
+                "timing": {"store_latency": 2}, "asserts": False}
+RING_REWRITE_FINDING = {
+    "id": "INV-6-write-ring-5b9ac3", "kind": "invariant", "signature": "invariant:INV-6",
+    "invariant": "INV-6", "op": "write", "asserts": False, "layout": "ring/4",
+    "message": "block 1 written by request r0 while store job 0 still reads it",
+    "releases_affected": ["0.30.0"], "releases_clean": []}
+
 #: name -> (case, finding) of each file the module runs on real releases
 GENERATED = {
+    # the INV-6 check on stores, loads, fences and an abort that break nothing
+    "writes_control": (STAND_IN, dict(RING_REWRITE_FINDING, asserts=True)),
     "eagle_chunked": (EAGLE_CHUNKED, EAGLE_CHUNKED_FINDING),
     "ring": (RING, RING_FINDING), "livelock": (LIVELOCK, LIVELOCK_FINDING),
     # two-token blocks: b's one token fills no chunk, nothing is loaded (`simsched replay`:
@@ -427,6 +451,17 @@ def test_a_step_assert_under_speculative_decoding_fails_where_present(runs):
         assert runs[("eagle_chunked", v)] == ("failed", " - AssertionError: Hybrid KV cache is "
                                               "not supported for eagle + chunked local "
                                               "attention."), v
+
+
+def test_a_rewritten_store_source_fails_where_present_and_its_control_passes(runs, tmp_path):
+    """INV-6 inline: the offloaded ring of 0.30.0 under python -O; the same check on a run
+    with stores, loads and fences passes everywhere."""
+    for v in RUN_ON:
+        assert runs[("writes_control", v)][0] == "passed", v
+    path = tmp_path / "test_ring_rewrite.py"
+    path.write_text(vllm_repro.render(Case.from_json(RING_REWRITE), RING_REWRITE_FINDING))
+    verdict = vllm_repro.verify(path, RING_REWRITE_FINDING, [_installed("0.30.0")])
+    assert verdict.verified and verdict.results == {"0.30.0": "failed"}, verdict
 
 
 def test_livelock_fails_where_present_and_its_control_passes(runs):
@@ -554,15 +589,6 @@ print(json.dumps(counts))
 '''
 
 
-#: a CPU hit loaded with latencies 2 and 3 and two-block chunks, a request withdrawn before it
-#: arrives
-STAND_IN = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
-                       "engine": {"num_gpu_blocks": 8, "blocks_per_chunk": 2}},
-            "requests": [{"id": "a", "prompt": [[7, 64]], "decode": 2},
-                         {"id": "f", "prompt": [[9, 96]], "arrival": 4, "decode": 1},
-                         {"id": "x", "prompt": [[9, 16]], "arrival": 6, "abort_at": 5},
-                         {"id": "b", "prompt": [[7, 64], [8, 20]], "arrival": 8, "decode": 2}],
-            "timing": {"store_latency": 2, "load_latency": 3}}
 #: EAGLE with three drafts a step, accepted 3, 0, 1, 0 in turn (a, the last to finish) or all
 #: (b): the steps it takes to decode depend on every draft proposed and accepted
 SPEC_STAND_IN = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
