@@ -68,7 +68,8 @@ class NotGenerated(Exception):
 
 
 #: the invariant findings the generator writes, (invariant, op) -> the test's short name
-INVARIANT_KINDS = {("INV-6", "write"): "store_source_rewritten",
+INVARIANT_KINDS = {("INV-3", "store"): "store_key_names_other_chunk",
+                   ("INV-6", "write"): "store_source_rewritten",
                    ("INV-8", "load"): "livelock_load", ("INV-8", "liveness"): "stall",
                    ("INV-9", "lookup"): "lookup_misses_ready_prefix", ("INV-10", "cap"): "cap"}
 
@@ -79,6 +80,11 @@ def supported(case: Case, data: dict) -> None:
     why = [("async scheduling", eng.async_scheduling),
            ("a drafter group", any(g.drafter for g in case.layout.groups)),
            ("no request", not case.requests)]
+    if data.get("invariant") == "INV-3":  # a chunk's tokens: its group's block size times
+        why += [("a Mamba group or DCP (another chunk size)",   # the blocks per chunk
+                 eng.dcp_size != 1 or any(g.kind == "mamba" for g in case.layout.groups)),
+                ("a key without source blocks", "paired with chunk" not in
+                 (data.get("message") or ""))]
     if data.get("invariant") == "INV-6":  # the blocks a step writes, as the shadow counts them
         why += [("a Mamba group (its state copies, partial tails)",
                  any(g.kind == "mamba" for g in case.layout.groups)),
@@ -251,6 +257,8 @@ def _about(data: dict) -> str:
             "cap_load": "the test checks every load job's keys against the cap.",
             "store_source_rewritten": "the test fails when a step's forward writes a block "
                                       "that a store job still reads.",
+            "store_key_names_other_chunk": "the test checks each store job's keys against "
+                                           "the chunks they key.",
         }[short_name(data)]
     mode = "" if data["asserts"] else "With Python's asserts stripped (python -O). "
     text = (f"{mode}{what} Present in vLLM {release_ranges(data['releases_affected'])}; "
@@ -413,6 +421,34 @@ def _check_caps(parts: dict, load: bool) -> dict:
     return {**parts, "job_check": f"        for j, job in {jobs}.items():{check}\n"}
 
 
+def _check_pairs(parts: dict) -> dict:
+    """INV-3 (``invariants.check_store_job``): each key of a store job, the block hash of the
+    prompt's tokens [0, (i + 1) * hash_block_size), names the end of the chunk it keys: its
+    place c in its group's offload keys (``RequestOffloadState``), (c + 1) * block size * blocks
+    per chunk tokens (the blocks per chunk as the release's config reads them, as the harness
+    takes them)."""
+    return {"offload_import": "from vllm.v1.kv_offload.base import get_offload_block_hash, "
+                              "get_offload_group_idx\n",
+            "before_loop": parts["before_loop"]
+            + "    cs = sched.connector.connector_scheduler  # its jobs' keys, the requests' keys\n"
+            "    bpc = getattr(cs.config, \"blocks_per_chunk\", None) or cs.config.block_size_factor"
+            "  # (to 0.26)\n",
+            "job_check": parts["job_check"] + (
+                "        for j, job in stores.items():  # INV-3: a key ends where its chunk ends\n"
+                "            state = cs._req_status[job.req_id]\n"
+                "            index = {h: i for i, h in "
+                "enumerate(sched.requests[job.req_id].block_hashes)}\n"
+                "            for k in cs._jobs[j].keys:\n"
+                "                g = get_offload_group_idx(k)\n"
+                "                c = next(gs.offload_keys.index(k) for gs in state.group_states\n"
+                "                         if k in gs.offload_keys)\n"
+                "                end = (index[get_offload_block_hash(k)] + 1) * hash_block_size\n"
+                "                want = (c + 1) * GROUPS[g][0].block_size * bpc  # as the release "
+                "reads it\n"
+                "                assert end == want, f\"g{g}: the key of tokens to {end} keys "
+                "chunk {c} (to {want})\"\n")}
+
+
 def _check_writes(parts: dict, case: Case) -> dict:
     """INV-6 (``engine._Run._schedule_execute``, ``shadow.write_computed``): no block a store
     job still reads (created at an earlier step, neither flushed nor reported done) is written
@@ -454,7 +490,7 @@ def written_blocks(sched, out):
 
 
 #: the words each inline check fails with (a failure without them is another failure)
-MARKS = {"store_source_rewritten": "still reads", "livelock_load": "never scheduled", "stall": "nothing scheduled, no transfer",
+MARKS = {"store_key_names_other_chunk": "keys chunk", "store_source_rewritten": "still reads", "livelock_load": "never scheduled", "stall": "nothing scheduled, no transfer",
          "lookup_misses_ready_prefix": "the lookup found", "cap_store": "max_offload_tokens",
          "cap_load": "max_load_tokens"}
 _CHECKS = {"livelock_load": lambda parts, case: _check_reloads(parts),
@@ -462,7 +498,8 @@ _CHECKS = {"livelock_load": lambda parts, case: _check_reloads(parts),
            "lookup_misses_ready_prefix": lambda parts, case: _check_lookups(parts),
            "cap_store": lambda parts, case: _check_caps(parts, False),
            "cap_load": lambda parts, case: _check_caps(parts, True),
-           "store_source_rewritten": _check_writes}
+           "store_source_rewritten": _check_writes,
+           "store_key_names_other_chunk": lambda parts, case: _check_pairs(parts)}
 
 
 SAMPLED = ("    sampled = [[(SEED * 1000003 + int(r.arrival_time) * 7919 + r.num_tokens * 104729"

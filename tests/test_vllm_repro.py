@@ -163,7 +163,8 @@ def _imports(path: Path) -> set[str]:
     ("TAIL", "STALL_FINDING", "test_vllm_stall.py"),
     ("EAGLE_CHUNKED", "EAGLE_CHUNKED_FINDING",
      "test_vllm_step_assert_find_longest_cache_hit.py"),
-    ("RING_REWRITE", "RING_REWRITE_FINDING", "test_vllm_store_source_rewritten.py")])
+    ("RING_REWRITE", "RING_REWRITE_FINDING", "test_vllm_store_source_rewritten.py"),
+    ("RING_KEYS", "RING_KEYS_FINDING", "test_vllm_store_key_names_other_chunk.py")])
 def test_generated_file_is_short_plain_and_lint_clean(tmp_path, case, finding, name):
     case, finding = (globals()[x] if isinstance(x, str) else x for x in (case, finding))
     path = _render(tmp_path, case, finding)
@@ -198,6 +199,11 @@ def test_kinds_not_written_yet_say_why():
     inv4 = dict(LIVELOCK_FINDING, invariant="INV-4", op="store")
     with pytest.raises(vllm_repro.NotGenerated, match="INV-4"):
         vllm_repro.render(Case.from_json(LIVELOCK), inv4)
+    with pytest.raises(vllm_repro.NotGenerated, match="a Mamba group"):
+        vllm_repro.render(Case.from_json(STALL), dict(RING_REWRITE_FINDING, asserts=True))
+    unpaired = dict(RING_KEYS_FINDING, message="job 1 group 1: 2 keys, 1 source chunks")
+    with pytest.raises(vllm_repro.NotGenerated, match="a key without source blocks"):
+        vllm_repro.render(Case.from_json(RING_KEYS), unpaired)
 
 
 def test_verify_wants_fail_where_affected_and_pass_where_clean(tmp_path, monkeypatch):
@@ -400,8 +406,22 @@ RING_REWRITE_FINDING = {
     "message": "block 1 written by request r0 while store job 0 still reads it",
     "releases_affected": ["0.30.0"], "releases_clean": []}
 
+#: INV-3-store-ring-4cb7cd of the same campaign: with asserts stripped, the ring's 132-token
+#: chunk is keyed by the hash of the prompt's first 128 tokens (0.29.0-0.30.0; the assert that
+#: asks a chunk to be a whole number of hash blocks is gone)
+RING_KEYS = {"layout": {"groups": [{"kind": "mla", "block_size": 64},
+                                   {"kind": "ring", "block_size": 132}]},
+             "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                          {"id": "r1", "prompt": [[0, 128], [101, 16]]}], "asserts": False}
+RING_KEYS_FINDING = {
+    "id": "INV-3-store-ring-4cb7cd", "kind": "invariant", "signature": "invariant:INV-3",
+    "invariant": "INV-3", "op": "store", "asserts": False, "layout": "mla/64 + ring/132",
+    "message": "job 1 group 1: key of hash 1 paired with chunk 0",
+    "releases_affected": ["0.30.0"], "releases_clean": ["0.33.0"]}
+
 #: name -> (case, finding) of each file the module runs on real releases
 GENERATED = {
+    "pairs_control": (STAND_IN, dict(RING_KEYS_FINDING, asserts=True)),
     # the INV-6 check on stores, loads, fences and an abort that break nothing
     "writes_control": (STAND_IN, dict(RING_REWRITE_FINDING, asserts=True)),
     "eagle_chunked": (EAGLE_CHUNKED, EAGLE_CHUNKED_FINDING),
@@ -419,25 +439,39 @@ GENERATED = {
 RUN_ON = ("0.29.0", "0.30.0", "0.31.0", "0.33.0")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every file of GENERATED run once per release, all in one pytest process from a folder
+#: the files of asserts-stripped cases, run under python -O on these releases
+STRIPPED = {"ring_rewrite": (RING_REWRITE, RING_REWRITE_FINDING),
+            "ring_keys": (RING_KEYS, RING_KEYS_FINDING)}
+STRIPPED_ON = ("0.30.0", "0.33.0")
+
+
+def _run_generated(folder: Path, files: dict, versions, optimize: bool) -> dict:
+    """Every file of ``files`` run once per release, all in one pytest process from a folder
     holding only them: {(name, release): (outcome, pytest's summary line)}."""
     import re
-    folder = tmp_path_factory.mktemp("generated")
-    for name, (case, finding) in GENERATED.items():
+    for name, (case, finding) in files.items():
         (folder / f"test_{name}.py").write_text(vllm_repro.render(Case.from_json(case), finding))
     out = {}
-    for version in RUN_ON:
-        proc = subprocess.run(rel.env_prefix(_installed(version)) + [
+    for version in versions:
+        proc = subprocess.run(rel.env_prefix(_installed(version)) + (["-O"] if optimize else []) + [
             "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "."], cwd=folder,
             text=True, capture_output=True, timeout=600,
             env={**os.environ, "COLUMNS": "1000"})    # summary lines not cut
         for m in re.finditer(r"^(PASSED|FAILED) test_(\w+)\.py::\S+(.*)$", proc.stdout, re.M):
             out[(m.group(2), version)] = (m.group(1).lower(), m.group(3))
-        missing = [n for n in GENERATED if (n, version) not in out]
+        missing = [n for n in files if (n, version) not in out]
         assert not missing, f"{version}: no result for {missing}: {proc.stdout[-3000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _run_generated(tmp_path_factory.mktemp("generated"), GENERATED, RUN_ON, False)
+
+
+@pytest.fixture(scope="module")
+def stripped_runs(tmp_path_factory):
+    return _run_generated(tmp_path_factory.mktemp("stripped"), STRIPPED, STRIPPED_ON, True)
 
 
 def test_boot_assert_fails_where_present_and_passes_where_fixed(runs):
@@ -453,15 +487,26 @@ def test_a_step_assert_under_speculative_decoding_fails_where_present(runs):
                                               "attention."), v
 
 
-def test_a_rewritten_store_source_fails_where_present_and_its_control_passes(runs, tmp_path):
-    """INV-6 inline: the offloaded ring of 0.30.0 under python -O; the same check on a run
-    with stores, loads and fences passes everywhere."""
+def test_a_rewritten_store_source_fails_where_present_and_its_control_passes(runs,
+                                                                            stripped_runs):
+    """INV-6 inline: the offloaded ring of 0.30.0 under python -O (0.33.0 offloads no ring and
+    refuses the lone ring); the same check on a run with stores, loads and fences passes
+    everywhere."""
     for v in RUN_ON:
         assert runs[("writes_control", v)][0] == "passed", v
-    path = tmp_path / "test_ring_rewrite.py"
-    path.write_text(vllm_repro.render(Case.from_json(RING_REWRITE), RING_REWRITE_FINDING))
-    verdict = vllm_repro.verify(path, RING_REWRITE_FINDING, [_installed("0.30.0")])
-    assert verdict.verified and verdict.results == {"0.30.0": "failed"}, verdict
+    assert stripped_runs[("ring_rewrite", "0.30.0")] == (
+        "failed", " - AssertionError: blocks [1] written while a store still reads them")
+    assert "no eligible cache groups" in stripped_runs[("ring_rewrite", "0.33.0")][1]
+
+
+def test_a_key_of_another_chunk_fails_where_present_and_its_control_passes(runs, stripped_runs):
+    """INV-3 inline: the offloaded ring of 0.30.0 under python -O, clean on 0.33.0 (no ring is
+    offloaded); the same check on a run with stores, loads and fences passes everywhere."""
+    for v in RUN_ON:
+        assert runs[("pairs_control", v)][0] == "passed", v
+    assert stripped_runs[("ring_keys", "0.30.0")] == (
+        "failed", " - AssertionError: g1: the key of tokens to 128 keys chunk 0 (to 132)")
+    assert stripped_runs[("ring_keys", "0.33.0")][0] == "passed"
 
 
 def test_livelock_fails_where_present_and_its_control_passes(runs):
