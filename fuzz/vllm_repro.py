@@ -80,8 +80,8 @@ def supported(case: Case, data: dict) -> None:
     why = [("async scheduling", eng.async_scheduling),
            ("a drafter group", any(g.drafter for g in case.layout.groups)),
            ("no request", not case.requests)]
-    if data.get("invariant") == "INV-3":  # a chunk's tokens: its group's block size times
-        why += [("a Mamba group or DCP (another chunk size)",   # the blocks per chunk
+    if data.get("invariant") == "INV-3":  # a chunk's tokens: block size x blocks per chunk
+        why += [("a Mamba group or DCP (another chunk size)",
                  eng.dcp_size != 1 or any(g.kind == "mamba" for g in case.layout.groups)),
                 ("a key without source blocks", "paired with chunk" not in
                  (data.get("message") or ""))]
@@ -179,7 +179,8 @@ def _engine_lines(case: Case) -> list[str]:
         lines.append(f"    vc.parallel_config.decode_context_parallel_size = {eng.dcp_size}")
     if eng.speculative is not None:
         lines += [  # build.ConfigBuilder.speculative
-            "    # a SpeculativeConfig without the draft model __post_init__ loads, fields at default",
+            "    # a SpeculativeConfig without the draft model __post_init__ loads, fields at "
+            "default",
             "    vc.speculative_config = spec = object.__new__(SpeculativeConfig)",
             "    spec.__dict__.update({f.name: None if f.default is dataclasses.MISSING else "
             "f.default",
@@ -322,7 +323,8 @@ def _optional(case: Case, data: dict) -> dict:
              "offload_import": "", "helpers": "", "after_schedule": "", "job_check": "",
              "after_update": "",
              "config_imports": "", "dataclasses_import": "", "outputs_imports": "",
-             "spec_constants": "", "spec_names": "", "spec_values": "", "drafter": "", "sampled": SAMPLED}
+             "spec_constants": "", "spec_names": "", "spec_values": "", "drafter": "",
+             "sampled": SAMPLED}
     if aborts:
         parts["before_loop"] = ("    withdrawn = {r[0] for r in REQUESTS "
                                 "if r[4] is not None and r[4] < r[2]}\n")
@@ -353,7 +355,8 @@ def _speculative(case: Case, parts: dict) -> dict:
     return {"config_imports": "from vllm.config import SpeculativeConfig\n",
             "dataclasses_import": "import dataclasses\n", "outputs_imports": "DraftTokenIds, ",
             "spec_constants": constants, "spec_names": ", NUM_SPEC_TOKENS",
-            "spec_values": f", {case.layout.engine.speculative.num_tokens}", "helpers": helpers + parts["helpers"],
+            "spec_values": f", {case.layout.engine.speculative.num_tokens}",
+            "helpers": helpers + parts["helpers"],
             "sampled": ("    sampled = [[token(r, r.num_tokens + j) for j in range(accepted(out, r)"
                         " + 1)]\n               if r.num_computed_tokens >= r.num_tokens else []"
                         " for r in reqs]\n"),
@@ -431,8 +434,8 @@ def _check_pairs(parts: dict) -> dict:
                               "get_offload_group_idx\n",
             "before_loop": parts["before_loop"]
             + "    cs = sched.connector.connector_scheduler  # its jobs' keys, the requests' keys\n"
-            "    bpc = getattr(cs.config, \"blocks_per_chunk\", None) or cs.config.block_size_factor"
-            "  # (to 0.26)\n",
+            "    bpc = getattr(cs.config, \"blocks_per_chunk\", None) or "
+            "cs.config.block_size_factor  # (to 0.26)\n",
             "job_check": parts["job_check"] + (
                 "        for j, job in stores.items():  # INV-3: a key ends where its chunk ends\n"
                 "            state = cs._req_status[job.req_id]\n"
@@ -490,7 +493,8 @@ def written_blocks(sched, out):
 
 
 #: the words each inline check fails with (a failure without them is another failure)
-MARKS = {"store_key_names_other_chunk": "keys chunk", "store_source_rewritten": "still reads", "livelock_load": "never scheduled", "stall": "nothing scheduled, no transfer",
+MARKS = {"store_key_names_other_chunk": "keys chunk", "store_source_rewritten": "still reads",
+         "livelock_load": "never scheduled", "stall": "nothing scheduled, no transfer",
          "lookup_misses_ready_prefix": "the lookup found", "cap_store": "max_offload_tokens",
          "cap_load": "max_load_tokens"}
 _CHECKS = {"livelock_load": lambda parts, case: _check_reloads(parts),
