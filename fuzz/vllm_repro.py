@@ -10,6 +10,9 @@ and load job reported done ``store_latency`` / ``load_latency`` steps after it w
 What it checks, by the finding's kind:
 
 * a crash (at start-up or at a step): nothing; vLLM's exception propagates and fails the test;
+* INV-3 (``store``, a key paired with another chunk): each key of a store job ends where the
+  chunk it keys ends (its place in its group's offload keys, at the release's blocks per
+  chunk; ``invariants.check_store_job``);
 * INV-6 (``write``, by a request's forward): no block a store job still reads (created at an
   earlier step, neither flushed nor done) among the blocks a step writes: a request's blocks
   holding the tokens it computes, a ring group's first block (``shadow.write_computed``);
