@@ -188,17 +188,18 @@ def fix_hint(data: dict) -> str:
     the newest affected release against the clean release after it (the fix) or before it (the
     regression), and the profiles under which simsched's model predicts the finding."""
     from simsched.geometry import profile_for_release
+    from simsched.vllm.releases import release_of
     affected, clean = data["releases_affected"], data["releases_clean"]
     lines = []
     if affected:
         after = [v for v in clean if tri._vkey(v) > tri._vkey(affected[-1])]
         before = [v for v in clean if tri._vkey(v) < tri._vkey(affected[0])]
         shown = affected[-1] if after or not before else affected[0]
-        bad = profile_for_release(shown)
+        bad = profile_for_release(release_of(shown))
         lines.append(f"- vLLM {shown} behaves as profile `{bad.name}`: {bad.summary}.")
         ref = after[:1] or before[-1:]
         if ref:
-            good = profile_for_release(ref[0])
+            good = profile_for_release(release_of(ref[0]))
             what = "fixed" if after else "clean"
             lines.append(f"- vLLM {ref[0]} ({what}) behaves as `{good.name}`"
                          + (": the same profile, so the fix is outside what the profiles name"

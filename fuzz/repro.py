@@ -120,8 +120,9 @@ def model_trace(case, data: dict) -> list[str] | None:
     """The model's trace of the case under the first profile that shows the finding, or under
     the profile of the first affected release."""
     from simsched.geometry import profile_for_release
+    from simsched.vllm.releases import release_of
     from simsched.model import run_case
-    names = data["profiles_affected"] or [profile_for_release(v).name
+    names = data["profiles_affected"] or [profile_for_release(release_of(v)).name
                                            for v in data["releases_affected"][:1]]
     if not names:
         return None

@@ -170,6 +170,11 @@ def cluster_name(key: tuple) -> str:
 
 # --- release ranges ----------------------------------------------------------------------------
 
+def is_release(name: str) -> bool:
+    """A pinned release (X.Y.Z), not a derived target's name."""
+    return all(part.isdigit() for part in name.split("."))
+
+
 def _vkey(v: str) -> tuple:
     return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
 
@@ -194,6 +199,12 @@ def regressed_fixed(affected: list[str], clean: list[str], installed: list[str],
     ``refused``: releases that refuse the case at start-up with a clean error instead of the
     crash (the fix of a start-up assert: 0.30.0 raises a ``ValueError`` naming the offload
     block size where 0.25.1-0.29.0 assert)."""
+    # a derived target (a patched release, a source tree) has no place in the release order:
+    # said apart, by name
+    affected_all = set(affected)
+    others = sorted(v for v in set(affected) | set(clean) | set(refused) if not is_release(v))
+    affected, clean, refused = ([v for v in vs if is_release(v)]
+                                for vs in (affected, clean, refused))
     ran = sorted(set(affected) | set(clean) | set(refused), key=_vkey)
     parts = []
     for first, last in ranges(affected, ran):
@@ -205,4 +216,5 @@ def regressed_fixed(affected: list[str], clean: list[str], installed: list[str],
                 " (refused at start-up)" if ran[j + 1] in refused else "")
         span = first if first == last else f"{first} to {last}"
         parts.append(f"{span}: {before}, {after}")
+    parts += [f"{v}: {'present' if v in affected_all else 'absent'}" for v in others]
     return "; ".join(parts) or "-"

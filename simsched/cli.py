@@ -7,6 +7,9 @@
     simsched geometry CASE.json [--profile P]                       derived geometry
     simsched profiles                                               behaviour profiles
     simsched releases install [X.Y.Z ...] | list | env X.Y.Z        real vLLM releases
+    simsched releases add NAME --base X.Y.Z (--patch F | --tree P)   a patched release
+    simsched releases remove NAME
+    simsched compare A B [--budget S] [--seed N] [--out DIR]         what a change changes
 """
 
 from __future__ import annotations
@@ -158,6 +161,29 @@ def cmd_fuzz(args) -> int:
     return 1 if errors else 0
 
 
+def cmd_compare(args) -> int:
+    """Run the same cases on two targets; exit 1 when A introduces a bug B does not show (or
+    simsched itself failed: a tool error), else 0."""
+    from fuzz.compare import CompareError, compare
+    try:
+        data = compare(args.a, args.b, budget=args.budget, seed_=args.seed, out=args.out,
+                       asserts={"on": True, "off": False, "both": None}[args.asserts],
+                       timeout=args.timeout,
+                       progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except CompareError as e:
+        return _fail(str(e))
+    print(f"{args.a} against {args.b}: {len(data['fixed'])} fixed, "
+          f"{len(data['introduced'])} introduced, {len(data['changed'])} changed "
+          f"({data['examples']} cases) in {args.out}/compare.md")
+    for what in ("fixed", "introduced", "changed"):
+        for e in data[what]:
+            print(f"  [{what}] {' '.join(map(str, e['key']))}: {e['layout']} ({e['case']})")
+    for t in data["tool_errors"]:
+        print(f"  tool error (simsched, not vLLM) on {t['target']}: {t['signature']}",
+              file=sys.stderr)
+    return 1 if data["introduced"] or data["tool_errors"] else 0
+
+
 def cmd_repro(args) -> int:
     """Write the repro folder of the first bug a case shows (shrunk unless --no-shrink), its
     vLLM-only test verified on the releases; exit 1 when that test is unverified or none could
@@ -187,6 +213,10 @@ def cmd_releases(args) -> int:
         return releases.cli_install(args.versions)
     if args.action == "env":
         return releases.cli_env(args.version)
+    if args.action == "add":
+        return releases.cli_add(args.name, args.base, args.patch, args.tree)
+    if args.action == "remove":
+        return releases.cli_remove(args.name)
     return releases.cli_list()
 
 
@@ -239,6 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile")
     r.set_defaults(fn=cmd_replay)
 
+    c = sub.add_parser("compare", help="run the same generated cases on two targets (a patched "
+                       "release and its base, two releases, a profile of the model) and report "
+                       "what A fixes, introduces and changes; exit 1 when A introduces a bug")
+    c.add_argument("a", help="a release, a derived target (releases add) or model:PROFILE")
+    c.add_argument("b", help="the same kinds: typically A's base release")
+    c.add_argument("--budget", type=float, default=120.0, help="seconds (default 120)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="compare-out", help="output folder (default compare-out/)")
+    c.add_argument("--asserts", choices=("on", "off", "both"), default="on",
+                   help="run vLLM with asserts on (default), stripped (python -O), or both")
+    c.add_argument("--timeout", type=float, default=60.0, help="per-call worker time limit (s)")
+    c.set_defaults(fn=cmd_compare)
+
     rp = sub.add_parser("repro", help="write the repro folder of the bug a case shows (the "
                         "case shrunk, a simsched test and a vLLM-only test verified on each "
                         "installed release)")
@@ -270,6 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "installed release (simsched not importable, pytest there): "
                              "$(simsched releases env 0.33.0) -m pytest FILE")
     re_.add_argument("version")
+    ra = rel_sub.add_parser("add", help="add a derived target: an installed release with a "
+                            "patch applied (git diff of a vLLM checkout) or a checkout's "
+                            "vllm/ .py files over it; then usable as a release by NAME")
+    ra.add_argument("name")
+    ra.add_argument("--base", required=True, help="the installed release it is built on")
+    src = ra.add_mutually_exclusive_group(required=True)
+    src.add_argument("--patch", help="a unified diff with paths a/vllm/...")
+    src.add_argument("--tree", help="a vLLM source checkout (the folder holding vllm/); "
+                     "re-read when it changed, at the start of each campaign")
+    rr = rel_sub.add_parser("remove", help="remove a derived target")
+    rr.add_argument("name")
     rel.set_defaults(fn=cmd_releases)
     return p
 

@@ -10,7 +10,7 @@ The release side runs in the release's worker (op ``run_case``,
 :mod:`simsched.vllm.inside.engine`): the real ``Scheduler`` and ``OffloadingConnector`` driven
 through the case, emitting ``simsched-trace/1`` and checking the invariants on a content shadow
 of the real run. The model side is :func:`simsched.model.run_case` under
-``profile_for_release(version)``.
+``profile_for_release(version)`` (a derived target: its base release's).
 
 Comparison (:func:`diff_traces`) is per step: the trace is cut into segments at ``step`` lines and
 each segment is put in a canonical order (lines of one kind keep their order; ``finish``/``done``
@@ -236,7 +236,7 @@ def lockstep(case: Case, version: str, pool, mutant: str | None = None,
              timeout: float | None = DEFAULT_CASE_TIMEOUT) -> LockstepResult:
     from simsched.model import run_case
 
-    profile = profile_for_release(version)
+    profile = profile_for_release(pool.release_of(version))
     t0 = time.perf_counter()
     model, model_err = None, None
     try:

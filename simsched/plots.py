@@ -396,7 +396,8 @@ def sweep(layout: Layout, knob: str, values: list, *, releases=None,
             model = None
             if not name.startswith("model:"):
                 from simsched.geometry import profile_for_release
-                model = predicted[(profile_for_release(name).name, i)]
+                from simsched.vllm.releases import release_of
+                model = predicted[(profile_for_release(release_of(name)).name, i)]
             cells[(name, i)] = classify(out, model)
     return Sweep(knob, list(values), names, cells, outcomes, variants)
 

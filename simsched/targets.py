@@ -77,7 +77,7 @@ class ReleaseTarget:
 
     @property
     def profile(self) -> Profile:
-        return profile_for_release(self.version)
+        return profile_for_release(self.pool.release_of(self.version))
 
     def config(self, case: Case) -> dict:
         return self.config_many([case])[0]
@@ -104,13 +104,28 @@ class Releases:
     timeout: float = 60.0
     coverage: bool = False      # workers collect arc coverage of vLLM's offloading code
     mutant: str | None = None   # workers run their release with this mutant (benchmarks)
+    bases: dict[str, str] = field(default_factory=dict)   # derived target -> its release
     _workers: dict = field(default_factory=dict)
+
+    def release_of(self, name: str) -> str:
+        """The pinned release of a target: itself, or the base of a derived target."""
+        return self.bases.get(name, name)
 
     @classmethod
     def installed(cls, only: list[str] | None = None, timeout: float = 60.0,
                   coverage: bool = False, mutant: str | None = None) -> "Releases":
-        from simsched.vllm import releases
+        """The installed releases (``only``: these, by name; derived targets are used only
+        when named, and a ``--tree`` one is rebuilt first if its tree changed)."""
+        import sys
+
+        from simsched.vllm import derived, releases
         have = [r.version for r in releases.installed()]
+        bases = {}
+        for t in releases.installed_derived():
+            if only is not None and t.version in only:
+                derived.refresh(t, progress=lambda s: print(s, file=sys.stderr, flush=True))
+                have.append(t.version)
+                bases[t.version] = t.release
         if only is not None:
             missing = [v for v in only if v not in have]
             # only a release simsched pins a wheel for (releases.json) can be installed
@@ -119,14 +134,15 @@ class Releases:
                 known = ", ".join(releases.KNOWN_RELEASES)
                 raise releases.ReleaseError(
                     f"{', '.join(unknown)}: not a known vLLM release (known: {known}; "
-                    f"installed: {', '.join(have) or 'none'})")
+                    f"installed: {', '.join(have) or 'none'}; a target of your own: "
+                    f"simsched releases add)")
             if missing:
                 raise releases.ReleaseError(
                     f"vLLM release(s) {', '.join(missing)} not installed "
                     f"(installed: {', '.join(have) or 'none'}); run: simsched releases install "
                     + " ".join(missing))
             have = [v for v in have if v in only]
-        return cls(tuple(have), timeout, coverage, mutant)
+        return cls(tuple(have), timeout, coverage, mutant, bases)
 
     def targets(self) -> list[ReleaseTarget]:
         return [ReleaseTarget(v, self) for v in self.versions]

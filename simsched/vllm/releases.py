@@ -6,6 +6,8 @@ Layout under the simsched home (``$SIMSCHED_HOME`` or ``~/.cache/simsched``)::
     base/simsched-base.json    completion marker, holds the closure file's sha256
     releases/X.Y.Z/            one release, installed with ``pip --no-deps --target``
     releases/X.Y.Z/simsched-release.json   completion marker
+    derived/NAME/              a derived target: a release's tree with a patch or a source
+    derived/NAME/simsched-derived.json     tree's files over it (:mod:`simsched.vllm.derived`)
     downloads/                 wheels between download and install (removed once installed)
 
 A release directory only ever appears complete: it is built under ``releases/.tmp-*`` and
@@ -41,6 +43,7 @@ RELEASES_FILE = _HERE / "releases.json"
 
 BASE_MARKER = "simsched-base.json"
 RELEASE_MARKER = "simsched-release.json"
+DERIVED_MARKER = "simsched-derived.json"
 BASE_PYTHON_VERSION = (3, 11)  # the closure pins cp311 wheels
 
 # What the smoke import checks: the scheduler-side modules simsched drives.
@@ -89,10 +92,23 @@ class Release:
 
 @dataclass(frozen=True)
 class InstalledRelease:
+    """A target a worker can run: a pinned release, or a derived target built on one.
+
+    ``version`` is the name the target goes by everywhere (``--releases``, reports, repro
+    files): ``X.Y.Z`` for a release, NAME for a derived target, whose ``base`` is the release it
+    is built on and ``origin`` says from what (the patch's sha256, or the source tree)."""
+
     version: str
-    path: Path  # releases/X.Y.Z: goes first on the worker's PYTHONPATH
+    path: Path  # releases/X.Y.Z or derived/NAME: goes first on the worker's PYTHONPATH
     python: Path  # the base venv's interpreter
     wheel_sha256: str
+    base: str | None = None
+    origin: str = ""
+
+    @property
+    def release(self) -> str:
+        """The pinned release whose behaviour profile stands for this target."""
+        return self.base or self.version
 
 
 Progress = Callable[[str], None]
@@ -365,12 +381,16 @@ def _fetch_verified(release: Release, home: Path, download: Downloader,
     return wheel
 
 
-def _smoke_import(release_dir: Path, python: Path, version: str) -> None:
+def _smoke_import(release_dir: Path, python: Path, version: str,
+                  expect: bool = True) -> str:
+    """Import the scheduler-side modules from ``release_dir``; the vllm version it reports
+    (which must be ``version`` when ``expect``)."""
     out = _run([str(python), "-c", _SMOKE_SCRIPT], f"vLLM {version}: smoke import failed",
                env=_clean_env(_env_for(release_dir)), timeout=SMOKE_TIMEOUT_S)
     got = out.strip().splitlines()[-1] if out.strip() else "?"
-    if got != version:
+    if expect and got != version:
         raise ReleaseError(f"vLLM {version}: smoke import found vllm {got}")
+    return got
 
 
 def _strip_extensions(release_dir: Path) -> int:
@@ -509,12 +529,52 @@ def installed(home: Path | str | None = None) -> list[InstalledRelease]:
     return sorted(found, key=lambda r: version_key(r.version))
 
 
+def _derived_dir(home: Path) -> Path:
+    return home / "derived"
+
+
+def installed_derived(home: Path | str | None = None) -> list[InstalledRelease]:
+    """Derived targets whose build completed (:mod:`simsched.vllm.derived`), sorted by name;
+    one whose base release is no longer installed is left out."""
+    home = _home(home)
+    python = _base_python(home)
+    have = {r.version for r in installed(home)}
+    found = []
+    if not python.exists() or not _derived_dir(home).exists():
+        return []
+    for path in sorted(_derived_dir(home).iterdir()):
+        marker = _read_json(path / DERIVED_MARKER)
+        if path.name.startswith(".") or not marker or marker.get("name") != path.name \
+                or marker.get("base") not in have:
+            continue
+        found.append(InstalledRelease(path.name, path, python, marker.get("base_sha256", ""),
+                                      base=marker["base"], origin=marker.get("origin", "")))
+    return found
+
+
+def find(name: str, home: Path | str | None = None) -> InstalledRelease | None:
+    """The installed release or derived target called ``name``, if any."""
+    for r in installed(home) + installed_derived(home):
+        if r.version == name:
+            return r
+    return None
+
+
+def release_of(name: str, home: Path | str | None = None) -> str:
+    """The pinned release a target name stands on: a release itself, a derived target's base
+    (a name not installed is returned as it is)."""
+    if all(part.isdigit() for part in name.split(".")):
+        return name
+    found = find(name, home)
+    return found.release if found is not None else name
+
+
 def resolve(spec: str, home: Path | str | None = None,
             releases: Mapping[str, Release] = KNOWN_RELEASES) -> list[InstalledRelease]:
     """'0.30.0', '0.30.0,0.33.0', 'releases' or 'all' -> installed releases (never empty)."""
     home = _home(home)
     have = {r.version: r for r in installed(home)}
-    if spec.strip() in ("all", "releases"):
+    if spec.strip() in ("all", "releases"):   # the pinned releases; derived ones by name
         if not have:
             raise ReleaseError(f"no vLLM releases installed in {home}; install them with: "
                                f"simsched releases install")
@@ -522,6 +582,7 @@ def resolve(spec: str, home: Path | str | None = None,
     wanted = [v.strip() for v in spec.split(",") if v.strip()]
     if not wanted:
         raise ReleaseError("no vLLM release given; say e.g. 0.30.0 or all")
+    have.update({r.version: r for r in installed_derived(home)})
     for version in wanted:
         if version not in releases and version not in have:
             raise _unknown(version, releases)
@@ -582,4 +643,31 @@ def cli_list(args: object = None) -> int:
         print(f"  vllm {version:<8} {where}")
     if len(have) < len(KNOWN_RELEASES):
         print("install with: simsched releases install [X.Y.Z ...]")
+    derived = installed_derived(home)
+    if derived:
+        print("derived targets (simsched releases add / remove):")
+    for target in derived:
+        print(f"  {target.version:<13} {target.path}\n{'':16}derived: {target.origin}")
+    return 0
+
+
+def cli_add(name: str, base: str, patch: str | None, tree: str | None) -> int:
+    """`simsched releases add NAME --base X.Y.Z (--patch FILE | --tree PATH)`."""
+    from simsched.vllm import derived
+    try:
+        target = derived.add(name, base, patch=patch, tree=tree,
+                             progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except ReleaseError as err:
+        return _error(err)
+    print(f"{target.version}: {derived.describe(target)}")
+    return 0
+
+
+def cli_remove(name: str) -> int:
+    from simsched.vllm import derived
+    try:
+        derived.remove(name)
+    except ReleaseError as err:
+        return _error(err)
+    print(f"removed {name}")
     return 0

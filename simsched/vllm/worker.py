@@ -59,16 +59,16 @@ def spec_for(version: str, *, asserts: bool = True, coverage: bool = False,
     a campaign against a mutated release that gives it no hint)."""
     from simsched.vllm import releases  # lazy: written and owned elsewhere
 
-    for rel in releases.installed():
-        if rel.version == version:
-            cmd = list(releases.worker_command(rel))
-            env = dict(releases.worker_env(rel))
-            if coverage:
-                env["SIMSCHED_COVERAGE"] = "1"
-            if mutant:
-                env["SIMSCHED_MUTANT"] = mutant
-            return WorkerSpec(version=version, python=cmd[0], env=env, optimize=not asserts)
-    raise LookupError(f"vLLM release {version} is not installed")
+    rel = releases.find(version)      # a release, or a derived target by its name
+    if rel is None:
+        raise LookupError(f"vLLM release {version} is not installed")
+    cmd = list(releases.worker_command(rel))
+    env = dict(releases.worker_env(rel))
+    if coverage:
+        env["SIMSCHED_COVERAGE"] = "1"
+    if mutant:
+        env["SIMSCHED_MUTANT"] = mutant
+    return WorkerSpec(version=version, python=cmd[0], env=env, optimize=not asserts)
 
 
 def default_env(pythonpath: str, cache_root: str) -> dict[str, str]:

@@ -1,0 +1,387 @@
+"""``simsched compare A B``: what a change of vLLM changes, found on the same generated cases.
+
+A and B are targets: a release (``0.30.0``), a derived target (``simsched releases add``: a
+patched release or a source tree) or the model under a profile (``model:prefix-cacheable``).
+Typically A is a patch and B its base. Every case runs on both, step by step on a real target's
+Scheduler (after its config chain), and the two runs are set side by side:
+
+``fixed``
+    a bug B shows and A does not (a crash that is not a clean refusal, a broken invariant);
+``introduced``
+    a bug A shows and B does not;
+``changed``
+    no bug differs, but the behaviour does: one refuses at start-up what the other runs, or
+    the step traces differ (more or fewer loads and stores, other blocks, a request finishing
+    later), named by the first differing step.
+
+Each difference is a key (the finding's signature, with the group kinds as the scheduler's
+managers see them for an invariant; for a change, what differs and the group kinds); the first
+case showing a new key is shrunk while the same key shows (hypothesis's shrinker, then whole
+groups, requests and knobs dropped), and later cases showing it are counted as its variants.
+Cases come from :func:`fuzz.strategies.cases` with a fixed seed, after a few seed cases (the
+reference PR's ring layouts, and the hand-made load, fence and abort cases), so the same seed
+gives the same cases. simsched's own failures (the model's crash, a worker that died or hung)
+are listed as tool errors, never as differences.
+
+Writes ``OUT/compare.json`` (``fixed``, ``introduced``, ``changed``, ``tool_errors``),
+``OUT/compare.md`` and the shrunk cases under ``OUT/cases/``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+from unittest import mock
+
+from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
+from hypothesis.errors import Flaky
+from hypothesis.internal.conjecture import engine as hypothesis_engine
+
+from fuzz import triage as tri
+from fuzz.campaign import simplify
+from fuzz.strategies import cases
+from simsched.case import Case
+from simsched.geometry import get_profile
+from simsched.lockstep import HANDMADE, diff_traces
+from simsched.outcome import Observation, describe
+from simsched.replay import observe
+from simsched.targets import ModelTarget, Releases, ReleaseTarget
+
+FORMAT = "simsched-compare/1"
+ROUND_EXAMPLES = 200
+SHRINK_SECONDS = 20.0
+MAX_CHANGED = 20        # change keys kept: beyond them a change is counted, not shrunk
+MAX_LAYOUTS = 12        # the layouts of a difference's variants listed
+
+
+class CompareError(Exception):
+    """Bad arguments to ``simsched compare``; the message says what is wrong."""
+
+
+#: the seed cases: the reference PR's ring layouts (a boot assert on 0.29.0 and 0.30.0), then
+#: the hand-made cases of loads, fences and aborts
+def seed_cases(asserts: bool) -> list[Case]:
+    prompt = [{"id": "a", "prompt": [[7, 64]], "decode": 2}]
+    rings = [Case.from_json({"layout": {"groups": groups}, "requests": prompt,
+                             "asserts": asserts})
+             for groups in ([{"kind": "full", "block_size": 16},
+                             {"kind": "ring", "block_size": 4}],
+                            [{"kind": "mla", "block_size": 64},
+                             {"kind": "ring", "block_size": 4}])]
+    made = [Case.from_json(dict(HANDMADE[name], asserts=asserts))
+            for name in ("load", "fence", "abort_load")]
+    return rings + made
+
+
+@dataclass
+class Side:
+    """One target's run of one case: its status, its findings by key, its step trace."""
+
+    status: str                  # ran, refused, unsupported, error (boot crash), worker, model
+    outcome: dict
+    bugs: dict[tuple, Observation] = field(default_factory=dict)
+    tool: list[Observation] = field(default_factory=list)
+    trace: list[str] = field(default_factory=list)
+
+
+def finding_key(o: Observation, case: Case) -> tuple:
+    """What a finding is compared by, on real targets and the model alike: its signature, and
+    for an invariant the group kinds as the managers see them (one cause per kinds)."""
+    if o.signature.kind == "invariant":
+        kinds = o.outcome.get("group_kinds") or tri.group_kinds(case.layout)
+        return (str(o.signature), tri.manager_kinds(kinds))
+    return (str(o.signature),)
+
+
+def _is_tool(o: Observation) -> bool:
+    fn = o.outcome.get("function") or o.signature.function
+    return (o.signature.exception in tri.WORKER_FAILURES or fn == "release_worker"
+            or fn.startswith("simsched") or o.outcome.get("stage") == "model")
+
+
+def _is_refusal(o: Observation, real: bool) -> bool:
+    """A clean refusal at start-up (not a bug). The model's outcomes carry no source line:
+    there a named exception of a start-up stage, with a message, is one."""
+    if real:
+        return tri.is_refusal(o.outcome)
+    out = o.outcome
+    return (out.get("stage") in tri.START_UP_STAGES and bool(out.get("message"))
+            and out.get("exception") in tri.REFUSAL_EXCEPTIONS)
+
+
+class Compare:
+    def __init__(self, a: str, b: str, pool: Releases, out: Path, *, budget: float = 120.0,
+                 seed_: int = 0, asserts: bool | None = True,
+                 progress: Callable[[str], None] = print):
+        if a == b:
+            raise CompareError(f"compare {a} with itself: give two different targets")
+        self.names = (a, b)
+        self.targets = {n: self._target(n, pool) for n in (a, b)}
+        self.pool, self.out, self.budget, self.seed = pool, Path(out), budget, seed_
+        self.asserts, self.progress = asserts, progress
+        self.found: dict[tuple, dict] = {}     # key -> its entry (fixed, introduced, changed)
+        self.tool_errors: dict[tuple, dict] = {}
+        self.examples = 0
+        self.seconds: dict[str, float] = {a: 0.0, b: 0.0}
+        self.real_steps: dict[str, int] = {a: 0, b: 0}
+        self.started = 0.0
+
+    @staticmethod
+    def _target(name: str, pool: Releases) -> ModelTarget | ReleaseTarget:
+        if name.startswith("model:"):
+            try:
+                return ModelTarget(get_profile(name.split(":", 1)[1]))
+            except KeyError as e:
+                raise CompareError(str(e.args[0])) from None
+        if name not in pool.versions:
+            raise CompareError(f"{name}: not an installed release or derived target")
+        return ReleaseTarget(name, pool)
+
+    # --- one case on one side ------------------------------------------------------------
+
+    def side(self, case: Case, name: str) -> Side:
+        t = self.targets[name]
+        t0 = time.perf_counter()
+        outcomes: dict = {}
+        traces: dict = {}
+        if isinstance(t, ModelTarget):
+            obs = observe(case, [t], [], outcomes)
+            outcome = outcomes[t.name]
+            status = "error" if outcome.get("status") == "error" else "ran"
+            trace = self._model_trace(case, t) if status == "ran" else []
+        else:
+            obs = [o for o in observe(case, [], [t], outcomes, steps=[t], traces=traces)
+                   if o.target == t.name and o.signature.kind != "divergence"]
+            outcome = outcomes[t.name]
+            status = outcome.get("status", "?")
+            if status == "ran":
+                self.real_steps[name] += outcome.get("steps", 0)
+            res = traces.get(t.name)
+            trace = (res.real.get("trace") or []) if res is not None else []
+        self.seconds[name] += time.perf_counter() - t0
+        s = Side(status, outcome, trace=trace)
+        for o in obs:
+            if _is_tool(o):
+                s.tool.append(o)
+            elif not _is_refusal(o, not isinstance(t, ModelTarget)):
+                s.bugs.setdefault(finding_key(o, case), o)
+            elif s.status == "ran":
+                s.status = "refused"             # a clean refusal in the config chain
+        return s
+
+    @staticmethod
+    def _model_trace(case: Case, t: ModelTarget) -> list[str]:
+        from simsched.model import run_case
+        try:
+            result = run_case(case, t.profile)
+        except Exception:        # the model's crash is a tool error, reported by observe
+            return []
+        return result.trace if result.refused is None else []
+
+    # --- the two sides of one case ---------------------------------------------------------
+
+    def differences(self, case: Case) -> tuple[list[tuple], Side, Side]:
+        """The keys in which A's run of ``case`` differs from B's, and the two runs."""
+        a, b = (self.side(case, n) for n in self.names)
+        for s, name in ((a, self.names[0]), (b, self.names[1])):
+            for o in s.tool:
+                self._note_tool_error(case, o, name)
+        if a.tool or b.tool:
+            return [], a, b
+        keys = [("fixed",) + k for k in sorted(set(b.bugs) - set(a.bugs))]
+        keys += [("introduced",) + k for k in sorted(set(a.bugs) - set(b.bugs))]
+        if keys or a.bugs or b.bugs:
+            return keys, a, b
+        kinds = tri.manager_kinds(tri.group_kinds(case.layout))
+        if a.status != b.status:
+            return [("changed", f"{b.status} -> {a.status}", kinds)], a, b
+        if a.status == "ran":
+            div = diff_traces(b.trace, a.trace)
+            if div is not None:
+                return [("changed", f"trace.{div.kind}", kinds)], a, b
+        return [], a, b
+
+    def _note_tool_error(self, case: Case, o: Observation, name: str) -> None:
+        key = (str(o.signature), name)
+        if key not in self.tool_errors:
+            path = self._save(case, "tool-" + tri.cluster_name(key))
+            self.tool_errors[key] = {"signature": str(o.signature), "target": name,
+                                     "message": (o.outcome.get("message") or "")[:300],
+                                     "case": path}
+            self.progress(f"tool error (simsched, not vLLM) on {name}: {o.signature}; "
+                          f"case {path}")
+
+    # --- search and shrink -----------------------------------------------------------------
+
+    def _round(self, round_no: int, deadline: float) -> None:
+        state: dict = {"key": None, "case": None}
+
+        class Found(Exception):
+            pass
+
+        @settings(database=None, max_examples=ROUND_EXAMPLES, deadline=None,
+                  report_multiple_bugs=False, print_blob=False, verbosity=Verbosity.quiet,
+                  suppress_health_check=list(HealthCheck),
+                  phases=(Phase.generate, Phase.shrink))
+        @seed(self.seed * 1_000_003 + round_no)
+        @given(cases(asserts=self.asserts))
+        def body(case: Case) -> None:
+            if state["key"] is None:
+                if time.monotonic() > deadline:
+                    return
+                self.examples += 1
+                keys, _, _ = self.differences(case)
+                new = [k for k in keys if not self._known(k, case)]
+                if not new:
+                    return
+                state["key"] = new[0]
+                self.progress(f"[{time.monotonic() - self.started:6.1f}s] {new[0][0]}: "
+                              f"{' '.join(new[0][1:])}; shrinking ...")
+            elif state["key"] not in self.differences(case)[0]:
+                return
+            state["case"] = case
+            raise Found
+
+        shrink_s = max(5.0, min(SHRINK_SECONDS, deadline - time.monotonic()))
+        try:
+            with mock.patch.object(hypothesis_engine, "MAX_SHRINKING_SECONDS", shrink_s):
+                body()
+        except Flaky:     # shown once, not again on the same case: never a difference
+            self.progress(f"set aside (not reproducible): {state['key']}")
+            if state["key"] is not None:
+                self.found.setdefault(state["key"], {"unreproducible": True})
+        except Found:
+            self._record(state["key"], state["case"])
+
+    def _known(self, key: tuple, case: Case) -> bool:
+        """A key found already (counted as its variant) or a change past the cap."""
+        if key in self.found:
+            entry = self.found[key]
+            entry["variants"] = entry.get("variants", 0) + 1
+            layouts = entry.setdefault("variant_layouts", [])
+            if case.layout.describe() not in layouts and len(layouts) < MAX_LAYOUTS:
+                layouts.append(case.layout.describe())
+            return True
+        changed = sum(1 for k in self.found if k[0] == "changed")
+        return key[0] == "changed" and changed >= MAX_CHANGED
+
+    def _record(self, key: tuple, case: Case) -> None:
+        def still_shows(c: Case):
+            return True if key in self.differences(c)[0] else None
+        case, _ = simplify(case, still_shows, None, seconds=SHRINK_SECONDS)
+        keys, a, b = self.differences(case)
+        entry_id = tri.cluster_name(key)
+        shown_on = {"fixed": self.names[1], "introduced": self.names[0]}.get(key[0])
+        side = a if key[0] == "introduced" else b
+        obs = side.bugs.get(key[1:]) if shown_on else None
+        div = diff_traces(b.trace, a.trace) if a.trace or b.trace else None
+        self.found[key] = {
+            "id": entry_id, "what": key[0], "key": list(key[1:]),
+            "signature": key[1] if shown_on else None,
+            "shown_on": shown_on, "reproduced": key in keys,
+            "case": self._save(case, entry_id), "layout": case.layout.describe(),
+            "requests": len(case.requests),
+            "detail": (obs.outcome.get("detail") or obs.outcome.get("message") or "")[:300]
+                      if obs else "",
+            "a": describe(a.outcome), "b": describe(b.outcome),
+            "first_difference": div and {"step": div.step, "kind": div.kind,
+                                         "a": div.real_line, "b": div.model_line},
+            "found_after_s": round(time.monotonic() - self.started, 1),
+            "examples_before": self.examples,
+            "variants": self.found.get(key, {}).get("variants", 0),
+            "variant_layouts": self.found.get(key, {}).get("variant_layouts", [])}
+        self.progress(f"  -> {key[0]} {entry_id}: {case.layout.describe()}")
+
+    def _save(self, case: Case, name: str) -> str:
+        folder = self.out / "cases"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.json").write_text(json.dumps(case.to_json(), indent=1) + "\n")
+        return f"cases/{name}.json"
+
+    # --- the whole comparison ------------------------------------------------------------
+
+    def run(self) -> dict:
+        self.started = time.monotonic()
+        deadline = self.started + self.budget
+        for asserts in ((True, False) if self.asserts is None else (self.asserts,)):
+            for case in seed_cases(asserts):
+                self.examples += 1
+                for key in self.differences(case)[0]:
+                    if not self._known(key, case):
+                        self._record(key, case)
+        round_no = 0
+        while time.monotonic() < deadline:
+            self._round(round_no, deadline)
+            round_no += 1
+        return self.write()
+
+    def write(self) -> dict:
+        entries = [e for e in self.found.values() if "id" in e]
+        data = {
+            "format": FORMAT, "a": self.names[0], "b": self.names[1],
+            "bases": {n: self.pool.release_of(n) for n in self.names
+                      if not n.startswith("model:")},
+            "budget_s": self.budget, "seed": self.seed, "examples": self.examples,
+            "seconds": {n: round(s, 1) for n, s in self.seconds.items()},
+            "real_steps": self.real_steps,
+            "fixed": [e for e in entries if e["what"] == "fixed"],
+            "introduced": [e for e in entries if e["what"] == "introduced"],
+            "changed": [e for e in entries if e["what"] == "changed"],
+            "tool_errors": list(self.tool_errors.values()),
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "compare.json").write_text(json.dumps(data, indent=1) + "\n")
+        (self.out / "compare.md").write_text(markdown(data))
+        return data
+
+
+def markdown(data: dict) -> str:
+    a, b = data["a"], data["b"]
+    lines = [f"# simsched compare: {a} against {b}", "",
+             f"{data['examples']} cases (seed {data['seed']}, budget {data['budget_s']:g} s), "
+             f"each run on both, step by step on a real target. Seconds: "
+             + ", ".join(f"{n} {s}" for n, s in data["seconds"].items()) + "; real steps: "
+             + ", ".join(f"{n} {s:,}" for n, s in data["real_steps"].items()) + ".", ""]
+    heads = {"fixed": f"Fixed: bugs of {b} that {a} does not show",
+             "introduced": f"Introduced: bugs of {a} that {b} does not show",
+             "changed": "Changed: no bug differs, the behaviour does"}
+    for what, head in heads.items():
+        rows = data[what]
+        lines += [f"## {head} ({len(rows)})", ""]
+        if not rows:
+            lines += ["None.", ""]
+            continue
+        lines += ["| difference | shrunk case | layout | first differing step | "
+                  f"{a} | {b} |", "|---|---|---|---|---|---|"]
+        for e in rows:
+            d = e.get("first_difference")
+            step = (f"step {d['step']} ({d['kind']}): {a} `{d['a']}`, {b} `{d['b']}`"
+                    if d else "at start-up")
+            name = " ".join(map(str, e["key"]))
+            also = ", ".join(f"`{x}`" for x in e["variant_layouts"][:4])
+            lines.append(f"| {name} (+{e['variants']} variants{': ' + also if also else ''}) | [{e['case']}]({e['case']}) | "
+                         f"`{e['layout']}` | {step} | {e['a'][:90]} | {e['b'][:90]} |")
+        lines.append("")
+    if data["tool_errors"]:
+        lines += ["## Tool errors (simsched's own, not vLLM's)", ""]
+        lines += [f"- {t['target']}: {t['signature']}: {t['message'][:120]} ({t['case']})"
+                  for t in data["tool_errors"]]
+        lines.append("")
+    lines += [f"Replay one: `simsched replay CASE --release {a} --release {b}`.", ""]
+    return "\n".join(lines)
+
+
+def compare(a: str, b: str, *, budget: float, seed_: int = 0, out: str | Path = "compare-out",
+            asserts: bool | None = True, timeout: float = 60.0,
+            progress: Callable[[str], None] = print) -> dict:
+    """Run ``simsched compare A B``; returns what ``compare.json`` holds."""
+    real = [n for n in (a, b) if not n.startswith("model:")]
+    with Releases.installed(real, timeout=timeout) as pool:
+        return Compare(a, b, pool, Path(out), budget=budget, seed_=seed_, asserts=asserts,
+                       progress=progress).run()
+
+
+__all__ = ["Compare", "CompareError", "compare", "finding_key", "markdown", "seed_cases"]
