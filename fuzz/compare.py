@@ -9,6 +9,10 @@ Scheduler (after its config chain), and the two runs are set side by side:
     a bug B shows and A does not (a crash that is not a clean refusal, a broken invariant);
 ``introduced``
     a bug A shows and B does not;
+``unmasked`` / ``masked``
+    a bug A shows (B shows) on a case where the other crashes at start-up: the crash hides it,
+    and a fix of the crash makes it reachable (the upstream fix of the ring boot assert lets
+    0.30.0 reach a fence bug of rings that 0.31.0 and 0.32.0 have and 0.33.0 fixed);
 ``changed``
     no bug differs, but the behaviour does: one refuses at start-up what the other runs, or
     the step traces differ (more or fewer loads and stores, other blocks, a request finishing
@@ -23,7 +27,7 @@ reference PR's ring layouts, and the hand-made load, fence and abort cases), so 
 gives the same cases. simsched's own failures (the model's crash, a worker that died or hung)
 are listed as tool errors, never as differences.
 
-Writes ``OUT/compare.json`` (``fixed``, ``introduced``, ``changed``, ``tool_errors``),
+Writes ``OUT/compare.json`` (the lists above, and ``tool_errors``),
 ``OUT/compare.md`` and the shrunk cases under ``OUT/cases/``.
 """
 
@@ -55,36 +59,50 @@ ROUND_EXAMPLES = 200
 SHRINK_SECONDS = 20.0
 MAX_CHANGED = 20        # change keys kept: beyond them a change is counted, not shrunk
 MAX_LAYOUTS = 12        # the layouts of a difference's variants listed
+WHATS = ("fixed", "introduced", "unmasked", "masked", "changed")
 
 
 class CompareError(Exception):
     """Bad arguments to ``simsched compare``; the message says what is wrong."""
 
 
-#: the seed cases: the reference PR's ring layouts (a boot assert on 0.29.0 and 0.30.0), then
-#: the hand-made cases of loads, fences and aborts
+#: a ring beside MLA, with a store still running when the ring's block is allocated anew: on
+#: 0.31.0 and 0.32.0 the ring's allocations do not fence the store (INV-6), found by a campaign
+RING_STORE_FENCE = {
+    "layout": {"groups": [{"kind": "mla", "block_size": 64}, {"kind": "ring", "block_size": 132}]},
+    "requests": [{"id": "r0", "prompt": [[0, 1152]]}, {"id": "r1", "prompt": [[0, 64]]}],
+    "timing": {"store_latency": 5, "max_num_batched_tokens": 256}}
+
+
 def seed_cases(asserts: bool) -> list[Case]:
+    """The cases every comparison starts with: the reference PR's ring layouts (a boot assert
+    on 0.29.0 and 0.30.0) and a ring under a running store, then the hand-made cases of loads,
+    fences and aborts."""
     prompt = [{"id": "a", "prompt": [[7, 64]], "decode": 2}]
-    rings = [Case.from_json({"layout": {"groups": groups}, "requests": prompt,
-                             "asserts": asserts})
+    rings = [{"layout": {"groups": groups}, "requests": prompt}
              for groups in ([{"kind": "full", "block_size": 16},
                              {"kind": "ring", "block_size": 4}],
                             [{"kind": "mla", "block_size": 64},
                              {"kind": "ring", "block_size": 4}])]
-    made = [Case.from_json(dict(HANDMADE[name], asserts=asserts))
-            for name in ("load", "fence", "abort_load")]
-    return rings + made
+    made = [HANDMADE[name] for name in ("load", "fence", "abort_load")]
+    return [Case.from_json(dict(c, asserts=asserts)) for c in rings + [RING_STORE_FENCE] + made]
 
 
 @dataclass
 class Side:
     """One target's run of one case: its status, its findings by key, its step trace."""
 
-    status: str                  # ran, refused, unsupported, error (boot crash), worker, model
+    status: str                  # ran, refused, crashed; unsupported, worker (releases)
     outcome: dict
     bugs: dict[tuple, Observation] = field(default_factory=dict)
     tool: list[Observation] = field(default_factory=list)
     trace: list[str] = field(default_factory=list)
+
+    @property
+    def crashed_at_start(self) -> bool:
+        """A bug crashed the engine at start-up: nothing after it ran."""
+        return any(o.signature.kind == "crash" and o.outcome.get("stage") in tri.START_UP_STAGES
+                   for o in self.bugs.values())
 
 
 def finding_key(o: Observation, case: Case) -> tuple:
@@ -114,7 +132,7 @@ def _is_refusal(o: Observation, real: bool) -> bool:
 
 class Compare:
     def __init__(self, a: str, b: str, pool: Releases, out: Path, *, budget: float = 120.0,
-                 seed_: int = 0, asserts: bool | None = True,
+                 seed_: int = 0, asserts: bool | None = True, max_cases: int | None = None,
                  progress: Callable[[str], None] = print):
         if a == b:
             raise CompareError(f"compare {a} with itself: give two different targets")
@@ -122,7 +140,8 @@ class Compare:
         self.targets = {n: self._target(n, pool) for n in (a, b)}
         self.pool, self.out, self.budget, self.seed = pool, Path(out), budget, seed_
         self.asserts, self.progress = asserts, progress
-        self.found: dict[tuple, dict] = {}     # key -> its entry (fixed, introduced, changed)
+        self.max_cases = max_cases     # stop after this many cases, budget or not
+        self.found: dict[tuple, dict] = {}     # key -> its entry (one of WHATS)
         self.tool_errors: dict[tuple, dict] = {}
         self.examples = 0
         self.seconds: dict[str, float] = {a: 0.0, b: 0.0}
@@ -143,6 +162,10 @@ class Compare:
     # --- one case on one side ------------------------------------------------------------
 
     def side(self, case: Case, name: str) -> Side:
+        """Run ``case`` on one target. Its status, in words both kinds of target share:
+        ``ran``, ``refused`` (a clean refusal at start-up: a named exception of the config
+        chain, or the engine's start-up checks), ``crashed`` (at start-up, a bug), and for a
+        release ``unsupported`` (it cannot express the layout) or ``worker`` (simsched's)."""
         t = self.targets[name]
         t0 = time.perf_counter()
         outcomes: dict = {}
@@ -150,8 +173,7 @@ class Compare:
         if isinstance(t, ModelTarget):
             obs = observe(case, [t], [], outcomes)
             outcome = outcomes[t.name]
-            status = "error" if outcome.get("status") == "error" else "ran"
-            trace = self._model_trace(case, t) if status == "ran" else []
+            status, trace = self._model_run(case, t, outcome)
         else:
             obs = [o for o in observe(case, [], [t], outcomes, steps=[t], traces=traces)
                    if o.target == t.name and o.signature.kind != "divergence"]
@@ -168,18 +190,21 @@ class Compare:
                 s.tool.append(o)
             elif not _is_refusal(o, not isinstance(t, ModelTarget)):
                 s.bugs.setdefault(finding_key(o, case), o)
-            elif s.status == "ran":
-                s.status = "refused"             # a clean refusal in the config chain
+            else:
+                s.status, s.trace = "refused", []   # a clean refusal in the config chain
         return s
 
     @staticmethod
-    def _model_trace(case: Case, t: ModelTarget) -> list[str]:
+    def _model_run(case: Case, t: ModelTarget, outcome: dict) -> tuple[str, list[str]]:
+        """The model's status and step trace (its findings come from ``observe``)."""
         from simsched.model import run_case
+        if outcome.get("status") == "error":
+            return "crashed", []
         try:
             result = run_case(case, t.profile)
-        except Exception:        # the model's crash is a tool error, reported by observe
-            return []
-        return result.trace if result.refused is None else []
+        except Exception:        # the model's crash: a tool error, reported by observe
+            return "crashed", []
+        return ("refused", []) if result.refused is not None else ("ran", result.trace)
 
     # --- the two sides of one case ---------------------------------------------------------
 
@@ -191,11 +216,18 @@ class Compare:
                 self._note_tool_error(case, o, name)
         if a.tool or b.tool:
             return [], a, b
-        keys = [("fixed",) + k for k in sorted(set(b.bugs) - set(a.bugs))]
-        keys += [("introduced",) + k for k in sorted(set(a.bugs) - set(b.bugs))]
+        # a bug the other side cannot reach, because it crashes at start-up on this case, is
+        # not fixed or introduced: the crash masks it (a fix of the crash unmasks it)
+        keys = [("masked" if a.crashed_at_start else "fixed",) + k
+                for k in sorted(set(b.bugs) - set(a.bugs))]
+        keys += [("unmasked" if b.crashed_at_start else "introduced",) + k
+                 for k in sorted(set(a.bugs) - set(b.bugs))]
         if keys or a.bugs or b.bugs:
             return keys, a, b
         kinds = tri.manager_kinds(tri.group_kinds(case.layout))
+        model = any(n.startswith("model:") for n in self.names)
+        if model and "unsupported" in (a.status, b.status):
+            return [], a, b      # a layout the release cannot express: the model cannot tell
         if a.status != b.status:
             return [("changed", f"{b.status} -> {a.status}", kinds)], a, b
         if a.status == "ran":
@@ -230,7 +262,7 @@ class Compare:
         @given(cases(asserts=self.asserts))
         def body(case: Case) -> None:
             if state["key"] is None:
-                if time.monotonic() > deadline:
+                if self._done(deadline):
                     return
                 self.examples += 1
                 keys, _, _ = self.differences(case)
@@ -274,8 +306,9 @@ class Compare:
         case, _ = simplify(case, still_shows, None, seconds=SHRINK_SECONDS)
         keys, a, b = self.differences(case)
         entry_id = tri.cluster_name(key)
-        shown_on = {"fixed": self.names[1], "introduced": self.names[0]}.get(key[0])
-        side = a if key[0] == "introduced" else b
+        shown_on = {"fixed": self.names[1], "masked": self.names[1],
+                    "introduced": self.names[0], "unmasked": self.names[0]}.get(key[0])
+        side = a if key[0] in ("introduced", "unmasked") else b
         obs = side.bugs.get(key[1:]) if shown_on else None
         div = diff_traces(b.trace, a.trace) if a.trace or b.trace else None
         self.found[key] = {
@@ -313,10 +346,14 @@ class Compare:
                     if not self._known(key, case):
                         self._record(key, case)
         round_no = 0
-        while time.monotonic() < deadline:
+        while not self._done(deadline):
             self._round(round_no, deadline)
             round_no += 1
         return self.write()
+
+    def _done(self, deadline: float) -> bool:
+        return time.monotonic() > deadline or (self.max_cases is not None
+                                               and self.examples >= self.max_cases)
 
     def write(self) -> dict:
         entries = [e for e in self.found.values() if "id" in e]
@@ -327,15 +364,18 @@ class Compare:
             "budget_s": self.budget, "seed": self.seed, "examples": self.examples,
             "seconds": {n: round(s, 1) for n, s in self.seconds.items()},
             "real_steps": self.real_steps,
-            "fixed": [e for e in entries if e["what"] == "fixed"],
-            "introduced": [e for e in entries if e["what"] == "introduced"],
-            "changed": [e for e in entries if e["what"] == "changed"],
+            **{what: [e for e in entries if e["what"] == what] for what in WHATS},
             "tool_errors": list(self.tool_errors.values()),
         }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "compare.json").write_text(json.dumps(data, indent=1) + "\n")
         (self.out / "compare.md").write_text(markdown(data))
         return data
+
+
+def _cell(text: str) -> str:
+    """Text for a markdown table cell (layouts hold ``|``)."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown(data: dict) -> str:
@@ -347,6 +387,8 @@ def markdown(data: dict) -> str:
              + ", ".join(f"{n} {s:,}" for n, s in data["real_steps"].items()) + ".", ""]
     heads = {"fixed": f"Fixed: bugs of {b} that {a} does not show",
              "introduced": f"Introduced: bugs of {a} that {b} does not show",
+             "unmasked": f"Unmasked: bugs of {a} on cases where {b} crashes at start-up",
+             "masked": f"Masked: bugs of {b} on cases where {a} crashes at start-up",
              "changed": "Changed: no bug differs, the behaviour does"}
     for what, head in heads.items():
         rows = data[what]
@@ -362,8 +404,10 @@ def markdown(data: dict) -> str:
                     if d else "at start-up")
             name = " ".join(map(str, e["key"]))
             also = ", ".join(f"`{x}`" for x in e["variant_layouts"][:4])
-            lines.append(f"| {name} (+{e['variants']} variants{': ' + also if also else ''}) | [{e['case']}]({e['case']}) | "
-                         f"`{e['layout']}` | {step} | {e['a'][:90]} | {e['b'][:90]} |")
+            cells = [f"{name} (+{e['variants']} variants{': ' + also if also else ''})",
+                     f"[{e['case']}]({e['case']})", f"`{e['layout']}`", step, e["a"][:90],
+                     e["b"][:90]]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         lines.append("")
     if data["tool_errors"]:
         lines += ["## Tool errors (simsched's own, not vLLM's)", ""]
@@ -375,13 +419,13 @@ def markdown(data: dict) -> str:
 
 
 def compare(a: str, b: str, *, budget: float, seed_: int = 0, out: str | Path = "compare-out",
-            asserts: bool | None = True, timeout: float = 60.0,
+            asserts: bool | None = True, timeout: float = 60.0, max_cases: int | None = None,
             progress: Callable[[str], None] = print) -> dict:
     """Run ``simsched compare A B``; returns what ``compare.json`` holds."""
     real = [n for n in (a, b) if not n.startswith("model:")]
     with Releases.installed(real, timeout=timeout) as pool:
         return Compare(a, b, pool, Path(out), budget=budget, seed_=seed_, asserts=asserts,
-                       progress=progress).run()
+                       max_cases=max_cases, progress=progress).run()
 
 
 __all__ = ["Compare", "CompareError", "compare", "finding_key", "markdown", "seed_cases"]

@@ -164,18 +164,18 @@ def cmd_fuzz(args) -> int:
 def cmd_compare(args) -> int:
     """Run the same cases on two targets; exit 1 when A introduces a bug B does not show (or
     simsched itself failed: a tool error), else 0."""
-    from fuzz.compare import CompareError, compare
+    from fuzz.compare import WHATS, CompareError, compare
     try:
         data = compare(args.a, args.b, budget=args.budget, seed_=args.seed, out=args.out,
                        asserts={"on": True, "off": False, "both": None}[args.asserts],
-                       timeout=args.timeout,
+                       timeout=args.timeout, max_cases=args.cases,
                        progress=lambda s: print(s, file=sys.stderr, flush=True))
     except CompareError as e:
         return _fail(str(e))
-    print(f"{args.a} against {args.b}: {len(data['fixed'])} fixed, "
-          f"{len(data['introduced'])} introduced, {len(data['changed'])} changed "
-          f"({data['examples']} cases) in {args.out}/compare.md")
-    for what in ("fixed", "introduced", "changed"):
+    print(f"{args.a} against {args.b}: "
+          + ", ".join(f"{len(data[w])} {w}" for w in WHATS)
+          + f" ({data['examples']} cases) in {args.out}/compare.md")
+    for what in WHATS:
         for e in data[what]:
             print(f"  [{what}] {' '.join(map(str, e['key']))}: {e['layout']} ({e['case']})")
     for t in data["tool_errors"]:
@@ -280,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--asserts", choices=("on", "off", "both"), default="on",
                    help="run vLLM with asserts on (default), stripped (python -O), or both")
     c.add_argument("--timeout", type=float, default=60.0, help="per-call worker time limit (s)")
+    c.add_argument("--cases", type=int, help="stop after this many cases (the budget still "
+                   "applies): the same seed and count give the same cases")
     c.set_defaults(fn=cmd_compare)
 
     rp = sub.add_parser("repro", help="write the repro folder of the bug a case shows (the "
