@@ -28,7 +28,6 @@ Patches (``git diff`` format, paths ``a/vllm/...``; copies in ``examples/patches
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
 
@@ -84,12 +83,6 @@ def _source(version: str, path: str) -> str:
     return (found.path / path).read_text()
 
 
-def diff(path: str, old: str, new: str) -> str:
-    """``git diff`` of one file: paths ``a/...`` and ``b/...``."""
-    return "".join(difflib.unified_diff(old.splitlines(keepends=True),
-                                        new.splitlines(keepends=True), f"a/{path}", f"b/{path}"))
-
-
 def _replaced(text: str, old: str, new: str) -> str:
     assert text.count(old) == 1, f"the 0.30.0 source changed: {old[:60]!r} not found once"
     return text.replace(old, new)
@@ -98,31 +91,31 @@ def _replaced(text: str, old: str, new: str) -> str:
 def upstream_scope() -> str:
     """The first two hunks of 0.30.0 -> 0.31.0 of offloading/config.py, as a patch."""
     old, new = _source(BASE, CONFIG), _source("0.31.0", CONFIG)
-    (fp,) = unidiff.parse(diff(CONFIG, old, new), "0.30.0..0.31.0")
+    (fp,) = unidiff.parse(unidiff.diff(CONFIG, old, new), "0.30.0..0.31.0")
     fp.hunks = [h for h in fp.hunks if any("prefix_cacheable_group_ids" in x
                                            or "all_groups_selected" in x for x in h.old + h.new)]
     assert len(fp.hunks) == 2, "expected the scoping hunk and the stride hunk"
-    return diff(CONFIG, old, unidiff.patched_text(fp, old, "0.30.0..0.31.0"))
+    return unidiff.diff(CONFIG, old, unidiff.patched_text(fp, old, "0.30.0..0.31.0"))
 
 
 def assert_only() -> str:
     old = _source(BASE, CONFIG)
-    return diff(CONFIG, old, _replaced(old, ASSERT_OLD, ASSERT_NEW))
+    return unidiff.diff(CONFIG, old, _replaced(old, ASSERT_OLD, ASSERT_NEW))
 
 
 def scope_groups() -> str:
     old = _source(BASE, CONFIG)
-    return diff(CONFIG, old, _replaced(old, SCOPE_OLD, SCOPE_NEW))
+    return unidiff.diff(CONFIG, old, _replaced(old, SCOPE_OLD, SCOPE_NEW))
 
 
 def no_alloc_fence() -> str:
     old = _source(BASE, SCHEDULER)
-    return diff(SCHEDULER, old, _replaced(old, FENCE_OLD, ""))
+    return unidiff.diff(SCHEDULER, old, _replaced(old, FENCE_OLD, ""))
 
 
 def no_realloc_fence() -> str:
     old = _source(BASE, SCHEDULER)
-    return diff(SCHEDULER, old, _replaced(old, REALLOC_FENCE_OLD, ""))
+    return unidiff.diff(SCHEDULER, old, _replaced(old, REALLOC_FENCE_OLD, ""))
 
 
 PATCHES = {"upstream-scope": upstream_scope, "assert-only": assert_only,

@@ -6,11 +6,12 @@ hunk that does not match stops the whole patch with a one-line error naming the 
 path and the hunk. Files are created (``--- /dev/null``), deleted (``+++ /dev/null``) or
 changed; renames, mode-only changes and binary patches are refused, and so is a path outside
 ``vllm/``. :func:`parse` reads the patch, :func:`apply` writes the result; nothing is written
-until every hunk of every file matched.
+until every hunk of every file matched. :func:`diff` writes one file's patch as git does.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -165,3 +166,13 @@ def apply(files: list[FilePatch], tree: Path, source: str) -> list[str]:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
     return sorted(results)
+
+
+def diff(path: str, old: str, new: str) -> str:
+    """The patch of one file from ``old`` to ``new``, as ``git diff`` writes it (paths
+    ``a/PATH`` and ``b/PATH``, a last line without newline marked)."""
+    out = []
+    for line in difflib.unified_diff(old.splitlines(keepends=True),
+                                     new.splitlines(keepends=True), f"a/{path}", f"b/{path}"):
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
