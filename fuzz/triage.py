@@ -180,8 +180,9 @@ def _vkey(v: str) -> tuple:
 
 
 def ranges(affected: list[str], installed: list[str]) -> list[tuple[str, str]]:
-    """The affected releases as runs of consecutive installed releases: [(first, last)]."""
-    order = sorted(installed, key=_vkey)
+    """The affected releases as runs of consecutive installed releases: [(first, last)]; a
+    derived target, outside the order of releases, is a run of its own, last."""
+    order = sorted((v for v in installed if is_release(v)), key=_vkey)
     hit = set(affected)
     out: list[tuple[str, str]] = []
     for v in order:
@@ -190,7 +191,7 @@ def ranges(affected: list[str], installed: list[str]) -> list[tuple[str, str]]:
                 out[-1] = (out[-1][0], v)
             else:
                 out.append((v, v))
-    return out
+    return out + [(v, v) for v in sorted(hit) if not is_release(v)]
 
 
 def regressed_fixed(affected: list[str], clean: list[str], installed: list[str],
