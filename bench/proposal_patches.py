@@ -28,6 +28,7 @@ Patches (``git diff`` format, paths ``a/vllm/...``; copies in ``examples/patches
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -126,7 +127,9 @@ COMPARISONS = [("upstream-scope", BASE), ("assert-only", BASE), ("scope-groups",
                ("assert-only", "scope-groups"),
                ("assert-only", "model:fix-assert-only"),
                ("scope-groups", "model:prefix-cacheable"),
-               ("model:fix-assert-only", "model:prefix-cacheable")]
+               ("model:fix-assert-only", "model:prefix-cacheable"),
+               # baselines: what the model differs in from the releases its profiles stand for
+               (BASE, "model:every-group"), ("0.31.0", "model:prefix-cacheable")]
 
 
 def write(folder: Path) -> list[Path]:
@@ -140,40 +143,47 @@ def write(folder: Path) -> list[Path]:
 
 
 def main() -> int:
-    from fuzz.compare import compare
+    from fuzz.compare import WHATS, compare
     from simsched.vllm import derived
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--write", type=Path, help="write the patch files here and stop")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds per comparison")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("compare-proposals"))
+    ap.add_argument("--table-only", action="store_true",
+                    help="print the table of the comparisons already in --out")
     args = ap.parse_args()
     if args.write:
         for path in write(args.write):
             print(path)
         return 0
     folder = args.out / "patches"
-    write(folder)
     names = {f"pr-{name}" for name in PATCHES}
-    for name in PATCHES:
+    if not args.table_only:
+        write(folder)
+    for name in [] if args.table_only else PATCHES:
         if releases.find(f"pr-{name}") is not None:
             derived.remove(f"pr-{name}")
         derived.add(f"pr-{name}", BASE, patch=folder / f"{name}.diff", progress=lambda s: None)
     rows = []
     for a, b in COMPARISONS:
         a, b = (f"pr-{x}" if f"pr-{x}" in names else x for x in (a, b))
-        data = compare(a, b, budget=args.budget, seed_=args.seed, out=args.out / f"{a}--{b}",
-                       progress=lambda s: print(s, file=sys.stderr, flush=True))
+        out = args.out / f"{a}--{b}"
+        if args.table_only:
+            data = json.loads((out / "compare.json").read_text())
+        else:
+            data = compare(a, b, budget=args.budget, seed_=args.seed, out=out,
+                           progress=lambda s: print(s, file=sys.stderr, flush=True))
         rows.append(data)
-        print(f"{a} vs {b}: {len(data['fixed'])} fixed, {len(data['introduced'])} introduced, "
-              f"{len(data['changed'])} changed ({data['examples']} cases)", flush=True)
-    print("\n| A | B | cases | fixed (on B, not A) | introduced (on A, not B) | changed |")
-    print("|---|---|---|---|---|---|")
+        print(f"{a} vs {b}: " + ", ".join(f"{len(data[w])} {w}" for w in WHATS)
+              + f" ({data['examples']} cases)", flush=True)
+    print("\n| A | B | cases | " + " | ".join(WHATS) + " |")
+    print("|---|---|---|" + "---|" * len(WHATS))
     for d in rows:
-        cell = {w: "; ".join(f"{' '.join(map(str, e['key']))} (`{e['layout']}`)"
-                             for e in d[w]) or "none" for w in ("fixed", "introduced", "changed")}
-        print(f"| {d['a']} | {d['b']} | {d['examples']} | {cell['fixed']} | "
-              f"{cell['introduced']} | {cell['changed']} |")
+        cells = ["; ".join(f"{' '.join(map(str, e['key']))} (`{e['layout']}`)" for e in d[w])
+                 or "none" for w in WHATS]
+        print(f"| {d['a']} | {d['b']} | {d['examples']} | "
+              + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return 0
 
 

@@ -147,6 +147,7 @@ class Compare:
         self.seconds: dict[str, float] = {a: 0.0, b: 0.0}
         self.real_steps: dict[str, int] = {a: 0, b: 0}
         self.started = 0.0
+        self.interrupted = False
 
     @staticmethod
     def _target(name: str, pool: Releases) -> ModelTarget | ReleaseTarget:
@@ -320,6 +321,9 @@ class Compare:
             "detail": (obs.outcome.get("detail") or obs.outcome.get("message") or "")[:300]
                       if obs else "",
             "a": describe(a.outcome), "b": describe(b.outcome),
+            "counters": {n: {k: v for k, v in (s.outcome.get("counters") or {}).items()
+                             if k in ("steps", "stores", "loads", "preemptions")}
+                         for n, s in zip(self.names, (a, b))},
             "first_difference": div and {"step": div.step, "kind": div.kind,
                                          "a": div.real_line, "b": div.model_line},
             "found_after_s": round(time.monotonic() - self.started, 1),
@@ -337,18 +341,22 @@ class Compare:
     # --- the whole comparison ------------------------------------------------------------
 
     def run(self) -> dict:
+        """Seed cases, then generated ones until the budget; Ctrl-C writes what was found."""
         self.started = time.monotonic()
         deadline = self.started + self.budget
-        for asserts in ((True, False) if self.asserts is None else (self.asserts,)):
-            for case in seed_cases(asserts):
-                self.examples += 1
-                for key in self.differences(case)[0]:
-                    if not self._known(key, case):
-                        self._record(key, case)
-        round_no = 0
-        while not self._done(deadline):
-            self._round(round_no, deadline)
-            round_no += 1
+        try:
+            for asserts in ((True, False) if self.asserts is None else (self.asserts,)):
+                for case in seed_cases(asserts):
+                    self.examples += 1
+                    for key in self.differences(case)[0]:
+                        if not self._known(key, case):
+                            self._record(key, case)
+            round_no = 0
+            while not self._done(deadline):
+                self._round(round_no, deadline)
+                round_no += 1
+        except KeyboardInterrupt:
+            self.interrupted = True
         return self.write()
 
     def _done(self, deadline: float) -> bool:
@@ -366,6 +374,7 @@ class Compare:
             "real_steps": self.real_steps,
             **{what: [e for e in entries if e["what"] == what] for what in WHATS},
             "tool_errors": list(self.tool_errors.values()),
+            "interrupted": self.interrupted,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "compare.json").write_text(json.dumps(data, indent=1) + "\n")
