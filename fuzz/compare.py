@@ -10,8 +10,8 @@ Scheduler (after its config chain), and the two runs are set side by side:
 ``introduced``
     a bug A shows and B does not;
 ``unmasked`` / ``masked``
-    a bug A shows (B shows) on a case where the other crashes at start-up: the crash hides it,
-    and a fix of the crash makes it reachable (the upstream fix of the ring boot assert lets
+    a bug A shows (B shows) on a case where the other crashes at start-up before it: the crash
+    hides it, and a fix of the crash makes it reachable (the upstream fix of the ring boot assert lets
     0.30.0 reach a fence bug of rings that 0.31.0 and 0.32.0 have and 0.33.0 fixed);
 ``changed``
     no bug differs, but the behaviour does: one refuses at start-up what the other runs, or
@@ -99,10 +99,23 @@ class Side:
     trace: list[str] = field(default_factory=list)
 
     @property
-    def crashed_at_start(self) -> bool:
-        """A bug crashed the engine at start-up: nothing after it ran."""
-        return any(o.signature.kind == "crash" and o.outcome.get("stage") in tri.START_UP_STAGES
-                   for o in self.bugs.values())
+    def stopped_at(self) -> int | None:
+        """Where a bug crashed the engine at start-up (its place in ``STAGES``; nothing after it
+        ran), or None."""
+        places = [position(o) for o in self.bugs.values()]
+        return min((p for p in places if p < len(STAGES)), default=None)
+
+
+#: the start-up stages in the order the engine (and the config chain) goes through them
+STAGES = ("resolve", "build_offloading_config", "spec", "from_spec", "scheduler", "boot",
+          "add_request")
+
+
+def position(o: Observation) -> int:
+    """Where a bug shows: its start-up stage's place in ``STAGES``, or after them all."""
+    stage = o.outcome.get("stage")
+    return STAGES.index(stage) if o.signature.kind == "crash" and stage in STAGES \
+        else len(STAGES)
 
 
 def finding_key(o: Observation, case: Case) -> tuple:
@@ -114,20 +127,18 @@ def finding_key(o: Observation, case: Case) -> tuple:
     return (str(o.signature),)
 
 
-def _is_tool(o: Observation) -> bool:
-    fn = o.outcome.get("function") or o.signature.function
-    return (o.signature.exception in tri.WORKER_FAILURES or fn == "release_worker"
-            or fn.startswith("simsched") or o.outcome.get("stage") == "model")
-
-
-def _is_refusal(o: Observation, real: bool) -> bool:
-    """A clean refusal at start-up (not a bug). The model's outcomes carry no source line:
-    there a named exception of a start-up stage, with a message, is one."""
+def klass(o: Observation, case: Case, real: bool) -> str:
+    """``bug``, ``validation`` (a clean refusal at start-up) or ``tool-error``: on a release as
+    a campaign triages it; on the model, whose outcomes carry no source line, a named exception
+    of a start-up stage with a message is a refusal."""
     if real:
-        return tri.is_refusal(o.outcome)
+        return tri.triage_release(o, case.layout, None).klass
     out = o.outcome
-    return (out.get("stage") in tri.START_UP_STAGES and bool(out.get("message"))
-            and out.get("exception") in tri.REFUSAL_EXCEPTIONS)
+    if tri.model_failed(out):
+        return tri.TOOL_ERROR
+    refusal = (out.get("stage") in tri.START_UP_STAGES and bool(out.get("message"))
+               and out.get("exception") in tri.REFUSAL_EXCEPTIONS)
+    return tri.VALIDATION if refusal else tri.BUG
 
 
 class Compare:
@@ -187,9 +198,10 @@ class Compare:
         self.seconds[name] += time.perf_counter() - t0
         s = Side(status, outcome, trace=trace)
         for o in obs:
-            if _is_tool(o):
+            what = klass(o, case, real=not isinstance(t, ModelTarget))
+            if what == tri.TOOL_ERROR:
                 s.tool.append(o)
-            elif not _is_refusal(o, not isinstance(t, ModelTarget)):
+            elif what == tri.BUG:
                 s.bugs.setdefault(finding_key(o, case), o)
             else:
                 s.status, s.trace = "refused", []   # a clean refusal in the config chain
@@ -217,12 +229,14 @@ class Compare:
                 self._note_tool_error(case, o, name)
         if a.tool or b.tool:
             return [], a, b
-        # a bug the other side cannot reach, because it crashes at start-up on this case, is
-        # not fixed or introduced: the crash masks it (a fix of the crash unmasks it)
-        keys = [("masked" if a.crashed_at_start else "fixed",) + k
-                for k in sorted(set(b.bugs) - set(a.bugs))]
-        keys += [("unmasked" if b.crashed_at_start else "introduced",) + k
-                 for k in sorted(set(a.bugs) - set(b.bugs))]
+        # a bug the other side does not reach, because it crashes at start-up before it on this
+        # case, is not fixed or introduced: the crash masks it, and a fix of the crash unmasks
+        # it. Where both stop in one stage, the later crash is read as the one A got to (a
+        # fix of B's crash that meets the next one, as PR #55037 met them one at a time)
+        keys = [("masked" if a.stopped_at is not None and a.stopped_at < position(o)
+                 else "fixed",) + k for k, o in sorted(b.bugs.items()) if k not in a.bugs]
+        keys += [("unmasked" if b.stopped_at is not None and b.stopped_at <= position(o)
+                  else "introduced",) + k for k, o in sorted(a.bugs.items()) if k not in b.bugs]
         if keys or a.bugs or b.bugs:
             return keys, a, b
         kinds = tri.manager_kinds(tri.group_kinds(case.layout))

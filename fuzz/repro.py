@@ -152,8 +152,8 @@ def vllm_test(folder: Path, finding, data: dict, verify: bool) -> list[str]:
            f"`$(simsched releases env X.Y.Z) -m pytest {path.name}`"
     if not verify:
         return lines + [what + "; not verified (`simsched repro case.json` verifies it)."]
-    from simsched.vllm.releases import installed
-    releases = [r for r in installed() if r.version in finding.installed]
+    from simsched.vllm.releases import installed, installed_derived
+    releases = [r for r in installed() + installed_derived() if r.version in finding.installed]
     verdict = vllm_repro.verify(path, data, releases)
     _write(folder / "vllm_repro.json", json.dumps(verdict.to_json(), indent=1) + "\n")
     runs = ", ".join(f"{v} {r}" for v, r in verdict.results.items())

@@ -127,6 +127,12 @@ def triage_release(obs, layout: Layout, run_clean: bool | None) -> Triage | None
     return Triage(MODEL_GAP, ("model-gap", sig.function))
 
 
+def model_failed(outcome: dict) -> bool:
+    """The model's own code raised (simsched's failure, never a finding about vLLM)."""
+    return (outcome.get("function") or "").startswith("simsched") \
+        or outcome.get("stage") == "model"
+
+
 def triage_model(obs, releases_run: dict[str, bool], stepping: bool = True) -> Triage | None:
     """An observation on the model under a profile; ``releases_run``: release -> its real run
     was clean, for the releases that ran the case step by step; ``stepping``: the campaign runs
@@ -134,7 +140,7 @@ def triage_model(obs, releases_run: dict[str, bool], stepping: bool = True) -> T
     releases show it, and the release's observation is the finding; or its releases did not
     run the case, where real steps were the check)."""
     sig, out = obs.signature, obs.outcome
-    if (out.get("function") or "").startswith("simsched") or out.get("stage") == "model":
+    if model_failed(out):
         return Triage(TOOL_ERROR, ("tool", sig.exception, sig.function))
     profile = PROFILES.get(obs.target.split(":", 1)[1])
     if profile is None or not profile.releases:
