@@ -123,7 +123,7 @@ def test_the_upstream_fix_fixes_the_boot_assert_and_introduces_nothing(home, tmp
     assert {"full/16 + ring/4", "mla/64 + ring/4"} <= set(layouts)
     assert boot[0]["reproduced"] and "AssertionError in build_offloading_config" in boot[0]["b"]
     assert data["introduced"] == [] and data["tool_errors"] == []
-    assert [e["key"] for e in data["unmasked"]] == [["invariant:INV-6", "ring"]]
+    assert ["invariant:INV-6", "ring"] in [e["key"] for e in data["unmasked"]]
     # cases ran step by step on both, not only their config chains
     assert min(data["real_steps"].values()) > 1000 and data["examples"] > 50
 
