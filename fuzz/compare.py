@@ -110,11 +110,15 @@ def position(o: Observation) -> int:
         else len(STAGES)
 
 
-def finding_key(o: Observation, case: Case) -> tuple:
-    """What a finding is compared by, on real targets and the model alike: its signature, and
-    for an invariant the group kinds as the managers see them (one cause per kinds)."""
+def finding_key(o: Observation, case: Case, by_layout: bool = False) -> tuple:
+    """What a finding is compared by: its signature, and for an invariant the group kinds as the
+    managers see them (one cause per kinds): the groups where it broke, as a campaign clusters
+    it, or with ``by_layout`` the layout's (the model and the releases' harness name the groups
+    of one break differently: INV-6 on ``full/16 + ring/4`` is ``full+ring`` in the model and
+    ``ring`` on a release)."""
     if o.signature.kind == "invariant":
-        kinds = o.outcome.get("group_kinds") or tri.group_kinds(case.layout)
+        kinds = (None if by_layout else o.outcome.get("group_kinds")) \
+            or tri.group_kinds(case.layout)
         return (str(o.signature), tri.manager_kinds(kinds))
     return (str(o.signature),)
 
@@ -140,6 +144,8 @@ class Compare:
         if a == b:
             raise CompareError(f"compare {a} with itself: give two different targets")
         self.names = (a, b)
+        # exactly one side the model: findings keyed alike on both sides (``finding_key``)
+        self.with_model = a.startswith("model:") != b.startswith("model:")
         self.targets = {n: self._target(n, pool) for n in (a, b)}
         self.pool, self.out, self.budget, self.seed = pool, Path(out), budget, seed_
         self.asserts, self.progress = asserts, progress
@@ -194,7 +200,7 @@ class Compare:
             if what == tri.TOOL_ERROR:
                 s.tool.append(o)
             elif what == tri.BUG:
-                s.bugs.setdefault(finding_key(o, case), o)
+                s.bugs.setdefault(finding_key(o, case, by_layout=self.with_model), o)
             else:
                 s.status, s.trace = "refused", []   # a clean refusal in the config chain
         return s
@@ -232,8 +238,7 @@ class Compare:
         if keys or a.bugs or b.bugs:
             return keys, a, b
         kinds = tri.manager_kinds(tri.group_kinds(case.layout))
-        model = any(n.startswith("model:") for n in self.names)
-        if model and "unsupported" in (a.status, b.status):
+        if self.with_model and "unsupported" in (a.status, b.status):
             return [], a, b      # a layout the release cannot express: the model cannot tell
         if a.status != b.status:
             return [("changed", f"{b.status} -> {a.status}", kinds)], a, b
