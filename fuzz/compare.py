@@ -314,9 +314,12 @@ class Compare:
 
     def _record(self, key: tuple, case: Case) -> None:
         def still_shows(c: Case):
-            return True if key in self.differences(c)[0] else None
-        case, _ = simplify(case, still_shows, None, seconds=SHRINK_SECONDS)
-        keys, a, b = self.differences(case)
+            runs = self.differences(c)
+            return runs if key in runs[0] else None
+        # the shrunk case's two runs: those of simplify's last step, or run here if it kept
+        # the case as it was
+        case, runs = simplify(case, still_shows, None, seconds=SHRINK_SECONDS)
+        keys, a, b = runs or self.differences(case)
         entry_id = tri.cluster_name(key)
         shown_on = {"fixed": self.names[1], "masked": self.names[1],
                     "introduced": self.names[0], "unmasked": self.names[0]}.get(key[0])

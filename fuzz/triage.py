@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from simsched.geometry import PROFILES
 from simsched.invariants import INV_OPS
 from simsched.layout import Layout
+from simsched.vllm.releases import is_release
 
 BUG, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED, TOOL_ERROR = (
     "bug", "validation", "model-gap", "proposal", "predicted", "tool-error")
@@ -175,11 +176,6 @@ def cluster_name(key: tuple) -> str:
 
 
 # --- release ranges ----------------------------------------------------------------------------
-
-def is_release(name: str) -> bool:
-    """A pinned release (X.Y.Z), not a derived target's name."""
-    return all(part.isdigit() for part in name.split("."))
-
 
 def _vkey(v: str) -> tuple:
     return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))

@@ -552,9 +552,14 @@ def installed_derived(home: Path | str | None = None) -> list[InstalledRelease]:
     return found
 
 
+def is_release(name: str) -> bool:
+    """A release's name (X.Y.Z), not a derived target's (which starts with a letter)."""
+    return all(part.isdigit() for part in name.split("."))
+
+
 def find(name: str, home: Path | str | None = None) -> InstalledRelease | None:
     """The installed release or derived target called ``name``, if any."""
-    for r in installed(home) + installed_derived(home):
+    for r in installed(home) if is_release(name) else installed_derived(home):
         if r.version == name:
             return r
     return None
@@ -563,7 +568,7 @@ def find(name: str, home: Path | str | None = None) -> InstalledRelease | None:
 def release_of(name: str, home: Path | str | None = None) -> str:
     """The pinned release a target name stands on: a release itself, a derived target's base
     (a name not installed is returned as it is)."""
-    if all(part.isdigit() for part in name.split(".")):
+    if is_release(name):
         return name
     found = find(name, home)
     return found.release if found is not None else name
