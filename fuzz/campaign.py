@@ -309,6 +309,7 @@ class Campaign:
         self.per_release: dict[str, dict] = {}   # version -> cases, real steps, seconds
         self.model_s = 0.0               # seconds in the model under every profile
         self.findings: dict[tuple, Finding] = {}
+        self.written: set[tuple] = set()   # keys whose folder write_repro finished
         self.prior: list[dict] = []
         self.damaged: set[Path] = set()
         self.tool_errors: dict[tuple, dict] = {}
@@ -829,6 +830,7 @@ class Campaign:
         self.findings[finding.key] = finding
         repro_mod.write_repro(self.out, finding,      # the durable record, first
                               verify=self.verify_repros)
+        self.written.add(finding.key)
         self.timeline.append({"t": round(finding.found_after_s, 3), "id": finding.id,
                               "examples": finding.examples_before})
         self.write_report()
@@ -882,7 +884,10 @@ class Campaign:
                 {"t": round(el, 3), "examples": self.examples, "arcs": self.arcs}]
         if final:   # the variants seen since each finding was written
             for f in self.findings.values():
-                repro_mod.write_finding(self.out, f)
+                if f.key in self.written:
+                    repro_mod.write_finding(self.out, f)
+                else:   # interrupted while its folder was written: finish it, finding.json last
+                    repro_mod.write_repro(self.out, f)
         if self.stats_name == "report":
             report_mod.write(self.out, data, plots=final)
         else:

@@ -288,3 +288,23 @@ def test_a_clusters_range_spans_its_members():
     assert cluster_range([one, two]) == ("0.29.0: regressed in 0.29.0, fixed in 0.30.0 (refused "
                                          "at start-up); 0.31.0 to 0.33.0: regressed in 0.31.0, "
                                          "not fixed in the newest")
+
+
+def test_an_interrupt_while_a_finding_is_written_leaves_its_folder_whole(tmp_path, monkeypatch):
+    """Ctrl-C between a finding's test_repro.py and its README.md: the campaign's last report
+    finishes that folder before it writes finding.json (which load_findings trusts)."""
+    from fuzz import repro
+    real, calls = repro.vllm_test, []
+
+    def interrupted_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(repro, "vllm_test", interrupted_once)
+    data = model_campaign(tmp_path, budget=30.0)
+    assert data["interrupted"] and len(calls) >= 2 and data["findings"]
+    for f in data["findings"]:
+        folder = tmp_path / "repros" / f["id"]
+        assert {p.name for p in folder.iterdir()} >= {"case.json", "test_repro.py", "README.md",
+                                                      "finding.json"}
