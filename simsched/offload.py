@@ -17,7 +17,7 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
-import math
+import heapq
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Final
 
@@ -55,7 +55,7 @@ class CPUTier:
     A chunk's state is kept by slot, with no object per chunk: ``entries`` maps its key to its
     slot, an index into the parallel lists ``ready`` (its store completed), ``refs`` (loads in
     flight: vLLM's ``ref_cnt``), ``content`` (what it holds, once ready) and ``rank`` (its
-    recency rank, :class:`RankedCPUTier`, or stamp, :class:`ListCPUTier`). The slots of evicted
+    recency rank, :class:`RankedCPUTier`). The slots of evicted
     chunks are reused (``free``); a slot not in use is not ready and holds no load or content.
 
     Only eviction frees a slot, and it takes ready chunks with no load in flight: the chunks of a
@@ -91,11 +91,6 @@ class CPUTier:
         # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
         self.touches = True
         self.evictions = 0
-        # change counters, for memos of callers: ``version`` moves on every change (order
-        # included), ``content_version`` on every change but a touch (what lookups can see:
-        # which chunks exist, ready or not, and their load refcounts)
-        self.version = 0
-        self.content_version = 0
 
     def _add(self, key, rank: object) -> int:
         """A new chunk (not ready, no load in flight) under ``key``, at a free slot (``rank``:
@@ -127,49 +122,6 @@ class CPUTier:
         self.rank.extend([0] * n)
         ints_to(have + n)
 
-    def _store_new(self, keys: list) -> list:
-        """``prepare_store(keys)`` when the tier has room for all of ``keys`` (no eviction): the
-        keys not in it, in order, each added as :meth:`_add` adds it with rank 0. One dict
-        operation per key (``setdefault`` with the next slot: a key is hashed once, not looked
-        up and then inserted); ``keys`` are distinct (a request's keys, or one key). With room
-        there is no free slot: chunks leave only by eviction, which fills the tier."""
-        assert not self.free
-        entries: dict = self.entries    # (untyped: the slot object compared by identity)
-        to_store: list | None = None    # (None while every key so far is new: keys[:i] then)
-        # (i64: slots and indices as plain 64-bit ints, no tagged-int checks; INTS read by
-        # the 64-bit item read, cheaper than the tagged-int one)
-        s0: i64 = self.n_slots
-        s: i64 = s0                     # the next slot, taken by the next new key
-        ints = ints_to(s + len(keys) + 1)
-        so = ints[s]
-        have: i64 = len(self.ready)     # slots the lists have room for
-        i: i64 = 0                      # (the index of k: the keys read inline, not by index)
-        for k in keys:
-            if entries.setdefault(k, so) is not so:
-                # there already (its slot is in use: never the next slot s)
-                if to_store is None:
-                    to_store = keys[:i]
-            else:
-                if to_store is not None:
-                    to_store.append(k)
-                if s == have:
-                    self._grow()
-                    have = len(self.ready)
-                s += 1                  # (fresh slots: rank 0 already, not ready, no load)
-                so = ints[s]
-            i += 1
-        self.n_slots = s
-        if self.added is not None:
-            # the new keys took the slots s0.. in order (the record is empty: a prepare_store
-            # that calls this adds nothing else)
-            self.added = ints[s0:s]
-        if to_store is None:
-            to_store = keys[:]
-        if to_store:
-            self.version += 1
-            self.content_version += 1
-        return to_store
-
     def _drop(self, key) -> int:
         """Evict the chunk of ``key`` (ready, no load in flight): its slot is free; the slot."""
         s = self.entries.pop(key)
@@ -197,23 +149,18 @@ class CPUTier:
     def touch_range(self, keys: list, lo: int, hi: int) -> None:
         """``touch(keys[lo:hi])``."""
         lru = self.lru
-        self.version += 1
         move = lru.move_to_end
         for i in range(min(hi, len(keys)) - 1, lo - 1, -1):
             k = keys[i]
             if k in lru:
                 move(k)
 
-    def prepare_store(self, keys, st=None, spans: list[int] | None = None) -> list | None:
-        """``st``, ``spans``: the request and the positions of its keys, for RankedCPUTier."""
+    def prepare_store(self, keys, st=None) -> list | None:
+        """``st``: the request storing (its access to the chunks counts in RankedCPUTier)."""
         entries, lru = self.entries, self.lru
-        if len(keys) <= self.capacity - len(entries):
-            return self._store_new(keys)
         to_store = [k for k in keys if k not in entries]
         if not to_store:
             return []
-        self.version += 1
-        self.content_version += 1
         n_evict = len(to_store) - (self.capacity - len(entries))
         if n_evict > 0:
             protected = set(keys)
@@ -242,12 +189,12 @@ class CPUTier:
             self._add(k, 0)
         return to_store
 
-    def prepare_store_slots(self, keys, st=None, spans: list[int] | None = None
+    def prepare_store_slots(self, keys, st=None
                             ) -> tuple[list | None, list]:
         """:meth:`prepare_store`, and the slots its new chunks took, in the order of the keys it
         returns (a store job's chunks, Job.slots)."""
         self.added = []
-        to_store = self.prepare_store(keys, st, spans)
+        to_store = self.prepare_store(keys, st)
         slots = self.added
         self.added = None
         assert slots is not None
@@ -267,8 +214,6 @@ class CPUTier:
         worker reads them in that order; ``slots``: theirs, Job.slots, else looked up). With the
         evictable list, those evictable now join its MRU end in the order of vLLM's set of the
         job's keys (tuple_set_order)."""
-        self.version += 1
-        self.content_version += 1
         entries, ready, content = self.entries, self.ready, self.content
         ss = self.slots_of(keys, slots)
         for x in range(len(keys)):
@@ -288,12 +233,10 @@ class CPUTier:
                 if s is not None and ready[s] and not refs[s]:
                     lru[k] = s
 
-    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> list:
+    def prepare_load(self, keys, st=None) -> list:
         """A load job of the chunks ``keys`` (a list) starts; returns their slots, in order
         (Job.slots). (Here and in the loads' other updates the load counts are read, then
         stored: ``refs[s] += 1`` compiles to a generic in-place add.)"""
-        self.version += 1
-        self.content_version += 1
         entries: dict = self.entries    # (untyped: the slot objects go into the list)
         refs = self.refs
         ks: list = keys
@@ -315,8 +258,6 @@ class CPUTier:
         Job.slots, else looked up) have been read. With the evictable list, those evictable now
         join its MRU end in the order of vLLM's set of the job's keys (tuple_set_order: the
         keys looked up again in that order)."""
-        self.version += 1
-        self.content_version += 1
         entries, refs = self.entries, self.refs
         if self.evictable_list:
             for k in tuple_set_order(keys):
@@ -332,935 +273,215 @@ class CPUTier:
             refs[sx] = refs[sx] - 1
 
 
-# a rank ``(rank, -position)`` is kept as one int, ``(rank << RANK_SHIFT) - position`` (a token
-# position stays far below 2**RANK_SHIFT, so the order is the tuples' order): comparisons and the
-# eviction queue need no tuples. (A shift, not a product: mypyc multiplies ints inline only when
-# both are below 2**30, and shifts them inline while the result stays below 2**62.)
-RANK_SHIFT: Final = 40
+class _RequestCacheAccess:
+    """``CPUOffloadingManager``'s ``_RequestCacheAccess`` (0.31.0+) and the LRU policy's
+    ``_RequestRank`` (0.33.0) of one request: the keys it accessed, per group in first-access
+    order (``key_groups``, by the key's group id, as ``get_offload_group_idx``), and its request
+    rank once it has one (0: none yet). ``positions`` is ``ReqContext``'s
+    ``_offload_key_positions``: each offload key's end token in the request, from its key lists
+    (``counts``: how far each group's list was read; the lists are only appended to)."""
 
+    __slots__ = ("st", "rank", "seen", "key_groups", "positions", "counts")
 
-class _ReqAccess:
-    """A request's state in :class:`RankedCPUTier`: its request rank (0: none given yet); the
-    keys it accessed, in first-access order (``order``); and what it knows of their positions
-    (``ReqContext.get_offload_key_position``), in one of two modes.
-
-    By index (``seen`` not None; 0.33.0 while the callers give each key's chunk index, see
-    RankedCPUTier.prepare_store): a key's position follows from its group and chunk index, and
-    ``marks[group index][chunk index]`` is not None once the request accessed that chunk: the
-    chunk's slot then (its int object; -1 if it had none yet), a guess the walk at finish checks
-    against ``RankedCPUTier.key_at`` (the key is the chunk's in the request's key list, looked
-    up if the slot does not hold that very object: evicted since, say);
-    ``seen`` holds the request's offload keys entered so far (``counts`` per group, ``slots`` in
-    all), only to tell that they are distinct (then a key and its chunk index name each other).
-
-    By dict (``seen`` None): ``codes`` maps each key of the request to ``2 * position code +
-    accessed`` (see :meth:`RankedCPUTier._codes`), ``extra`` holds the keys accessed while their
-    position was not known (counted in ``unknown``, as is a change of the request state or a key
-    met twice: then on_request_finished takes the general path). ``slots``: the keys entered in
-    ``codes`` (more than its size if a key came twice). A request leaves the first mode for this
-    one, for good, when a key comes twice, a key comes without its chunk index, or the request
-    state changes (RankedCPUTier._by_index): all rare; the dict costs a code per key of the
-    request, the marks only the keys accessed."""
-
-    __slots__ = ("st", "rank", "order", "codes", "extra", "unknown", "counts", "slots", "seen",
-                 "marks")
-
-    def __init__(self, st, n_groups: int, by_index: bool):
+    def __init__(self, st, n_groups: int):
         self.st = st
         self.rank = 0
-        self.order: list = []
-        self.codes: dict[Key, int] = {}
-        self.extra: dict = {}
-        self.unknown = 0
-        self.counts: list[int] = [0] * n_groups
-        self.slots = 0
-        self.seen: set | None = set() if by_index else None
-        self.marks: list[list] = [[] for _ in range(n_groups)] if by_index else []
-
-
-def _sorted_items(rs: list, ks: list) -> tuple[list, list]:
-    """The items ``(rs[i], ks[i])`` (ranks, see RANK_SHIFT, and keys) in (rank, key) order, as
-    two lists: sorted by rank alone (ints compare faster than tuples), then each run of equal
-    ranks (rare: one position of one request, across groups) put in key order."""
-    out_r: list = []
-    out_k: list = []
-    start, prev = 0, -1                 # (ranks are positive)
-    for i in sorted(range(len(rs)), key=rs.__getitem__):
-        ro, k = rs[i], ks[i]
-        r: int = ro
-        if r == prev:
-            x = len(out_k)
-            while x > start and k < out_k[x - 1]:
-                x -= 1
-            out_r.insert(x, ro)
-            out_k.insert(x, k)
-        else:
-            start, prev = len(out_k), r
-            out_r.append(ro)
-            out_k.append(k)
-    return out_r, out_k
+        self.seen: set = set()
+        self.key_groups: dict[int, list] = {}
+        self.positions: dict[Key, int] = {}
+        self.counts = [0] * n_groups
 
 
 class RankedCPUTier(CPUTier):
     """0.31.0+ ``LRUCachePolicy``: logical recency ranks independent of transfer pinning.
 
-    Eviction takes the evictable chunks (ready, no load in flight) of lowest rank; ties (same
-    request, same token position) go to the lower group index (``make_offload_key`` appends the
-    group index, big-endian, to the block hash). Ranks come from one counter: an inserted chunk
-    takes the next rank (0.31.0, 0.32.0) or, with ``request_ranks`` (0.33.0), its request's rank
-    and token position, ``(request rank, -position)``, so that a request's tails precede its
-    heads; a request's first access to a resident chunk (``prepare_load``, ``prepare_store`` of a
-    ready or new chunk: ``_record_request_cache_access``) raises it to that rank (0.33.0,
-    ``on_request_access``); when the request finishes (``on_request_finished``, after its last
-    store jobs) every chunk it accessed takes a fresh rank, tail first, so that its head is the
-    most recent. The connector never calls ``touch`` from 0.31.0 on.
+    Eviction takes the evictable chunks (ready, no load in flight) of lowest rank, ties by key
+    (``make_offload_key`` appends the group index to the block hash: the lower group first at
+    one position of one request). An inserted chunk takes the next rank ``(n, 0)``, or from
+    0.33.0 (``request_ranks``) its request's rank and token position ``(request rank,
+    -position)``, so that a request's tails precede its heads; from 0.33.0 a request's first
+    access to a resident chunk (``on_request_access``) raises it to that rank. When a request
+    finishes, every chunk it accessed takes a fresh rank, tail first, so that its head is the
+    most recent (``on_request_finished``). The connector never calls ``touch`` from 0.31.0 on.
 
-    A chunk's rank is ``rank[slot]``, an int (see ``RANK_SHIFT``); ``entries`` is a plain dict
-    (eviction follows the ranks, not its order). ``key_at[slot]`` is the key object of a slot in
-    use (None: free), so that the marks of a request (see _ReqAccess) hold the slots of its
-    chunks: a slot that holds the very key object saves the finish walk a dict lookup.
-    """
+    A chunk's rank is ``rank[slot]``. ``heap`` holds ``(rank, key)`` items, pushed when a chunk
+    becomes evictable or is ranked again while evictable; an item is current while its chunk is
+    evictable with that rank (the others are dropped as they surface), as vLLM's lazy heap."""
 
     def __init__(self, capacity: int, request_ranks: bool, cfgs):
         super().__init__(capacity, False)
         self.entries = {}
         self.touches = False
         self.request_ranks = request_ranks
-        # eviction candidates, items (rank, key), from the first eviction on (``queued``; see
-        # _lowest_evictable), in three parts (no heap: a heap's pops compare items by the dozen):
-        # - ``fresh``, a queue sorted by (rank, key) as the parallel lists ``fresh_rank`` and
-        #   ``fresh_key`` from ``head`` on (before it: taken). An item joins it when it is not
-        #   below its last item, as the new ranks of on_request_finished, above all, do;
-        # - ``pile``, the other items as they come (and the chunks an eviction passed over,
-        #   protected, or gave back, too few), as the parallel lists ``pile_rank`` and
-        #   ``pile_key``, none ranked below ``pile_low``: most of them are stale before an
-        #   eviction gets that low (a running request's chunks, ranked again when it finishes),
-        #   so they are only sorted once one does, into
-        # - ``run``, a second sorted queue, ``run_rank`` and ``run_key`` from ``run_head`` on.
-        # The ranks are the rank objects of ``rank`` (no int boxed again), compared as ints: most
-        # comparisons need no key (ranks of distinct chunks tie only at one position of one
-        # request, across groups).
-        # Every evictable chunk (ready, ref_cnt 0) has its current item in one of the parts: a
-        # chunk is pushed when it becomes evictable (complete_store, complete_load) and when it
-        # takes a new rank while evictable; they may also hold items of chunks gone, ranked
-        # again or no longer evictable (dropped as they surface). Keys order as their
-        # (group id, ident) pairs (see make_key): the order is (rank, group id, ident).
-        # An item is current when it holds the very rank object of its chunk's slot (``is``: no
-        # unboxing): every rank given is a new object (prepare_store gives one to the new
-        # chunks of the groups that end at the same token), and an item keeps its object alive,
-        # so no later rank of any chunk is that object
-        self.queued = False
-        self.fresh_rank: list = []
-        self.fresh_key: list = []
-        self.head = 0
-        self.pile_rank: list = []
-        self.pile_key: list = []
-        self.pile_low = 0
-        self.run_rank: list = []
-        self.run_key: list = []
-        self.run_head = 0
+        self.heap: list[tuple[tuple[int, int], Key]] = []
         self.next_rank = 0
-        # per group: (index in the request's groups, tokens per chunk, index in group id order)
-        by_id = sorted(cfg.group_id for cfg in cfgs)
-        self.group: list[tuple[int, int, int]] = [
-            (i, cfg.tokens_per_chunk, by_id.index(cfg.group_id)) for i, cfg in enumerate(cfgs)]
-        self.n_groups = max(len(cfgs), 1)
-        # the walk of a request's chunks by their marks (_rerank_accessed): on a grid of
-        # step the gcd of the groups' tokens per chunk, a group's chunk c at grid point
-        # (c + 1) * steps[w]; at each point the groups in group id order (walk[w])
-        unit = math.gcd(*[tpc for _, tpc, _ in self.group]) if self.group else 1
-        by_order = sorted(self.group, key=lambda g: g[2])
-        self.walk: list[int] = [gi for gi, _, _ in by_order]
-        self.steps: list[int] = [tpc // unit for _, tpc, _ in by_order]
-        # (the same steps by group index: prepare_store's new ranks by grid point)
-        self.grid: list[int] = [tpc // unit for _, tpc, _ in self.group]
-        self.req_state: dict[str, _ReqAccess] = {}
-        self.key_at: list = [None] * len(self.ready)     # (see above)
-
-    def _grow(self) -> None:
-        super()._grow()
-        self.key_at.extend([None] * (len(self.ready) - len(self.key_at)))
+        self.tokens_per_chunk = [cfg.tokens_per_chunk for cfg in cfgs]
+        self.req_state: dict[str, _RequestCacheAccess] = {}
 
     def touch(self, keys) -> None:
         return
 
-    def _state(self, st) -> _ReqAccess:
-        rid = st.req.rid
-        a = self.req_state.get(rid)
-        if a is None:
-            a = self.req_state[rid] = _ReqAccess(st, len(self.group), self.request_ranks)
+    def _evictable(self, s: int) -> bool:
+        return self.ready[s] and not self.refs[s]
+
+    def _push(self, k, s: int) -> None:
+        """``_push_evictable``; the heap is rebuilt from the evictable chunks when stale items
+        outnumber them (``_maybe_compact_heap``)."""
+        heapq.heappush(self.heap, (self.rank[s], k))
+        if len(self.heap) >= max(64, 2 * len(self.entries)):
+            self.heap = [(self.rank[s], k) for k, s in self.entries.items() if self._evictable(s)]
+            heapq.heapify(self.heap)
+
+    def _set_rank(self, k, s: int, rank: tuple[int, int]) -> None:
+        self.rank[s] = rank
+        if self._evictable(s):
+            self._push(k, s)
+
+    def _access(self, st) -> _RequestCacheAccess:
+        """The request's access record, and its key positions read up to its keys now."""
+        a = self.req_state.get(st.req.rid)
+        if a is None or a.st is not st:
+            a = self.req_state[st.req.rid] = _RequestCacheAccess(st, len(self.tokens_per_chunk))
+        for gi, tpc in enumerate(self.tokens_per_chunk):
+            keys = st.groups[gi].keys
+            for i in range(a.counts[gi], len(keys)):
+                a.positions[keys[i]] = (i + 1) * tpc    # a key met twice: its later position
+            a.counts[gi] = len(keys)
         return a
 
-    def _request_rank(self, a: _ReqAccess) -> int:
+    def _request_rank(self, a: _RequestCacheAccess) -> int:
+        """``_get_request_rank``: the request's rank, the next one at its first use."""
         if not a.rank:
             self.next_rank += 1
             a.rank = self.next_rank
         return a.rank
 
-    def _codes(self, a: _ReqAccess, st, ends: list[int] | None = None) -> dict[Key, int]:
-        """``ReqContext.get_offload_key_position``: a key's chunk end token in the request, kept
-        as the code ``position * n_groups + the group's index in group id order`` (the order in
-        which on_request_finished walks a request's chunks, head to tail, ties by group id),
-        doubled, plus 1 once the request accessed the key. Extended as the request's offload
-        keys grow (they are only ever appended; ``ends``: up to these counts per group, not all).
-        The dict mode of _ReqAccess."""
-        if a.st is not st:
-            # another request state (the model keeps one per request): positions anew; every
-            # key accessed so far is accessed without a known position until found again
-            a.st, a.codes, a.counts, a.slots = st, {}, [0] * len(self.group), 0
-            a.extra = dict.fromkeys(a.order)
-            a.unknown += 1
-        counts, out, extra, ng = a.counts, a.codes, a.extra, self.n_groups
-        for gi, tpc, order in self.group:
-            keys: list = st.groups[gi].keys
-            n, e = counts[gi], len(keys) if ends is None else ends[gi]
-            if n < e:
-                step = 2 * tpc * ng
-                c = (n + 1) * step + 2 * order
-                for i in range(n, e):
-                    out[keys[i]] = c
-                    c += step
-                if extra:
-                    for i in range(n, e):
-                        if keys[i] in extra:
-                            out[keys[i]] |= 1
-                counts[gi] = e
-                a.slots += e - n
-                if a.slots != len(out):
-                    # a key met twice (its later position holds, as in a position map; its
-                    # access mark is restored)
-                    a.unknown += 1
-                    for k in a.order:
-                        if k in out:
-                            out[k] |= 1
-        return out
-
-    def _by_index(self, a: _ReqAccess, st, spans: list[int] | None) -> bool:
-        """Whether a call (``spans``: its keys' chunk indices, see prepare_store) goes by index:
-        the request is in that mode (see _ReqAccess), the call gives the chunk indices, the
-        request state is the same and the request's keys, entered as far as they go now, are
-        still distinct. Else the request goes by dict from now on, its dict as it would be had
-        it gone by dict from the start (the call then extends it, as _codes does)."""
-        seen = a.seen
-        if seen is None:
-            return False
-        if spans is not None and a.st is st:
-            groups, counts = st.groups, a.counts
-            total = a.slots
-            for gi in range(len(counts)):
-                keys: list = groups[gi].keys
-                n = counts[gi]
-                if n < len(keys):
-                    for i in range(n, len(keys)):
-                        seen.add(keys[i])       # (no slice: cheaper than update())
-                    total += len(keys) - n
-            if len(seen) == total:
-                marks = a.marks
-                for gi in range(len(counts)):
-                    e = len(groups[gi].keys)
-                    if counts[gi] < e:
-                        marks[gi].extend([None] * (e - counts[gi]))
-                        counts[gi] = e
-                a.slots = total
-                return True
-        # the dict of the keys entered so far (distinct), those accessed marked (the marks
-        # restored through ``extra``, empty again after)
-        ends, a.counts, a.slots = a.counts, [0] * len(self.group), 0
-        a.seen, a.marks, a.extra = None, [], dict.fromkeys(a.order)
-        self._codes(a, a.st, ends)
-        a.extra = {}
-        return False
-
-    def _first_unknown(self, a: _ReqAccess, k) -> None:
-        """A key without a known position: its first access is recorded in ``extra``."""
-        if k not in a.extra:
-            a.extra[k] = None
-            a.order.append(k)
-            a.unknown += 1
-            if self.request_ranks:
-                self._request_rank(a)
-
-    def prepare_store(self, keys, st=None, spans: list[int] | None = None) -> list | None:
-        """``spans`` (0.33.0 callers; None: not given, positions looked up): for each group of
-        the request in order, ``spans[2 * gi]`` and ``spans[2 * gi + 1]``, the chunk index its
-        keys in ``keys`` start from and how many there are: ``keys`` lists the groups' keys in
-        group order, each group's a subsequence of its key list from that chunk index on, the
-        very key objects of the list."""
-        entries = self.entries
-        if st is None:
-            return self._insert([k for k in keys if k not in entries], keys, None)
-        # the first accesses to the new and the ready keys (as in prepare_load), in one pass
-        # with the keys to store
-        a = self._state(st)
-        to_store: list = []
-        ready = self.ready
-        if not self.request_ranks:
-            for k in keys:
-                s = entries.get(k)
-                if s is None:
-                    to_store.append(k)
-                elif not ready[s]:
-                    continue
-                self._first_unknown(a, k)       # positions only matter at finish
-            return self._insert(to_store, keys, None)
-        # (the new keys' ranks, None if their position is unknown: an int boxed once)
-        to_rank: list = []
-        order, ng = a.order, self.n_groups
-        if self._by_index(a, st, spans):
-            assert spans is not None
-            groups, marks, group = st.groups, a.marks, self.group
-            klist: list = keys          # (a list here: read without generic lookups)
-            base = 0                    # (the request rank << RANK_SHIFT, from the first access)
-            # the new chunks are inserted at once while there is room (the keys are distinct
-            # here, and chunks not ready are no eviction candidates), as _store_new does: each
-            # key offered the next fresh slot (``setdefault``: hashed once); none while a slot
-            # is free (only after an eviction that failed). The rest are inserted by _insert.
-            ents: dict = entries        # (untyped: the slot object compared by identity)
-            rank, key_at = self.rank, self.key_at
-            room = 0 if self.free else self.capacity - len(entries)
-            s0 = sn = self.n_slots      # the slot offered next
-            ints = ints_to(sn + min(room, len(klist)) + 1)
-            so: Any = ints[sn] if room > 0 else None     # (None: no room, looked up)
-            # the new chunks' rank objects by grid point (see __init__), made once for the
-            # chunks of the groups that end there (the same rank: one int boxed, not one per
-            # group; an object shared by chunks of distinct keys still tells a queue item
-            # current by identity, see __init__: it is new, and no chunk takes it twice)
-            grid = self.grid
-            n_grid = 0
-            for gi in range(len(group)):
-                n_grid = max(n_grid, len(groups[gi].keys) * grid[gi] + 1)
-            made: list = [None] * n_grid
-            p = 0
-            for gi in range(len(group)):
-                c, cnt = spans[2 * gi], spans[2 * gi + 1]
-                if not cnt:
-                    continue
-                gkeys: list = groups[gi].keys
-                m, tpc, gs = marks[gi], group[gi][1], grid[gi]
-                for x in range(p, p + cnt):
-                    k = klist[x]
-                    while gkeys[c] is not k:
-                        c += 1                  # (a chunk of the span left out)
-                    sk: Any = ents.get(k) if so is None else ents.setdefault(k, so)
-                    if sk is so:                 # new: at slot ``so``, or to _insert (None)
-                        to_store.append(k)
-                        if m[c] is None:
-                            m[c] = so if so is not None else -1     # (-1: no slot yet)
-                            order.append(k)
-                        if not base:
-                            base = self._request_rank(a) << RANK_SHIFT
-                        t = (c + 1) * gs
-                        ro: Any = made[t]
-                        if ro is None:
-                            ro = base - (c + 1) * tpc
-                            made[t] = ro
-                        if so is not None:
-                            if sn == len(self.ready):
-                                self._grow()
-                            rank[sn] = ro
-                            key_at[sn] = k
-                            sn += 1
-                            room -= 1
-                            so = ints[sn] if room > 0 else None
-                        else:
-                            to_rank.append(ro)
-                    else:
-                        si: int = sk
-                        if ready[si] and m[c] is None:
-                            m[c] = sk
-                            order.append(k)
-                            if not base:
-                                base = self._request_rank(a) << RANK_SHIFT
-                            r = base - (c + 1) * tpc
-                            rs: int = rank[si]     # (unboxed: r is not boxed to compare)
-                            if rs < r:
-                                self._set_rank(k, si, r)
-                    c += 1
-                p += cnt
-            self.n_slots = sn
-            if self.added is not None:
-                # the slots taken, in order, if recorded (Job.slots): s0.. here (one slice, no
-                # append per chunk), then those _insert takes
-                self.added.extend(ints[s0:sn])
-            return self._insert(to_store, keys, to_rank, len(to_store) - len(to_rank))
-        codes = self._codes(a, st)
+    def _record_access(self, a: _RequestCacheAccess, keys) -> None:
+        """``_record_request_cache_access``: the keys the request meets for the first time join
+        its record; from 0.33.0 they are ``on_request_access``ed."""
+        new = []
         for k in keys:
-            s = entries.get(k)
-            if s is None:
-                to_store.append(k)
-                vo = codes.get(k)
-                if vo is None:
-                    to_rank.append(None)
-                    self._first_unknown(a, k)
-                    continue
-                v = vo
-                if not v & 1:
-                    codes[k] = v | 1
-                    order.append(k)
-                to_rank.append((self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng)
-            elif ready[s]:
-                v = codes.get(k, -1)
-                if v < 0:
-                    self._first_unknown(a, k)
-                elif not v & 1:
-                    codes[k] = v | 1
-                    order.append(k)
-                    r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
-                    if self.rank[s] < r:
-                        self._set_rank(k, s, r)
-        return self._insert(to_store, keys, to_rank)
+            if k not in a.seen:
+                a.seen.add(k)
+                a.key_groups.setdefault(key_group(k), []).append(k)
+                new.append(k)
+        if new and self.request_ranks:
+            self._on_request_access(a, new)
 
-    def _insert(self, to_store: list, keys, to_rank: list | None, done: int = 0) -> list | None:
-        """The rest of prepare_store: evict for the new chunks ``to_store``, insert them
-        (``to_rank``: their ranks, 0.33.0 ``(request rank, -position)``, None where the position
-        is unknown or the request does not rank them: the next rank then). The first ``done``
-        are inserted already (filling the room there was; ``to_rank`` lists the others'): taken
-        out again if the eviction fails."""
+    def _on_request_access(self, a: _RequestCacheAccess, keys: list) -> None:
+        """``LRUCachePolicy.on_request_access`` (0.33.0): a resident chunk of known position is
+        raised to ``(request rank, -position)`` if that is above its rank."""
+        request_rank = self._request_rank(a)
+        for k in keys:
+            position = a.positions.get(k)
+            s = self.entries.get(k)
+            if position is None or s is None:
+                continue
+            rank = (request_rank, -position)
+            if self.rank[s] < rank:
+                self._set_rank(k, s, rank)
+
+    def _insert_rank(self, a: _RequestCacheAccess | None, k) -> tuple[int, int]:
+        """``LRUCachePolicy.insert``'s rank of a new chunk."""
+        position = a.positions.get(k) if a is not None and self.request_ranks else None
+        if position is None:
+            self.next_rank += 1
+            return (self.next_rank, 0)
+        return (self._request_rank(a), -position)
+
+    def _lowest_evictable(self, n: int, protected: set) -> list | None:
+        """``LRUCachePolicy.evict``: the ``n`` evictable chunks of lowest (rank, key) that are not
+        ``protected``, or None (and no change) if there are fewer."""
+        selected: list = []
+        chosen: set = set()
+        deferred: list = []
+        while self.heap and len(selected) < n:
+            item = heapq.heappop(self.heap)
+            rank, k = item
+            s = self.entries.get(k)
+            if s is None or not self._evictable(s) or self.rank[s] != rank or k in chosen:
+                continue            # stale
+            if k in protected:
+                deferred.append(item)
+                continue
+            selected.append(item)
+            chosen.add(k)
+        for item in deferred + (selected if len(selected) < n else []):
+            heapq.heappush(self.heap, item)
+        return [k for _, k in selected] if len(selected) == n else None
+
+    def prepare_store(self, keys, st=None) -> list | None:
+        """``CPUOffloadingManager.prepare_store``: the request's access to the new and the ready
+        keys is recorded before any eviction (chunks still being written are not accessed);
+        then the new chunks are inserted, evicting what they need."""
+        entries, ready = self.entries, self.ready
+        to_store = [k for k in keys if k not in entries]
+        a = None
+        if st is not None:
+            a = self._access(st)
+            self._record_access(a, [k for k in keys if k not in entries or ready[entries[k]]])
         if not to_store:
             return []
-        entries = self.entries
-        self.version += 1
-        self.content_version += 1
-        n_evict = len(to_store) - (self.capacity - len(entries)) - done
+        n_evict = len(to_store) - (self.capacity - len(entries))
         if n_evict > 0:
             victims = self._lowest_evictable(n_evict, set(keys))
             if victims is None:
-                key_at = self.key_at
-                for i in range(done):
-                    key_at[self._drop(to_store[i])] = None
                 return None
-            # (their slots are all taken again below, ``key_at`` with them: there is no free
-            # slot left after an insertion)
             for k in victims:
                 self._drop(k)
             self.evictions += n_evict
-        key_at = self.key_at
-        for i, k in enumerate(to_store[done:] if done else to_store):
-            r = to_rank[i] if to_rank is not None else None
-            if r is None:
-                self.next_rank += 1
-                r = self.next_rank << RANK_SHIFT
-            key_at[self._add(k, r)] = k         # not evictable (not ready): not queued
+        for k in to_store:
+            self._add(k, self._insert_rank(a, k))   # not ready: not evictable, not pushed
         return to_store
 
-    def _set_rank(self, k, s: int, r: int) -> None:
-        ro: object = r                          # (boxed once: list and queue share it)
-        self.rank[s] = ro
-        if self.queued and self.ready[s] and not self.refs[s]:
-            self._push(ro, k)
-
-    def _push(self, ro: Any, k) -> None:
-        """An eviction candidate, of rank ``ro`` (the rank object of ``rank``) and key ``k``: to
-        the end of ``fresh`` if not below its last item, else to the pile."""
-        fk = self.fresh_key
-        if len(fk) > self.head:
-            r: int = ro
-            last: int = self.fresh_rank[-1]
-            if r < last or (r == last and k < fk[-1]):
-                self._pile(ro, k, r)
-                return
-        fk.append(k)
-        self.fresh_rank.append(ro)
-
-    def _pile(self, ro: Any, k, r: int) -> None:
-        """An eviction candidate (as in _push) to the pile (``r``: ``ro`` as an int, which
-        _push, most of the calls, has unboxed already)."""
-        pk = self.pile_key
-        if not pk or r < self.pile_low:
-            self.pile_low = r
-        pk.append(k)
-        self.pile_rank.append(ro)
-
-    def _current(self, ro: Any, k) -> bool:
-        """The item (``ro``, ``k``) is its chunk's current one, and the chunk is evictable."""
-        s = self.entries.get(k)
-        return s is not None and self.rank[s] is ro and self.ready[s] and not self.refs[s]
-
-    def _compact(self) -> None:
-        """Drop the items of chunks gone, ranked again or not evictable, at once (cheaper than
-        one by one once they are most); the queues stay sorted."""
-        fr, fk, pr, pk = self.fresh_rank, self.fresh_key, self.pile_rank, self.pile_key
-        rr, rk = self.run_rank, self.run_key
-        fr2: list = []
-        fk2: list = []
-        for i in range(self.head, len(fk)):
-            if self._current(fr[i], fk[i]):
-                fr2.append(fr[i])
-                fk2.append(fk[i])
-        self.fresh_rank, self.fresh_key, self.head = fr2, fk2, 0
-        rr2: list = []
-        rk2: list = []
-        for i in range(self.run_head, len(rk)):
-            if self._current(rr[i], rk[i]):
-                rr2.append(rr[i])
-                rk2.append(rk[i])
-        self.run_rank, self.run_key, self.run_head = rr2, rk2, 0
-        self.pile_rank, self.pile_key = [], []
-        for i in range(len(pk)):
-            if self._current(pr[i], pk[i]):
-                self._pile(pr[i], pk[i], pr[i])
-
-    def _sort_pile(self) -> None:
-        """The pile's items of evictable chunks sorted into the run; the pile is left empty."""
-        rr, rk, pr, pk = self.run_rank, self.run_key, self.pile_rank, self.pile_key
-        rs, ks = rr[self.run_head:], rk[self.run_head:]
-        for i in range(len(pk)):
-            if self._current(pr[i], pk[i]):
-                rs.append(pr[i])
-                ks.append(pk[i])
-        self.run_rank, self.run_key = _sorted_items(rs, ks)
-        self.run_head = 0
-        pr.clear()
-        pk.clear()
-
-    def _lowest_evictable(self, n: int, protected: set) -> list | None:
-        """The ``n`` evictable chunks (ready, no load in flight, not ``protected``) of lowest
-        ``(rank, group)``, lowest first, or None if there are fewer (nothing changes then).
-        The queue holds the current item of every evictable chunk (see __init__): items
-        surface in (rank, key) order, the pile sorted into the run before an item of its lowest
-        rank or more surfaces; one whose chunk is gone, has another rank since or is not
-        evictable (a store or a load in flight: pushed again when that completes) is dropped,
-        as is a copy of the item just seen (equal items surface one after the other);
-        protected chunks go back (to the pile)."""
-        entries, ready, refs, rank = self.entries, self.ready, self.refs, self.rank
-        if not self.queued:                    # built at the first eviction, kept up after
-            self.queued = True
-            rs: list = []
-            ks: list = []
-            for k, slot in entries.items():
-                if ready[slot] and not refs[slot]:
-                    rs.append(rank[slot])
-                    ks.append(k)
-            self.fresh_rank, self.fresh_key = _sorted_items(rs, ks)
-        elif len(self.fresh_key) - self.head + len(self.run_key) - self.run_head \
-                + len(self.pile_key) > 4 * len(entries):
-            self._compact()                     # mostly items to drop
-        fr, fk, head, pk = self.fresh_rank, self.fresh_key, self.head, self.pile_key
-        rr, rk, rhead = self.run_rank, self.run_key, self.run_head
-        victims: list = []
-        passed: list = []
-        last_r = -1                             # (ranks are positive)
-        last_k: Any = None
-        while len(victims) < n:
-            # the lowest item of the queues (equal items surface one after the other)
-            if head < len(fk):
-                r: int = fr[head]
-                k = fk[head]
-                from_fresh = True
-                if rhead < len(rk):
-                    r2: int = rr[rhead]
-                    if r2 < r or (r2 == r and rk[rhead] < k):
-                        r, k, from_fresh = r2, rk[rhead], False
-            elif rhead < len(rk):
-                r, k, from_fresh = rr[rhead], rk[rhead], False
-            elif pk:
-                r, k, from_fresh = self.pile_low, None, False    # (only the pile: sorted below)
-            else:
-                break
-            if pk and self.pile_low <= r:
-                # the pile may hold lower items: sorted into the run first
-                self.run_head = rhead
-                self._sort_pile()
-                rr, rk, rhead = self.run_rank, self.run_key, 0
-                continue
-            if from_fresh:
-                ro = fr[head]
-                head += 1
-            else:
-                ro = rr[rhead]
-                rhead += 1
-            s = entries.get(k)
-            if s is None or not ready[s] or refs[s] or (r == last_r and k == last_k):
-                continue                       # stale, not evictable, or a copy
-            if rank[s] is not ro:
-                continue                       # stale
-            last_r, last_k = r, k
-            (passed if k in protected else victims).append(k)
-        # (the taken items dropped: amortized O(1) each)
-        if 2 * head > len(fk):
-            del fr[:head]
-            del fk[:head]
-            head = 0
-        if 2 * rhead > len(rk):
-            del rr[:rhead]
-            del rk[:rhead]
-            rhead = 0
-        self.head, self.run_head = head, rhead
-        for k in passed if len(victims) == n else passed + victims:
-            ro = rank[entries[k]]
-            self._pile(ro, k, ro)
-        if len(victims) < n:
-            return None
-        return victims
-
-    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> list:
-        """A load in flight on each chunk of ``keys`` and, given the request, its first access to
-        each (0.33.0: raises the chunk to the request's rank, ``(request rank, -position)``, if
-        that is higher), in one pass; returns the chunks' slots (as CPUTier.prepare_load).
-        ``spans``: as for prepare_store."""
-        self.version += 1
-        self.content_version += 1
-        entries: dict = self.entries    # (untyped: the slot objects go into the list)
-        refs = self.refs
-        klist: list = keys          # (a list here: read without generic lookups)
-        slots = [entries[k] for k in klist]
-        s: int
-        # (``refs[s] = refs[s] + 1``, not ``+=``: mypyc compiles an item's ``+=`` as a generic
-        # number operation)
-        if st is None:
-            for x in range(len(slots)):
-                s = slots[x]
-                refs[s] = refs[s] + 1
-            return slots
-        a = self._state(st)
-        if not self.request_ranks:
-            for x in range(len(slots)):
-                s = slots[x]
-                refs[s] = refs[s] + 1
-                self._first_unknown(a, klist[x])    # positions only matter at finish
-            return slots
-        order, ng, rank = a.order, self.n_groups, self.rank
-        if self._by_index(a, st, spans):
-            assert spans is not None
-            groups, marks, group = st.groups, a.marks, self.group
-            # (prepare_store's walk of the spans, kept inline in both: as one method giving
-            # each key's chunk index it cost 2.3 M more instructions per 64-request run)
-            base = 0                    # (the request rank << RANK_SHIFT, from the first access)
-            p = 0
-            for gi in range(len(group)):
-                c, cnt = spans[2 * gi], spans[2 * gi + 1]
-                if not cnt:
-                    continue
-                gkeys: list = groups[gi].keys
-                m, tpc = marks[gi], group[gi][1]
-                for x in range(p, p + cnt):
-                    k = klist[x]
-                    while gkeys[c] is not k:
-                        c += 1                  # (a chunk of the span left out)
-                    s = slots[x]
-                    refs[s] = refs[s] + 1
-                    if m[c] is None:
-                        m[c] = INTS[s]         # (its slot: see __init__)
-                        order.append(k)
-                        if not base:
-                            base = self._request_rank(a) << RANK_SHIFT
-                        r = base - (c + 1) * tpc
-                        rs: int = rank[s]          # (unboxed: r is not boxed to compare)
-                        if rs < r:
-                            self._set_rank(k, s, r)     # (not evictable now: not pushed)
-                    c += 1
-                p += cnt
-            return slots
-        codes = self._codes(a, st)
-        for x in range(len(slots)):
-            k = klist[x]
-            s = slots[x]
-            refs[s] = refs[s] + 1
-            v = codes.get(k, -1)
-            if v < 0:
-                self._first_unknown(a, k)
-            elif not v & 1:
-                codes[k] = v | 1
-                order.append(k)
-                r = (self._request_rank(a) << RANK_SHIFT) - (v >> 1) // ng
-                if rank[s] < r:
-                    self._set_rank(k, s, r)     # (not evictable now: not pushed)
+    def prepare_load(self, keys, st=None) -> list:
+        """A load pins its chunks (not evictable while loaded) and is a request access."""
+        slots = [self.entries[k] for k in keys]
+        for s in slots:
+            self.refs[s] += 1
+        if st is not None:
+            self._record_access(self._access(st), keys)
         return slots
 
     def on_request_finished(self, st) -> None:
+        """``CPUOffloadingManager.on_request_finished`` and the policy's: the keys the request
+        accessed, head to tail (``order_request_keys``: each group's keys by position where all
+        are known, the groups by id, then all by position where all are known), take fresh
+        ranks from the tail on."""
         a = self.req_state.pop(st.req.rid, None)
         if a is None:
             return
-        if a.seen is not None:
-            self._rerank_accessed(a)
-            return
-        # order_request_keys, head to tail: by position, ties by group id (each group's keys
-        # sorted by position, the groups in id order, then a stable sort by position)
-        if not a.unknown:
-            # every key accessed has its code (doubled, plus 1: the same order)
-            flat = list(a.order)
-            flat.sort(key=a.codes.__getitem__)
-        else:
-            flat = list(a.order)
-            codes = self._codes(a, st)
-            if all(map(codes.__contains__, flat)):
-                flat.sort(key=codes.__getitem__)
-            else:
-                groups: dict = {}
-                for k in flat:
-                    groups.setdefault(key_group(k), []).append(k)
-                flat = []
-                for gid in sorted(groups):
-                    keys = groups[gid]
-                    if all(k in codes for k in keys):
-                        keys = sorted(keys, key=codes.__getitem__)
-                    flat += keys
-        entries, rank, queued = self.entries, self.rank, self.queued
-        fr, fk = self.fresh_rank, self.fresh_key
-        nr = self.next_rank
-        for i in range(len(flat) - 1, -1, -1):     # tail first (mypyc 2.4 cannot compile
-            k = flat[i]                                # a loop over reversed() of this list)
-            s = entries.get(k)
+        if a.st is st:
+            self._access(st)
+        positions = a.positions
+        flat: list = []
+        for gid in sorted(a.key_groups):
+            keys = a.key_groups[gid]
+            if all(k in positions for k in keys):
+                keys = sorted(keys, key=positions.__getitem__)
+            flat += keys
+        if all(k in positions for k in flat):
+            flat.sort(key=positions.__getitem__)
+        for k in reversed(flat):
+            s = self.entries.get(k)
             if s is not None:
-                nr += 1
-                r: object = nr << RANK_SHIFT       # (boxed once: list and queue share it)
-                rank[s] = r
-                if queued and self.ready[s] and not self.refs[s]:
-                    # (above every rank given before: the end of ``fresh``)
-                    fr.append(r)
-                    fk.append(k)
-        self.next_rank = nr
-
-    def _rerank_accessed(self, a: _ReqAccess) -> None:
-        """on_request_finished for a request going by index: the keys it accessed, tail to head,
-        found by walking its marks by position (grid point) down, ties in reverse group id
-        order (see __init__), each take the next fresh rank; the keys are those of the request
-        state of its last access (as the dict mode's codes are: its key lists, only appended). (The
-        re-ranking of on_request_finished's loop, fused with the walk: no list of the keys.)"""
-        steps = self.steps
-        # (the marks in walk order, typed: no generic lookups in the walk)
-        marks: list[list] = [a.marks[gi] for gi in self.walk]
-        gkeys: list[list] = [a.st.groups[gi].keys for gi in self.walk]
-        key_at = self.key_at
-        end = 0
-        for w in range(len(marks)):
-            end = max(end, len(marks[w]) * steps[w])
-        entries, rank, queued = self.entries, self.rank, self.queued
-        fr, fk = self.fresh_rank, self.fresh_key
-        nr = self.next_rank
-        nw = len(marks)
-        ones = max(steps) == 1 if steps else True     # (every group's chunk at every point)
-        for t in range(end, 0, -1):
-            w = nw
-            while w:
-                w -= 1
-                if ones:
-                    c = t - 1
-                else:
-                    r = steps[w]
-                    if t % r:
-                        continue
-                    c = t // r - 1
-                m = marks[w]
-                if c >= len(m):
-                    continue
-                so = m[c]
-                if so is not None:
-                    k = gkeys[w][c]
-                    s: int = so
-                    if s < 0 or key_at[s] is not k:
-                        # (no slot at the mark, see prepare_store, or not the key's any more:
-                        # evicted, maybe stored again since; or the key object another one)
-                        sk = entries.get(k)
-                        if sk is None:
-                            continue
-                        s = sk
-                    nr += 1
-                    ro: object = nr << RANK_SHIFT      # (boxed once: as above)
-                    rank[s] = ro
-                    if queued and self.ready[s] and not self.refs[s]:
-                        fr.append(ro)
-                        fk.append(k)
-        self.next_rank = nr
+                self.next_rank += 1
+                self._set_rank(k, s, (self.next_rank, 0))
 
     def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
-        self.version += 1
-        self.content_version += 1
-        queued, ready, content = self.queued, self.ready, self.content
-        ss: list = self.slots_of(keys, slots)
-        # (zip: the keys, slots and contents read inline, not by bounds-checked calls; the
-        # lists have one item per key)
-        for k, so, cx in zip(keys, ss, contents):
-            if so is None:
-                continue
-            s: int = so
-            if not ready[s]:
+        ready, content = self.ready, self.content
+        for k, s, c in zip(keys, self.slots_of(keys, slots), contents):
+            if s is not None and not ready[s]:
                 ready[s] = True
-                content[s] = cx
-                if queued and not self.refs[s]:
-                    self._push(self.rank[s], k)       # evictable now
+                content[s] = c
+                if not self.refs[s]:
+                    self._push(k, s)            # evictable now
 
     def complete_load(self, keys, slots: list | None = None) -> None:
-        self.version += 1
-        self.content_version += 1
-        queued, refs = self.queued, self.refs
-        ss = self.slots_of(keys, slots)
-        for x in range(len(ss)):
-            s: int = ss[x]
-            n = refs[s] - 1                     # (not -=: see prepare_load)
-            refs[s] = n
-            if queued and not n and self.ready[s]:
-                self._push(self.rank[s], keys[x])     # evictable now
-
-
-class ListCPUTier(CPUTier):
-    """0.25.1-0.30.0 ``LRUCachePolicy`` with its evictable list (:class:`CPUTier` with
-    ``evictable_list``: a chunk joins the MRU end when it becomes evictable, its store or its last
-    load completing; ``touch`` moves the evictable ones of the keys given to the MRU end, last key
-    first; eviction takes the evictable chunks from the LRU end), built lazily: the order only
-    matters once a store must evict, and until then most of the work on it would be touches (of
-    keys mostly not there) and store and load completions (in the order of vLLM's key set,
-    :func:`tuple_set_order`).
-
-    Until the first eviction (``lazy``) the order is kept as stamps: ``clock`` counts the moves
-    (joins, touched keys), and a chunk's place in the list is the stamp of its last move, kept
-    in ``rank[slot]``. Touches and store and load completions are logged (``log``, with the
-    stamps they take) and applied, in order, at the first eviction (or when the log grows long):
-    a touch ``(keys, lo, hi, t)`` gives ``keys[i]`` (lo <= i < hi) the stamp ``t + hi - 1 - i``
-    if the chunk is evictable then and its stamp is lower (a chunk evictable then has been so
-    since it last joined: it was there at the touch if it joined before, which its lower stamp
-    says); a completion ``(keys, -1, n, t)`` joined the keys it made evictable at the placeholder
-    stamp ``t`` and gives each one still there ``t`` + its index in set order. A touch whose keys
-    a later touch of the same list covers is skipped (the later stamps are higher). At the first
-    eviction the evictable chunks go into the ``lru`` in stamp order, and the tier works as the
-    evictable list from then on."""
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity, True)
-        self.lazy = True
-        self.clock = 0
-        self.log: list[tuple] = []
-
-    def touch(self, keys) -> None:
-        self.touch_range(keys, 0, len(keys))
-
-    def touch_range(self, keys: list, lo: int, hi: int) -> None:
-        """``touch(keys[lo:hi])``; logged while lazy (``keys`` may grow after: ``[lo, hi)``
-        counts)."""
-        if not self.lazy:
-            super().touch_range(keys, lo, hi)
-            return
-        self.version += 1
-        if hi > lo:
-            self.log.append((keys, lo, hi, self.clock))
-            self.clock += hi - lo
-            if len(self.log) > 256 + len(self.entries):
-                self._apply_log()
-
-    def _apply_log(self) -> None:
-        """Apply the logged moves, in order (see the class docstring)."""
-        log = self.log
-        if not log:
-            return
-        self.log = []
-        # the touches that a later touch of the same key list covers: skipped
-        skip: list[bool] = [False] * len(log)
-        last: dict[int, tuple[int, int]] = {}
-        for x in range(len(log) - 1, -1, -1):
-            keys, lo, hi, t = log[x]
-            if lo < 0:
-                continue
-            cover = last.get(id(keys))
-            if cover is not None and cover[0] <= lo and hi <= cover[1]:
-                skip[x] = True
-            else:
-                last[id(keys)] = (lo, hi)
-        entries, ready, refs, rank = self.entries, self.ready, self.refs, self.rank
-        for x in range(len(log)):
-            if skip[x]:
-                continue
-            keys, lo, hi, t = log[x]
-            if lo < 0:
-                # a store or load completion: its keys joined at the stamp t, in set order
-                stamp = t
-                for k in tuple_set_order(keys):
-                    s = entries.get(k)
-                    if s is not None and rank[s] == t and ready[s] and not refs[s]:
-                        rank[s] = stamp
-                    stamp += 1
-                continue
-            stamp = t
-            for i in range(hi - 1, lo - 1, -1):
-                s = entries.get(keys[i])
-                if s is not None and ready[s] and not refs[s] and rank[s] < stamp:
-                    rank[s] = stamp
-                stamp += 1
-
-    def prepare_store(self, keys, st=None, spans: list[int] | None = None) -> list | None:
-        if self.lazy:
-            # the new chunks are not evictable (not ready): no stamp yet
-            entries = self.entries
-            room = self.capacity - len(entries)
-            if len(keys) <= room:
-                return self._store_new(keys)
-            n_new = 0
-            for k in keys:
-                if k not in entries:
-                    n_new += 1
-            if n_new <= room:
-                return self._store_new(keys)
-            # the first eviction: the evictable list, in stamp order, from now on
-            self._apply_log()
-            lru, ready, refs, rank = self.lru, self.ready, self.refs, self.rank
-            for _, k in sorted([(rank[s], k) for k, s in entries.items()
-                                if ready[s] and not refs[s]]):
-                lru[k] = entries[k]
-            self.lazy = False
-        return super().prepare_store(keys, st)
-
-    def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
-        """``keys``: the job's keys as listed; they join in the order of their set."""
-        if not self.lazy:
-            super().complete_store(keys, contents, slots)
-            return
-        self.version += 1
-        self.content_version += 1
-        ready, content, rank = self.ready, self.content, self.rank
-        refs: list[i64] = self.refs             # (i64: the counts unboxed directly)
-        t: object = self.clock                  # (boxed once for all the keys)
-        ss: list = self.slots_of(keys, slots)
-        # (zip: the slots and contents read inline, not by bounds-checked calls; both lists
-        # have one item per key)
-        for so, cx in zip(ss, contents):
-            if so is None:
-                continue
-            s: i64 = so                         # (i64: the lists indexed with no tagged checks)
-            if not ready[s]:
-                ready[s] = True
-                content[s] = cx
-                if not refs[s]:
-                    rank[s] = t                 # evictable now: placed when the log is applied
-        self.log.append((keys, -1, len(keys), t))
-        self.clock += len(keys)
-
-    def prepare_load(self, keys, st=None, spans: list[int] | None = None) -> list:
-        if not self.lazy:
-            return super().prepare_load(keys, st)
-        self.version += 1
-        self.content_version += 1
-        entries: dict = self.entries    # (untyped: the slot objects go into the list)
-        refs: list[i64] = self.refs     # (i64: the counts and slots as plain 64-bit ints)
-        ks: list = keys
-        slots = [entries[k] for k in ks]
-        for so in slots:
-            s: i64 = so
-            refs[s] = refs[s] + 1               # not evictable while loaded
-        return slots
-
-    def complete_load(self, keys: list, slots: list | None = None) -> None:
-        """``keys``: the job's keys as listed; those evictable now join in the order of their set
-        (logged as a store completion is: the set order is only worked out if the log is
-        applied)."""
-        if not self.lazy:
-            super().complete_load(keys, slots)
-            return
-        self.version += 1
-        self.content_version += 1
-        ready, rank = self.ready, self.rank
-        refs: list[i64] = self.refs     # (i64: the counts and slots as plain 64-bit ints)
-        t: object = self.clock                  # (boxed once for all the keys)
-        ss: list = self.slots_of(keys, slots)
-        for so in ss:                           # (one slot per key)
-            s: i64 = so
-            r: i64 = refs[s] - 1                # (not -=: a generic in-place subtraction when
-            if r:                               # compiled)
-                refs[s] = r
-                continue
-            refs[s] = 0                         # (a literal: the int object made once)
-            if ready[s]:
-                rank[s] = t                     # evictable now: placed when the log is applied
-        self.log.append((keys, -1, len(keys), t))
-        self.clock += len(keys)
+        for k, s in zip(keys, self.slots_of(keys, slots)):
+            self.refs[s] -= 1
+            if not self.refs[s] and self.ready[s]:
+                self._push(k, s)                # evictable now
 
 
 class _SlidingWindowStoreMask:
@@ -1333,8 +554,7 @@ class GroupState:
 
 class ReqOffload:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
-                 "finished_signaled", "next_key_at", "memo_version", "memo_local", "memo_tokens",
-                 "memo_hit", "memo_evictions", "memo_missed", "memo_pending", "memo_loading")
+                 "finished_signaled", "next_key_at")
 
     def __init__(self, req: Request, n: int):
         self.req = req
@@ -1346,18 +566,6 @@ class ReqOffload:
         self.num_local = 0
         self.finished_signaled = False
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
-        # the last _lookup (see OffloadScheduler._lookup_memo): its hit (before the being_loaded
-        # check) and the keys it read as missing and as pending (filled by _lookup); num_local
-        # and num_tokens then; the tier's content_version and evictions at the last call, when
-        # the hit was still that (version -1: none), and whether being_loaded deferred it then
-        self.memo_version = -1
-        self.memo_evictions = 0
-        self.memo_local = 0
-        self.memo_tokens = 0
-        self.memo_hit: int | None = None
-        self.memo_missed: list = []
-        self.memo_pending: list = []
-        self.memo_loading = False
 
 
 _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
@@ -1477,19 +685,13 @@ class OffloadScheduler:
                                 prefix_cacheable_groups else "list")
         self.tier: CPUTier
         if lru == "list":
-            self.tier = ListCPUTier(cpu_chunks)
+            self.tier = CPUTier(cpu_chunks, evictable_list=True)
         elif lru == "plain":                # "plain": insertion and touch order only
             self.tier = CPUTier(cpu_chunks)
         else:
             self.tier = RankedCPUTier(cpu_chunks, lru == "request-ranks", self.cfgs)
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
-        # the last touch (see _touch): the tier's version after it (-1: none), the request state
-        # it touched, its length and its groups' num_hit_chunks then
-        self._touched_version = -1
-        self._touched_st: ReqOffload | None = None
-        self._touched_len = 0
-        self._touched_hits: list[int] = []
         self.job_counter = 0
         # _block_id_to_pending_jobs: block ID -> the ID of the one pending job that reads it,
         # or a set of their IDs where several do (mostly one: no set per block)
@@ -1677,99 +879,25 @@ class OffloadScheduler:
             return None
         self.update_offload_keys(st, "get_num_new_matched_tokens")
         st.num_local = num_computed
-        hit = self._lookup_memo(st)
+        hit = self._lookup(st)
+        if hit and self.being_loaded and self._hits_being_loaded(st, hit):
+            hit = None
         for cfg, gs in zip(self.cfgs, st.groups):
             gs.num_hit_chunks = (num_computed + (hit or 0)) // cfg.tokens_per_chunk
         self._touch(st)
         return hit
 
-    def _lookup_memo(self, st: ReqOffload) -> int | None:
-        """``_lookup(st)``, or its last result when it would read the same again. A waiting
-        request that cannot be admitted repeats the same lookup step after step, while other
-        requests' stores complete (each moves the tier's ``content_version``).
-
-        Exact: with the same ``num_local`` and request length (which fix the request's offload
-        keys and every bound of the search), ``_lookup``'s search reads nothing of the tier but
-        whether each key it visits is there and if so ready, and its result follows from those
-        reads. A chunk leaves the tier (or stops being ready: a slot is freed and reused) only
-        by eviction, which moves ``evictions`` (a failed insertion takes out only the chunks it
-        added in the same call, never seen by a lookup); otherwise a chunk only comes in (not
-        ready) or becomes ready. So with no eviction since, every key read as ready still is;
-        the keys read as missing (``memo_missed``) and as pending (``memo_pending``, whether
-        in the first-miss walk of a full-attention group or in the sliding-window walk from the
-        end, where a pending chunk defers the lookup) are read again: if each still is, every
-        read repeats. ``being_loaded`` is not part of the search: its check of the hit's keys
-        runs again whenever the content changed (a hit of 0 has none to check: every group's
-        range is empty or the lookup returned early)."""
-        tier = self.tier
-        version, num_local, num_tokens = tier.content_version, st.num_local, len(st.req.tokens)
-        hit: int | None
-        if st.memo_local == num_local and st.memo_tokens == num_tokens:
-            if st.memo_version == version:
-                # (``being_loaded`` changes only with the content: the same check's result)
-                return None if st.memo_loading else st.memo_hit
-            if st.memo_version >= 0 and st.memo_evictions == tier.evictions \
-                    and self._reads_unchanged(st):
-                hit = st.memo_hit
-            else:
-                hit = self._fresh_lookup(st)
-        else:
-            hit = self._fresh_lookup(st)
-        st.memo_version, st.memo_evictions, st.memo_local, st.memo_tokens = \
-            version, tier.evictions, num_local, num_tokens
-        loading = False
-        if hit and self.being_loaded:
-            loading = self._hits_being_loaded(st, hit)
-        st.memo_loading = loading
-        return None if loading else hit
-
-    def _fresh_lookup(self, st: ReqOffload) -> int | None:
-        """``_lookup(st)``, its result and what it read kept in ``st``'s memo."""
-        st.memo_missed.clear()
-        st.memo_pending.clear()
-        hit = st.memo_hit = self._lookup(st)
-        return hit
-
-    def _reads_unchanged(self, st: ReqOffload) -> bool:
-        """Every key the last ``_lookup`` read as missing is still missing, every key it read as
-        pending is still pending."""
-        entries, ready = self.tier.entries, self.tier.ready
-        for k in st.memo_missed:
-            if k in entries:
-                return False
-        for k in st.memo_pending:
-            so = entries.get(k)
-            if so is None:
-                return False
-            s: i64 = so                 # (i64: ``ready`` indexed with no tagged-int checks)
-            if ready[s]:
-                return False
-        return True
-
     def _touch(self, st: ReqOffload) -> None:
-        """Touch the request's keys in the CPU tier's LRU. Repeating a touch changes nothing when
-        the tier did not change since (the touched keys already sit at the MRU end in the order
-        the touch leaves them): then it is skipped (``_touched_*``: the tier's version after the
-        last touch, and what that touch covered). A tier that ignores touches (0.31.0+) is not
-        called."""
+        """``manager.touch`` of the request's keys after a lookup (0.25.1-0.30.0: the evictable
+        list moves the touched chunks to its MRU end; a sliding-window group touches only the
+        chunks from its window on). The tiers that rank chunks (0.31.0+) ignore touches."""
         tier = self.tier
         if not tier.touches:
             return
-        n = len(st.req.tokens)
-        if self._touched_version == tier.version and self._touched_st is st \
-                and self._touched_len == n:
-            hits = self._touched_hits
-            for x, gs in enumerate(st.groups):
-                if hits[x] != gs.num_hit_chunks:
-                    break
-            else:
-                return
         for cfg, gs in zip(self.cfgs, st.groups):
             w = cfg.sliding_window_in_chunks
             keys = gs.keys
             tier.touch_range(keys, 0 if w is None else max(0, gs.num_hit_chunks - w), len(keys))
-        self._touched_version, self._touched_st, self._touched_len = tier.version, st, n
-        self._touched_hits = [gs.num_hit_chunks for gs in st.groups]
 
     def _load_window(self, cfg: GroupGeometry, num_tokens: int) -> int:
         """``GroupOffloadConfig.load_window_size_in_chunks``: a SlidingWindowSpec group's window in
@@ -1786,15 +914,13 @@ class OffloadScheduler:
 
     def _lookup(self, st: ReqOffload) -> int | None:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops, but for its
-        ``being_loaded`` check (``_hits_being_loaded``). Appends the keys it reads as missing to
-        ``st.memo_missed``, those it reads as pending to ``st.memo_pending`` (_lookup_memo)."""
+        ``being_loaded`` check (``_hits_being_loaded``)."""
         req, tier = st.req, self.tier
         # (tier.lookup of a key, inlined below: MISS when not in ``entries``, HIT_PENDING when
         # its chunk is not ready; i64: the slot found unboxed directly, ``ready`` indexed with
         # no tagged-int checks)
         entries: dict[Key, i64] = tier.entries
         ready = tier.ready
-        missed, pending_keys = st.memo_missed, st.memo_pending
         # (i64: the token counts, chunk indices and hits as plain 64-bit ints, no tagged-int
         # checks in the arithmetic and comparisons)
         num_computed: i64 = st.num_local
@@ -1844,11 +970,9 @@ class OffloadScheduler:
                         k = keys[j]
                         s = entries.get(k)
                         if s is None:
-                            missed.append(k)
                             break
                         if not ready[s]:
                             defer = True
-                            pending_keys.append(k)
                         hits += 1
                     n_hit = -1 if defer else hits
                 else:
@@ -1867,14 +991,12 @@ class OffloadScheduler:
                         k = sub[idx]
                         s = entries.get(k)
                         if s is None:
-                            missed.append(k)
                             consecutive = 0
                             if v2:
                                 pending, need = False, w_req
                         else:
                             if not ready[s]:
                                 pending = True
-                                pending_keys.append(k)
                             consecutive += 1
                         if consecutive == need:
                             n_hit, found = idx + need, True
@@ -1976,13 +1098,10 @@ class OffloadScheduler:
         st = self.req_status[req.rid]
         num_cached: i64 = st.num_local + num_external
         keys: list[Key] = []
-        spans: list[int] = []       # per group: its keys' first chunk index and count (the tier)
         job = Job(-1, req.rid, False, None)     # (its ID is given by _new_job, at the end)
         bpos = job.bpos
         for cfg, gs in zip(self.cfgs, st.groups):
             gid = cfg.group_id
-            spans.append(0)
-            spans.append(0)
             blocks: list = tables[gid]     # (untyped: the block ID objects go into the job)
             tpb: i64 = cfg.tokens_per_block
             tpc: i64 = cfg.tokens_per_chunk
@@ -2010,7 +1129,6 @@ class OffloadScheduler:
                 cend: i64 = min(end, len(gkeys))
                 if start < cend:
                     m: i64 = cend - start
-                    spans[-2], spans[-1] = start, m
                     top: i64 = min(cend * bpc, n_gpu)
                     shift: i64 = len(job.bids) - n_local    # block i goes to position shift + i
                     if not keys:
@@ -2037,7 +1155,7 @@ class OffloadScheduler:
                     elif cend > k:
                         bpos.extend([shift + n_gpu] * (cend - k))
             gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
-        job.slots = self.tier.prepare_load(keys, st, spans)
+        job.slots = self.tier.prepare_load(keys, st)
         job.ckeys = keys
         # (the evictable list's complete_load puts the keys in the order of their set,
         # tuple_set_order, itself: when that order is needed)
@@ -2341,11 +1459,9 @@ class OffloadScheduler:
                ] if self.eagle_tail_hole else ns
         # per group: where its keys start in new_keys when they are all of its chunks
         # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1;
-        # the chunk of its first key in new_keys (n if none: the walk below starts there); and
-        # (spans, for the tier) the chunk index they start from and how many there are
+        # and the chunk of its first key in new_keys (n if none: the walk below starts there)
         whole: list[int] = []
         firsts: list[int] = []
-        spans: list[int] = []
         cow = self.cow_groups
         start: i64
         i: i64
@@ -2353,8 +1469,6 @@ class OffloadScheduler:
             start = gs.next_stored
             whole.append(-1)
             firsts.append(n)
-            spans.append(start)
-            spans.append(0)
             if n <= start or cfg.group_id in cow:
                 continue
             # the chunks' keys gs.keys[start:n] and their last blocks
@@ -2379,7 +1493,6 @@ class OffloadScheduler:
                     firsts[-1] = start + i
                 if len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
                     whole[-1] = k0
-                spans[-1] = len(new_keys) - k0
                 continue
             if mask is not None:
                 reach = mask.reachable(start, n, req.num_prompt, req.shared_prefix_boundary)
@@ -2417,11 +1530,10 @@ class OffloadScheduler:
                             new_keys.append(gkeys[start + i])
             if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
                 whole[-1] = k0
-            spans[-1] = len(new_keys) - k0
         if not new_keys:
             self.advance_stored_idx(st, n_off, adv)
             return
-        to_store, slots = tier.prepare_store_slots(new_keys, st, spans)
+        to_store, slots = tier.prepare_store_slots(new_keys, st)
         if to_store is None:
             return
         if not to_store:

@@ -62,13 +62,12 @@ def test_lookup_restarts_store_index_from_0330():
     assert out == {"prefix-cacheable-strict-unit": 4, "prefix-cacheable-windows-in-config": 0}
 
 
-def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60, compact: int = 0) -> int:
+def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60) -> int:
     """Random stores, completions, loads and request finishes on a small RankedCPUTier. Before
     every store that must evict, the victims are worked out by brute force from the entries:
     the evictable chunks (ready, no load in flight) not named by the store, lowest (rank, key)
     first; the store must evict exactly those, or refuse (None) and evict nothing when there are
-    too few; every ``compact`` steps (if given), the queues drop their stale items at once.
-    Returns the number of evicting stores checked."""
+    too few. Returns the number of evicting stores checked."""
     import random
     from types import SimpleNamespace as NS
     from simsched.offload import RankedCPUTier
@@ -83,8 +82,6 @@ def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60, compact: i
                                                     for g in (0, 1)]))
     writing, loading, checked = [], [], 0
     for step in range(steps):
-        if compact and step % compact == 0:
-            tier._compact()
         op = rng.randrange(5)
         st = rng.choice(reqs)
         if op <= 1:
@@ -124,155 +121,15 @@ def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60, compact: i
     return checked
 
 
-def test_ranked_tier_sorts_queue_items_as_tuples():
-    """The eviction queue's items are sorted by rank alone and each run of equal ranks then by
-    key (offload._sorted_items): the order of the ``(rank, key)`` tuples, ties and repeated
-    items included, each rank the very object given."""
-    import random
-    from simsched.offload import RANK_SHIFT, _sorted_items
-
-    for seed in range(300):
-        rng = random.Random(seed)
-        rs, ks = [], []
-        for _ in range(rng.randint(0, 60)):
-            if rs and rng.random() < 0.3:             # a tie, or a repeated item
-                i = rng.randrange(len(rs))
-                rs.append(rs[i])
-                ks.append(ks[i] if rng.random() < 0.3 else make_key(rng.randrange(3), ks[i]))
-            else:
-                rs.append((rng.randint(1, 9) << RANK_SHIFT) - rng.randint(0, 4) * 16)
-                ks.append(make_key(rng.randrange(3), rng.randrange(-2**63, 2**63)))
-        out_r, out_k = _sorted_items(rs, ks)
-        assert list(zip(out_r, out_k)) == sorted(zip(rs, ks))
-        assert sorted(map(id, out_r)) == sorted(map(id, rs))
-
-
 def test_ranked_tier_evicts_the_lowest_evictable_chunks():
-    """RankedCPUTier (0.31.0+ LRUCachePolicy) keeps its eviction candidates outside the entries
-    (a sorted queue, a pile sorted into a second queue on demand, only evictable chunks, stale
-    items dropped lazily): whatever the order of stores, completions, loads and finishes, an
-    eviction takes exactly the lowest (rank, key) evictable chunks not protected by the store."""
+    """RankedCPUTier (0.31.0+ LRUCachePolicy) keeps its eviction candidates in a heap whose
+    stale items are dropped lazily: whatever the order of stores, completions, loads and
+    finishes, an eviction takes exactly the lowest (rank, key) evictable chunks not protected
+    by the store."""
     checked = sum(_random_tier_run(seed, rr) for seed in range(150) for rr in (False, True))
     assert checked > 500        # the runs do reach full tiers
-    # longer runs, compacted now and then (as a tier is when its queues are mostly stale items)
-    assert sum(_random_tier_run(seed, rr, 600, 7) for seed in range(20) for rr in (False, True))
-
-
-def test_ranked_tier_by_index_is_the_position_map():
-    """RankedCPUTier goes by chunk index (0.33.0: the callers give each key's group and chunk
-    index, ``spans``; the tier keeps access marks by index) instead of a dict of every key's
-    position; it must rank, evict and re-rank at finish exactly as the dict of positions does
-    (the same tier given no spans: its dict mode, the one before chunk indices). Random stores
-    (with chunks of a span left out), loads, completions and finishes, over groups of other
-    chunk sizes and group ids out of index order, with key lists that grow, and the rare cases
-    that leave the index mode: a key met twice (in one group or two), a store whose key comes
-    without its index (a boundary store; sometimes a key of no list), another request state.
-    The marks hold the slots of the chunks accessed: ``key_at`` must name each slot's key."""
-    import random
-    from types import SimpleNamespace as NS
-    from simsched.offload import RankedCPUTier
-
-    reasons = {"fast": 0, "dup": 0, "nospans": 0, "state": 0}
-    for seed in range(200):
-        rng = random.Random(seed)
-        tpcs = rng.choice([(16, 16, 16), (16, 32, 16), (32, 16, 48), (16,)])
-        ids = rng.sample(range(len(tpcs)), len(tpcs))
-        cfgs = [NS(group_id=g, tokens_per_chunk=t) for g, t in zip(ids, tpcs)]
-        by_index, by_dict = RankedCPUTier(10, True, cfgs), RankedCPUTier(10, True, cfgs)
-        sts, serial = {}, [0]
-
-        def grow(st, n):
-            for gs, cfg in zip(st.groups, cfgs):
-                for _ in range(n):
-                    if gs.keys and rng.random() < 0.04:      # a key met twice
-                        k = rng.choice(gs.keys)
-                        gs.keys.append(k if rng.random() < 0.5 else make_key(cfg.group_id, k))
-                    elif rng.random() < 0.05 and len(st.groups) > 1:     # ... in two groups
-                        gs.keys.append(rng.choice(rng.choice(st.groups).keys or [0]))
-                    else:
-                        serial[0] += 1
-                        gs.keys.append(make_key(cfg.group_id, 10 ** 19 + serial[0]))
-
-        def new_state(rid, old=None):
-            st = NS(req=NS(rid=rid), groups=[NS(keys=list(g.keys) if old else [])
-                                             for g in (old.groups if old else cfgs)])
-            grow(st, rng.randint(1, 4))
-            return st
-
-        for r in range(3):
-            sts[f"r{r}"] = new_state(f"r{r}")
-        writing, loading = [], []
-        for _ in range(80):
-            rid = rng.choice(sorted(sts))
-            st = sts[rid]
-            op = rng.randrange(9)
-            if op <= 2:
-                keys, spans = [], []
-                for gs in st.groups:
-                    start = rng.randint(0, len(gs.keys))
-                    sub = [k for k in gs.keys[start:start + rng.randint(0, 4)]
-                           if rng.random() < 0.8]
-                    keys += sub
-                    spans += [start, len(sub)]
-                if not keys:
-                    continue
-                a = by_index.req_state.get(rid)
-                was = a is not None and a.seen is not None
-                moved = a is not None and a.st is not st
-                got = by_index.prepare_store(keys, st, spans)
-                if was:
-                    reasons["state" if moved else "fast" if a.seen is not None else "dup"] += 1
-                assert by_dict.prepare_store(keys, st) == got
-                if got:
-                    writing.append(got)
-            elif op == 3 and rng.random() < 0.3:
-                gs = rng.choice(st.groups)
-                key = rng.choice(gs.keys) if rng.random() < 0.8 else make_key(0, serial[0] + 7)
-                a = by_index.req_state.get(rid)
-                reasons["nospans"] += a is not None and a.seen is not None
-                got = by_index.prepare_store([key], st)
-                assert by_dict.prepare_store([key], st) == got
-                if got:
-                    writing.append(got)
-            elif op == 4 and writing:
-                done = writing.pop(rng.randrange(len(writing)))
-                by_index.complete_store(done, [None] * len(done))
-                by_dict.complete_store(done, [None] * len(done))
-            elif op == 5:
-                keys, spans = [], []
-                for gs in st.groups:
-                    start = rng.randint(0, len(gs.keys))
-                    sub = [k for k in gs.keys[start:start + rng.randint(0, 3)]
-                           if by_dict.is_ready(k)]
-                    if len(set(sub)) < len(sub):
-                        sub = []
-                    keys += sub
-                    spans += [start, len(sub)]
-                if keys and len(set(keys)) == len(keys):
-                    by_index.prepare_load(keys, st, spans)
-                    by_dict.prepare_load(keys, st)
-                    loading.append(keys)
-            elif op == 6 and loading:
-                done = loading.pop(rng.randrange(len(loading)))
-                by_index.complete_load(done)
-                by_dict.complete_load(done)
-            elif op == 7:
-                if rng.random() < 0.3:
-                    sts[rid] = new_state(rid, st)           # another request state
-                else:
-                    grow(st, rng.randint(1, 3))
-            else:
-                by_index.on_request_finished(st)
-                by_dict.on_request_finished(st)
-                sts[rid] = new_state(rid)                   # (a new request, same ID)
-            ranks = [{k: t.rank[s] for k, s in t.entries.items()} for t in (by_index, by_dict)]
-            assert ranks[0] == ranks[1]
-            for t in (by_index, by_dict):
-                assert all(t.key_at[s] is k for k, s in t.entries.items())
-                assert all(t.key_at[s] is None for s in t.free)
-            assert (by_index.next_rank, by_index.evictions) == (by_dict.next_rank,
-                                                                by_dict.evictions)
-    assert min(reasons.values()) > 15, reasons
+    # longer runs (the heap rebuilt when its stale items outnumber the evictable chunks)
+    assert sum(_random_tier_run(seed, rr, 600) for seed in range(20) for rr in (False, True))
 
 
 def _key_lists(rng) -> list[list]:
@@ -282,110 +139,6 @@ def _key_lists(rng) -> list[list]:
         idents = [100 * r + rng.randrange(3) * 1000 + i for i in range(8)]   # some shared
         lists.append([make_key(rng.randrange(3), h) for h in idents])
     return lists
-
-
-def test_list_tier_evicts_as_the_evictable_list():
-    """ListCPUTier (0.25.1-0.30.0's evictable list kept as stamps, touches and completions
-    applied when an eviction needs them) evicts exactly what the OrderedDict evictable list
-    (CPUTier with evictable_list) evicts, under random stores, store and load completions (keys
-    in list order: both walk them in set order), loads, touches of whole key lists and of
-    windows, as the connector makes them (fails with the touch or the completion log not
-    applied, or a covered touch that is not covered skipped)."""
-    import random
-    from simsched.offload import ListCPUTier
-
-    checked = 0
-    for seed in range(300):
-        rng = random.Random(seed)
-        ref, tier = CPUTier(8, True), ListCPUTier(8)
-        lists = _key_lists(rng)
-        writing, loading = [], []
-        for _ in range(120):
-            op = rng.randrange(6)
-            keys = rng.choice(lists)
-            if op <= 1:
-                lo = rng.randrange(8)
-                sub = keys[lo:lo + rng.randint(1, 4)]
-                before = set(ref.entries)
-                got = ref.prepare_store(sub)
-                assert tier.prepare_store(sub) == got
-                assert set(tier.entries) == set(ref.entries)
-                checked += len(before - set(ref.entries)) > 0
-                if got:
-                    writing.append(got)
-            elif op == 2 and writing:
-                done = writing.pop(rng.randrange(len(writing)))
-                ref.complete_store(done, [None] * len(done))
-                tier.complete_store(done, [None] * len(done))
-            elif op == 3:
-                ready = [k for k in keys if ref.is_ready(k)]
-                if ready:
-                    sub = ready[:rng.randint(1, 3)]
-                    ref.prepare_load(sub)
-                    tier.prepare_load(sub)
-                    loading.append(sub)
-                elif loading:
-                    done = loading.pop(0)
-                    ref.complete_load(done)
-                    tier.complete_load(done)
-            elif op == 4 and loading:
-                done = loading.pop(0)
-                ref.complete_load(done)
-                tier.complete_load(done)
-            else:
-                lo = rng.randrange(3)
-                hi = rng.randint(lo, len(keys))
-                ref.touch_range(keys, lo, hi)
-                tier.touch_range(keys, lo, hi)
-    assert checked > 300
-
-
-def test_store_with_room_is_the_lookup_then_insert():
-    """CPUTier._store_new (prepare_store with room for every key: one setdefault per key, the
-    next fresh slot offered) against the plain walk it replaced: the keys not in the tier, in
-    order, each in a slot of its own, rank 0, not ready; the version moved only when a key was
-    added. Over the three tiers that use it, with completions, loads and evictions between."""
-    import random
-    from simsched.offload import ListCPUTier
-    for seed in range(200):
-        rng = random.Random(seed)
-        cap = rng.choice([4, 8, 70, 200])
-        for tier in (CPUTier(cap), CPUTier(cap, True), ListCPUTier(cap)):
-            pool = [make_key(rng.randrange(3), rng.randrange(10 ** 6) + (1 << 40))
-                    for _ in range(3 * cap)]
-            writing: list = []
-            for _ in range(60):
-                op = rng.randrange(4)
-                if op <= 1:
-                    keys = list(dict.fromkeys(rng.sample(pool, rng.randint(1, max(1, cap // 2)))))
-                    before = dict(tier.entries)
-                    room = tier.capacity - len(before)
-                    version = tier.version
-                    got = tier.prepare_store(keys)
-                    if len(keys) > room:
-                        continue            # (the eviction path: test_list_tier_evicts_...)
-                    want = [k for k in keys if k not in before]
-                    assert got == want
-                    assert all(g is k for g, k in zip(got, [k for k in keys if k in want]))
-                    assert (tier.version != version) == bool(want)
-                    assert {k: s for k, s in tier.entries.items() if k in before} == before
-                    slots = list(tier.entries.values())
-                    assert len(set(slots)) == len(slots) and max(slots, default=0) < len(tier.ready)
-                    for k in want:
-                        s = tier.entries[k]
-                        assert tier.rank[s] == 0 and not tier.ready[s] and not tier.refs[s]
-                        assert s not in tier.free
-                    if want:
-                        writing.append(want)
-                elif op == 2 and writing:
-                    done = writing.pop(rng.randrange(len(writing)))
-                    tier.complete_store(done, [None] * len(done))
-                elif op == 3:
-                    ready = [k for k in tier.entries if tier.is_ready(k)]
-                    if ready:
-                        sub = ready[:2]
-                        tier.prepare_load(sub)
-                        tier.complete_load(sub)
 
 
 def test_load_job_chunks_match_a_per_chunk_walk():
@@ -449,9 +202,9 @@ def test_prepare_store_returns_the_key_objects_given():
     tier's prepare_store returns the very key objects it was given (equal ints made apart
     would not match)."""
     from types import SimpleNamespace as NS
-    from simsched.offload import ListCPUTier, RankedCPUTier
+    from simsched.offload import RankedCPUTier
     cfgs = [NS(group_id=0, tokens_per_chunk=16), NS(group_id=1, tokens_per_chunk=16)]
-    for make in (lambda: CPUTier(4), lambda: CPUTier(4, True), lambda: ListCPUTier(4),
+    for make in (lambda: CPUTier(4), lambda: CPUTier(4, True),
                  lambda: RankedCPUTier(4, False, cfgs), lambda: RankedCPUTier(4, True, cfgs)):
         tier = make()
         idents = [10 ** 20 + i for i in range(6)]
@@ -591,7 +344,7 @@ def test_jobs_keep_their_slots():
     any order (evictions included), the slots kept are still the keys' slots when the job
     completes, and each tier ends as the same tier completed by keys alone (slots looked up)."""
     import random
-    from simsched.offload import ListCPUTier, RankedCPUTier
+    from simsched.offload import RankedCPUTier
 
     def state(t):
         return (dict(t.entries), list(t.lru), t.ready[:t.n_slots], t.refs[:t.n_slots],
@@ -600,8 +353,8 @@ def test_jobs_keep_their_slots():
     evicted = 0
     for seed in range(200):
         rng = random.Random(seed)
-        make = [lambda: CPUTier(8), lambda: CPUTier(8, True), lambda: ListCPUTier(8),
-                lambda: RankedCPUTier(8, rng.random() < 0.5, [])][seed % 4]
+        make = [lambda: CPUTier(8), lambda: CPUTier(8, True),
+                lambda: RankedCPUTier(8, rng.random() < 0.5, [])][seed % 3]
         by_slots, by_keys = make(), make()
         lists = _key_lists(rng)
         writing, loading = [], []
@@ -753,27 +506,3 @@ print("calls", *calls)
 '''
 
 
-def test_lookup_memo_is_a_fresh_lookup():
-    """``OffloadScheduler._lookup_memo`` reuses a lookup while the tier changed only where the
-    lookup did not read (no eviction; the keys it read as missing or pending still are):
-    checked against a fresh lookup at every call (sources, the methods wrapped), over generated
-    cases and over one request's lookups while its chunks and others are stored, completed,
-    evicted and loaded at random, on the tiers of 0.25.1-0.30.0 (evictable list; 0.30.0 the
-    sliding window's load window) and 0.33.0 (ranks). Each part of the check, left out
-    (evictions, the missed keys, the pending keys), gives wrong hits there."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = dict(os.environ, SIMSCHED_PURE="1")
-    out = {}
-    for variant in ("exact", "evictions-ignored", "pending-ignored", "missed-ignored"):
-        r = subprocess.run([sys.executable, "-c", _LOOKUP_MEMO_CHECK, variant],
-                           cwd=Path(__file__).parent.parent, capture_output=True, text=True,
-                           env=env)
-        assert r.returncode == 0 and "calls" in r.stdout, r.stdout + r.stderr
-        out[variant] = [int(x) for x in r.stdout.split()[1:4]]
-    memo_calls, lookups, wrong = out["exact"]
-    assert wrong == 0 and lookups < memo_calls * 0.8, out
-    assert all(out[v][2] > 0 for v in ("evictions-ignored", "pending-ignored",
-                                        "missed-ignored")), out
