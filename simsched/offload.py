@@ -384,7 +384,7 @@ class RankedCPUTier(CPUTier):
     def _insert_rank(self, a: _RequestCacheAccess | None, k) -> tuple[int, int]:
         """``LRUCachePolicy.insert``'s rank of a new chunk."""
         position = a.positions.get(k) if a is not None and self.request_ranks else None
-        if position is None:
+        if a is None or position is None:
             self.next_rank += 1
             return (self.next_rank, 0)
         return (self._request_rank(a), -position)
@@ -462,7 +462,7 @@ class RankedCPUTier(CPUTier):
             flat += keys
         if all(k in positions for k in flat):
             flat.sort(key=positions.__getitem__)
-        for k in reversed(flat):
+        for k in flat[::-1]:          # tail first
             s = self.entries.get(k)
             if s is not None:
                 self.next_rank += 1
