@@ -32,7 +32,13 @@ def one(tree: Path, budget: float, seed: int, releases: str | None) -> dict:
         subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=budget + 1800)
         data = json.loads((Path(out) / "report.json").read_text())
     real = data.get("summary", {}).get("real_steps", 0)
+    # the model's share of the seconds the campaign spent running cases (report ``seconds``:
+    # the model under every profile, and each release's config and step runs)
+    secs = data.get("seconds", {})
+    spent = secs.get("model", 0.0) + sum(v for k, v in secs.items()
+                                         if k not in ("model", "shrinking"))
     return {"examples_per_s": data["examples_per_s"],
+            "model_share": secs.get("model", 0.0) / spent if spent else 0.0,
             "real_steps_per_s": real / data["elapsed_s"] if data["elapsed_s"] else 0.0,
             "findings": len(data["findings"]),
             "clusters": data.get("summary", {}).get("clusters_total", len(data["findings"]))}
@@ -56,11 +62,12 @@ def main(argv=None) -> int:
     print(f"`simsched fuzz --budget {args.budget:g} --seed {args.seed}`"
           + (f" `--releases {args.releases}`" if args.releases else "")
           + f", medians of {args.runs} alternating runs.\n")
-    print("| tree | examples/s | real steps/s | findings | clusters |")
-    print("|---|---|---|---|---|")
+    print("| tree | examples/s | real steps/s | model share of case time | findings | clusters |")
+    print("|---|---|---|---|---|---|")
     for name, rs in rows.items():
         print(f"| {name} | {med(r['examples_per_s'] for r in rs):.1f} | "
               f"{med(r['real_steps_per_s'] for r in rs):.0f} | "
+              f"{100 * med(r['model_share'] for r in rs):.1f}% | "
               f"{med(r['findings'] for r in rs):.0f} | {med(r['clusters'] for r in rs):.0f} |")
     return 0
 

@@ -545,7 +545,6 @@ class GroupState:
     def __init__(self) -> None:
         # offload keys (group_id, block hash): see make_key. Key m is made from the block hash
         # of index hpc * m + hpc - 1 (hpc: the group's hashes_per_chunk), shown in traces
-        # (OffloadScheduler._hash_indices)
         self.keys: list[Key] = []
         self.block_ids: list[int] = []
         self.next_stored = 0
@@ -676,9 +675,6 @@ class OffloadScheduler:
         self.n = len(self.cfgs)
         self.bpc = geometry.blocks_per_chunk
         self.tph = geometry.tokens_per_hash
-        # one block and one hash per chunk in every group: a store job's chunk, hash and block
-        # indices are the same numbers (_store_job makes them one list)
-        self.one_index = self.bpc == 1 and all(g.hashes_per_chunk == 1 for g in self.cfgs)
         # the CPU tier's LRUCachePolicy: up to 0.30.0 an evictable list; from 0.31.0 recency ranks,
         # by request and token position from 0.33.0 (profile.extra["cpu_lru"])
         lru = profile.extra.get("cpu_lru", "ranks" if profile.offloaded_groups is
@@ -693,9 +689,8 @@ class OffloadScheduler:
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
         self.job_counter = 0
-        # _block_id_to_pending_jobs: block ID -> the ID of the one pending job that reads it,
-        # or a set of their IDs where several do (mostly one: no set per block)
-        self.block_to_jobs: dict[int, int | set[int]] = {}
+        # _block_id_to_pending_jobs: block ID -> the IDs of the pending jobs that read it
+        self.block_to_jobs: dict[int, set[int]] = {}
         self.batch_loads: list[Job] = []
         self.batch_flush: set[int] = set()
         # _current_batch_allocated_block_ids: the blocks update_state_after_alloc and
@@ -1064,7 +1059,6 @@ class OffloadScheduler:
         block tables (every KV cache group), ``block_keys[block]`` is the block hash a block
         carries (its GPU prefix-cache key, ``BlockPool.key``: a GPU prefix hit), None if none
         (``is_cached``). Without a load the request is scheduled in this step."""
-        bpc: i64 = self.bpc         # (i64: positions and counts with no tagged-int checks)
         marked: list[list[int]]         # the tables whose blocks this batch allocated
         if self.alloc_all_groups:
             # a request scheduled in this step: its new blocks are its whole tables, which
@@ -1096,67 +1090,29 @@ class OffloadScheduler:
         if num_external == 0:
             return None
         st = self.req_status[req.rid]
-        num_cached: i64 = st.num_local + num_external
-        keys: list[Key] = []
+        num_cached = st.num_local + num_external
         job = Job(-1, req.rid, False, None)     # (its ID is given by _new_job, at the end)
-        bpos = job.bpos
+        assert block_keys is not None           # (num_external > 0: given)
         for cfg, gs in zip(self.cfgs, st.groups):
-            gid = cfg.group_id
-            blocks: list = tables[gid]     # (untyped: the block ID objects go into the job)
-            tpb: i64 = cfg.tokens_per_block
-            tpc: i64 = cfg.tokens_per_chunk
-            n_gpu: i64 = -(-num_cached // tpb)
-            n_local: i64 = n_gpu
-            assert block_keys is not None         # (num_external > 0: given)
-            i: i64                  # (i64: the lists indexed with no tagged-int checks)
-            for i in range(n_gpu):
-                bi: i64 = blocks[i]
-                if bi != NULL and block_keys[bi] is None:
-                    n_local = i
-                    break
-            if n_gpu - n_local:
-                start: i64 = n_local // bpc
-                end: i64 = -(-num_cached // tpc)
-                gkeys = gs.keys
-                if self.asserts and len(gkeys) < end:
+            blocks = tables[cfg.group_id]
+            n_gpu = -(-num_cached // cfg.tokens_per_block)
+            # the group's blocks from its first one that holds no GPU prefix hit
+            n_local = next((i for i in range(n_gpu)
+                            if blocks[i] != NULL and block_keys[blocks[i]] is None), n_gpu)
+            if n_local < n_gpu:
+                start, end = n_local // self.bpc, -(-num_cached // cfg.tokens_per_chunk)
+                if self.asserts and len(gs.keys) < end:
                     raise ModelCrash("AssertionError", "update_state_after_alloc", "load",
                                      "assert len(offload_keys) >= end_chunk_idx")
-                # chunks [start, cend), chunk c loading the blocks [max(c * bpc, n_local),
-                # min((c + 1) * bpc, n_gpu)) (tokens_per_chunk = bpc * tokens_per_block): together
-                # the blocks [n_local, min(cend * bpc, n_gpu)); the lists of the chunks' keys,
-                # hash indices and blocks are slices, added at once (the first group's are the
-                # job's lists, not copied into its empty ones: a list.extend is a slice assignment)
-                cend: i64 = min(end, len(gkeys))
-                if start < cend:
-                    m: i64 = cend - start
-                    top: i64 = min(cend * bpc, n_gpu)
-                    shift: i64 = len(job.bids) - n_local    # block i goes to position shift + i
-                    if not keys:
-                        job.gids = [gid] * m
-                        job.cidx = self._ints(start, cend)
-                        job.hidx = self._hash_indices(cfg.hashes_per_chunk, start, cend)
-                        keys = gkeys[start:cend]        # (the job's ckeys: the same list)
-                        job.bids = blocks[n_local:top]
-                        job.bidx = self._ints(n_local, top)
-                    else:
-                        job.gids.extend([gid] * m)
-                        job.cidx.extend(self._ints(start, cend))
-                        job.hidx.extend(self._hash_indices(cfg.hashes_per_chunk, start, cend))
-                        keys.extend(gkeys[start:cend])
-                        job.bids.extend(blocks[n_local:top])
-                        job.bidx.extend(self._ints(n_local, top))
-                    # chunk c's blocks end at (c + 1) * bpc for c < n_gpu // bpc, else at n_gpu
-                    # (mostly the last chunk alone: appended, no list made)
-                    k: i64 = max(start, min(cend, n_gpu // bpc))
-                    if k > start:
-                        bpos.extend(self._ints(shift + (start + 1) * bpc, shift + k * bpc + 1, bpc))
-                    if cend - k == 1:
-                        bpos.append(shift + n_gpu)
-                    elif cend > k:
-                        bpos.extend([shift + n_gpu] * (cend - k))
-            gs.next_stored = -(-num_cached // tpc)      # BLOCK_LEVEL policy
+                hpc = cfg.hashes_per_chunk
+                for c in range(start, min(end, len(gs.keys))):
+                    # chunk c loads its blocks from the first not hit to the hit's end
+                    lo, hi = max(c * self.bpc, n_local), min((c + 1) * self.bpc, n_gpu)
+                    job.add_chunk(cfg.group_id, c, hpc * c + hpc - 1, gs.keys[c],
+                                  [(i, blocks[i]) for i in range(lo, hi)])
+            gs.next_stored = -(-num_cached // cfg.tokens_per_chunk)      # BLOCK_LEVEL policy
+        keys = job.ckeys
         job.slots = self.tier.prepare_load(keys, st)
-        job.ckeys = keys
         # (the evictable list's complete_load puts the keys in the order of their set,
         # tuple_set_order, itself: when that order is needed)
         job.keys = keys
@@ -1286,11 +1242,7 @@ class OffloadScheduler:
                 self.batch_flush.update(pst.jobs)
         if self.block_to_jobs and (alloc or marked):
             for b, pending in self.block_to_jobs.items():
-                if not self._allocated_now(b):
-                    continue
-                if isinstance(pending, int):
-                    self.batch_flush.add(pending)
-                else:
+                if self._allocated_now(b):
                     self.batch_flush.update(pending)
         if offers and self.boundary_stores:  # (the boundary jobs first: lower job IDs)
             stores = self._build_boundary_store_jobs(offers)
@@ -1399,43 +1351,13 @@ class OffloadScheduler:
                     self._store_job(fst, 0, out)    # (finished: its scheduled tokens not read)
         return out
 
-    def _null_chunk_keys(self, st: ReqOffload, gs: GroupState, start: int, cnt: int,
-                         mask: _SlidingWindowStoreMask | None, new_keys: list) -> int:
-        """0.33.0's ``_build_store_jobs`` key walk over chunks ``start..start+cnt-1``: a chunk
-        is kept when its last block is not null, one of its blocks is reachable
-        (``_reachable_store_block_mask``; no mask: all of them) and none of its reachable blocks
-        is null; the keys kept are appended to ``new_keys``. Returns the index (from
-        ``start``) of the first chunk kept, -1 if none."""
-        bpc = self.bpc
-        bl = gs.block_ids
-        blocks = None
-        if mask is not None:
-            blocks = mask.blocks(start, start + cnt, st.req.num_prompt,
-                                 st.req.shared_prefix_boundary)
-        first = -1
-        for i in range(cnt):
-            lo = (start + i) * bpc
-            reach = [True] * bpc if blocks is None else blocks[i * bpc:(i + 1) * bpc]
-            if bl[lo + bpc - 1] == NULL or not any(reach):
-                continue
-            if any(r and bl[lo + b] == NULL for b, r in enumerate(reach)):
-                continue
-            if first < 0:
-                first = i
-            new_keys.append(gs.keys[start + i])
-        return first
-
     def _store_job(self, st: ReqOffload, n_sched: int, out: list[Job]) -> None:
-        """The store job of the request of ``st``, if it has chunks to store, appended to ``out``
-        (``n_sched``: the tokens scheduled for it, read if it has not finished)."""
-        # (i64: the positions, indices and counts as plain 64-bit ints, no tagged-int checks
-        # in the arithmetic, comparisons and list indexing)
-        bpc: i64 = self.bpc
-        asserts, tier = self.asserts, self.tier
-        cfgs = self.cfgs
-        masks: dict[int, _SlidingWindowStoreMask] = self.sw_store_mask
+        """``_build_store_jobs`` for one request: the chunks each group can store now are
+        offered to the CPU tier (``prepare_store``), and those it takes form one store job,
+        appended to ``out`` (``n_sched``: the tokens scheduled for the request, read if it has
+        not finished). A sliding-window group's source blocks are fenced at once; the others'
+        once the request finishes (``_deferred``)."""
         req = st.req
-        rid = req.rid
         if req.status == ABORTED:
             n_after = req.num_computed
         elif req.finished:
@@ -1445,190 +1367,45 @@ class OffloadScheduler:
                        else req.num_tokens)
         else:
             n_after = req.num_computed + n_sched
-        n_off: i64 = self._offloadable(st, n_after)
-        groups = st.groups
-        for cfg, gs in zip(cfgs, groups):
-            if n_off // cfg.tokens_per_chunk > gs.next_stored:
-                break
-        else:
+        n_off = self._offloadable(st, n_after)
+        cfgs, groups = self.cfgs, st.groups
+        if all(n_off // cfg.tokens_per_chunk <= gs.next_stored for cfg, gs in zip(cfgs, groups)):
             return        # no group can store a chunk: advance_stored_idx is a no-op too
-        new_keys: list = []
         ns = [self.storable_chunks(st, cfg, gs, n_off) for cfg, gs in zip(cfgs, groups)]
         # where next_stored goes after this store (the chunks collected but under 0.25.1's hole)
         adv = [self.storable_chunks(st, cfg, gs, n_off, False) for cfg, gs in zip(cfgs, groups)
                ] if self.eagle_tail_hole else ns
-        # per group: where its keys start in new_keys when they are all of its chunks
-        # start..min(n, len(keys)) - 1 (each chunk's last block not NULL, reachable), else -1;
-        # and the chunk of its first key in new_keys (n if none: the walk below starts there)
-        whole: list[int] = []
-        firsts: list[int] = []
-        cow = self.cow_groups
-        start: i64
-        i: i64
-        for cfg, gs, n in zip(cfgs, groups, ns):
-            start = gs.next_stored
-            whole.append(-1)
-            firsts.append(n)
-            if n <= start or cfg.group_id in cow:
-                continue
-            # the chunks' keys gs.keys[start:n] and their last blocks
-            # gs.block_ids[start * bpc + bpc - 1:n * bpc:bpc]
-            gkeys = gs.keys
-            bl: list = gs.block_ids     # (block IDs read as the int objects the list holds)
-            nk: i64 = max(0, min(n, len(gkeys)) - start)
-            b_lo: i64 = start * bpc + bpc - 1
-            b_hi: i64 = min(n * bpc, len(bl))
-            nb: i64 = (b_hi - b_lo + bpc - 1) // bpc if b_hi > b_lo else 0
-            if asserts and nk != nb:
-                raise ModelCrash(
-                    "AssertionError", "_build_store_jobs", "build_store_jobs",
-                    f"assert len(offload_keys) == len(offload_block_ids) "
-                    f"({nk} != {nb}, group {cfg.group_id})")
-            k0: i64 = len(new_keys)
-            cnt: i64 = min(nk, nb)
-            mask = masks.get(cfg.group_id) if masks else None
-            if self.skip_null_chunks and cnt:
-                i = self._null_chunk_keys(st, gs, start, cnt, mask, new_keys)
-                if i >= 0:
-                    firsts[-1] = start + i
-                if len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
-                    whole[-1] = k0
-                continue
-            if mask is not None:
-                reach = mask.reachable(start, n, req.num_prompt, req.shared_prefix_boundary)
-                cnt = min(cnt, len(reach))
-                i = 0                   # (the mask read inline: mostly not reachable)
-                for r in reach:
-                    if i == cnt:
-                        break
-                    if r and bl[b_lo + i * bpc]:        # reachable, block not NULL (0)
-                        if len(new_keys) == k0:
-                            firsts[-1] = start + i
-                        new_keys.append(gkeys[start + i])
-                    i += 1
-            elif cnt:
-                # the keys whose block is not NULL (0): all cnt of them when no block is
-                # (one slice of keys)
-                lasts: list[i64] = bl[b_lo:b_lo + (cnt - 1) * bpc + 1:bpc] if bpc > 1 else \
-                    bl[b_lo:b_lo + cnt]
-                null = False            # (a native loop: no call of all() nor compared objects)
-                for last in lasts:
-                    if last == NULL:
-                        null = True
-                        break
-                if not null:
-                    firsts[-1] = start
-                    if new_keys:
-                        new_keys.extend(gkeys[start:start + cnt])
-                    else:
-                        new_keys = gkeys[start:start + cnt]     # (not copied into the empty one)
-                else:
-                    for i in range(cnt):
-                        if lasts[i]:
-                            if len(new_keys) == k0:
-                                firsts[-1] = start + i
-                            new_keys.append(gkeys[start + i])
-            if cnt and len(new_keys) - k0 == cnt and start + cnt == min(n, len(gkeys)):
-                whole[-1] = k0
+        offered = [(gi, c) for gi, n in enumerate(ns)
+                   for c in self._chunks_to_offer(st, cfgs[gi], groups[gi], n)]
+        new_keys = [groups[gi].keys[c] for gi, c in offered]
         if not new_keys:
             self.advance_stored_idx(st, n_off, adv)
             return
-        to_store, slots = tier.prepare_store_slots(new_keys, st)
+        to_store, slots = self.tier.prepare_store_slots(new_keys, st)
         if to_store is None:
             return
         if not to_store:
             self.advance_stored_idx(st, n_off, adv)
             return
         self._touch(st)
-        # (the evictable list's complete_store puts the keys in the order of their set,
-        # tuple_set_order, itself: when that order is needed)
-        job = Job(-1, rid, True, to_store, None, True)
-        job.slots = slots           # (those of to_store: the walk below lists the same keys)
+        job = Job(-1, req.rid, True, to_store, None, True)
+        job.slots = slots           # (those of to_store, in order: the chunks below)
         fenced: list = []
-        one = self.one_index        # (hidx, bidx and bpos made at the end)
-        # the keys to store are a subsequence of new_keys, in the order of the walk below
-        # (the same groups and chunks): each chunk's key is the next one to store or not one
-        # (a request's keys are distinct; the tier returns the key objects it was given, those
-        # of the groups' key lists: compared by identity). When they are all of new_keys
-        # (the same length: the same list), a group whose chunks all went into new_keys
-        # (whole) is stored whole when the walk reaches it at its first key
-        all_new = len(to_store) == len(new_keys)
-        j: i64 = 0
-        n_store: i64 = len(to_store)
-        gi: i64 = 0
-        c: i64
-        for cfg, gs, n in zip(cfgs, groups, ns):   # state unchanged: same storable chunks
-            # (the blocks of the other groups are the job's deferred fences: _deferred)
-            sink = fenced if cfg.sliding_window_in_chunks is not None else None
-            start = gs.next_stored
-            bl = gs.block_ids
-            hpc, gid = cfg.hashes_per_chunk, cfg.group_id
-            keys = gs.keys
-            end: i64 = min(n, len(keys))
-            w: i64 = whole[gi]
-            first: i64 = firsts[gi]
-            gi += 1
-            if all_new and w == j:
-                # chunks start..end-1 are the next keys to store (the same objects), each
-                # with all its blocks (none NULL: checked above when a chunk is one block);
-                # appended by slices, as the loop below would append them
-                m: i64 = end - start
-                lo: i64 = start * bpc
-                hi: i64 = end * bpc
-                sources = bl[lo:hi]
-                if bpc == 1 or NULL not in sources:
-                    j += m
-                    self._add_run(job, sink, gid, hpc, keys, sources, start, end, bpc)
-                    gs.next_stored = max(gs.next_stored, adv[gi - 1])
-                    continue
-            bulk = True             # the run test below is tried once per group
-            for c in range(first, end):     # (the chunks before first are not in new_keys)
-                k = keys[c]
-                if j == n_store or k is not to_store[j]:
-                    continue
-                if bulk:
-                    bulk = False
-                    # the common case: chunks c..end-1 are all stored, each with all its
-                    # blocks (none NULL); appended by slices, as the loop would append them
-                    m = end - c
-                    lo = c * bpc
-                    hi = end * bpc
-                    run = bl[lo:hi] if m > 1 and to_store[j:j + m] == keys[c:end] else None
-                    # (a chunk of one block is in new_keys only with that block)
-                    if run is not None and (bpc == 1 or NULL not in run):
-                        j += m
-                        self._add_run(job, sink, gid, hpc, keys, run, c, end, bpc)
-                        break
-                j += 1
-                # (the job's lists read from it: _add_run may have replaced them)
-                job.gids.append(gid)
-                job.cidx.append(c)
-                job.ckeys.append(k)
-                jbids = job.bids
-                if one:
-                    # its one block (not NULL: the chunk is in new_keys)
-                    b = bl[c]
-                    jbids.append(b)
-                    if sink is not None:
-                        sink.append(b)
-                    continue
-                job.hidx.append(hpc * c + hpc - 1)
-                for i in range(c * bpc, c * bpc + bpc):
-                    b = bl[i]
-                    if not b:                       # NULL (0): no source block
-                        continue
-                    job.bidx.append(i)
-                    jbids.append(b)
-                    if sink is not None:
-                        sink.append(b)
-                job.bpos.append(len(jbids))
-            gs.next_stored = max(gs.next_stored, adv[gi - 1])
-        if one:
-            # every chunk's hash and block index is its chunk index and it has one block: the
-            # three index lists are one list (nothing changes a job's lists), bpos is 0..n
-            cidx = job.cidx
-            job.hidx = job.bidx = cidx
-            job.bpos = self._ints(0, len(cidx) + 1)
+        j = 0                       # to_store is the part of new_keys the tier took, in order
+        for gi, c in offered:
+            key = groups[gi].keys[c]
+            if j == len(to_store) or key != to_store[j]:
+                continue
+            j += 1
+            cfg, blocks = cfgs[gi], groups[gi].block_ids
+            hpc = cfg.hashes_per_chunk
+            sources = [(i, blocks[i]) for i in range(c * self.bpc, (c + 1) * self.bpc)
+                       if blocks[i] != NULL]
+            job.add_chunk(cfg.group_id, c, hpc * c + hpc - 1, key, sources)
+            if cfg.sliding_window_in_chunks is not None:
+                fenced += [b for _, b in sources]
+        for gs, n in zip(groups, adv):
+            gs.next_stored = max(gs.next_stored, n)
         job.fenced = fenced or None
         self._new_job(job)
         jid = job.jid
@@ -1644,74 +1421,59 @@ class OffloadScheduler:
                     self.batch_flush.add(jid)
         out.append(job)
 
-    def _add_run(self, job: Job, sink: list | None, gid: int, hpc: i64, keys: list,
-                 sources: list, c: i64, end: i64, bpc: i64) -> None:
-        """Append a group's chunks ``c..end-1`` to a store job by slices, as one chunk at a time
-        would: each chunk's key from ``keys``, its hash index (``hpc``: the group's
-        hashes_per_chunk) and its ``bpc`` source blocks, none NULL, from ``sources`` (the blocks
-        of the run, in order, a list the job may keep), which also go to the fence list ``sink``
-        (if any). (With ``one_index``, the hash and block indices and bpos are left to
-        _store_job.) (i64: the positions and counts with no tagged-int checks.)"""
-        m: i64 = end - c
-        b0: i64 = len(job.bids)
-        cs = self._ints(c, end)         # (also the hash and block indices of a chunk of one)
-        if sink is not None:
-            sink.extend(sources)
-        if not job.ckeys:
-            # the job's first chunks: the lists made here are its lists (``sources``: the
-            # caller's own slice), not copied into its empty ones
-            job.gids = [gid] * m
-            job.cidx = cs
-            job.ckeys = keys[c:end]
-            job.bids = sources
+    def _chunks_to_offer(self, st: ReqOffload, cfg: GroupGeometry, gs: GroupState,
+                         n: int) -> list[int]:
+        """The chunks ``next_stored..n-1`` of a group that ``_build_store_jobs`` offers: with
+        their keys and last blocks (``assert len(offload_keys) == len(offload_block_ids)``),
+        not a copy-on-write group's, and then as the release walks them: 0.33.0 keeps a chunk
+        whose last block is not null, one of whose blocks is reachable
+        (``_reachable_store_block_mask``) and none of whose reachable blocks is null; earlier
+        releases keep the reachable chunks (sliding window) whose last block is not null."""
+        start, bpc = gs.next_stored, self.bpc
+        if n <= start or cfg.group_id in self.cow_groups:
+            return []
+        blocks = gs.block_ids
+        num_keys = max(0, min(n, len(gs.keys)) - start)
+        last_lo, last_hi = start * bpc + bpc - 1, min(n * bpc, len(blocks))
+        num_blocks = (last_hi - last_lo + bpc - 1) // bpc if last_hi > last_lo else 0
+        if self.asserts and num_keys != num_blocks:
+            raise ModelCrash(
+                "AssertionError", "_build_store_jobs", "build_store_jobs",
+                f"assert len(offload_keys) == len(offload_block_ids) "
+                f"({num_keys} != {num_blocks}, group {cfg.group_id})")
+        cnt = min(num_keys, num_blocks)
+        mask = self.sw_store_mask.get(cfg.group_id) if self.sw_store_mask else None
+        req = st.req
+        if self.skip_null_chunks:
+            reach = (mask.blocks(start, start + cnt, req.num_prompt, req.shared_prefix_boundary)
+                     if mask is not None and cnt else None)
+            kept = []
+            for i in range(cnt):
+                lo = (start + i) * bpc
+                r = [True] * bpc if reach is None else reach[i * bpc:(i + 1) * bpc]
+                if blocks[lo + bpc - 1] != NULL and any(r) and \
+                        not any(r[b] and blocks[lo + b] == NULL for b in range(bpc)):
+                    kept.append(start + i)
+            return kept
+        if mask is not None:
+            reach = mask.reachable(start, n, req.num_prompt, req.shared_prefix_boundary)
+            cnt = min(cnt, len(reach))
         else:
-            job.gids.extend([gid] * m)
-            job.cidx.extend(cs)
-            job.ckeys.extend(keys[c:end])
-            job.bids.extend(sources)
-        if self.one_index:
-            return
-        job.hidx.extend(cs if hpc == 1 else self._hash_indices(hpc, c, end))
-        job.bidx.extend(cs if bpc == 1 else self._ints(c * bpc, end * bpc))
-        job.bpos.extend(self._ints(b0 + bpc, b0 + m * bpc + 1, bpc))
+            reach = [True] * cnt
+        return [start + i for i in range(cnt)
+                if reach[i] and blocks[last_lo + i * bpc] != NULL]
 
-    def _hash_indices(self, hpc: int, c: int, end: int) -> list[int]:
-        """The hash indices of a group's keys ``c..end-1`` (``hpc`` > 0: its hashes_per_chunk;
-        see GroupState.keys)."""
-        return self._ints(hpc * c + hpc - 1, hpc * end, hpc)
-
-    def _ints(self, lo: int, hi: int, step: int = 1) -> list[int]:
-        """``list(range(lo, hi, step))`` (0 <= lo, 0 < step), sliced from ``INTS``: a job's chunk
-        and block indices are appended as slices of it (cheaper than iterating a range)."""
-        ints = ints_to(hi)
-        return ints[lo:hi] if step == 1 else ints[lo:hi:step]
-
-    def _fence(self, b: Any, jid: Any) -> None:
-        """Record that job ``jid`` reads block ``b`` (``_block_id_to_pending_jobs``, see
-        ``block_to_jobs``). (Untyped: the int objects as given go into the dict, not re-boxed.)"""
-        btj: dict = self.block_to_jobs
-        cur = btj.setdefault(b, jid)    # (one dict operation when the block is not fenced yet)
-        if cur is jid:
-            return                      # (new, or this job's already)
-        if isinstance(cur, int):
-            if cur != jid:
-                btj[b] = {cur, jid}
-        else:
-            cur.add(jid)
+    def _fence(self, b: int, jid: int) -> None:
+        """Record that job ``jid`` reads block ``b`` (``_block_id_to_pending_jobs``)."""
+        self.block_to_jobs.setdefault(b, set()).add(jid)
 
     def _remove_pending(self, jid: int, blocks) -> None:
-        btj = self.block_to_jobs
         for b in blocks or ():
-            s = btj.get(b)
-            if s is None:
-                continue
-            if isinstance(s, int):
-                if s == jid:
-                    del btj[b]
-            else:
-                s.discard(jid)
-                if not s:
-                    del btj[b]
+            pending = self.block_to_jobs.get(b)
+            if pending is not None:
+                pending.discard(jid)
+                if not pending:
+                    del self.block_to_jobs[b]
 
     def complete_job(self, jid: int) -> Job:
         """``update_connector_output`` for one completed job."""

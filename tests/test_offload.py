@@ -289,55 +289,6 @@ print("ok", seen)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
-def test_one_index_store_jobs_are_the_per_list_ones():
-    """With one block and one hash per chunk (``OffloadScheduler.one_index``) a store job's
-    chunk, hash and block indices are one shared list and its bpos is made at the end; checked
-    over generated cases (sources) against the jobs built list by list (one_index off): the same
-    chunks, job by job, and every job's own lists."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    code = '''
-from simsched.lockstep import generate_case
-from simsched.model import run_case
-from simsched.offload import OffloadScheduler
-import simsched
-assert not simsched.compiled()
-init, build = OffloadScheduler.__init__, OffloadScheduler._build_store_jobs
-mode, seen, got = [True], [0], []
-def patched_init(self, *a, **k):
-    init(self, *a, **k)
-    if self.one_index:
-        seen[0] += 1
-    self.one_index = self.one_index and mode[0]
-def recording_build(self, *a, **k):
-    jobs = build(self, *a, **k)
-    got.extend((j.rid, j.chunks(), list(j.bpos), list(j.hidx), list(j.bidx)) for j in jobs)
-    return jobs
-OffloadScheduler.__init__ = patched_init
-OffloadScheduler._build_store_jobs = recording_build
-n = 0
-for layout in ("full16+sw16w128+full16", "full16+sw16w64", "full16"):
-    for seed in range(40):
-        case = generate_case(seed, layout, async_scheduling=seed % 3 == 0)
-        for profile in ("every-group", "prefix-cacheable-windows-in-config"):
-            runs = []
-            for m in (True, False):
-                mode[0], got = m, []
-                run_case(case, profile, checks="fast", trace=False)
-                runs.append(got)
-            assert runs[0] == runs[1], (layout, seed, profile)
-            n += len(runs[0])
-assert seen[0] > 100 and n > 1000, (seen, n)
-print("ok", seen, n)
-'''
-    env = dict(os.environ, SIMSCHED_PURE="1")
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
-                       capture_output=True, text=True, env=env)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
-
-
 def test_jobs_keep_their_slots():
     """A job keeps the tier's slots of its chunks (Job.slots: from prepare_store_slots and
     prepare_load) and its completion uses them: under random stores, loads and completions in
