@@ -38,11 +38,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, Iterable, Sequence
 
 if TYPE_CHECKING:
-    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
-    # import annotations), so that nothing at run time needs mypy_extensions: the release
-    # workers import these modules in vLLM's environments
-    from mypy_extensions import i64
-
     from simsched.offload import ReqOffload
 
 # (Final: constants mypyc inlines, no module-dict lookup at each use)
@@ -268,39 +263,36 @@ class Request:
         tuples are slices of one tuple of the new tokens: equal tuples, so the same hashes."""
         tokens = self.tokens
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
-        # (i64: the positions as plain 64-bit ints, no tagged-int checks)
-        unit: i64 = self.unit
-        k: i64 = len(ident)
-        n: i64 = len(tokens) // unit
+        unit = self.unit
+        k = len(ident)
+        n = len(tokens) // unit
         if k >= n:
             return
         # (Any, not object: mypy does not narrow an Any variable to int on assignment, so the
         # compiled build appends the int object hash() made instead of unboxing and re-boxing it)
         prev: Any = ident[-1] if ident else 0x5EED
         new = tuple(tokens[k * unit:n * unit])
-        j: i64 = 0
-        end: i64 = (n - k) * unit
+        j = 0
+        end = (n - k) * unit
         while j < end:
             prev = hash((prev, new[j:j + unit]))
             ident.append(prev)
             j += unit
 
-    def keys(self, gid: i64, stride: i64) -> list[Key]:
+    def keys(self, gid: int, stride: int) -> list[Key]:
         """``[make_key(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are known: the
         GPU prefix-cache keys of a group's blocks (``stride`` = its block size) and the offload
         keys of its chunks (``stride`` = tokens per chunk). Built once per (group, stride) and
         extended as tokens arrive; the lists are shared, callers copy the slices they keep."""
         if not gid and stride == self.unit:
             return self.ident       # group 0's keys a unit apart: the identities themselves
-        # (i64: the group id, tags, indices and positions as plain 64-bit ints, no tagged-int
-        # checks)
-        tag: i64 = stride * 16 + gid
+        tag = stride * 16 + gid
         tags = self.key_tags
-        s: i64 = 0
-        ns: i64 = len(tags)
+        s = 0
+        ns = len(tags)
         while s < ns and tags[s] != tag:
             s += 1
-        per: i64 = stride // self.unit
+        per = stride // self.unit
         if s < ns:
             keys = self.key_lists[s]
         else:
@@ -311,12 +303,12 @@ class Request:
             tags.append(tag)
             self.key_lists.append(keys)
         ident: list = self.ident      # (untyped: the hashes stay the int objects hash() made)
-        have: i64 = len(keys)
-        n: i64 = len(ident) // per
+        have = len(keys)
+        n = len(ident) // per
         # the keys past the shared prefix, appended one by one (mostly one key at a time, as
         # decoded tokens complete a stride: no slice or list made for it)
-        j: i64 = (have + 1) * per - 1
-        end: i64 = n * per
+        j = (have + 1) * per - 1
+        end = n * per
         if gid:                 # make_key(gid, h), inlined
             base = _GROUP_BASE[gid]
             while j < end:
@@ -412,22 +404,20 @@ class BlockPool:
         """The free queue as an ordered dict of its blocks (a copy, for tests and checks)."""
         return dict.fromkeys(self.free_queue())
 
-    def get_new_blocks(self, n: i64) -> list[int]:
+    def get_new_blocks(self, n: int) -> list[int]:
         key, ref, later = self.key, self.ref, self.later
         nxt, prv = self.nxt, self.prv
         if n > self.n_free:
             raise RuntimeError(f"{n} blocks asked of a free queue of {self.n_free}")
         out: list[int] = []
         bo: Any = nxt[NULL]             # (the queue holds the ids objects: appended as they are)
-        # (i64: the block IDs and counts as plain 64-bit ints, no tagged-int checks in the
-        # comparisons and list indexing)
-        b: i64 = bo
-        j: i64 = 0
+        b = bo
+        j = 0
         while j < n:                            # the head of the free queue, in order
             out.append(bo)
             if key[b] is not None:      # evict from the GPU prefix cache (uncache, inlined
                 # for a block alone under its key: its entry in ``cached`` goes stale)
-                lb: i64 = later[b]
+                lb = later[b]
                 if lb != NULL:
                     self._unchain(b)
                 key[b] = None
@@ -444,24 +434,21 @@ class BlockPool:
         """``BlockPool.free_blocks``: blocks without a hash are prepended to the free queue in
         the order given (LIFO reuse), blocks carrying a hash are appended (LRU eviction)."""
         key, nxt, prv = self.key, self.nxt, self.prv
-        # (the refcounts read as objects, unboxed to i64 directly instead of through a tagged
-        # int; the constants stored as the int objects they are)
         ref: list[Any] = self.ref
         first: list[Any] = []
-        n: i64 = 0
+        n = 0
         # (items read as the int objects they are, see ids; a list walked by index)
         given: list[Any] = blocks if isinstance(blocks, list) else list(blocks)
         # the blocks going to the tail are chained after the tail as they come; the chain is
         # closed (nxt[last] = NULL, prv[NULL] = last) once, after the loop
         to: Any = prv[NULL]             # the tail (the null block: an empty queue)
-        # (i64: block IDs, refcounts and counts as plain 64-bit ints, see get_new_blocks)
-        t: i64 = to
+        t = to
         tail = t
         for bo in given:
-            b: i64 = bo
+            b = bo
             if b == NULL:
                 continue
-            r: i64 = ref[b]
+            r = ref[b]
             r -= 1
             if r == 0:
                 ref[b] = 0              # (a constant: no int object made from r)
@@ -484,8 +471,8 @@ class BlockPool:
             prv[NULL] = to
         if first:                       # to the head, in the order given
             ho: Any = nxt[NULL]
-            h: i64 = ho
-            i: i64 = len(first) - 1
+            h = ho
+            i = len(first) - 1
             while i >= 0:
                 bo = first[i]
                 b = bo
@@ -500,16 +487,15 @@ class BlockPool:
     def touch(self, blocks: Iterable[int]) -> None:
         nxt, prv = self.nxt, self.prv
         ref: list[Any] = self.ref       # (see free_blocks)
-        b: i64                          # (i64: see get_new_blocks)
         for b in blocks:
             if b == NULL:
                 continue
-            r: i64 = ref[b]
+            r = ref[b]
             if r == 0:                  # out of the free queue (its links left stale)
                 po: Any = prv[b]
                 qo: Any = nxt[b]
-                p: i64 = po
-                q: i64 = qo
+                p = po
+                q = qo
                 nxt[p] = qo
                 prv[q] = po
                 self.n_free -= 1
@@ -535,14 +521,14 @@ class BlockPool:
         if held != b:
             self._join(b, k, held)
 
-    def _join(self, b: i64, k: Key, held: i64) -> None:
+    def _join(self, b: int, k: Key, held: int) -> None:
         """``cache``'s rest, where ``cached[k]`` was ``held``, not b: b joins the blocks
         carrying ``k``, or holds ``k`` if the entry was stale."""
         kh = self.key[held]
         if kh is not None and (kh is k or kh == k):     # b comes last in held's chain
             later = self.later
-            t: i64 = held               # (i64: see get_new_blocks)
-            lt: i64 = later[t]
+            t = held
+            lt = later[t]
             while lt > NULL:            # (NULL: held alone, LAST: the last of its chain)
                 t = lt
                 lt = later[t]
@@ -562,21 +548,21 @@ class BlockPool:
             self._unchain(b)
         self.key[b] = None          # (alone under its key: the entry goes stale)
 
-    def _unchain(self, b: i64) -> None:
+    def _unchain(self, b: int) -> None:
         """Take ``b`` out of the chain of blocks carrying its key (two or more blocks)."""
         later, earlier = self.later, self.earlier
         lo: Any = later[b]
         eo: Any = earlier[b]
-        lb: i64 = lo                    # (i64: see get_new_blocks)
-        eb: i64 = eo
+        lb = lo
+        eb = eo
         if eb == NULL:                  # b held the key: the next block (lb > 0) holds it
             self.cached[self.key[b]] = lo
             earlier[lb] = NULL
-            nb: i64 = later[lb]
+            nb = later[lb]
             if nb == LAST:              # ... alone now
                 later[lb] = NULL
         elif lb == LAST:                # b came last: eb does now, or is alone if it holds it
-            pb: i64 = earlier[eb]
+            pb = earlier[eb]
             later[eb] = LAST if pb != NULL else NULL
         else:
             later[eb] = lo
@@ -606,9 +592,8 @@ class GroupRule:
         self.spec: tuple = (self.kind, block_size, self.window, self.chunk,
                             group.mamba_cache_mode if group.kind == "mamba" else None)
 
-    def skipped_tokens(self, computed: i64) -> i64:
-        """``get_num_skipped_tokens``: tokens out of this group's reach (i64: its callers'
-        positions as they are)."""
+    def skipped_tokens(self, computed: int) -> int:
+        """``get_num_skipped_tokens``: tokens out of this group's reach."""
         code = self.code
         if code == SLIDING:
             return max(0, computed - self.window + 1)
@@ -731,11 +716,9 @@ class KVCacheManager:
             return 0
         pool = self.pool
         cached, pkey = pool.cached, pool.key
-        # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
-        # in the arithmetic, comparisons and list indexing)
-        align: i64 = self.align
+        align = self.align
         # max_cache_hit_length: the last token is recomputed for its logits
-        L: i64 = req.num_tokens - 1
+        L = req.num_tokens - 1
         # an EAGLE sliding-window group (no Mamba or chunked local group beside it) drops the
         # block for the whole hit after its reach search (the peek, below); else every EAGLE
         # full-attention group matches past the candidate and drops its own block (_eagle_reach)
@@ -762,18 +745,18 @@ class KVCacheManager:
             # the longest run of cached blocks from the start (a block whose tokens are not all
             # known has no key: the run stops there)
             keys = req.keys(r.gid, r.bs)
-            bs: i64 = r.bs
+            bs = r.bs
             eagle = not drop_last and self.use_eagle(r)
-            m: i64 = self._eagle_reach(req, L, bs) // bs if eagle else L // bs
-            nkeys: i64 = len(keys)
+            m = self._eagle_reach(req, L, bs) // bs if eagle else L // bs
+            nkeys = len(keys)
             if nkeys < m:
                 m = nkeys
             known = memo[r.gid]
-            n: i64 = 0
+            n = 0
             for bk, k in zip(known, keys):      # (items read inline, no bounds-checked calls)
                 if n == m:
                     break
-                bi: i64 = bk
+                bi = bk
                 kb = pkey[bi]
                 if kb is None or (kb is not k and kb != k):
                     del known[n:]
@@ -791,7 +774,7 @@ class KVCacheManager:
                 if n == len(known):
                     known.append(bo)
                 n += 1
-            hit: i64 = n * bs
+            hit = n * bs
             if eagle and hit > 0:
                 # FullAttentionManager.find_longest_cache_hit(drop_eagle_block): the drafter
                 # needs the tokens before the generation point recomputed
@@ -812,10 +795,9 @@ class KVCacheManager:
         # the reach is searched from its start; the run of blocks found cached ([ok_lo[x],
         # ok_hi[x]) for the x-th rest group) is not looked up again at a smaller L
         rest = self.rest_rules
-        full_hit: i64 = L
+        full_hit = L
         if rest:
             # (scratch lists of this manager, reset here: no lists made per search)
-            # (items unboxed to i64 directly: see BlockPool.free_blocks)
             ok_lo: list[Any] = self.reach_lo
             ok_hi: list[Any] = self.reach_hi
             rest_keys = self.reach_keys
@@ -823,8 +805,8 @@ class KVCacheManager:
             # blocks it needs counts EAGLE's peek block (_contiguous_blocks_for_hit: one more),
             # popped after the match, so the window of the hit L minus that block reaches one
             # block below L's window
-            peek: i64 = 1 if drop_last else 0
-            x: i64 = 0
+            peek = 1 if drop_last else 0
+            x = 0
             for r in rest:
                 ok_lo[x] = ok_hi[x] = 0
                 rest_keys[x] = req.keys(r.gid, r.bs)
@@ -833,8 +815,8 @@ class KVCacheManager:
                 x = 0
                 for r in rest:
                     bs = r.bs
-                    hi: i64 = L // bs
-                    lo: i64 = r.skipped_tokens(L) // bs
+                    hi = L // bs
+                    lo = r.skipped_tokens(L) // bs
                     if peek and r.code == SLIDING and lo > 0:
                         lo -= 1
                     if r.code == SLIDING and lo >= hi > 0:
@@ -844,9 +826,9 @@ class KVCacheManager:
                     keys = rest_keys[x]
                     known = memo[r.gid]
                     n = len(keys)
-                    a: i64 = ok_lo[x]
-                    z: i64 = ok_hi[x]
-                    j: i64 = lo
+                    a = ok_lo[x]
+                    z = ok_hi[x]
+                    j = lo
                     while j < hi:
                         if a <= j < z:
                             j = z
@@ -854,7 +836,7 @@ class KVCacheManager:
                         if j >= n:
                             break
                         k = keys[j]
-                        nk: i64 = len(known)
+                        nk = len(known)
                         if j < nk:
                             bi = known[j]
                             kb = pkey[bi]
@@ -901,7 +883,7 @@ class KVCacheManager:
             return min(L + bs, req.num_tokens - 1) if len(self.rules) > 1 else L
         return L + bs
 
-    def _hit_block(self, known: list[Any], j: i64, k: Key) -> Any:
+    def _hit_block(self, known: list[Any], j: int, k: Key) -> Any:
         """The block a hit on ``k``, a group's ``j``-th key, takes (``cached[k]``, valid: a hit's
         blocks carry their keys): ``known[j]``, find_hit's block (``Request.hit_blocks``), if it
         still carries ``k`` first of its chain (``earlier`` NULL: then it is ``cached[k]``), for
@@ -909,8 +891,8 @@ class KVCacheManager:
         pool = self.pool
         if j < len(known):
             bo = known[j]
-            b: i64 = bo                 # (i64: see BlockPool.get_new_blocks)
-            e: i64 = pool.earlier[b]
+            b = bo
+            e = pool.earlier[b]
             kb = pool.key[b]
             if e == NULL and kb is not None and (kb is k or kb == k):
                 return bo
@@ -931,9 +913,8 @@ class KVCacheManager:
             table = req.tables[r.gid]
             if not r.cacheable or L == 0:
                 continue
-            # (i64: the block indices as plain 64-bit ints, no tagged-int checks)
-            n: i64 = L // r.bs
-            first: i64 = r.skipped_tokens(total) // r.bs
+            n = L // r.bs
+            first = r.skipped_tokens(total) // r.bs
             if n < first:
                 first = n
             table.extend([NULL] * first)
@@ -948,13 +929,8 @@ class KVCacheManager:
         """Put the full blocks of ``[0, num_tokens)`` in the GPU prefix cache."""
         pool = self.pool
         key, cached = pool.key, pool.cached
-        # (items unboxed to i64 directly: see BlockPool.free_blocks)
         done: list[Any] = req.num_cached_blocks
-        # (i64: the indices and block IDs as plain 64-bit ints, no tagged-int checks in the
-        # arithmetic, comparisons and list indexing)
-        i: i64
-        j: i64
-        aligned: i64 = self.cacheable_tokens(num_tokens)
+        aligned = self.cacheable_tokens(num_tokens)
         tph = self.mamba_tail_recache
         if tph and self.align_rules:
             # the tokens the coordinator caches, of the known tokens (allocate_slots' cap)
@@ -966,7 +942,6 @@ class KVCacheManager:
                     if r.cacheable and i < len(table) and table[i] != NULL \
                             and key[table[i]] is not None and t % r.bs == 0:
                         self.cached_this_step.add(key[table[i]])
-        nt: i64
         for r in self.cacheable_rules:
             gid, table = r.gid, req.tables[r.gid]
             i = done[gid]
@@ -975,15 +950,15 @@ class KVCacheManager:
                 # get_num_cacheable_tokens: an EAGLE group's lookup matches one block past the
                 # aligned boundary before it drops it, so that block is cached too
                 nt = min(num_tokens, aligned + r.bs)
-            bs: i64 = r.bs
-            n: i64 = nt // bs
-            nb: i64 = len(table)
+            bs = r.bs
+            n = nt // bs
+            nb = len(table)
             if n > nb:
                 n = nb
             if i >= n:
                 continue
             keys = req.keys(r.gid, r.bs)
-            m: i64 = len(keys)
+            m = len(keys)
             if n < m:
                 m = n
             row: list[Any] = table      # (items read as the int objects they are: BlockPool.ids)
@@ -994,11 +969,11 @@ class KVCacheManager:
                 if mask is not None and not mask[j - i]:
                     continue
                 bo = row[j]
-                b: i64 = bo
+                b = bo
                 if b != NULL and key[b] is None:      # BlockPool.cache, inlined
                     k = keys[j]
                     key[b] = k
-                    held: i64 = cached.setdefault(k, bo)
+                    held = cached.setdefault(k, bo)
                     if held != b:
                         pool._join(b, k, held)
             if r.align:
@@ -1076,10 +1051,8 @@ class KVCacheManager:
         taken out of the free queue when touched); a ring needs its one block. ``lookahead``:
         the EAGLE lookahead slots among ``num_tokens``, which align-mode Mamba does not count
         (``num_tokens_main_model``)."""
-        # (i64: the counts and indices as plain 64-bit ints, no tagged-int checks)
-        need: i64 = 0
-        nt: i64 = num_tokens
-        j: i64
+        need = 0
+        nt = num_tokens
         pool = self.pool
         for r, cap in zip(self.rules, self.admission_cap):
             table = req.tables[r.gid]
@@ -1091,29 +1064,29 @@ class KVCacheManager:
                 # another request cached in this step cannot be used yet (num_gpu_blocks + 1:
                 # never fits); the blocks still missing, at most one (the new running state;
                 # num_speculative_blocks is 0), plus the evictable hit block
-                n: i64 = -(-(nt - lookahead) // r.bs) - len(table)
+                n = -(-(nt - lookahead) // r.bs) - len(table)
                 if not table and r.cacheable and hit:
-                    n_hit: i64 = hit // r.bs
+                    n_hit = hit // r.bs
                     n -= n_hit
                     k = req.keys(r.gid, r.bs)[n_hit - 1]
                     if k in self.cached_this_step:
                         return pool.num_blocks + 1
-                    hb: i64 = pool.cached[k]
+                    hb = pool.cached[k]
                     if pool.ref[hb] == 0:
                         need += 1
                 need += 1 if n > 0 else n
                 continue
-            required: i64 = -(-nt // r.bs)
+            required = -(-nt // r.bs)
             if capped and cap is not None and cap < required:
                 required = cap
             if table:
-                have: i64 = len(table)
+                have = len(table)
                 if required > have:
                     need += required - have
                 continue
             n_hit = hit // r.bs if (r.cacheable and hit) else 0
-            skipped: i64 = r.skipped_tokens(total) // r.bs
-            hi: i64 = n_hit if n_hit > skipped else skipped
+            skipped = r.skipped_tokens(total) // r.bs
+            hi = n_hit if n_hit > skipped else skipped
             if required > hi:
                 need += required - hi
             if skipped < n_hit:
@@ -1136,14 +1109,12 @@ class KVCacheManager:
     def remove_skipped_blocks(self, req: Request, computed: int) -> None:
         """``remove_skipped_blocks``: every group frees its blocks out of reach at ``computed``
         tokens (the null block takes their place)."""
-        # (i64: the indices and block IDs as plain 64-bit ints, no tagged-int checks)
-        i: i64
         for r in self.rules:
             if r.code in (FULLISH, RING):
                 continue
             table = req.tables[r.gid]
-            n: i64 = r.skipped_tokens(computed) // r.bs
-            nb: i64 = len(table)
+            n = r.skipped_tokens(computed) // r.bs
+            nb = len(table)
             if nb < n:
                 n = nb
             if r.align:
@@ -1167,10 +1138,10 @@ class KVCacheManager:
             if i < 0:
                 continue
             bo = row[i]
-            b: i64 = bo
+            b = bo
             if b == NULL:
                 continue                # nothing (more) out of reach: no list made
-            lo: i64 = i                 # the run of real blocks ending at n - 1: [lo, n)
+            lo = i                 # the run of real blocks ending at n - 1: [lo, n)
             while lo > 0:
                 bo = row[lo - 1]
                 b = bo
@@ -1198,9 +1169,6 @@ class KVCacheManager:
 
         Returns the new block IDs per group (null placeholders included, as vLLM reports them).
         """
-        # (c: computed as a native int; computed = req.num_computed would box it. i64: the
-        # positions and counts as plain 64-bit ints, no tagged-int checks)
-        c: i64
         if computed is None:
             c = req.num_computed
             if (num_new_tokens == 1 and c <= req.quiet_until
@@ -1211,21 +1179,18 @@ class KVCacheManager:
         self.remove_skipped_blocks(req, c if processed is None else processed)
         # num_tokens_need_slot: the lookahead slots never past max_model_len (allocate_slots:
         # min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len))
-        main: i64 = c + num_new_tokens
-        total: i64 = main + lookahead
-        cap: i64 = self.max_model_len
+        main = c + num_new_tokens
+        total = main + lookahead
+        cap = self.max_model_len
         if cap > 0 and total > cap:
             total = cap
         tables = req.tables
-        # per rule: null placeholders, new blocks (items unboxed to i64 directly: see
-        # BlockPool.free_blocks)
+        # per rule: null placeholders, new blocks
         plan: list[Any] = self.plan
-        need: i64 = 0
-        x: i64 = 0
-        n: i64
-        nulls: i64
+        need = 0
+        x = 0
         for r in self.rules:
-            have: i64 = len(tables[r.gid])
+            have = len(tables[r.gid])
             if r.code == RING:
                 n = 0 if have else 1
                 plan[x] = 0
@@ -1233,10 +1198,10 @@ class KVCacheManager:
                 need += n
                 x += 2
                 continue
-            bs: i64 = r.bs
+            bs = r.bs
             # align-mode Mamba allocates no slots for lookahead tokens (MambaManager: they would
             # break the block alignment, and draft models have no Mamba layers)
-            target: i64 = -(-(main if r.align else total) // bs)
+            target = -(-(main if r.align else total) // bs)
             if target <= have:
                 plan[x] = 0
                 plan[x + 1] = 0
@@ -1299,37 +1264,35 @@ class KVCacheManager:
         1)`` is a no-op given the current tables (no skipped block to free, no block to add, no
         block to offer to the prefix cache); -1 if none. Freeing blocks, a hit or caching only
         make the real bound larger, so a stale bound is safe; ``free``/``apply_hit`` reset it."""
-        # (i64: the positions and indices as plain 64-bit ints, no tagged-int checks)
         # no bound yet: past every position (and below 2**62, the compiled build's tagged ints,
         # so a constant, not an int object converted at each call)
-        bound: i64 = (1 << 62) - 1
+        bound = (1 << 62) - 1
         tables = req.tables
-        # (items unboxed to i64 directly: see BlockPool.free_blocks)
         done: list[Any] = req.num_cached_blocks
         leads: list[Any] = req.leads
         hybrid = len(self.rules) > 1
-        align: i64 = self.align
+        align = self.align
         for r in self.rules:
             table = tables[r.gid]
-            have: i64 = len(table)
-            bs: i64 = r.bs
+            have = len(table)
+            bs = r.bs
             code = r.code
             if code == RING:
                 if not have:
                     return -1
                 continue
-            b: i64 = have * bs - 1                     # ceil((c + 1) / bs) <= have
+            b = have * bs - 1                     # ceil((c + 1) / bs) <= have
             if b < bound:
                 bound = b
             if code != FULLISH:                        # remove_skipped_blocks stays a no-op
-                lead: i64 = leads[r.gid]               # the index of the first real block
+                lead = leads[r.gid]               # the index of the first real block
                 first = lead
                 while lead < have and table[lead] == NULL:
                     lead += 1
                 if lead != first:
                     leads[r.gid] = lead
                 if lead < have:
-                    m: i64 = (lead + 1) * bs           # skipped_tokens(c) < m
+                    m = (lead + 1) * bs           # skipped_tokens(c) < m
                     if code == SLIDING:
                         b = m + r.window - 2
                     elif code == CHUNKED:
@@ -1339,12 +1302,12 @@ class KVCacheManager:
                     if b < bound:
                         bound = b
             if r.cacheable:                            # cache_blocks stays a no-op
-                d: i64 = done[r.gid]
+                d = done[r.gid]
                 if d < have:
                     # block d is cached once cacheable_tokens reaches its end: with several
                     # groups at the first scheduler block boundary past it (an EAGLE group may
                     # cache it sooner: its end bounds it then)
-                    e: i64 = (d + 1) * bs
+                    e = (d + 1) * bs
                     if hybrid and not self.use_eagle(r):
                         e = -(-e // align) * align
                     b = e - 2

@@ -11,13 +11,7 @@ import math
 from collections import Counter
 from itertools import chain, compress, repeat
 from operator import is_, itemgetter
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
-    # import annotations), so that nothing at run time needs mypy_extensions: the release
-    # workers import these modules in vLLM's environments
-    from mypy_extensions import i64
+from typing import Any
 
 from simsched.allocator import NULL, key_ident
 from simsched.geometry import GroupGeometry
@@ -111,26 +105,20 @@ def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     model's :class:`~simsched.offload.Job` or any job with ``items`` (the real-vLLM harness)."""
     if not isinstance(job, Job):
         return _check_store_job_named(step, job, geo)
-    tph: i64 = geo.tokens_per_hash
+    tph = geo.tokens_per_hash
     groups: tuple = geo.groups      # (the model's Geometry: a tuple of GroupGeometry)
     g: GroupGeometry                # (typed: its fields read natively)
     ok = True
-    # (i64: plain 64-bit ints, no tagged-int checks; the lists typed list[i64] so their items
-    # are unboxed to them directly)
-    gids: list[i64] = job.gids
-    cidx: list[i64] = job.cidx
-    hidx: list[i64] = job.hidx
-    bpos: list[i64] = job.bpos      # chunk x's blocks: [bpos[x], bpos[x + 1])
-    last_gid: i64 = -1
-    t: i64 = 0
-    gid: i64
-    h: i64
-    c: i64
-    b_hi: i64
+    gids: list[int] = job.gids
+    cidx: list[int] = job.cidx
+    hidx: list[int] = job.hidx
+    bpos: list[int] = job.bpos      # chunk x's blocks: [bpos[x], bpos[x + 1])
+    last_gid = -1
+    t = 0
     # (zip: the lists' items read inline, not by bounds-checked calls; chunk x gets bpos[x], its
     # start, and the check of chunk x - 1, ending there, is made then: chunk 0's start
     # compared with -1 passes; the last chunk's end is compared after the loop)
-    b_lo: i64 = -1
+    b_lo = -1
     for gid, h, c, b_hi in zip(gids, hidx, cidx, bpos):
         if gid != last_gid:
             last_gid = gid
@@ -204,21 +192,15 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
     ends: list = shadow.ends
     idents: list = shadow.idents
     ident: list = req.ident        # (untyped: compared as the int objects they are)
-    # (i64: plain 64-bit ints, no tagged-int checks; the lists typed list[i64] so their items
-    # are unboxed to them directly)
-    unit: i64 = req.unit
-    nid: i64 = len(ident)
-    jgids: list[i64] = job.gids
-    bpos: list[i64] = job.bpos
-    bidx: list[i64] = job.bidx
-    bids: list[i64] = job.bids
-    last_gid: i64 = -1              # (a job's chunks come group by group)
-    tpb: i64 = 0
-    hi: i64 = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
-    lo: i64
-    gid: i64
-    nxt: i64
-    y: i64
+    unit = req.unit
+    nid = len(ident)
+    jgids: list[int] = job.gids
+    bpos: list[int] = job.bpos
+    bidx: list[int] = job.bidx
+    bids: list[int] = job.bids
+    last_gid = -1              # (a job's chunks come group by group)
+    tpb = 0
+    hi = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
     # (zip: the chunks' groups and ends read inline; bpos[1:], one list per job)
     for gid, nxt in zip(jgids, bpos[1:]):
         if gid != last_gid:
@@ -227,8 +209,8 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
         for y in range(lo, hi):
             # the common case decided here: the block holds (gid, e, ident_at(e)) with the
             # identity known; anything else goes to the walk below, which decides and names it
-            e: i64 = (bidx[y] + 1) * tpb
-            k: i64 = e // unit - 1                  # req.ident_at(e), inlined
+            e = (bidx[y] + 1) * tpb
+            k = e // unit - 1                  # req.ident_at(e), inlined
             b = bids[y]
             if not 0 <= k < nid:
                 return _check_loaded_named(step, job, req, shadow, tpbs)
@@ -285,9 +267,9 @@ class ReadFences:
         self.pop(jid)
         blocks: list = bids
         self.jobs[jid] = blocks
-        count: list[i64] = self.count   # (i64: no tagged-int checks, see check_loaded)
+        count: list[int] = self.count
         for bo in blocks:
-            b: i64 = bo
+            b = bo
             c = count[b]
             if c:
                 count[b] = c + 1        # (not +=: a generic in-place add when compiled)
@@ -301,9 +283,9 @@ class ReadFences:
         if blocks is None:              # a method, by name)
             return default
         del jobs[jid]
-        count: list[i64] = self.count
+        count: list[int] = self.count
         for bo in blocks:
-            b: i64 = bo
+            b = bo
             c = count[b]
             if c == 1:
                 count[b] = 0            # (mostly: a literal, as in add)
@@ -319,7 +301,7 @@ class ReadFences:
             return None
         count = self.count
         for bo in written:
-            b: i64 = bo
+            b = bo
             if count[b]:
                 jids = [j for j, s in self.jobs.items() if b in s]
                 return InvariantViolation("INV-6", step, f"block {b} written by {what} {who} "
@@ -334,7 +316,7 @@ def check_load_ready(step: int, tier, job) -> InvariantViolation | None:
     slots: list = tier.slots_of(job.ckeys, job.slots)
     for x in range(len(slots)):
         so = slots[x]
-        s: i64 = so if so is not None else -1       # (-1: not in the tier)
+        s = so if so is not None else -1       # (-1: not in the tier)
         if s < 0 or not ready[s]:
             return InvariantViolation("INV-7", step, f"load of chunk g{job.gids[x]}:"
                                       f"{job.hidx[x]} whose store has not completed")

@@ -29,13 +29,7 @@ import sys
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Iterator
-
-if TYPE_CHECKING:
-    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
-    # import annotations), so that nothing at run time needs mypy_extensions: the release
-    # workers import these modules in vLLM's environments
-    from mypy_extensions import i64
+from typing import Any, Final, Iterator
 
 from simsched import events as ev
 from simsched import invariants as inv
@@ -91,10 +85,10 @@ class RunResult:
 _TOKENS: Final[list[Any]] = list(range(VOCAB))
 
 
-def _token(seed: i64, index: i64, pos: i64) -> Any:
+def _token(seed: int, index: int, pos: int) -> Any:
     """The token request ``index`` samples at ``pos`` in a case whose seed is ``seed`` mod VOCAB
     (the token depends on the seed's residue only: the caller passes it reduced, which keeps
-    every term far below 2**63, i64's plain 64-bit arithmetic exact)."""
+    every term far below 2**63)."""
     return _TOKENS[(seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB]
 
 
@@ -395,29 +389,21 @@ class Model:
         strides = self.key_strides
         self.pending_reads.pop(job.jid, None)
         ident: list = req.ident         # (untyped: compared as the int objects they are)
-        # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
-        # in the arithmetic, comparisons and list indexing; the lists typed list[i64] so their
-        # items are unboxed to them directly)
-        unit: i64 = req.unit
-        tph: i64 = geo.tokens_per_hash
-        nid: i64 = len(ident)
-        gids: list[i64] = job.gids
-        cidx: list[i64] = job.cidx
-        hidx: list[i64] = job.hidx
-        bpos: list[i64] = job.bpos
-        bidx: list[i64] = job.bidx
+        unit = req.unit
+        tph = geo.tokens_per_hash
+        nid = len(ident)
+        gids: list[int] = job.gids
+        cidx: list[int] = job.cidx
+        hidx: list[int] = job.hidx
+        bpos: list[int] = job.bpos
+        bidx: list[int] = job.bidx
         ckeys, bids = job.ckeys, job.bids
-        last_gid: i64 = -1
-        tpb: i64 = 0
-        stride: i64 = 0
-        hi: i64 = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
-        lo: i64
+        last_gid = -1
+        tpb = 0
+        stride = 0
+        hi = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
         gkeys: list = []
-        x: i64 = 0
-        gid: i64
-        h: i64
-        c: i64
-        nxt: i64
+        x = 0
         # (zip: the chunk's fields read inline, not by bounds-checked calls; bpos[1:], the
         # chunks' ends, one list per job)
         for gid, key, h, c, nxt in zip(gids, ckeys, hidx, cidx, bpos[1:]):
@@ -426,7 +412,7 @@ class Model:
                 # the request's offload keys of the group (those the store's keys were taken
                 # from, see OffloadScheduler._update_offload_keys: compared by identity below)
                 gkeys = req.keys(gid, stride) if stride else []
-            end: i64 = (h + 1) * tph
+            end = (h + 1) * tph
             lo, hi = hi, nxt
             # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
             # block holds (gid, its end, ident there), the last one ending at the key's end,
@@ -439,13 +425,13 @@ class Model:
             if hi - lo == 1:
                 # a one-block chunk: its content is the block's (read_chunk, inlined: the
                 # fields read once, for the content and for the check)
-                b: i64 = bids[lo]
+                b = bids[lo]
                 g0 = sgids[b]
                 g1 = sends[b]
                 g2 = sidents[b]
                 content: tuple = (g0, g1, g2)
                 if ok:
-                    k: i64 = end // unit - 1                # req.ident_at, inlined
+                    k = end // unit - 1                # req.ident_at, inlined
                     if 0 <= k < nid:
                         idk = ident[k]
                         ok = (isinstance(g1, int) and g1 == end and isinstance(g0, int)
@@ -455,9 +441,8 @@ class Model:
             else:
                 content = shadow.read_chunk(bids, lo, hi)
                 if ok:
-                    y: i64
                     for y in range(lo, hi):     # (the blocks just read, as the chunk holds them)
-                        e: i64 = (bidx[y] + 1) * tpb
+                        e = (bidx[y] + 1) * tpb
                         k = e // unit - 1                   # req.ident_at, inlined
                         if not 0 <= k < nid:
                             ok = False
@@ -504,20 +489,18 @@ class Model:
         shadow = self.shadow
         sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
         bidx, bids = job.bidx, job.bids
-        bpos: list[i64] = job.bpos      # (i64: no tagged-int checks, see _read_store)
+        bpos: list[int] = job.bpos
         slots: list = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
-        hi: i64 = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
-        lo: i64
-        nxt: i64
+        hi = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
         # (zip: the slots and the chunks' ends read inline; bpos[1:], one list per job)
         for so, nxt in zip(slots, bpos[1:]):
-            s: i64 = so
+            s = so
             lo, hi = hi, nxt
             c: tuple | None = content[s]
             if hi - lo == 1 and c is not None and len(c) == 3:
                 # a one-block chunk into one block: its fields as they are (write_chunk, inlined:
                 # whole chunk or not, the block takes the chunk's only block)
-                b: i64 = bids[lo]
+                b = bids[lo]
                 sgids[b] = c[0]
                 sends[b] = c[1]
                 sidents[b] = c[2]
@@ -601,9 +584,7 @@ class Model:
         k = self.num_spec
         asy = self.async_
         fast = not k and asy is None
-        # (i64: the index and positions as plain 64-bit ints, no tagged-int checks)
-        i: i64 = 0
-        c: i64
+        i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             c = req.num_computed
@@ -724,11 +705,8 @@ class Model:
         fenced = fences.count           # per block: the pending store jobs that read it
         gids, ends, idents = shadow.gids, shadow.ends, shadow.idents
         nums: list[Any] = shadow.nums
-        # (i64: the positions as plain 64-bit ints, no tagged-int checks)
-        unit: i64 = self.unit
-        seed: i64 = self.case.seed % VOCAB      # (see _token)
-        start: i64
-        end: i64
+        unit = self.unit
+        seed = self.case.seed % VOCAB      # (see _token)
         inflight = self.inflight
         asy = self.async_
         fast = not self.num_spec and asy is None
@@ -741,7 +719,7 @@ class Model:
                 eo = nums[end] if end < len(nums) else shadow.num(end)
                 fb: list[tuple[Any, Any]] = req.fast_blocks
                 for go, bo in fb:
-                    b: i64 = bo             # (i64: the lists indexed with no tagged-int checks)
+                    b = bo
                     gids[b] = go
                     ends[b] = eo
                     idents[b] = None
@@ -906,27 +884,25 @@ class Model:
         ``(gid, c + 1, None)`` into the same block). Those quantities only grow outside a full
         step (``next_stored`` too), so the bound stays safe until the next full step recomputes
         it; a preemption resets ``quiet_until``."""
-        # (i64: the positions and bounds as plain 64-bit ints, no tagged-int checks)
-        c: i64 = req.num_computed
+        c = req.num_computed
         st = req.off
-        bound: i64 = -1
+        bound = -1
         if len(req.tokens) == c + 1 and st is not None and \
                 self.off.req_status.get(req.rid) is st:
             bound = min(req.max_tokens - 3, st.next_key_at - 2)
             cfgs = self.off.cfgs
             # the first chunk end past what some group stored; -1: no store to bound it (no
             # group offloaded), or a group whose tokens_per_chunk <= 0 (then bound -1)
-            store_at: i64 = -1
+            store_at = -1
             gstates = st.groups                         # (a state per group of cfgs)
-            x: i64
             for x in range(min(len(cfgs), len(gstates))):
                 cfg, gs = cfgs[x], gstates[x]
-                tpc: i64 = cfg.tokens_per_chunk
+                tpc = cfg.tokens_per_chunk
                 if tpc <= 0:
                     bound = store_at = -1
                     break
-                ns: i64 = gs.next_stored
-                e: i64 = (ns + 1) * tpc
+                ns = gs.next_stored
+                e = (ns + 1) * tpc
                 if store_at < 0 or e < store_at:
                     store_at = e
             if store_at >= 0:
@@ -934,7 +910,7 @@ class Model:
                 # Optional compared as objects)
                 mo: int | None = st.max_offload_tokens
                 capped = mo is not None
-                cap: i64 = mo if mo is not None else 0
+                cap = mo if mo is not None else 0
                 if self.off.prompt_only and (not capped or req.num_prompt < cap):
                     capped, cap = True, req.num_prompt
                 if not capped or cap >= store_at:
@@ -944,21 +920,21 @@ class Model:
             nums = self.shadow.nums
             blocks: list[tuple[Any, Any]] = []
             for r in self.kv.rules:
-                gid: i64 = r.gid
+                gid = r.gid
                 table: list[Any] = req.tables[gid]
                 if not table:
                     continue
                 if r.code == RING:
                     blocks.append((nums[gid], table[0]))
                     continue
-                bs: i64 = r.bs
-                i: i64 = c // bs
-                b: i64 = (i + 1) * bs - 2
+                bs = r.bs
+                i = c // bs
+                b = (i + 1) * bs - 2
                 if b < bound:
                     bound = b
                 if i < len(table):
                     bo = table[i]
-                    bi: i64 = bo
+                    bi = bo
                     if bi != NULL:
                         blocks.append((nums[gid], bo))
             req.fast_blocks = blocks

@@ -19,13 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Final
-
-if TYPE_CHECKING:
-    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
-    # import annotations), so that nothing at run time needs mypy_extensions: the release
-    # workers import these modules in vLLM's environments
-    from mypy_extensions import i64
+from typing import Any, Final
 
 from simsched.allocator import (ABORTED, INTS, NULL, Key, Request, ints_to, key_group,
                                 make_key, window_reachable_blocks)
@@ -784,15 +778,13 @@ class OffloadScheduler:
 
     def _update_offload_keys(self, st: ReqOffload) -> None:
         req, profile = st.req, self.profile
-        # (i64: the hash and key counts as plain 64-bit ints, no tagged-int checks)
-        tph: i64 = self.tph
-        num_hashes: i64 = req.num_tokens // tph
-        hpc: i64
+        tph = self.tph
+        num_hashes = req.num_tokens // tph
         for cfg, gs in zip(self.cfgs, st.groups):
             hpc = cfg.hashes_per_chunk
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
                 continue                       # fast path: no new key
-            m: i64 = len(gs.keys)
+            m = len(gs.keys)
             if hpc <= 0:
                 # offload_key_indices raises islice's ValueError or, for a group of no hashes
                 # skipped, gives no index: no key
@@ -802,8 +794,8 @@ class OffloadScheduler:
             # hash indices range(first, num_hashes, hpc), of which there are n_new; key m (hash
             # index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
             # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
-            first: i64 = hpc * m + hpc - 1
-            n_new: i64 = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
+            first = hpc * m + hpc - 1
+            n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
             if n_new:
                 ks = req.keys(cfg.group_id, hpc * tph)
                 if n_new == 1 and m < len(ks):
@@ -911,23 +903,19 @@ class OffloadScheduler:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops, but for its
         ``being_loaded`` check (``_hits_being_loaded``)."""
         req, tier = st.req, self.tier
-        # (tier.lookup of a key, inlined below: MISS when not in ``entries``, HIT_PENDING when
-        # its chunk is not ready; i64: the slot found unboxed directly, ``ready`` indexed with
-        # no tagged-int checks)
-        entries: dict[Key, i64] = tier.entries
+        # tier.lookup of a key: MISS when not in ``entries``, HIT_PENDING when its chunk is not
+        # ready
+        entries: dict[Key, int] = tier.entries
         ready = tier.ready
-        # (i64: the token counts, chunk indices and hits as plain 64-bit ints, no tagged-int
-        # checks in the arithmetic and comparisons)
-        num_computed: i64 = st.num_local
-        max_hit: i64 = req.num_tokens
+        num_computed = st.num_local
+        max_hit = req.num_tokens
         if self.supports_max_load and st.max_load_tokens is not None:
             max_hit = min(max_hit, num_computed + st.max_load_tokens)
         if self.sw_groups:
             max_hit -= 1
             if self.mamba_align is not None:
                 max_hit = max_hit // self.mamba_align * self.mamba_align
-        num_hit: i64 = 0
-        n_hit: i64
+        num_hit = 0
         defer = False
         lookup_groups = self.lookup_groups
         # EAGLE drafter groups (is_eagle_group): each looks up one chunk more and pops it (its
@@ -940,7 +928,7 @@ class OffloadScheduler:
             groups, lookup_groups = lookup_groups, ()
             for gi in groups:
                 cfg, gs = self.cfgs[gi], st.groups[gi]
-                tpc: i64 = cfg.tokens_per_chunk
+                tpc = cfg.tokens_per_chunk
                 keys = gs.keys
                 eagle = cfg.drafter and not (eagle_verified >> gi) & 1
                 if self.asserts and len(keys) < req.num_tokens // tpc:
@@ -953,14 +941,13 @@ class OffloadScheduler:
                 if max_hit - num_computed < tpc:
                     return 0
                 w = cfg.sliding_window_in_chunks
-                query_max: i64 = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
-                num_chunks: i64 = min(-(-query_max // tpc), len(keys))
-                start: i64 = num_computed // tpc
+                query_max = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
+                num_chunks = min(-(-query_max // tpc), len(keys))
+                start = num_computed // tpc
                 # n_hit: the group's hit in chunks from ``start``; -1: deferred (not None: a native
                 # int)
                 if w is None:
-                    hits: i64 = 0
-                    j: i64                  # (i64: keys indexed with no tagged-int checks)
+                    hits = 0
                     for j in range(start, num_chunks):         # (keys[start:num_chunks])
                         k = keys[j]
                         s = entries.get(k)
@@ -981,7 +968,6 @@ class OffloadScheduler:
                             if v2 else w) + eagle
                     w_req = w + eagle
                     consecutive, found, pending = 0, False, False
-                    idx: i64
                     for idx in range(len(sub) - 1, -1, -1):
                         k = sub[idx]
                         s = entries.get(k)
@@ -1008,7 +994,7 @@ class OffloadScheduler:
                         n_hit -= 1
                         eagle_verified |= 1 << gi
                     max_hit = min(max_hit, tpc * (start + n_hit))
-                new_hit: i64 = max_hit - num_computed
+                new_hit = max_hit - num_computed
                 if new_hit < tpc:
                     return 0
                 if new_hit < num_hit:
@@ -1043,10 +1029,9 @@ class OffloadScheduler:
                 if not bl.isdisjoint(sub):
                     return True
                 continue
-            # (gkeys[lo:hi] and bl disjoint, without the slice; i64: gkeys indexed with no
-            # tagged-int checks)
-            x: i64 = lo
-            end: i64 = len(gkeys) if hi > len(gkeys) else hi
+            # (gkeys[lo:hi] and bl disjoint, without the slice)
+            x = lo
+            end = len(gkeys) if hi > len(gkeys) else hi
             while x < end:
                 if gkeys[x] in bl:
                     return True
@@ -1074,7 +1059,6 @@ class OffloadScheduler:
         if self.alloc_mark is not None:
             mark: list = self.alloc_mark        # (typed list, not Optional: native item stores)
             batch: object = self.alloc_batch    # (one int object, stored in every mark)
-            blk: i64                # (i64: the marks indexed with no tagged-int checks)
             for table in marked:
                 for blk in table:
                     if blk != NULL:             # null placeholders are not allocations
@@ -1165,7 +1149,7 @@ class OffloadScheduler:
                 grown.append(st)
                 grown.append(nb)
             for cfg, gs in zip(cfgs, st.groups):
-                new: list[i64] = nb[cfg.group_id]   # (i64: the IDs unboxed directly)
+                new: list[int] = nb[cfg.group_id]
                 if cfg.sliding_window_in_chunks is None:
                     bl: list = gs.block_ids     # (the block ID objects appended as they are)
                     if len(new) == 1:
@@ -1178,17 +1162,15 @@ class OffloadScheduler:
                 if mark is None:
                     alloc.update(new)
                     continue
-                blk: i64
                 for blk in new:
                     if blk != NULL:    # null placeholders are not allocations
                         mark[blk] = batch
                         marked = True
         alloc.discard(NULL)      # null placeholders are not allocations
         if sw_groups and (alloc or marked):
-            # (i64: the positions, block IDs and batch numbers as plain 64-bit ints)
-            bpc: i64 = self.bpc
+            bpc = self.bpc
             prompt_only = self.prompt_only
-            now: i64 = self.alloc_batch
+            now = self.alloc_batch
             in_set = bool(alloc)
             # every state in req_status, but those whose windows hold no block to visit (not in
             # held; a state with none left leaves it here); only the blocks from next_stored on
@@ -1202,21 +1184,20 @@ class OffloadScheduler:
                 for gi in sw_groups:
                     gs = st.groups[gi]
                     bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
-                    stop: i64 = len(bids)
+                    stop = len(bids)
                     if prompt_only:
-                        top: i64 = num_prompt // cfgs[gi].tokens_per_chunk * bpc
+                        top = num_prompt // cfgs[gi].tokens_per_chunk * bpc
                         if top < stop:
                             stop = top
-                    start: i64 = gs.next_stored * bpc
+                    start = gs.next_stored * bpc
                     if start < stop:
                         visit = True
-                    j: i64
                     for j in range(start, stop):
                         # _allocated_now(bids[j]), inlined (a NULL block is never marked)
                         bo = bids[j]
-                        b: i64 = bo
+                        b = bo
                         if mark is not None:
-                            m: i64 = mark[b]
+                            m = mark[b]
                             if m == now:
                                 bids[j] = NULL
                                 continue

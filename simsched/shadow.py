@@ -19,13 +19,7 @@ one-block chunk's content is thus its slot's content).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    # i64: mypyc's native 64-bit int, an annotation only (never evaluated: from __future__
-    # import annotations), so that nothing at run time needs mypy_extensions: the release
-    # workers import these modules in vLLM's environments
-    from mypy_extensions import i64
+from typing import Any
 
 from simsched.allocator import FULLISH, INTS, NULL, RING, GroupRule, Request, ints_to
 
@@ -52,8 +46,8 @@ class Shadow:
         g = self.gids[b]
         return None if g is None else (g, self.ends[b], self.idents[b])
 
-    def write_computed(self, req: Request, rules: list[GroupRule], start: i64,
-                       end: i64, collect: bool = True,
+    def write_computed(self, req: Request, rules: list[GroupRule], start: int,
+                       end: int, collect: bool = True,
                        fenced: list[int] | None = None) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
         block IDs written (``collect`` False: an empty list, nothing collected). ``fenced``: a
@@ -64,14 +58,12 @@ class Shadow:
         nums = self.nums
         # (nums grows to end: every end written is in it)
         eo = nums[end] if end < len(nums) else self.num(end)
-        # (i64: the positions, indices and block IDs as plain 64-bit ints, no tagged-int checks
-        # in the arithmetic, comparisons and list indexing; start and end too)
-        unit: i64 = req.unit
+        unit = req.unit
         tables = req.tables
         ident: list[Any] = req.ident    # (the hashes stay the int objects hash() made)
-        nid: i64 = len(ident)
+        nid = len(ident)
         for r in rules:
-            gid: i64 = r.gid
+            gid = r.gid
             go = nums[gid]
             # (the table's items read as the int objects they are, stored as is into written:
             # see allocator.BlockPool.ids)
@@ -80,29 +72,28 @@ class Shadow:
                 continue
             if r.code == RING:
                 bo = table[0]
-                b: i64 = bo
+                b = bo
                 gids[b] = go
                 ends[b] = eo
                 idents[b] = None
                 if collect and (fenced is None or (fenced[b] and not written)):
                     written.append(bo)
                 continue
-            bs: i64 = r.bs
-            full: i64 = end // bs           # blocks [i0, full) are complete at end
+            bs = r.bs
+            full = end // bs           # blocks [i0, full) are complete at end
             # (end - 1) // bs + 1: the blocks holding [0, end), from full (one division)
-            last: i64 = full if full * bs == end else full + 1
+            last = full if full * bs == end else full + 1
             if last > len(table):
                 last = len(table)
                 if full > last:
                     full = last
-            i0: i64 = start // bs
+            i0 = start // bs
             if full > i0:
                 # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1] (None when
                 # not known, as ident_at)
-                per: i64 = bs // unit
-                k: i64 = i0 * per + per - 1     # block i: ident index (i + 1) * per - 1,
-                e: i64 = i0 * bs + bs           # end (i + 1) * bs (both stepped)
-                i: i64
+                per = bs // unit
+                k = i0 * per + per - 1     # block i: ident index (i + 1) * per - 1,
+                e = i0 * bs + bs           # end (i + 1) * bs (both stepped)
                 for i in range(i0, full):
                     bo = table[i]
                     b = bo
@@ -125,14 +116,13 @@ class Shadow:
                         written.append(bo)
         return written
 
-    def read_chunk(self, bids: list, lo: i64, hi: i64) -> tuple:
+    def read_chunk(self, bids: list, lo: int, hi: int) -> tuple:
         """The content of a chunk read from the blocks ``bids[lo:hi]`` (flat, see the module)."""
         gids, ends, idents = self.gids, self.ends, self.idents
         if hi - lo == 1:
-            b: i64 = bids[lo]
+            b = bids[lo]
             return (gids[b], ends[b], idents[b])
         fields: list[Any] = []
-        y: i64
         for y in range(lo, hi):
             b = bids[y]
             fields.append(gids[b])
@@ -149,21 +139,20 @@ class Shadow:
         :meth:`write_chunk`)."""
         self.write_chunk([i for i, _ in blocks], [b for _, b in blocks], 0, len(blocks), content)
 
-    def write_chunk(self, idx: list[i64], bids: list[i64], lo: i64, hi: i64,
+    def write_chunk(self, idx: list[int], bids: list[int], lo: int, hi: int,
                     content: tuple | None) -> None:
         """A chunk's ``content`` into the blocks ``bids[lo:hi]``, at block indices ``idx[lo:hi]`` of
         the request's table (a model ``Job`` keeps its blocks as such parallel lists)."""
         if not content:
             return
         gids, ends, idents = self.gids, self.ends, self.idents
-        n: i64 = len(content) // 3                     # the blocks the store read
-        y: i64
+        n = len(content) // 3                     # the blocks the store read
         if n == self.bpc:
             # a whole chunk: each destination block takes the chunk's block at its own offset
             # (the offloading worker skips block_index % blocks_per_chunk blocks of the chunk)
             for y in range(lo, hi):
-                j: i64 = idx[y] % n * 3
-                b: i64 = bids[y]
+                j = idx[y] % n * 3
+                b = bids[y]
                 gids[b] = content[j]
                 ends[b] = content[j + 1]
                 idents[b] = content[j + 2]
@@ -171,7 +160,7 @@ class Shadow:
         # a chunk whose store read only some blocks (windowed groups): its content lines up
         # with the tail of the destination blocks, blocks [n - (hi - lo), n) of it (a negative
         # start counts from the end, as slices do), paired with the blocks in order
-        start: i64 = n - (hi - lo)
+        start = n - (hi - lo)
         if start < 0:
             start = max(0, n + start)
         for y in range(lo, min(hi, lo + n - start)):
