@@ -19,8 +19,8 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 #: model modules compiled at install, in the package ``simsched``
-COMPILED = ("allocator", "case", "events", "geometry", "invariants", "layout", "model", "offload",
-            "shadow", "trace")
+COMPILED = ("allocator", "case", "cpu_manager", "events", "geometry", "invariants", "layout",
+            "model", "offload", "shadow", "trace")
 
 
 class PureSource(importlib.abc.MetaPathFinder):

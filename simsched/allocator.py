@@ -35,10 +35,7 @@ managers of ``single_type_kv_cache_manager.py`` and the hybrid coordinator, in s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final, Iterable, Sequence
-
-if TYPE_CHECKING:
-    from simsched.offload import ReqOffload
+from typing import Any, Final, Iterable, Sequence
 
 # (Final: constants mypyc inlines, no module-dict lookup at each use)
 NULL: Final = 0
@@ -68,7 +65,7 @@ RING: Final = 4
 #
 # Each group's keys fill their own range [group_id * 2**64 - 2**63, group_id * 2**64 + 2**63),
 # the ranges in group order: a bijection, and keys order exactly as the ``(group_id, ident)``
-# pairs (the eviction heap of offload.RankedCPUTier breaks ties by key). Group 0's keys are
+# pairs (the eviction heap of cpu_manager.RankedCPUManager breaks ties by key). Group 0's keys are
 # its idents themselves. An int hashes and compares faster than a tuple and is not tracked by
 # the garbage collector.
 KEY_GROUP_SHIFT: Final = 64
@@ -83,21 +80,6 @@ _GROUP_END: Final[list[Any]] = [(2 * g + 1) << (KEY_GROUP_SHIFT - 1) for g in ra
 # The type of a key: an int, annotated Any so that the compiled build keeps keys as the int
 # objects make_key made (never converted to and from its native ints: most keys exceed them)
 Key = Any
-
-# The int objects 0, 1, 2, ..., made once per process and grown on demand (ints_to): the CPU
-# tier's slot numbers, a job's chunk and block indices and the shadow's ends are stored as these
-# objects (the compiled build makes a new int object each time it puts a native int above 256 in
-# a list or a tuple), so none is made again at each store or each run, nor freed with a run.
-INTS: Final[list[Any]] = list(range(257))
-
-
-def ints_to(n: int) -> list[Any]:
-    """``INTS``, grown to at least ``n`` objects."""
-    ints = INTS
-    if len(ints) < n:
-        ints.extend(range(len(ints), n))
-    return ints
-
 
 # --- sparse prefix-cache retention --------------------------------------------------------
 # ``prefix_cache_retention_interval`` (CacheConfig, 0.29.0+; the KV cache manager reads the
@@ -228,7 +210,7 @@ class Request:
         self.status = WAITING
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.arrival = spec.arrival if spec is not None else 0
-        self.off: ReqOffload | None = None   # the connector's RequestOffloadState
+        self.off: Any = None    # the connector's RequestOffloadState (offload.ReqOffload)
         self.num_cached = 0        # GPU prefix hit tokens at admission
         self.load_target = 0       # tokens computed once the in-flight load completes
         self.finish_step: int | None = None

@@ -310,16 +310,12 @@ class ReadFences:
 
 
 def check_load_ready(step: int, tier, job) -> InvariantViolation | None:
-    """INV-7: every chunk a load job reads is ready (its store completed). (Read at the job's
-    slots, Job.slots: those of its keys, which preparing the load looked up.)"""
-    ready: list[bool] = tier.ready
-    slots: list = tier.slots_of(job.ckeys, job.slots)
-    for x in range(len(slots)):
-        so = slots[x]
-        s = so if so is not None else -1       # (-1: not in the tier)
-        if s < 0 or not ready[s]:
-            return InvariantViolation("INV-7", step, f"load of chunk g{job.gids[x]}:"
-                                      f"{job.hidx[x]} whose store has not completed")
+    """INV-7: every chunk a load job reads is ready (its store completed) when the load is
+    prepared (``Job.unready``; vLLM's ``prepare_load`` asserts it)."""
+    if job.unready:
+        x = job.unready[0]
+        return InvariantViolation("INV-7", step, f"load of chunk g{job.gids[x]}:"
+                                  f"{job.hidx[x]} whose store has not completed")
     return None
 
 
@@ -344,8 +340,6 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
     # reach's start only grows with T): the search resumes at the largest T ending before it
     # (T only shrinks: per group, the chunks [v0, v1) known ready from an earlier T are not
     # looked up again)
-    entries: dict = tier.entries      # (key -> slot; see offload.CPUTier)
-    ready: list[bool] = tier.ready
     known = [(0, 0)] * len(st.groups)
     while T - local >= 1:
         for g, (cfg, gs) in enumerate(zip(off.cfgs, st.groups)):
@@ -364,7 +358,7 @@ def expected_offload_hit(off, st) -> tuple[int, str | None]:
             else:
                 v0, v1 = known[g]
                 c = (v0 if v0 < top <= v1 else top) - 1
-                while c >= lo and (s := entries.get(keys[c])) is not None and ready[s]:
+                while c >= lo and tier.is_ready(keys[c]):
                     c -= 1                         # c: the last chunk in reach not ready
                 known[g] = (c + 1, top)
             if c >= lo:

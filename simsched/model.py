@@ -484,19 +484,16 @@ class Model:
     def _load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
-        tier = self.off.tier
-        content = tier.content
+        chunks = job.cpu_chunks if job.cpu_chunks is not None else \
+            self.off.tier.chunks_of(job.ckeys)
         shadow = self.shadow
         sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
         bidx, bids = job.bidx, job.bids
         bpos: list[int] = job.bpos
-        slots: list = tier.slots_of(job.ckeys, job.slots)     # (kept by the job: Job.slots)
         hi = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
-        # (zip: the slots and the chunks' ends read inline; bpos[1:], one list per job)
-        for so, nxt in zip(slots, bpos[1:]):
-            s = so
+        for chunk, nxt in zip(chunks, bpos[1:]):
             lo, hi = hi, nxt
-            c: tuple | None = content[s]
+            c: tuple | None = chunk.content
             if hi - lo == 1 and c is not None and len(c) == 3:
                 # a one-block chunk into one block: its fields as they are (write_chunk, inlined:
                 # whole chunk or not, the block takes the chunk's only block)
@@ -704,7 +701,6 @@ class Model:
         rules, fences = kv.rules, self.pending_reads
         fenced = fences.count           # per block: the pending store jobs that read it
         gids, ends, idents = shadow.gids, shadow.ends, shadow.idents
-        nums: list[Any] = shadow.nums
         unit = self.unit
         seed = self.case.seed % VOCAB      # (see _token)
         inflight = self.inflight
@@ -713,10 +709,9 @@ class Model:
         for item in sched_reqs:
             if isinstance(item, Request):
                 # quiet decode: write_computed of one token that completes no block, inlined
-                # (the content's ints as the shadow's objects, see Shadow.nums)
                 req = item
                 end = req.num_computed + 1
-                eo = nums[end] if end < len(nums) else shadow.num(end)
+                eo = end
                 fb: list[tuple[Any, Any]] = req.fast_blocks
                 for go, bo in fb:
                     b = bo
@@ -916,8 +911,7 @@ class Model:
                 if not capped or cap >= store_at:
                     bound = min(bound, store_at - 2)        # c + 1 < store_at
             # (group id, block) of the blocks such a step writes, as the int objects the
-            # shadow's contents (Shadow.nums) and the tables (BlockPool.ids) hold
-            nums = self.shadow.nums
+            # tables (BlockPool.ids) hold
             blocks: list[tuple[Any, Any]] = []
             for r in self.kv.rules:
                 gid = r.gid
@@ -925,7 +919,7 @@ class Model:
                 if not table:
                     continue
                 if r.code == RING:
-                    blocks.append((nums[gid], table[0]))
+                    blocks.append((gid, table[0]))
                     continue
                 bs = r.bs
                 i = c // bs
@@ -936,7 +930,7 @@ class Model:
                     bo = table[i]
                     bi = bo
                     if bi != NULL:
-                        blocks.append((nums[gid], bo))
+                        blocks.append((gid, bo))
             req.fast_blocks = blocks
         req.fast_until = bound
 

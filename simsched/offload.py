@@ -1,13 +1,12 @@
-"""The offloading scheduler (``OffloadingConnectorScheduler``) and the CPU tier, simplified.
+"""The offloading scheduler (``OffloadingConnectorScheduler``), simplified.
 
 Mirrors ``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py`` (0.29.0-0.33.0):
 ``RequestOffloadState`` (offload keys grown from block hashes, block IDs, next chunk to store),
 ``storable_chunks``, ``_build_store_jobs`` with its ``assert len(offload_keys) ==
 len(offload_block_ids)``, ``get_num_new_matched_tokens`` / ``_lookup_complete_chunks``,
 ``update_state_after_alloc`` (load jobs), ``_update_req_states``, ``build_connector_meta`` (flush
-of fenced blocks that get re-allocated), ``update_connector_output`` and ``request_finished``;
-and ``vllm/v1/kv_offload/cpu/manager.py`` with the LRU policy (chunks being written are not
-readable and not evictable; chunks being loaded are not evictable).
+of fenced blocks that get re-allocated), ``update_connector_output`` and ``request_finished``.
+The CPU tier it stores to and loads from is :mod:`simsched.cpu_manager`.
 
 An offload key is ``(group_id, block_hash)`` as in ``make_offload_key``, kept as one int
 (``allocator.make_key``, taken apart by ``key_group`` / ``key_ident``); every key also has a
@@ -17,21 +16,13 @@ request-relative hash index (kept beside it) for traces. Where vLLM raises, the 
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
-from typing import Any, Final
+from typing import Any
 
-from simsched.allocator import (ABORTED, INTS, NULL, Key, Request, ints_to, key_group,
-                                make_key, window_reachable_blocks)
+from simsched.allocator import ABORTED, NULL, Key, Request, make_key, window_reachable_blocks
+from simsched.cpu_manager import HIT_PENDING, MISS, CPUOffloadingManager, RankedCPUManager
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
                                offload_key_indices, prefix_cacheable_groups,
                                retention_interval)
-
-# CPUTier.lookup results (Final: constants mypyc inlines, no module-dict lookup at each use)
-MISS: Final = 0
-HIT: Final = 1
-HIT_PENDING: Final = 2
-
 
 class ModelCrash(ConfigError):
     """An exception the real scheduler raises at run time (stage = the vLLM function's role)."""
@@ -41,441 +32,6 @@ class ModelCrash(ConfigError):
         super().__init__(exception, function, file, stage, message)
 
 
-
-
-class CPUTier:
-    """``CPUOffloadingManager`` with the LRU policy; capacity in chunks.
-
-    A chunk's state is kept by slot, with no object per chunk: ``entries`` maps its key to its
-    slot, an index into the parallel lists ``ready`` (its store completed), ``refs`` (loads in
-    flight: vLLM's ``ref_cnt``), ``content`` (what it holds, once ready) and ``rank`` (its
-    recency rank, :class:`RankedCPUTier`). The slots of evicted
-    chunks are reused (``free``); a slot not in use is not ready and holds no load or content.
-
-    Only eviction frees a slot, and it takes ready chunks with no load in flight: the chunks of a
-    store job (not ready until it completes; no other job stores them) and of a load job (its
-    load counted) keep their slots while the job is in flight. So a job keeps its chunks' slots
-    (Job.slots, from :meth:`prepare_store_slots` and :meth:`prepare_load`) and its completion
-    and the model's reads of it use them, with no lookup of the keys again."""
-
-    def __init__(self, capacity: int, evictable_list: bool = False):
-        self.capacity = capacity
-        # 0.25.1-0.30.0's LRUCachePolicy keeps an evictable list: a chunk joins its MRU end when
-        # it becomes evictable (store or last load completes) and touches move only evictable
-        # chunks; 0.31.0+ rank chunks instead (RankedCPUTier)
-        self.evictable_list = evictable_list
-        # key -> slot. ``lru``: the LRU order (first = least recently used): with the evictable
-        # list, the evictable chunks only (ready, ref_cnt 0; the positions of the others never
-        # matter: they join the MRU end when they become evictable), else the same mapping as
-        # ``entries``, ordered (RankedCPUTier keeps a plain dict and no LRU order)
-        self.lru: OrderedDict[Key, int] = OrderedDict()
-        self.entries: dict[Key, int] = {} if evictable_list else self.lru
-        # (made for the capacity's slots at once, up to 4,096; grown by blocks beyond: _grow)
-        m = min(capacity, 4096)
-        self.ready: list[bool] = [False] * m
-        self.refs: list[int] = [0] * m
-        self.content: list = [None] * m
-        self.rank: list = [0] * m           # (rank objects: compared and queued as they are)
-        ints_to(m)
-        self.free: list[int] = []
-        self.n_slots = 0                    # slots ever used (the lists may be longer)
-        # where the slots taken by new chunks are recorded, in order, while not None
-        # (prepare_store_slots)
-        self.added: list | None = None
-        # whether touch() does anything (OffloadScheduler._touch skips the calls if not)
-        self.touches = True
-        self.evictions = 0
-
-    def _add(self, key, rank: object) -> int:
-        """A new chunk (not ready, no load in flight) under ``key``, at a free slot (``rank``:
-        an int object, stored as it is); the slot."""
-        free = self.free
-        if free:
-            s = free.pop()
-        else:
-            s = self.n_slots
-            self.n_slots = s + 1
-            if s == len(self.ready):
-                self._grow()
-        self.rank[s] = rank
-        entries: dict = self.entries        # (the slot as its shared int object: INTS)
-        so = INTS[s]
-        entries[key] = so
-        if self.added is not None:
-            self.added.append(so)
-        return s
-
-    def _grow(self) -> None:
-        """More fresh slots (not ready, no load, no content): the lists grow by blocks (and
-        ``INTS`` has an object for each slot)."""
-        have = len(self.ready)
-        n = max(64, have)
-        self.ready.extend([False] * n)
-        self.refs.extend([0] * n)
-        self.content.extend([None] * n)
-        self.rank.extend([0] * n)
-        ints_to(have + n)
-
-    def _drop(self, key) -> int:
-        """Evict the chunk of ``key`` (ready, no load in flight): its slot is free; the slot."""
-        s = self.entries.pop(key)
-        self.ready[s] = False
-        self.content[s] = None
-        self.free.append(s)
-        return s
-
-    def lookup(self, key) -> int:
-        s = self.entries.get(key)
-        if s is None:
-            return MISS
-        return HIT if self.ready[s] else HIT_PENDING
-
-    def is_ready(self, key) -> bool:
-        """The chunk of ``key`` is there and its store completed."""
-        s = self.entries.get(key)
-        return s is not None and self.ready[s]
-
-    def touch(self, keys) -> None:
-        """``LRUCachePolicy.touch``: each present key to the MRU end, last key first (``for key in
-        reversed(list(keys))``), so the first key ends most recent."""
-        self.touch_range(list(keys), 0, len(keys))
-
-    def touch_range(self, keys: list, lo: int, hi: int) -> None:
-        """``touch(keys[lo:hi])``."""
-        lru = self.lru
-        move = lru.move_to_end
-        for i in range(min(hi, len(keys)) - 1, lo - 1, -1):
-            k = keys[i]
-            if k in lru:
-                move(k)
-
-    def prepare_store(self, keys, st=None) -> list | None:
-        """``st``: the request storing (its access to the chunks counts in RankedCPUTier)."""
-        entries, lru = self.entries, self.lru
-        to_store = [k for k in keys if k not in entries]
-        if not to_store:
-            return []
-        n_evict = len(to_store) - (self.capacity - len(entries))
-        if n_evict > 0:
-            protected = set(keys)
-            victims = []
-            if self.evictable_list:
-                for k in lru:                   # (evictable chunks only)
-                    if k not in protected:
-                        victims.append(k)
-                        if len(victims) == n_evict:
-                            break
-            else:
-                ready, refs = self.ready, self.refs
-                for k, s in lru.items():
-                    if ready[s] and refs[s] == 0 and k not in protected:
-                        victims.append(k)
-                        if len(victims) == n_evict:
-                            break
-            if len(victims) < n_evict:
-                return None
-            for k in victims:
-                self._drop(k)
-                if self.evictable_list:
-                    del lru[k]
-            self.evictions += len(victims)
-        for k in to_store:
-            self._add(k, 0)
-        return to_store
-
-    def prepare_store_slots(self, keys, st=None
-                            ) -> tuple[list | None, list]:
-        """:meth:`prepare_store`, and the slots its new chunks took, in the order of the keys it
-        returns (a store job's chunks, Job.slots)."""
-        self.added = []
-        to_store = self.prepare_store(keys, st)
-        slots = self.added
-        self.added = None
-        assert slots is not None
-        return to_store, slots
-
-    def slots_of(self, keys: list, slots: list | None) -> list:
-        """``slots`` (a job's, Job.slots), or if None the slots of ``keys``, None where a key is
-        not there (callers that give keys alone, tests; jobs whose chunks were replaced)."""
-        if slots is not None:
-            return slots
-        entries: dict = self.entries
-        return [entries.get(k) for k in keys]
-
-    def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
-        """A store job's chunks ``keys`` are ready, holding ``contents[i]`` for ``keys[i]``
-        (lists in the job's chunk order, Job.ckeys and Job.contents: a list, not a dict, as the
-        worker reads them in that order; ``slots``: theirs, Job.slots, else looked up). With the
-        evictable list, those evictable now join its MRU end in the order of vLLM's set of the
-        job's keys (tuple_set_order)."""
-        entries, ready, content = self.entries, self.ready, self.content
-        ss = self.slots_of(keys, slots)
-        for x in range(len(keys)):
-            so = ss[x]
-            if so is None:
-                continue
-            sx: int = so
-            if not ready[sx]:
-                ready[sx] = True
-                content[sx] = contents[x]
-        if self.evictable_list:
-            # the ready, unreferenced ones: those that just became so and those already in the
-            # list (assigned again: an OrderedDict keeps their place)
-            refs, lru = self.refs, self.lru
-            for k in tuple_set_order(keys):
-                s = entries.get(k)
-                if s is not None and ready[s] and not refs[s]:
-                    lru[k] = s
-
-    def prepare_load(self, keys, st=None) -> list:
-        """A load job of the chunks ``keys`` (a list) starts; returns their slots, in order
-        (Job.slots). (Here and in the loads' other updates the load counts are read, then
-        stored: ``refs[s] += 1`` compiles to a generic in-place add.)"""
-        entries: dict = self.entries    # (untyped: the slot objects go into the list)
-        refs = self.refs
-        ks: list = keys
-        slots = [entries[k] for k in ks]
-        for x in range(len(ks)):
-            k = ks[x]
-            s: int = slots[x]
-            n = refs[s] + 1
-            refs[s] = n
-            if self.evictable_list and n == 1 and self.ready[s]:
-                del self.lru[k]                 # not evictable while loaded
-        return slots
-
-    def on_request_finished(self, st) -> None:
-        """``CPUOffloadingManager.on_request_finished``: no recency change before 0.31.0."""
-
-    def complete_load(self, keys: list, slots: list | None = None) -> None:
-        """A load job's chunks ``keys`` (its keys as listed, Job.keys; ``slots``: theirs,
-        Job.slots, else looked up) have been read. With the evictable list, those evictable now
-        join its MRU end in the order of vLLM's set of the job's keys (tuple_set_order: the
-        keys looked up again in that order)."""
-        entries, refs = self.entries, self.refs
-        if self.evictable_list:
-            for k in tuple_set_order(keys):
-                s = entries[k]
-                n = refs[s] - 1
-                refs[s] = n
-                if not n and self.ready[s]:
-                    self.lru[k] = s             # evictable now: the MRU end
-            return
-        ss = self.slots_of(keys, slots)
-        for x in range(len(ss)):
-            sx: int = ss[x]
-            refs[sx] = refs[sx] - 1
-
-
-class _RequestCacheAccess:
-    """``CPUOffloadingManager``'s ``_RequestCacheAccess`` (0.31.0+) and the LRU policy's
-    ``_RequestRank`` (0.33.0) of one request: the keys it accessed, per group in first-access
-    order (``key_groups``, by the key's group id, as ``get_offload_group_idx``), and its request
-    rank once it has one (0: none yet). ``positions`` is ``ReqContext``'s
-    ``_offload_key_positions``: each offload key's end token in the request, from its key lists
-    (``counts``: how far each group's list was read; the lists are only appended to)."""
-
-    __slots__ = ("st", "rank", "seen", "key_groups", "positions", "counts")
-
-    def __init__(self, st, n_groups: int):
-        self.st = st
-        self.rank = 0
-        self.seen: set = set()
-        self.key_groups: dict[int, list] = {}
-        self.positions: dict[Key, int] = {}
-        self.counts = [0] * n_groups
-
-
-class RankedCPUTier(CPUTier):
-    """0.31.0+ ``LRUCachePolicy``: logical recency ranks independent of transfer pinning.
-
-    Eviction takes the evictable chunks (ready, no load in flight) of lowest rank, ties by key
-    (``make_offload_key`` appends the group index to the block hash: the lower group first at
-    one position of one request). An inserted chunk takes the next rank ``(n, 0)``, or from
-    0.33.0 (``request_ranks``) its request's rank and token position ``(request rank,
-    -position)``, so that a request's tails precede its heads; from 0.33.0 a request's first
-    access to a resident chunk (``on_request_access``) raises it to that rank. When a request
-    finishes, every chunk it accessed takes a fresh rank, tail first, so that its head is the
-    most recent (``on_request_finished``). The connector never calls ``touch`` from 0.31.0 on.
-
-    A chunk's rank is ``rank[slot]``. ``heap`` holds ``(rank, key)`` items, pushed when a chunk
-    becomes evictable or is ranked again while evictable; an item is current while its chunk is
-    evictable with that rank (the others are dropped as they surface), as vLLM's lazy heap."""
-
-    def __init__(self, capacity: int, request_ranks: bool, cfgs):
-        super().__init__(capacity, False)
-        self.entries = {}
-        self.touches = False
-        self.request_ranks = request_ranks
-        self.heap: list[tuple[tuple[int, int], Key]] = []
-        self.next_rank = 0
-        self.tokens_per_chunk = [cfg.tokens_per_chunk for cfg in cfgs]
-        self.req_state: dict[str, _RequestCacheAccess] = {}
-
-    def touch(self, keys) -> None:
-        return
-
-    def _evictable(self, s: int) -> bool:
-        return self.ready[s] and not self.refs[s]
-
-    def _push(self, k, s: int) -> None:
-        """``_push_evictable``; the heap is rebuilt from the evictable chunks when stale items
-        outnumber them (``_maybe_compact_heap``)."""
-        heapq.heappush(self.heap, (self.rank[s], k))
-        if len(self.heap) >= max(64, 2 * len(self.entries)):
-            self.heap = [(self.rank[s], k) for k, s in self.entries.items() if self._evictable(s)]
-            heapq.heapify(self.heap)
-
-    def _set_rank(self, k, s: int, rank: tuple[int, int]) -> None:
-        self.rank[s] = rank
-        if self._evictable(s):
-            self._push(k, s)
-
-    def _access(self, st) -> _RequestCacheAccess:
-        """The request's access record, and its key positions read up to its keys now."""
-        a = self.req_state.get(st.req.rid)
-        if a is None or a.st is not st:
-            a = self.req_state[st.req.rid] = _RequestCacheAccess(st, len(self.tokens_per_chunk))
-        for gi, tpc in enumerate(self.tokens_per_chunk):
-            keys = st.groups[gi].keys
-            for i in range(a.counts[gi], len(keys)):
-                a.positions[keys[i]] = (i + 1) * tpc    # a key met twice: its later position
-            a.counts[gi] = len(keys)
-        return a
-
-    def _request_rank(self, a: _RequestCacheAccess) -> int:
-        """``_get_request_rank``: the request's rank, the next one at its first use."""
-        if not a.rank:
-            self.next_rank += 1
-            a.rank = self.next_rank
-        return a.rank
-
-    def _record_access(self, a: _RequestCacheAccess, keys) -> None:
-        """``_record_request_cache_access``: the keys the request meets for the first time join
-        its record; from 0.33.0 they are ``on_request_access``ed."""
-        new = []
-        for k in keys:
-            if k not in a.seen:
-                a.seen.add(k)
-                a.key_groups.setdefault(key_group(k), []).append(k)
-                new.append(k)
-        if new and self.request_ranks:
-            self._on_request_access(a, new)
-
-    def _on_request_access(self, a: _RequestCacheAccess, keys: list) -> None:
-        """``LRUCachePolicy.on_request_access`` (0.33.0): a resident chunk of known position is
-        raised to ``(request rank, -position)`` if that is above its rank."""
-        request_rank = self._request_rank(a)
-        for k in keys:
-            position = a.positions.get(k)
-            s = self.entries.get(k)
-            if position is None or s is None:
-                continue
-            rank = (request_rank, -position)
-            if self.rank[s] < rank:
-                self._set_rank(k, s, rank)
-
-    def _insert_rank(self, a: _RequestCacheAccess | None, k) -> tuple[int, int]:
-        """``LRUCachePolicy.insert``'s rank of a new chunk."""
-        position = a.positions.get(k) if a is not None and self.request_ranks else None
-        if a is None or position is None:
-            self.next_rank += 1
-            return (self.next_rank, 0)
-        return (self._request_rank(a), -position)
-
-    def _lowest_evictable(self, n: int, protected: set) -> list | None:
-        """``LRUCachePolicy.evict``: the ``n`` evictable chunks of lowest (rank, key) that are not
-        ``protected``, or None (and no change) if there are fewer."""
-        selected: list = []
-        chosen: set = set()
-        deferred: list = []
-        while self.heap and len(selected) < n:
-            item = heapq.heappop(self.heap)
-            rank, k = item
-            s = self.entries.get(k)
-            if s is None or not self._evictable(s) or self.rank[s] != rank or k in chosen:
-                continue            # stale
-            if k in protected:
-                deferred.append(item)
-                continue
-            selected.append(item)
-            chosen.add(k)
-        for item in deferred + (selected if len(selected) < n else []):
-            heapq.heappush(self.heap, item)
-        return [k for _, k in selected] if len(selected) == n else None
-
-    def prepare_store(self, keys, st=None) -> list | None:
-        """``CPUOffloadingManager.prepare_store``: the request's access to the new and the ready
-        keys is recorded before any eviction (chunks still being written are not accessed);
-        then the new chunks are inserted, evicting what they need."""
-        entries, ready = self.entries, self.ready
-        to_store = [k for k in keys if k not in entries]
-        a = None
-        if st is not None:
-            a = self._access(st)
-            self._record_access(a, [k for k in keys if k not in entries or ready[entries[k]]])
-        if not to_store:
-            return []
-        n_evict = len(to_store) - (self.capacity - len(entries))
-        if n_evict > 0:
-            victims = self._lowest_evictable(n_evict, set(keys))
-            if victims is None:
-                return None
-            for k in victims:
-                self._drop(k)
-            self.evictions += n_evict
-        for k in to_store:
-            self._add(k, self._insert_rank(a, k))   # not ready: not evictable, not pushed
-        return to_store
-
-    def prepare_load(self, keys, st=None) -> list:
-        """A load pins its chunks (not evictable while loaded) and is a request access."""
-        slots = [self.entries[k] for k in keys]
-        for s in slots:
-            self.refs[s] += 1
-        if st is not None:
-            self._record_access(self._access(st), keys)
-        return slots
-
-    def on_request_finished(self, st) -> None:
-        """``CPUOffloadingManager.on_request_finished`` and the policy's: the keys the request
-        accessed, head to tail (``order_request_keys``: each group's keys by position where all
-        are known, the groups by id, then all by position where all are known), take fresh
-        ranks from the tail on."""
-        a = self.req_state.pop(st.req.rid, None)
-        if a is None:
-            return
-        if a.st is st:
-            self._access(st)
-        positions = a.positions
-        flat: list = []
-        for gid in sorted(a.key_groups):
-            keys = a.key_groups[gid]
-            if all(k in positions for k in keys):
-                keys = sorted(keys, key=positions.__getitem__)
-            flat += keys
-        if all(k in positions for k in flat):
-            flat.sort(key=positions.__getitem__)
-        for k in flat[::-1]:          # tail first
-            s = self.entries.get(k)
-            if s is not None:
-                self.next_rank += 1
-                self._set_rank(k, s, (self.next_rank, 0))
-
-    def complete_store(self, keys: list, contents: list, slots: list | None = None) -> None:
-        ready, content = self.ready, self.content
-        for k, s, c in zip(keys, self.slots_of(keys, slots), contents):
-            if s is not None and not ready[s]:
-                ready[s] = True
-                content[s] = c
-                if not self.refs[s]:
-                    self._push(k, s)            # evictable now
-
-    def complete_load(self, keys, slots: list | None = None) -> None:
-        for k, s in zip(keys, self.slots_of(keys, slots)):
-            self.refs[s] -= 1
-            if not self.refs[s] and self.ready[s]:
-                self._push(k, s)                # evictable now
 
 
 class _SlidingWindowStoreMask:
@@ -561,34 +117,6 @@ class ReqOffload:
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
 
 
-_GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
-
-
-def tuple_set_order(keys: list) -> list[Key]:
-    """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
-    the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
-    order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
-    (each completed chunk joins its MRU end). vLLM's set holds bytes keys, whose hashes vary per
-    process; the model fixed that order as the one of the pair tuples (the representation of keys
-    before they became ints), and keeps it. (Group 0's keys are its idents, the keys below
-    2**63: see allocator.make_key; they are not taken apart.)"""
-    pairs: set[tuple[int, Key]] = set()     # (typed: taken apart with no iterator each)
-    last, base = 0, make_key(0, 0)      # the last group met and its base (groups come in runs)
-    for x in range(len(keys)):
-        k = keys[x]
-        if k < _GROUP0_END:
-            g = 0
-        else:
-            g = key_group(k)
-        if not g:
-            pairs.add((0, k))
-        else:
-            if g != last:
-                last, base = g, make_key(g, 0)
-            pairs.add((g, k - base))            # (key_ident(k), without a second walk)
-    return [make_key(g, h) if g else h for g, h in pairs]
-
-
 class Job:
     """A transfer job. Its chunks, in order, are kept as parallel lists (no object per chunk):
     chunk ``x`` is group ``gids[x]``'s chunk ``cidx[x]``, named by the key ``ckeys[x]`` made from
@@ -600,12 +128,13 @@ class Job:
     keys (``ckeys`` lists them, in chunk order, with ``contents``: the tier completes those). A
     store's fences (``_block_id_to_pending_jobs``): ``fenced``, the blocks fenced at once (None
     if none); ``deferred``, whether its other source blocks are fenced once its request finishes
-    (OffloadScheduler._deferred lists them). ``slots``: the CPU tier's slots of ``ckeys``, in
-    order, kept from when the job was prepared (stable while it is in flight: see CPUTier), None
-    if not known (the tier looks the keys up)."""
+    (OffloadScheduler._deferred lists them). ``cpu_chunks``: the CPU tier's chunks of
+    ``ckeys`` (``ChunkStatus``), in order, as the job was prepared (vLLM's store or load spec:
+    a chunk being written or read is not evicted), None if not known (looked up then)."""
 
     __slots__ = ("jid", "rid", "is_store", "keys", "gids", "cidx", "hidx", "ckeys", "bpos",
-                 "bidx", "bids", "fenced", "deferred", "read", "contents", "done", "slots")
+                 "bidx", "bids", "fenced", "deferred", "read", "contents", "done",
+                 "cpu_chunks", "unready")
 
     def __init__(self, jid, rid, is_store, keys, fenced=None, deferred: bool = False):
         self.jid, self.rid, self.is_store = jid, rid, is_store
@@ -622,7 +151,8 @@ class Job:
         self.read = False            # a store has read its source blocks
         self.contents: list = []       # a store's chunk contents, in chunk order, once read
         self.done = False
-        self.slots: list | None = None
+        self.cpu_chunks: list | None = None
+        self.unready: list[int] = []    # a load's chunks not ready when it was prepared
 
     def add_chunk(self, gid: int, c: int, hidx: int, key: Key, blocks) -> None:
         """Append a chunk; ``blocks``: its ``(block_index, block_id)`` pairs."""
@@ -653,8 +183,8 @@ class Job:
 
     def set_chunks(self, items) -> None:
         """Replace the chunks by ``items``, tuples as :meth:`chunk` gives them (tests); their
-        slots are not known then."""
-        self.slots = None
+        CPU chunks are not known then."""
+        self.cpu_chunks = None
         self.gids, self.cidx, self.hidx, self.ckeys = [], [], [], []
         self.bpos, self.bidx, self.bids = [0], [], []
         for gid, c, hidx, key, blocks in items:
@@ -673,13 +203,11 @@ class OffloadScheduler:
         # by request and token position from 0.33.0 (profile.extra["cpu_lru"])
         lru = profile.extra.get("cpu_lru", "ranks" if profile.offloaded_groups is
                                 prefix_cacheable_groups else "list")
-        self.tier: CPUTier
+        self.tier: CPUOffloadingManager
         if lru == "list":
-            self.tier = CPUTier(cpu_chunks, evictable_list=True)
-        elif lru == "plain":                # "plain": insertion and touch order only
-            self.tier = CPUTier(cpu_chunks)
+            self.tier = CPUOffloadingManager(cpu_chunks, asserts)
         else:
-            self.tier = RankedCPUTier(cpu_chunks, lru == "request-ranks", self.cfgs)
+            self.tier = RankedCPUManager(cpu_chunks, lru == "request-ranks", self.cfgs, asserts)
         self.req_status: dict[str, ReqOffload] = {}
         self.jobs: dict[int, Job] = {}
         self.job_counter = 0
@@ -903,10 +431,6 @@ class OffloadScheduler:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops, but for its
         ``being_loaded`` check (``_hits_being_loaded``)."""
         req, tier = st.req, self.tier
-        # tier.lookup of a key: MISS when not in ``entries``, HIT_PENDING when its chunk is not
-        # ready
-        entries: dict[Key, int] = tier.entries
-        ready = tier.ready
         num_computed = st.num_local
         max_hit = req.num_tokens
         if self.supports_max_load and st.max_load_tokens is not None:
@@ -949,11 +473,10 @@ class OffloadScheduler:
                 if w is None:
                     hits = 0
                     for j in range(start, num_chunks):         # (keys[start:num_chunks])
-                        k = keys[j]
-                        s = entries.get(k)
-                        if s is None:
+                        result = tier.lookup(keys[j])
+                        if result == MISS:
                             break
-                        if not ready[s]:
+                        if result == HIT_PENDING:
                             defer = True
                         hits += 1
                     n_hit = -1 if defer else hits
@@ -969,14 +492,13 @@ class OffloadScheduler:
                     w_req = w + eagle
                     consecutive, found, pending = 0, False, False
                     for idx in range(len(sub) - 1, -1, -1):
-                        k = sub[idx]
-                        s = entries.get(k)
-                        if s is None:
+                        result = tier.lookup(sub[idx])
+                        if result == MISS:
                             consecutive = 0
                             if v2:
                                 pending, need = False, w_req
                         else:
-                            if not ready[s]:
+                            if result == HIT_PENDING:
                                 pending = True
                             consecutive += 1
                         if consecutive == need:
@@ -1096,7 +618,9 @@ class OffloadScheduler:
                                   [(i, blocks[i]) for i in range(lo, hi)])
             gs.next_stored = -(-num_cached // cfg.tokens_per_chunk)      # BLOCK_LEVEL policy
         keys = job.ckeys
-        job.slots = self.tier.prepare_load(keys, st)
+        # the chunks not ready to read (their stores in flight): INV-7 names them
+        job.unready = [x for x, k in enumerate(keys) if not self.tier.is_ready(k)]
+        job.cpu_chunks = self.tier.prepare_load(keys, st)
         # (the evictable list's complete_load puts the keys in the order of their set,
         # tuple_set_order, itself: when that order is needed)
         job.keys = keys
@@ -1300,12 +824,12 @@ class OffloadScheduler:
                 ident = req.ident_at(boundary)
                 assert ident is not None        # boundary <= num_tokens: a known identity
                 key = make_key(gid, ident)
-                to_store, slots = self.tier.prepare_store_slots([key], st)
+                to_store = self.tier.prepare_store([key], st)
                 if not to_store:
                     continue
                 c = boundary // cfg.tokens_per_chunk - 1
                 job = Job(-1, rid, True, {key}, [b])
-                job.slots = slots
+                job.cpu_chunks = self.tier.chunks_of(to_store)
                 job.add_chunk(gid, c, boundary // tph - 1, key,
                               [(boundary // cfg.tokens_per_block - 1, b)])
                 self._new_job(job)
@@ -1362,7 +886,7 @@ class OffloadScheduler:
         if not new_keys:
             self.advance_stored_idx(st, n_off, adv)
             return
-        to_store, slots = self.tier.prepare_store_slots(new_keys, st)
+        to_store = self.tier.prepare_store(new_keys, st)
         if to_store is None:
             return
         if not to_store:
@@ -1370,7 +894,7 @@ class OffloadScheduler:
             return
         self._touch(st)
         job = Job(-1, req.rid, True, to_store, None, True)
-        job.slots = slots           # (those of to_store, in order: the chunks below)
+        job.cpu_chunks = self.tier.chunks_of(to_store)     # (in order: the chunks below)
         fenced: list = []
         j = 0                       # to_store is the part of new_keys the tier took, in order
         for gi, c in offered:
@@ -1461,9 +985,9 @@ class OffloadScheduler:
         job = self.jobs.pop(jid)
         st = self.req_status[job.rid]
         if job.is_store:
-            self.tier.complete_store(job.ckeys, job.contents, job.slots)
+            self.tier.complete_store(job.ckeys, job.contents, job.cpu_chunks)
         else:
-            self.tier.complete_load(job.keys, job.slots)
+            self.tier.complete_load(job.keys, job.cpu_chunks)
             if self.being_loaded:
                 self.being_loaded.difference_update(job.keys)
         if self.block_to_jobs:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from simsched.allocator import FULLISH, INTS, NULL, RING, GroupRule, Request, ints_to
+from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
 
 
 
@@ -32,14 +32,6 @@ class Shadow:
         self.ends: list[Any] = [None] * num_blocks
         self.idents: list[Any] = [None] * num_blocks
         self.bpc: int = blocks_per_chunk or 0     # (0: none; native, as write_chunk compares it)
-        # nums[e] is the int e, one object each (grown on demand by num()): the group ids and
-        # ends of slot contents are stored as these objects, the process's shared ints
-        # (allocator.INTS; see also allocator.BlockPool.ids)
-        self.nums: list[Any] = INTS
-
-    def num(self, e: int) -> Any:
-        """The int ``e`` (0 <= e), as the one object ``nums[e]``."""
-        return ints_to(e + 1)[e]
 
     def content(self, b: int) -> tuple | None:
         """Block ``b``'s content, ``(group_id, end, ident)`` (None: never written)."""
@@ -55,16 +47,14 @@ class Shadow:
         count is not 0 is collected (INV-6 names that one: no list of every block written)."""
         gids, ends, idents = self.gids, self.ends, self.idents
         written: list[int] = []
-        nums = self.nums
-        # (nums grows to end: every end written is in it)
-        eo = nums[end] if end < len(nums) else self.num(end)
+        eo = end
         unit = req.unit
         tables = req.tables
         ident: list[Any] = req.ident    # (the hashes stay the int objects hash() made)
         nid = len(ident)
         for r in rules:
             gid = r.gid
-            go = nums[gid]
+            go = gid
             # (the table's items read as the int objects they are, stored as is into written:
             # see allocator.BlockPool.ids)
             table: list[Any] = tables[gid]
@@ -99,7 +89,7 @@ class Shadow:
                     b = bo
                     if b != NULL:
                         gids[b] = go
-                        ends[b] = nums[e]
+                        ends[b] = e
                         idents[b] = ident[k] if k < nid else None
                         if collect and (fenced is None or (fenced[b] and not written)):
                             written.append(bo)

@@ -17,7 +17,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from simsched.allocator import key_group, key_ident, make_key
-from simsched.offload import CPUTier, RankedCPUTier, tuple_set_order
+from simsched.cpu_manager import CPUOffloadingManager, RankedCPUManager, tuple_set_order
 from simsched.vllm import releases as rel
 
 TPC = 16            # tokens per chunk, both groups
@@ -88,8 +88,8 @@ def _run(seed: int, lru: str):
     """One random run: the operations, the model's record of each store, the positions."""
     rng = random.Random(seed)
     capacity = rng.choice([4, 6, 10])
-    tier = (CPUTier(capacity, evictable_list=True) if lru == "list"
-            else RankedCPUTier(capacity, lru == "request-ranks",
+    tier = (CPUOffloadingManager(capacity) if lru == "list"
+            else RankedCPUManager(capacity, lru == "request-ranks",
                                [NS(group_id=g, tokens_per_chunk=TPC) for g in (0, 1)]))
     reqs = _requests(rng, 6)
     live, finished = ["r0", "r1"], set()
@@ -105,12 +105,12 @@ def _run(seed: int, lru: str):
                 keys += gs.keys[lo:lo + rng.randint(0, 3)]
             if not keys:
                 continue
-            before = set(tier.entries)
+            before = set(tier.chunks)
             got = tier.prepare_store(keys, st)
             ops.append(("store", rid, keys))
             model.append(None if got is None else
                          [sorted(keys.index(k) for k in got),
-                          sorted(_real_key_hex(k) for k in before - set(tier.entries))])
+                          sorted(_real_key_hex(k) for k in before - set(tier.chunks))])
             if got:
                 writing.append(got)
         elif op == 3 and writing:

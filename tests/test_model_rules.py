@@ -157,18 +157,18 @@ def _tier_evicts(request_ranks: bool, finish_first: bool) -> list[int]:
     into a full 4-chunk tier: the indices of a's chunks evicted."""
     from types import SimpleNamespace as NS
     from simsched.allocator import make_key
-    from simsched.offload import RankedCPUTier
+    from simsched.cpu_manager import RankedCPUManager
     cfgs = [NS(group_id=0, tokens_per_chunk=16)]
     keys_a, keys_b = [make_key(0, i) for i in range(4)], [make_key(0, 10 + i) for i in range(2)]
     a = NS(req=NS(rid="a"), groups=[NS(keys=keys_a)])
     b = NS(req=NS(rid="b"), groups=[NS(keys=keys_b)])
-    tier = RankedCPUTier(4, request_ranks, cfgs)
+    tier = RankedCPUManager(4, request_ranks, cfgs)
     assert tier.prepare_store(keys_a, a) == keys_a
     tier.complete_store(keys_a, [None] * len(keys_a))
     if finish_first:
         tier.on_request_finished(a)
     assert tier.prepare_store(keys_b, b) == keys_b
-    return [i for i, k in enumerate(keys_a) if k not in tier.entries]
+    return [i for i, k in enumerate(keys_a) if k not in tier.chunks]
 
 
 def test_cpu_lru_ranks_from_0310():

@@ -1,10 +1,11 @@
 from simsched.allocator import make_key
-from simsched.offload import HIT, HIT_PENDING, MISS, CPUTier, tuple_set_order
+from simsched.cpu_manager import (HIT, HIT_PENDING, MISS, CPUOffloadingManager, RankedCPUManager,
+                                  tuple_set_order)
 
 
 def test_cpu_tier_states_and_lru():
     a, b, c, d = (make_key(0, h) for h in range(4))    # offload keys (group_id, block hash)
-    t = CPUTier(2)
+    t = CPUOffloadingManager(2)
     assert t.prepare_store([a, b]) == [a, b]
     assert t.lookup(a) == HIT_PENDING
     assert t.prepare_store([c]) is None            # nothing evictable while being written
@@ -63,18 +64,16 @@ def test_lookup_restarts_store_index_from_0330():
 
 
 def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60) -> int:
-    """Random stores, completions, loads and request finishes on a small RankedCPUTier. Before
+    """Random stores, completions, loads and request finishes on a small RankedCPUManager. Before
     every store that must evict, the victims are worked out by brute force from the entries:
     the evictable chunks (ready, no load in flight) not named by the store, lowest (rank, key)
     first; the store must evict exactly those, or refuse (None) and evict nothing when there are
     too few. Returns the number of evicting stores checked."""
     import random
     from types import SimpleNamespace as NS
-    from simsched.offload import RankedCPUTier
-
     rng = random.Random(seed)
     cfgs = [NS(group_id=0, tokens_per_chunk=16), NS(group_id=1, tokens_per_chunk=16)]
-    tier = RankedCPUTier(6, request_ranks, cfgs)
+    tier = RankedCPUManager(6, request_ranks, cfgs)
     reqs = []
     for r in range(4):
         idents = [100 * r + rng.randrange(3) * 1000 + i for i in range(5)]   # some shared
@@ -88,19 +87,19 @@ def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60) -> int:
             g = rng.randrange(2)
             lo = rng.randrange(5)
             keys = st.groups[g].keys[lo:lo + rng.randint(1, 3)]
-            entries = tier.entries
+            entries = tier.chunks
             new = [k for k in keys if k not in entries]
             n_evict = len(new) - (tier.capacity - len(entries))
-            candidates = sorted((tier.rank[s], k) for k, s in entries.items()
-                                if tier.ready[s] and not tier.refs[s] and k not in keys)
+            candidates = sorted((c.rank, k) for k, c in entries.items()
+                                if c.ref_cnt == 0 and k not in keys)
             before = set(entries)
             got = tier.prepare_store(keys, st)
             if n_evict > 0:
                 checked += 1
                 if len(candidates) < n_evict:
-                    assert got is None and set(tier.entries) == before
+                    assert got is None and set(tier.chunks) == before
                     continue
-                assert before - set(tier.entries) == {k for _, k in candidates[:n_evict]}
+                assert before - set(tier.chunks) == {k for _, k in candidates[:n_evict]}
             assert got == new
             writing.append(new)
         elif op == 2 and writing:
@@ -122,7 +121,7 @@ def _random_tier_run(seed: int, request_ranks: bool, steps: int = 60) -> int:
 
 
 def test_ranked_tier_evicts_the_lowest_evictable_chunks():
-    """RankedCPUTier (0.31.0+ LRUCachePolicy) keeps its eviction candidates in a heap whose
+    """RankedCPUManager (0.31.0+ LRUCachePolicy) keeps its eviction candidates in a heap whose
     stale items are dropped lazily: whatever the order of stores, completions, loads and
     finishes, an eviction takes exactly the lowest (rank, key) evictable chunks not protected
     by the store."""
@@ -195,25 +194,6 @@ def test_load_job_chunks_match_a_per_chunk_walk():
         assert job.chunks() == want, it
         # (chunks() reads bpos[x]:bpos[x + 1] only: its length and its end too)
         assert len(job.bpos) == len(want) + 1 and job.bpos[-1] == len(job.bids) == len(job.bidx)
-
-
-def test_prepare_store_returns_the_key_objects_given():
-    """_build_store_jobs matches the keys a store takes to its chunks' keys by identity: every
-    tier's prepare_store returns the very key objects it was given (equal ints made apart
-    would not match)."""
-    from types import SimpleNamespace as NS
-    from simsched.offload import RankedCPUTier
-    cfgs = [NS(group_id=0, tokens_per_chunk=16), NS(group_id=1, tokens_per_chunk=16)]
-    for make in (lambda: CPUTier(4), lambda: CPUTier(4, True),
-                 lambda: RankedCPUTier(4, False, cfgs), lambda: RankedCPUTier(4, True, cfgs)):
-        tier = make()
-        idents = [10 ** 20 + i for i in range(6)]
-        st = NS(req=NS(rid="r"), groups=[NS(keys=[make_key(g, h) for h in idents])
-                                         for g in (0, 1)])
-        for keys in (st.groups[1].keys[:3], st.groups[1].keys[1:5]):
-            got = tier.prepare_store(keys, st)
-            assert got and all(any(k is x for x in keys) for k in got)
-            tier.complete_store(got, [None] * len(got))
 
 
 def test_tuple_set_order_is_the_set_of_pairs_order():
@@ -289,24 +269,25 @@ print("ok", seen)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
-def test_jobs_keep_their_slots():
-    """A job keeps the tier's slots of its chunks (Job.slots: from prepare_store_slots and
-    prepare_load) and its completion uses them: under random stores, loads and completions in
-    any order (evictions included), the slots kept are still the keys' slots when the job
-    completes, and each tier ends as the same tier completed by keys alone (slots looked up)."""
+def test_jobs_keep_their_chunks():
+    """A job keeps the tier's chunks of its keys (Job.cpu_chunks: from chunks_of after
+    prepare_store, and from prepare_load) and its completion uses them: under random stores,
+    loads and completions in any order (evictions included), the chunks kept are still the keys'
+    chunks when the job completes, and each tier ends as the same tier completed by keys alone."""
     import random
-    from simsched.offload import RankedCPUTier
+    from types import SimpleNamespace as NS
 
     def state(t):
-        return (dict(t.entries), list(t.lru), t.ready[:t.n_slots], t.refs[:t.n_slots],
-                t.content[:t.n_slots], t.evictions)
+        return ({k: (c.ref_cnt, c.content, c.rank) for k, c in t.chunks.items()},
+                list(t.evictable), t.evictions)
 
+    cfgs = [NS(group_id=g, tokens_per_chunk=16) for g in range(3)]
     evicted = 0
     for seed in range(200):
         rng = random.Random(seed)
-        make = [lambda: CPUTier(8), lambda: CPUTier(8, True),
-                lambda: RankedCPUTier(8, rng.random() < 0.5, [])][seed % 3]
-        by_slots, by_keys = make(), make()
+        make = [lambda: CPUOffloadingManager(8),
+                lambda: RankedCPUManager(8, rng.random() < 0.5, cfgs)][seed % 2]
+        by_chunks, by_keys = make(), make()
         lists = _key_lists(rng)
         writing, loading = [], []
         for _ in range(120):
@@ -315,145 +296,28 @@ def test_jobs_keep_their_slots():
             if op <= 1:
                 lo = rng.randrange(8)
                 sub = keys[lo:lo + rng.randint(1, 4)]
-                got, slots = by_slots.prepare_store_slots(sub)
+                got = by_chunks.prepare_store(sub)
                 assert by_keys.prepare_store(sub) == got
                 if got:
-                    assert all(by_slots.entries[k] is s for k, s in zip(got, slots))
-                    assert len(slots) == len(got)
-                    writing.append((got, slots))
+                    writing.append((got, by_chunks.chunks_of(got)))
             elif op == 2 and writing:
-                done, slots = writing.pop(rng.randrange(len(writing)))
-                assert [by_slots.entries[k] for k in done] == slots
+                done, chunks = writing.pop(rng.randrange(len(writing)))
+                assert all(by_chunks.chunks[k] is c for k, c in zip(done, chunks))
                 contents = [("c", k) for k in done]
-                by_slots.complete_store(done, contents, slots)
+                by_chunks.complete_store(done, contents, chunks)
                 by_keys.complete_store(done, contents)
             elif op == 3:
                 ready = [k for k in keys if by_keys.is_ready(k)]
                 if ready:
                     sub = ready[:rng.randint(1, 3)]
-                    slots = by_slots.prepare_load(sub)
+                    chunks = by_chunks.prepare_load(sub)
                     by_keys.prepare_load(sub)
-                    assert slots == [by_slots.entries[k] for k in sub]
-                    loading.append((sub, slots))
+                    loading.append((sub, chunks))
             elif loading:
-                done, slots = loading.pop(rng.randrange(len(loading)))
-                assert [by_slots.entries[k] for k in done] == slots
-                by_slots.complete_load(done, slots)
+                done, chunks = loading.pop(rng.randrange(len(loading)))
+                assert all(by_chunks.chunks[k] is c for k, c in zip(done, chunks))
+                by_chunks.complete_load(done, chunks)
                 by_keys.complete_load(done)
-            assert state(by_slots) == state(by_keys)
-        evicted += by_slots.evictions
+            assert state(by_chunks) == state(by_keys)
+        evicted += by_chunks.evictions
     assert evicted > 1000
-
-
-_LOOKUP_MEMO_CHECK = '''
-import random
-import sys
-from simsched.allocator import make_key
-from simsched.case import Case
-from simsched.geometry import PROFILES
-from simsched.lockstep import LAYOUT_ENGINE, LAYOUTS, generate_case
-from simsched.model import Model
-from simsched.model import run_case
-from simsched.offload import OffloadScheduler
-import simsched
-assert not simsched.compiled()
-variant = sys.argv[1]
-memo, lookup, unchanged = (OffloadScheduler._lookup_memo, OffloadScheduler._lookup,
-                           OffloadScheduler._reads_unchanged)
-calls = [0, 0, 0]           # memo calls, fresh lookups inside them, wrong results
-def counted(self, st):
-    calls[1] += 1
-    return lookup(self, st)
-def fresh(self, st):
-    """What the unmemoized lookup returns (the memo's lists kept as they were)."""
-    saved = list(st.memo_missed), list(st.memo_pending)
-    del st.memo_missed[:], st.memo_pending[:]
-    hit = lookup(self, st)
-    if hit and self.being_loaded and self._hits_being_loaded(st, hit):
-        hit = None
-    st.memo_missed[:], st.memo_pending[:] = saved
-    return hit
-def checked(self, st):
-    if variant == "evictions-ignored":
-        st.memo_evictions = self.tier.evictions
-    calls[0] += 1
-    hit = memo(self, st)
-    if hit != fresh(self, st):
-        calls[2] += 1
-    return hit
-def missed_only(self, st):
-    entries = self.tier.entries
-    return all(k not in entries for k in st.memo_missed)
-def pending_only(self, st):
-    pending, st.memo_missed = st.memo_missed, []
-    try:
-        return unchanged(self, st)
-    finally:
-        st.memo_missed = pending
-OffloadScheduler._lookup_memo = checked
-OffloadScheduler._lookup = counted
-if variant == "pending-ignored":
-    OffloadScheduler._reads_unchanged = missed_only
-if variant == "missed-ignored":
-    OffloadScheduler._reads_unchanged = pending_only
-# generated cases (few repeated lookups there), then one request's lookups while the tier
-# changes at random under it: stores of its chunks and of others (with evictions: a small tier),
-# their completions, loads, being_loaded, its GPU hit (num_local)
-for layout in ("full16+sw16w128+full16", "full16+chunked16c64"):
-    for seed in range(10):
-        case = generate_case(seed, layout, n_requests=16, async_scheduling=seed % 3 == 0)
-        for profile in ("prefix-cacheable", "every-group", "prefix-cacheable-windows-in-config"):
-            run_case(case, profile, checks="fast", trace=False)
-for layout in ("full16", "full16+sw16w128+full16", "full16+sw16w64", "full16+chunked16c64",
-               "full16+full16drafter+eagle2"):
-    for profile in ("prefix-cacheable", "every-group", "prefix-cacheable-windows-in-config"):
-        for seed in range(8):
-            rng = random.Random(seed)
-            case = Case.from_json({
-                "layout": {"groups": LAYOUTS[layout], "engine": dict(
-                    {"num_gpu_blocks": 512, "cpu_chunks": rng.choice([12, 48, 4096])},
-                    **LAYOUT_ENGINE.get(layout, {}))},
-                "requests": [{"id": "a", "prompt": [[7, rng.randint(40, 240)]]}]})
-            m = Model(case, PROFILES[profile])
-            m.q.run_until(0)
-            off, tier = m.off, m.off.tier
-            st = off.req_status["a"]
-            off.update_offload_keys(st)
-            mine = [k for gs in st.groups for k in gs.keys]
-            others = [make_key(0, 10**6 * (seed + 1) + i) for i in range(64)]
-            jobs, loads = [], []
-            for _ in range(400):
-                op = rng.random()
-                if op < 0.3:
-                    pool = mine if rng.random() < 0.6 else others
-                    i = rng.randrange(len(pool))
-                    if rng.random() < 0.5:          # at a group's first missing chunk
-                        pool = rng.choice(st.groups).keys
-                        i = 0
-                        while i < len(pool) and pool[i] in tier.entries:
-                            i += 1
-                    keys = pool[i:i + rng.randint(1, 4)]
-                    new = tier.prepare_store(keys)
-                    if new:
-                        jobs.append(new)
-                elif op < 0.55 and jobs:
-                    keys = jobs.pop(rng.randrange(len(jobs)))
-                    tier.complete_store(keys, [None] * len(keys))
-                elif op < 0.65 and off.being_loaded is not None:
-                    # (as update_state_after_alloc and complete_job: with the tier's loads)
-                    k = rng.choice(mine)
-                    if k not in off.being_loaded and tier.is_ready(k):
-                        off.being_loaded.add(k)
-                        tier.prepare_load([k])
-                        loads.append(k)
-                elif op < 0.7 and loads:
-                    k = loads.pop(rng.randrange(len(loads)))
-                    off.being_loaded.discard(k)
-                    tier.complete_load([k])
-                elif op < 0.75:
-                    st.num_local = rng.choice([0, 0, 16, 32, 48])
-                off._lookup_memo(st)
-print("calls", *calls)
-'''
-
-
