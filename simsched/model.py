@@ -880,10 +880,9 @@ class Model:
         step (``next_stored`` too), so the bound stays safe until the next full step recomputes
         it; a preemption resets ``quiet_until``."""
         c = req.num_computed
-        st = req.off
+        st = self.off.req_status.get(req.rid)
         bound = -1
-        if len(req.tokens) == c + 1 and st is not None and \
-                self.off.req_status.get(req.rid) is st:
+        if len(req.tokens) == c + 1 and st is not None and req.off is st:
             bound = min(req.max_tokens - 3, st.next_key_at - 2)
             cfgs = self.off.cfgs
             # the first chunk end past what some group stored; -1: no store to bound it (no
