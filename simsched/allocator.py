@@ -210,7 +210,7 @@ class Request:
         self.status = WAITING
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.arrival = spec.arrival if spec is not None else 0
-        self.off: Any = None    # the connector's RequestOffloadState (offload.ReqOffload)
+        self.off: Any = None    # the connector's RequestOffloadState (offload.RequestOffloadState)
         self.num_cached = 0        # GPU prefix hit tokens at admission
         self.load_target = 0       # tokens computed once the in-flight load completes
         self.finish_step: int | None = None
@@ -228,10 +228,10 @@ class Request:
         self.key_lists: list[list[Key]] = []
         self._extend_ident()
         self.key_tags: list[int] = []
-        # per group, blocks KVCacheManager.find_hit found cached at its last search (see there)
+        # per group, blocks KVCacheManager.get_computed_blocks found cached at its last search
         self.hit_blocks: list[list[Any]] = []
-        # set at each GPU lookup (KVCacheManager.find_hit): the full-attention groups' longer hit
-        # when a sparse-retention group cut it short, else 0; a reachable boundary of the
+        # set at each GPU lookup (KVCacheManager.get_computed_blocks): the full-attention groups'
+        # longer hit when a sparse-retention group cut it short, else 0; a reachable boundary of the
         # sliding-window and Mamba masks (cache_blocks, the connector's store mask)
         self.shared_prefix_boundary = 0
 
@@ -623,14 +623,15 @@ class KVCacheManager:
         # EAGLE group's (one SpecGroup; is_draft is no part of the spec's equality) use_eagle
         self.has_drafter = any(r.drafter for r in self.rules)
         self.drafter_specs = {r.spec for r in self.cacheable_rules if r.drafter}
-        # the cacheable groups other than full attention (find_hit checks their reach at a hit)
+        # the cacheable groups other than full attention (get_computed_blocks checks their reach
+        # at a hit)
         self.rest_rules = [r for r in self.cacheable_rules if r.code != FULLISH]
-        # find_hit's per rest group state during a search: the run of blocks found cached
+        # get_computed_blocks's per rest group state during a search: the run of blocks found cached
         # [reach_lo[x], reach_hi[x]) and the group's key list
         self.reach_lo = [0] * len(self.rest_rules)
         self.reach_hi = [0] * len(self.rest_rules)
         self.reach_keys: list[list[Key]] = [[] for _ in self.rest_rules]
-        self.junction = 0          # the last find_hit's shared_prefix_boundary
+        self.junction = 0          # the last get_computed_blocks's shared_prefix_boundary
         # allocate's plan, per rule: null placeholders, new blocks (a scratch list of this
         # manager, overwritten at each call: no list made per allocation)
         self.plan = [0] * (2 * len(self.rules))
@@ -644,9 +645,9 @@ class KVCacheManager:
         # a cacheable group whose find_longest_cache_hit never drops EAGLE's block: Mamba (draft
         # models have no Mamba layers) and chunked local attention (it asserts drop_eagle_block
         # is False; with the assert stripped it ignores it). Then the hit must end where such a
-        # group holds a block: see find_hit
+        # group holds a block: see get_computed_blocks
         self.eagle_keepers = any(r.align or r.code == CHUNKED for r in self.cacheable_rules)
-        # the full-attention groups find_hit bounds the hit with first
+        # the full-attention groups get_computed_blocks bounds the hit with first
         self.full_rules = [r for r in self.cacheable_rules if r.code == FULLISH]
         # align-mode Mamba groups (MambaManager, mamba_cache_mode == "align")
         self.align_rules = [r for r in self.rules if r.align]
@@ -687,7 +688,7 @@ class KVCacheManager:
         return out
 
     # --- GPU prefix cache ------------------------------------------------------------------
-    def find_hit(self, req: Request) -> int:
+    def get_computed_blocks(self, req: Request) -> int:
         """``get_computed_blocks``: tokens served by the GPU prefix cache (every group hits).
 
         Also sets ``self.junction``, the ``shared_prefix_boundary`` it returns: the full-attention
@@ -867,8 +868,9 @@ class KVCacheManager:
 
     def _hit_block(self, known: list[Any], j: int, k: Key) -> Any:
         """The block a hit on ``k``, a group's ``j``-th key, takes (``cached[k]``, valid: a hit's
-        blocks carry their keys): ``known[j]``, find_hit's block (``Request.hit_blocks``), if it
-        still carries ``k`` first of its chain (``earlier`` NULL: then it is ``cached[k]``), for
+        blocks carry their keys): ``known[j]``, get_computed_blocks's block
+        (``Request.hit_blocks``), if it still carries ``k`` first of its chain (``earlier`` NULL:
+        then it is ``cached[k]``), for
         list reads instead of a dict lookup; else ``cached[k]``."""
         pool = self.pool
         if j < len(known):
@@ -1139,7 +1141,7 @@ class KVCacheManager:
             # blocks of a later group go in front of an earlier group's
             self.pool.free_blocks(group)
 
-    def allocate(self, req: Request, num_new_tokens: int, computed: int | None = None,
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: int | None = None,
                  cache_upto: int | None = None, reserved: int = 0,
                  processed: int | None = None, lookahead: int = 0) -> list[list[int]] | None:
         """``allocate_slots``: blocks for ``[0, computed + num_new_tokens + lookahead)``

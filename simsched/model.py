@@ -6,9 +6,9 @@ connector's ``build_connector_meta`` plus the model runner do:
 1. schedule running requests first (decode: 1 token, plus speculative tokens; prefill: chunked to
    the token budget), preempting the last running request when the pool runs dry; then waiting
    requests (``max_num_seqs``; requests skipped at earlier steps first, ``_requeue_skipped``):
-   GPU prefix hit (``find_hit``), then the connector's ``get_num_new_matched_tokens``; admission
-   needs free blocks for the whole sequence (``full_sequence_must_fit``) and, for a load, beyond
-   the in-flight prefills' reservations; a CPU hit allocates blocks and issues a load
+   GPU prefix hit (``get_computed_blocks``), then the connector's ``get_num_new_matched_tokens``;
+   admission needs free blocks for the whole sequence (``full_sequence_must_fit``) and, for a load,
+   beyond the in-flight prefills' reservations; a CPU hit allocates blocks and issues a load
    (``update_state_after_alloc``) and the request waits for it (``WAITING_FOR_REMOTE_KVS``) until
    the waiting loop reaches it after the load completes (``_promote_loaded``);
 2. ``build_connector_meta``: offload keys, block IDs, flushes, store jobs;
@@ -41,7 +41,7 @@ from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                check_enough_kv_cache_memory, derive, effective_block_size,
                                max_model_len, partial_hash_hits, prefix_cacheable_groups,
                                retention_interval, validate_block_size)
-from simsched.offload import Job, ModelCrash, OffloadScheduler
+from simsched.offload import Job, ModelCrash, OffloadingConnectorScheduler
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
@@ -124,8 +124,9 @@ class Model:
         self.kv.max_model_len = max_model_len(case)
         self.kv.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
         self.kv.tokens_per_hash = geo.tokens_per_hash
-        self.off = OffloadScheduler(geo, profile, case.asserts, layout.engine.cpu_chunks,
-                                    layout.engine.enable_prefix_caching, layout)
+        self.off = OffloadingConnectorScheduler(geo, profile, case.asserts,
+                                                layout.engine.cpu_chunks,
+                                                layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)
         # Scheduler.need_mamba_block_aligned_split (an align-mode Mamba group, so the engine's
         # cache_config.mamba_cache_mode is "align"): prefill chunks are cut at block boundaries
@@ -410,7 +411,8 @@ class Model:
             if gid != last_gid:
                 last_gid, tpb, stride = gid, tpbs[gid], strides[gid]
                 # the request's offload keys of the group (those the store's keys were taken
-                # from, see OffloadScheduler._update_offload_keys: compared by identity below)
+                # from, see OffloadingConnectorScheduler._update_offload_keys: compared by
+                # identity below)
                 gkeys = req.keys(gid, stride) if stride else []
             end = (h + 1) * tph
             lo, hi = hi, nxt
@@ -619,7 +621,7 @@ class Model:
             if asy is not None:
                 processed = asy.processed(req)
             while True:
-                nb = kv.allocate(req, n, cache_upto=upto, processed=processed,
+                nb = kv.allocate_slots(req, n, cache_upto=upto, processed=processed,
                                  lookahead=self.lookahead)
                 if nb is not None:
                     break
@@ -870,7 +872,8 @@ class Model:
         steps are quiet, and the (group, block) pairs such a step writes.
 
         A decode step (one token, ``num_tokens == num_computed + 1``) with ``num_computed = c`` is
-        quiet when ``allocate`` is a no-op (``c <= req.quiet_until``, checked at the step) and:
+        quiet when ``allocate_slots`` is a no-op (``c <= req.quiet_until``, checked at the step)
+        and:
         ``build_connector_meta`` adds no offload key (``c + 1 < next_key_at``); no group can store
         a chunk (``_store_job``'s quick exit: the offloadable tokens ``min(c + 1, cap)``,
         ``cap`` from ``max_offload_tokens`` and ``offload_prompt_only``, stay below ``store_at``,
@@ -900,8 +903,7 @@ class Model:
                 if store_at < 0 or e < store_at:
                     store_at = e
             if store_at >= 0:
-                # the cap of OffloadScheduler._offloadable, if any (``capped``; native ints, no
-                # Optional compared as objects)
+                # the cap of OffloadingConnectorScheduler._offloadable, if any (``capped``)
                 mo: int | None = st.max_offload_tokens
                 capped = mo is not None
                 cap = mo if mo is not None else 0
@@ -958,7 +960,7 @@ class Model:
                     raise ModelCrash("AssertionError", "find_longest_cache_hit", "lookup",
                                      "Hybrid KV cache is not supported for eagle + chunked "
                                      "local attention.", SINGLE_TYPE_MANAGER_PY)
-                L = kv.find_hit(req)
+                L = kv.get_computed_blocks(req)
                 # Request.shared_prefix_boundary (_get_local_prefix_cache_hit), a reachable
                 # boundary of the sparse-retention masks (GPU caching, sliding-window stores)
                 req.shared_prefix_boundary = kv.junction
@@ -996,7 +998,7 @@ class Model:
                 if kv.admission_blocks(req, 0, L, req.num_tokens, True) > pool.num_free():
                     break
             if ext:
-                nb = kv.allocate(req, 0, computed=L + ext)
+                nb = kv.allocate_slots(req, 0, computed=L + ext)
                 if nb is None:
                     kv.free(req)
                     break
@@ -1034,7 +1036,7 @@ class Model:
                 if n == 0:
                     break
             req.num_computed = L
-            nb = kv.allocate(req, n, cache_upto=min(L + n, req.num_tokens),
+            nb = kv.allocate_slots(req, n, cache_upto=min(L + n, req.num_tokens),
                              lookahead=self.lookahead)
             if nb is None:
                 if fresh:

@@ -89,7 +89,7 @@ class _SlidingWindowStoreMask:
             self.retention, (num_prompt - 1, junction) if junction else (num_prompt - 1,))
 
 
-class GroupState:
+class RequestGroupState:
     __slots__ = ("keys", "block_ids", "next_stored", "num_hit_chunks")
 
     def __init__(self) -> None:
@@ -101,13 +101,13 @@ class GroupState:
         self.num_hit_chunks = 0
 
 
-class ReqOffload:
+class RequestOffloadState:
     __slots__ = ("req", "groups", "jobs", "max_offload_tokens", "max_load_tokens", "num_local",
                  "finished_signaled", "next_key_at")
 
     def __init__(self, req: Request, n: int):
         self.req = req
-        self.groups = [GroupState() for _ in range(n)]
+        self.groups = [RequestGroupState() for _ in range(n)]
         self.jobs: set[int] = set()
         spec = req.spec
         self.max_offload_tokens = spec.max_offload_tokens if spec is not None else None
@@ -128,7 +128,7 @@ class Job:
     keys (``ckeys`` lists them, in chunk order, with ``contents``: the tier completes those). A
     store's fences (``_block_id_to_pending_jobs``): ``fenced``, the blocks fenced at once (None
     if none); ``deferred``, whether its other source blocks are fenced once its request finishes
-    (OffloadScheduler._deferred lists them). ``cpu_chunks``: the CPU tier's chunks of
+    (OffloadingConnectorScheduler._deferred lists them). ``cpu_chunks``: the CPU tier's chunks of
     ``ckeys`` (``ChunkStatus``), in order, as the job was prepared (vLLM's store or load spec:
     a chunk being written or read is not evicted), None if not known (looked up then)."""
 
@@ -191,7 +191,7 @@ class Job:
             self.add_chunk(gid, c, hidx, key, blocks)
 
 
-class OffloadScheduler:
+class OffloadingConnectorScheduler:
     def __init__(self, geometry: Geometry, profile: Profile, asserts: bool, cpu_chunks: int,
                  enable_prefix_caching: bool = True, layout=None):
         self.geo, self.profile, self.asserts = geometry, profile, asserts
@@ -208,7 +208,7 @@ class OffloadScheduler:
             self.tier = CPUOffloadingManager(cpu_chunks, asserts)
         else:
             self.tier = RankedCPUManager(cpu_chunks, lru == "request-ranks", self.cfgs, asserts)
-        self.req_status: dict[str, ReqOffload] = {}
+        self.req_status: dict[str, RequestOffloadState] = {}
         self.jobs: dict[int, Job] = {}
         self.job_counter = 0
         # _block_id_to_pending_jobs: block ID -> the IDs of the pending jobs that read it
@@ -230,7 +230,7 @@ class OffloadScheduler:
         # req_status, and leaves when the nulling finds none of its blocks to visit (it joins
         # again with its next new blocks; next_stored goes back only at an admission, which
         # clears the blocks: get_num_new_matched_tokens)
-        self.sw_held: dict[str, ReqOffload] = {}
+        self.sw_held: dict[str, RequestOffloadState] = {}
         self.being_loaded: set | None = set() if enable_prefix_caching else None
         full = [i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is None]
         sw = sorted((i for i, g in enumerate(self.cfgs) if g.sliding_window_in_chunks is not None),
@@ -295,7 +295,7 @@ class OffloadScheduler:
                         g, grp.sliding_window, geometry, retention)
 
     # --- RequestOffloadState ----------------------------------------------------------------
-    def update_offload_keys(self, st: ReqOffload, caller: str = "") -> None:
+    def update_offload_keys(self, st: RequestOffloadState, caller: str = "") -> None:
         if len(st.req.tokens) < st.next_key_at:
             return                             # fast path: no group gets a new key
         try:
@@ -304,7 +304,7 @@ class OffloadScheduler:
             e.caller = caller  # type: ignore[attr-defined]
             raise
 
-    def _update_offload_keys(self, st: ReqOffload) -> None:
+    def _update_offload_keys(self, st: RequestOffloadState) -> None:
         req, profile = st.req, self.profile
         tph = self.tph
         num_hashes = req.num_tokens // tph
@@ -346,7 +346,7 @@ class OffloadScheduler:
                 nxt = at
         st.next_key_at = nxt or 0
 
-    def storable_chunks(self, st: ReqOffload, cfg: GroupGeometry, gs: GroupState,
+    def storable_chunks(self, st: RequestOffloadState, cfg: GroupGeometry, gs: RequestGroupState,
                         num_tokens: int, collect: bool = True) -> int:
         """Never more than ``num_tokens // tokens_per_chunk`` (``_store_job``'s quick exit relies
         on it). ``collect``: the chunks whose keys a store job collects, else the chunk
@@ -367,7 +367,7 @@ class OffloadScheduler:
             n = min(n, len(gs.keys))
         return n
 
-    def advance_stored_idx(self, st: ReqOffload, num_tokens: int, ns=None) -> None:
+    def advance_stored_idx(self, st: RequestOffloadState, num_tokens: int, ns=None) -> None:
         """``ns``: ``storable_chunks(..., num_tokens)`` per group when the caller has them."""
         if ns is None:
             ns = [self.storable_chunks(st, cfg, gs, num_tokens, False)
@@ -378,7 +378,7 @@ class OffloadScheduler:
 
     # --- scheduler-facing API ---------------------------------------------------------------
     def on_new_request(self, req: Request) -> None:
-        st = ReqOffload(req, self.n)
+        st = RequestOffloadState(req, self.n)
         req.off = st
         self.req_status[req.rid] = st
 
@@ -394,7 +394,7 @@ class OffloadScheduler:
             return None
         self.update_offload_keys(st, "get_num_new_matched_tokens")
         st.num_local = num_computed
-        hit = self._lookup(st)
+        hit = self._lookup_complete_chunks(st)
         if hit and self.being_loaded and self._hits_being_loaded(st, hit):
             hit = None
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -402,7 +402,7 @@ class OffloadScheduler:
         self._touch(st)
         return hit
 
-    def _touch(self, st: ReqOffload) -> None:
+    def _touch(self, st: RequestOffloadState) -> None:
         """``manager.touch`` of the request's keys after a lookup (0.25.1-0.30.0: the evictable
         list moves the touched chunks to its MRU end; a sliding-window group touches only the
         chunks from its window on). The tiers that rank chunks (0.31.0+) ignore touches."""
@@ -427,7 +427,7 @@ class OffloadScheduler:
         wi: int = w
         return wi if wi >= n else n
 
-    def _lookup(self, st: ReqOffload) -> int | None:
+    def _lookup_complete_chunks(self, st: RequestOffloadState) -> int | None:
         """``_lookup_complete_chunks`` without deferred backends and EAGLE pops, but for its
         ``being_loaded`` check (``_hits_being_loaded``)."""
         req, tier = st.req, self.tier
@@ -534,7 +534,7 @@ class OffloadScheduler:
             return None
         return num_hit
 
-    def _hits_being_loaded(self, st: ReqOffload, num_hit: int) -> bool:
+    def _hits_being_loaded(self, st: RequestOffloadState, num_hit: int) -> bool:
         """The end of ``_lookup_complete_chunks``: a hit of ``num_hit`` tokens some of whose
         chunks (in a sliding-window group, of its load window) are being loaded is deferred."""
         bl = self.being_loaded
@@ -655,7 +655,7 @@ class OffloadScheduler:
         batch: object = self.alloc_batch       # (one int object, stored in every mark)
         marked = self.alloc_marked              # any block marked allocated in this batch
         grown: list = []        # the states given new blocks and their blocks, in pairs (sw)
-        sts: list[ReqOffload] = []      # the scheduled requests' states, in order (store jobs)
+        sts: list[RequestOffloadState] = []   # the scheduled requests' states, in order (stores)
         for rid in scheduled:
             st = rs[rid]
             sts.append(st)
@@ -732,7 +732,7 @@ class OffloadScheduler:
             for rid in idle:
                 del held[rid]
         for x in range(0, len(grown), 2):
-            gst: ReqOffload = grown[x]
+            gst: RequestOffloadState = grown[x]
             gnb: list = grown[x + 1]
             for gi in sw_groups:
                 gnew: list = gnb[cfgs[gi].group_id]
@@ -786,7 +786,7 @@ class OffloadScheduler:
                 return True
         return bool(self.batch_allocated) and b in self.batch_allocated
 
-    def _offloadable(self, st: ReqOffload, n: int) -> int:
+    def _offloadable(self, st: RequestOffloadState, n: int) -> int:
         """``_calc_num_offloadable_tokens``; ``offload_prompt_only`` defaults to True in every
         release (``OffloadingSpec``'s ``extra_config.get("offload_prompt_only", True)``): then
         only prompt tokens are stored."""
@@ -839,7 +839,7 @@ class OffloadScheduler:
         return out
 
     def _build_store_jobs(self, scheduled: dict[str, int], finished: list[str],
-                          states: list[ReqOffload]) -> list[Job]:
+                          states: list[RequestOffloadState]) -> list[Job]:
         """The step's store jobs: the scheduled requests' (``states``: theirs, in order, as
         build_connector_meta looked them up: no list of the IDs made, no second lookup), then
         those of the finished requests not scheduled."""
@@ -856,7 +856,7 @@ class OffloadScheduler:
                     self._store_job(fst, 0, out)    # (finished: its scheduled tokens not read)
         return out
 
-    def _store_job(self, st: ReqOffload, n_sched: int, out: list[Job]) -> None:
+    def _store_job(self, st: RequestOffloadState, n_sched: int, out: list[Job]) -> None:
         """``_build_store_jobs`` for one request: the chunks each group can store now are
         offered to the CPU tier (``prepare_store``), and those it takes form one store job,
         appended to ``out`` (``n_sched``: the tokens scheduled for the request, read if it has
@@ -926,7 +926,7 @@ class OffloadScheduler:
                     self.batch_flush.add(jid)
         out.append(job)
 
-    def _chunks_to_offer(self, st: ReqOffload, cfg: GroupGeometry, gs: GroupState,
+    def _chunks_to_offer(self, st: RequestOffloadState, cfg: GroupGeometry, gs: RequestGroupState,
                          n: int) -> list[int]:
         """The chunks ``next_stored..n-1`` of a group that ``_build_store_jobs`` offers: with
         their keys and last blocks (``assert len(offload_keys) == len(offload_block_ids)``),

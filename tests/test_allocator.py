@@ -15,7 +15,7 @@ def req(n_tokens, rid="r", groups=1, seed=1):
 def test_full_holds_every_block_and_null_block_never_used():
     kv = mgr([Group("full", 16)])
     r = req(100)
-    nb = kv.allocate(r, 100)
+    nb = kv.allocate_slots(r, 100)
     assert len(nb[0]) == 7 and NULL not in nb[0]
     assert kv.pool.num_free() == 63 - 7
 
@@ -23,9 +23,9 @@ def test_full_holds_every_block_and_null_block_never_used():
 def test_sliding_window_frees_out_of_reach():
     kv = mgr([Group("sliding_window", 16, sliding_window=32)])
     r = req(160)
-    kv.allocate(r, 160)
+    kv.allocate_slots(r, 160)
     r.num_computed = 160
-    kv.allocate(r, 1)
+    kv.allocate_slots(r, 1)
     assert r.tables[0][:8] == [NULL] * 8 and NULL not in r.tables[0][8:]
 
 
@@ -33,9 +33,9 @@ def test_chunked_local_and_mamba_keep_reach_only():
     kv = mgr([Group("chunked_local", 16, attention_chunk_size=64),
               Group("mamba", 16, mamba_cache_mode="align")])
     r = req(100, groups=2)
-    kv.allocate(r, 100)
+    kv.allocate_slots(r, 100)
     r.num_computed = 100
-    kv.allocate(r, 1)
+    kv.allocate_slots(r, 1)
     assert r.tables[0][:4] == [NULL] * 4
     assert r.tables[1][:6] == [NULL] * 6 and r.tables[1][6] != NULL
 
@@ -43,9 +43,9 @@ def test_chunked_local_and_mamba_keep_reach_only():
 def test_ring_holds_one_block_for_life():
     kv = mgr([Group("full", 16), Group("ring", 4)])
     r = req(100, groups=2)
-    kv.allocate(r, 100)
+    kv.allocate_slots(r, 100)
     r.num_computed = 100
-    kv.allocate(r, 50)
+    kv.allocate_slots(r, 50)
     assert len(r.tables[1]) == 1
 
 
@@ -53,18 +53,18 @@ def test_gpu_hit_needs_every_group_and_eviction_lru():
     groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=32)]
     kv = mgr(groups, n=40)
     a = req(100, "a", 2)
-    kv.allocate(a, 100, cache_upto=100)
+    kv.allocate_slots(a, 100, cache_upto=100)
     kv.free(a)
     b = req(100, "b", 2)
-    assert kv.find_hit(b) == 96
+    assert kv.get_computed_blocks(b) == 96
     # evict the sliding window's tail blocks: no hit at that length any more
     kv.pool.get_new_blocks(kv.pool.num_free() - 10)
-    assert kv.find_hit(b) < 96
+    assert kv.get_computed_blocks(b) < 96
 
 
 def test_pool_dry_returns_none():
     kv = mgr([Group("full", 16)], n=4)
-    assert kv.allocate(req(100), 100) is None
+    assert kv.allocate_slots(req(100), 100) is None
 
 
 def test_admission_cap_of_recycling_groups():
@@ -89,7 +89,7 @@ def test_out_of_window_blocks_are_freed_group_by_group():
               Group("sliding_window", 16, sliding_window=32)]
     kv = KVCacheManager(groups, [16, 16], 64, 16, enable_prefix_caching=False)
     r = req(64, groups=2)
-    kv.allocate(r, 64)
+    kv.allocate_slots(r, 64)
     g0, g1 = list(r.tables[0]), list(r.tables[1])
     kv.remove_skipped_blocks(r, 63)                    # 32 tokens out of the window: 2 blocks
     assert r.tables[0][:2] == r.tables[1][:2] == [NULL, NULL]
@@ -105,12 +105,12 @@ def test_shared_prefix_boundary_is_the_longer_full_attention_hit():
     groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=32)]
     kv = KVCacheManager(groups, [16, 16], 64, 16)
     a = req(80, groups=2)
-    kv.allocate(a, 80, cache_upto=80)
+    kv.allocate_slots(a, 80, cache_upto=80)
     for b in a.tables[1]:                  # forget the window group's blocks
         kv.pool.uncache(b)
     b = req(80, rid="b", groups=2)
-    assert kv.find_hit(b) == 0 and kv.junction == 64
-    assert kv.find_hit(req(80, rid="c", groups=2, seed=2)) == 0 and kv.junction == 0
+    assert kv.get_computed_blocks(b) == 0 and kv.junction == 64
+    assert kv.get_computed_blocks(req(80, rid="c", groups=2, seed=2)) == 0 and kv.junction == 0
 
 
 # --- Mamba in align mode (MambaManager, mamba_cache_mode == "align") -------------------------
@@ -126,7 +126,7 @@ def test_mamba_align_allocates_one_state_block_after_nulls():
     running state. A 100-token chunk: 6 nulls and 1 block (a full-attention group: 7 blocks)."""
     kv = mgr([Group("full", 16), MAMBA])
     r = req(100, groups=2)
-    nb = kv.allocate(r, 100)
+    nb = kv.allocate_slots(r, 100)
     assert len(nb[0]) == 7 and NULL not in nb[0]
     assert nb[1][:6] == [NULL] * 6 and len(nb[1]) == 7 and nb[1][6] != NULL
     assert kv.pool.num_free() == 63 - 8
@@ -139,14 +139,14 @@ def test_mamba_align_chunks_leave_null_gaps_and_free_the_old_state():
     reach; _remove_blocks_in_range skips the nulls instead of stopping at them) frees index 1."""
     kv = mgr([MAMBA])
     r = req(100)
-    first = kv.allocate(r, 32)[0]
+    first = kv.allocate_slots(r, 32)[0]
     assert first[0] == NULL and first[1] != NULL
     r.num_computed = 32
-    second = kv.allocate(r, 40)[0]
+    second = kv.allocate_slots(r, 40)[0]
     assert second[:2] == [NULL, NULL] and second[2] != NULL
     assert r.tables[0][1] == first[1]                    # still held: it seeds the next chunk
     r.num_computed = 72
-    kv.allocate(r, 1)
+    kv.allocate_slots(r, 1)
     assert r.tables[0][:4] == [NULL] * 4 and r.tables[0][4] == second[2]
     assert kv.pool.ref[first[1]] == 0                    # freed
 
@@ -157,19 +157,19 @@ def test_mamba_align_hit_takes_only_the_state_at_the_boundary():
     exists: the hit 64 of a 100-token request then the 36 remaining tokens give [0,0,0,H,0,0,S]."""
     kv = mgr([Group("full", 16), MAMBA])
     a = req(64, "a", 2)
-    kv.allocate(a, 64, cache_upto=64)                    # the state at 64 is cached
+    kv.allocate_slots(a, 64, cache_upto=64)                    # the state at 64 is cached
     a.num_computed = 64
     state = a.tables[1][3]
     kv.free(a)
     b = req(100, "b", 2)
-    assert kv.find_hit(b) == 64
+    assert kv.get_computed_blocks(b) == 64
     kv.apply_hit(b, 64)
     h = b.tables[1][3]
     assert b.tables[1] == [NULL, NULL, NULL, state]
-    nb = kv.allocate(b, 36, computed=64)
+    nb = kv.allocate_slots(b, 36, computed=64)
     assert nb[1][:2] == [NULL, NULL] and nb[1][2] != NULL
     b.num_computed = 100
-    kv.allocate(b, 1)
+    kv.allocate_slots(b, 1)
     assert b.tables[1][3] == NULL and kv.pool.ref[h] == 0
 
 
@@ -189,9 +189,9 @@ def test_mamba_align_hit_on_a_state_cached_this_step_waits():
     kv = mgr([Group("full", 16), MAMBA])
     a = req(64, "a", 2)
     kv.new_step()
-    kv.allocate(a, 64, cache_upto=64)
+    kv.allocate_slots(a, 64, cache_upto=64)
     b = req(100, "b", 2)
-    assert kv.find_hit(b) == 64
+    assert kv.get_computed_blocks(b) == 64
     assert kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.num_free()
     kv.new_step()
     assert kv.admission_blocks(b, 64, 64, 100, True) == 3 + 1
@@ -204,11 +204,11 @@ def test_mamba_align_cached_states_are_offered_to_the_connector():
     (pop_blocks_for_free)."""
     kv = mgr([Group("full", 16), MAMBA])
     a = req(100, "a", 2)
-    kv.allocate(a, 64, cache_upto=64)
+    kv.allocate_slots(a, 64, cache_upto=64)
     b = req(100, "b", 2, seed=2)
-    kv.allocate(b, 40, cache_upto=40)
+    kv.allocate_slots(b, 40, cache_upto=40)
     c = req(100, "c", 2, seed=3)
-    kv.allocate(c, 32, cache_upto=32)
+    kv.allocate_slots(c, 32, cache_upto=32)
     kv.free(c)
     assert kv.take_offers() == [("a", 1, a.tables[1][3], 64)]
     assert kv.take_offers() == []
@@ -221,11 +221,11 @@ def test_hit_blocks_out_of_reach_of_the_loaded_tokens_are_not_touched():
     groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=32)]
     kv = mgr(groups, n=40)
     a = req(100, "a", 2)
-    kv.allocate(a, 100, cache_upto=100)
+    kv.allocate_slots(a, 100, cache_upto=100)
     kv.free(a)
     order = list(kv.pool.free)
     b = req(200, "b", 2)
-    L = kv.find_hit(b)
+    L = kv.get_computed_blocks(b)
     assert L == 96
     kv.apply_hit(b, L, L + 64)                           # 64 tokens more from the CPU tier
     sw = b.tables[1]
@@ -247,12 +247,12 @@ def test_mamba_align_prompt_tail_recached_on_0320_only():
                             mamba_tail_recache=recache)
         a = Request("a", 0, None, [(31 + i) % 1000 for i in range(70)], 74, 16, 2)
         kv.new_step()
-        kv.allocate(a, 64, cache_upto=64)
+        kv.allocate_slots(a, 64, cache_upto=64)
         a.num_computed = 64
         kv.new_step()
-        kv.allocate(a, 6, cache_upto=70)
+        kv.allocate_slots(a, 6, cache_upto=70)
         b = Request("b", 1, None, [(31 + i) % 1000 for i in range(64)] + [5] * 36, 104, 16, 2)
-        assert kv.find_hit(b) == 64
+        assert kv.get_computed_blocks(b) == 64
         waits = kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.num_free()
         assert waits is deferred, recache
 
@@ -305,7 +305,7 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
     evicted blocks left stale) and the other blocks under one key in ``later``/``earlier``
     chains: random allocations, cachings (many blocks under few keys, equal keys as distinct
     int objects, keys past 64 bits), frees, hits and uncachings behave as the reference; a hit
-    given any block find_hit might have remembered takes the key's holder (_hit_block)."""
+    given any block get_computed_blocks might have remembered takes the key's holder (_hit_block)."""
     import random
     from simsched.allocator import LAST, BlockPool, make_key
     for seed in range(40):
@@ -336,7 +336,7 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                 pool.free_blocks(gone)
                 ref.free_blocks(gone)
             elif op < 0.9:
-                # a hit: the holders of some keys taken (BlockPool.holder, as find_hit finds them)
+                # a hit: the holders of some keys taken (BlockPool.holder, as the GPU lookup finds them)
                 ks = [make_key(g, h) for g in range(3) for h in idents]
                 hit = [b for b in map(pool.holder, rng.sample(ks, 3)) if b is not None]
                 pool.touch(hit)
@@ -369,7 +369,7 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                     assert [pool.earlier[c] for c in chain] == [NULL, *chain][:len(chain)]
                     assert (b == LAST) == (len(chain) > 1)
                     if chain:
-                        # a block find_hit remembered, whatever it carries now: the hit's block
+                        # a block the GPU lookup remembered, whatever it carries now: the hit's block
                         # is the key's holder
                         b = rng.choice(chain + [rng.randrange(n)])      # (NULL: none found)
                         assert kv._hit_block([b], 0, k) == chain[0]
@@ -396,7 +396,7 @@ def test_quiet_bound_with_remembered_leading_nulls_matches_a_fresh_scan():
                 continue
             c = r.num_computed
             n = 1 if c + 1 >= r.num_tokens else rng.randint(1, r.num_tokens - c)
-            assert kv.allocate(r, n, cache_upto=c + n) is not None
+            assert kv.allocate_slots(r, n, cache_upto=c + n) is not None
             got, leads = r.quiet_until, list(r.leads)
             r.leads = [0] * len(groups)
             assert kv.quiet_bound(r) == got
@@ -432,7 +432,7 @@ def test_request_keys_are_the_keys_of_their_prefixes():
 
 
 def test_find_hit_with_remembered_blocks_matches_a_fresh_search():
-    """find_hit keeps the blocks each search found (Request.hit_blocks), admission_blocks and
+    """get_computed_blocks keeps the blocks each search found (Request.hit_blocks), admission_blocks and
     apply_hit read them: with requests sharing prefixes allocated, cached, freed and evicted
     at random, a waiting request's hit, junction and admission count are those of a search
     with nothing remembered."""
@@ -455,16 +455,16 @@ def test_find_hit_with_remembered_blocks_matches_a_fresh_search():
         running: list = []
         for _ in range(120):
             w = rng.choice(waiting)
-            L = kv.find_hit(w)
+            L = kv.get_computed_blocks(w)
             got = (L, kv.junction, kv.admission_blocks(w, L, L, w.num_tokens, True))
             memo, w.hit_blocks = w.hit_blocks, []
-            L2 = kv.find_hit(w)
+            L2 = kv.get_computed_blocks(w)
             assert got == (L2, kv.junction, kv.admission_blocks(w, L2, L2, w.num_tokens, True))
             w.hit_blocks = memo
             if rng.random() < 0.5 and got[2] <= kv.pool.num_free():
                 kv.apply_hit(w, L)
                 w.num_computed = L
-                if kv.allocate(w, w.num_tokens - L, cache_upto=w.num_tokens) is None:
+                if kv.allocate_slots(w, w.num_tokens - L, cache_upto=w.num_tokens) is None:
                     kv.free(w)
                     w.num_computed = 0
                     continue

@@ -86,7 +86,7 @@ def test_inv2_block_handed_to_two_requests(monkeypatch, src):
 
 
 def test_inv3_key_count_mismatch(monkeypatch, src):
-    orig = src.offload.OffloadScheduler._build_store_jobs
+    orig = src.offload.OffloadingConnectorScheduler._build_store_jobs
 
     def drop(self, *a):
         jobs = orig(self, *a)
@@ -96,12 +96,12 @@ def test_inv3_key_count_mismatch(monkeypatch, src):
             items[0] = (gid, c, h, k, [])
             j.set_chunks(items)
         return jobs
-    monkeypatch.setattr(src.offload.OffloadScheduler, "_build_store_jobs", drop)
+    monkeypatch.setattr(src.offload.OffloadingConnectorScheduler, "_build_store_jobs", drop)
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-3"
 
 
 def test_inv4_store_shifted_by_one_chunk(monkeypatch, src):
-    orig = src.offload.OffloadScheduler._build_store_jobs
+    orig = src.offload.OffloadingConnectorScheduler._build_store_jobs
 
     def shift(self, *a):
         jobs = orig(self, *a)
@@ -111,12 +111,12 @@ def test_inv4_store_shifted_by_one_chunk(monkeypatch, src):
                                           for i, _ in blocks])
                           for gid, c, h, k, blocks in j.chunks()[:-1]])
         return jobs
-    monkeypatch.setattr(src.offload.OffloadScheduler, "_build_store_jobs", shift)
+    monkeypatch.setattr(src.offload.OffloadingConnectorScheduler, "_build_store_jobs", shift)
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-4"
 
 
 def test_inv5_load_into_wrong_blocks(monkeypatch, src):
-    orig = src.offload.OffloadScheduler.update_state_after_alloc
+    orig = src.offload.OffloadingConnectorScheduler.update_state_after_alloc
 
     def rot(self, *a):
         job = orig(self, *a)
@@ -127,18 +127,18 @@ def test_inv5_load_into_wrong_blocks(monkeypatch, src):
             job.set_chunks([(g, c, h, k, b2) for (g, c, h, k, _), b2 in
                             zip(items, [it[4] for it in [first] + items[:-1]])])
         return job
-    monkeypatch.setattr(src.offload.OffloadScheduler, "update_state_after_alloc", rot)
+    monkeypatch.setattr(src.offload.OffloadingConnectorScheduler, "update_state_after_alloc", rot)
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-5"
 
 
 def test_inv6_fence_dropped(monkeypatch, src):
     """Without flushes, a finished request's store is still reading a block that is reused."""
-    orig = src.offload.OffloadScheduler.build_connector_meta
+    orig = src.offload.OffloadingConnectorScheduler.build_connector_meta
 
     def no_flush(self, *a):
         stores, loads, flush = orig(self, *a)
         return stores, loads, set()
-    monkeypatch.setattr(src.offload.OffloadScheduler, "build_connector_meta", no_flush)
+    monkeypatch.setattr(src.offload.OffloadingConnectorScheduler, "build_connector_meta", no_flush)
     c = mk([{"id": "a", "prompt": [[1, 64]], "decode": 1},
             {"id": "x", "prompt": [[9, 700]], "arrival": 1, "decode": 2}],
            num_gpu_blocks=48, timing={"store_latency": 5})
@@ -156,7 +156,7 @@ def test_inv6_holds_with_fences():
 
 def test_inv7_load_of_pending_chunk(monkeypatch, src):
     # the connector's lookup sees every chunk in the tier as ready (pending ones too)
-    lookup = src.offload.OffloadScheduler._lookup
+    lookup = src.offload.OffloadingConnectorScheduler._lookup_complete_chunks
 
     def pending_as_hit(self, st):
         tier = self.tier
@@ -167,7 +167,8 @@ def test_inv7_load_of_pending_chunk(monkeypatch, src):
             return lookup(self, st)
         finally:
             del tier.lookup
-    monkeypatch.setattr(src.offload.OffloadScheduler, "_lookup", pending_as_hit)
+    monkeypatch.setattr(src.offload.OffloadingConnectorScheduler, "_lookup_complete_chunks",
+                        pending_as_hit)
     c = mk([{"id": "a", "prompt": [[1, 96]], "decode": 1},
             {"id": "b", "prompt": [[1, 96], [3, 20]], "arrival": 2, "decode": 2}],
            num_gpu_blocks=48, enable_prefix_caching=False,
@@ -192,7 +193,8 @@ def test_a_request_longer_than_the_pool_is_refused_at_startup():
 
 
 def test_inv9_lookup_misses_ready_prefix(monkeypatch, src):
-    monkeypatch.setattr(src.offload.OffloadScheduler, "_lookup", lambda self, st: 0)
+    monkeypatch.setattr(src.offload.OffloadingConnectorScheduler, "_lookup_complete_chunks",
+                        lambda self, st: 0)
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-9"
 
 

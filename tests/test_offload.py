@@ -224,10 +224,11 @@ def test_sliding_window_nulling_visits_every_block_a_store_reads():
     code = '''
 from simsched.lockstep import generate_case
 from simsched.model import run_case
-from simsched.offload import OffloadScheduler
+from simsched.offload import OffloadingConnectorScheduler
 import simsched
 assert not simsched.compiled()
-meta, build = OffloadScheduler.build_connector_meta, OffloadScheduler._build_store_jobs
+meta = OffloadingConnectorScheduler.build_connector_meta
+build = OffloadingConnectorScheduler._build_store_jobs
 seen = [0, 0]
 def limit(off, st, gi):
     stop = len(st.groups[gi].block_ids)
@@ -253,8 +254,8 @@ def checked_build(self, *a, **k):
                 assert all(i < cap for i in job.bidx[job.bpos[x]:job.bpos[x + 1]])
                 seen[1] += 1
     return jobs
-OffloadScheduler.build_connector_meta = checked_meta
-OffloadScheduler._build_store_jobs = checked_build
+OffloadingConnectorScheduler.build_connector_meta = checked_meta
+OffloadingConnectorScheduler._build_store_jobs = checked_build
 for layout in ("full16+sw16w128+full16", "full16+sw16w64"):
     for seed in range(60):
         case = generate_case(seed, layout, async_scheduling=seed % 3 == 0)

@@ -1,0 +1,66 @@
+"""The model's classes and hooks are named as vLLM names them.
+
+Each row names a model class, the vLLM class it mirrors (its file in an installed release) and
+the methods both have. The names are checked against the release's own source (parsed, not
+imported), so a row cannot name a vLLM class or method that does not exist; then against the
+model. A release that is not installed fails the test."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+
+import pytest
+
+from simsched.vllm import releases as rel
+
+CONNECTOR = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+CPU_MANAGER = "v1/kv_offload/cpu/manager.py"
+
+#: (model module, class, release, vLLM file, vLLM class, methods of both)
+MIRRORS = [
+    ("simsched.offload", "OffloadingConnectorScheduler", "0.33.0", CONNECTOR,
+     "OffloadingConnectorScheduler",
+     ["on_new_request", "get_num_new_matched_tokens", "_lookup_complete_chunks",
+      "update_state_after_alloc", "build_connector_meta", "_build_store_jobs",
+      "request_finished"]),
+    ("simsched.offload", "RequestOffloadState", "0.33.0", CONNECTOR, "RequestOffloadState", []),
+    ("simsched.offload", "RequestGroupState", "0.33.0", CONNECTOR, "RequestGroupState", []),
+    ("simsched.cpu_manager", "CPUOffloadingManager", "0.33.0", CPU_MANAGER,
+     "CPUOffloadingManager",
+     ["lookup", "prepare_load", "touch", "complete_load", "prepare_store", "complete_store",
+      "on_request_finished"]),
+    ("simsched.cpu_manager", "RankedCPUManager", "0.33.0", "v1/kv_offload/cpu/policies/lru.py",
+     "LRUCachePolicy", ["evict", "touch", "on_request_finished"]),
+    ("simsched.cpu_manager", "CPUOffloadingManager", "0.30.0",
+     "v1/kv_offload/cpu/policies/lru.py", "LRUCachePolicy", ["evict", "touch"]),
+    ("simsched.cpu_manager", "ChunkStatus", "0.33.0", "v1/kv_offload/cpu/policies/base.py",
+     "ChunkStatus", ["is_ready"]),
+    ("simsched.allocator", "BlockPool", "0.33.0", "v1/core/block_pool.py", "BlockPool",
+     ["get_new_blocks", "free_blocks", "touch"]),
+    ("simsched.allocator", "KVCacheManager", "0.33.0", "v1/core/kv_cache_manager.py",
+     "KVCacheManager", ["get_computed_blocks", "allocate_slots", "remove_skipped_blocks",
+                        "free"]),
+]
+
+
+def _vllm_methods(version: str, path: str, cls: str) -> set[str]:
+    have = {r.version: r for r in rel.installed()}
+    assert version in have, f"vLLM {version} not installed: run `simsched releases install`"
+    tree = ast.parse((have[version].path / "vllm" / path).read_text())
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    assert node is not None, f"vLLM {version} has no class {cls} in {path}"
+    return {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef,
+                                                              ast.AsyncFunctionDef))}
+
+
+@pytest.mark.parametrize("module, cls, version, path, vllm_cls, methods", MIRRORS,
+                         ids=[f"{m[1]}~{m[4]}@{m[2]}" for m in MIRRORS])
+def test_model_class_is_named_as_vllm(module, cls, version, path, vllm_cls, methods):
+    vllm = _vllm_methods(version, path, vllm_cls)
+    assert set(methods) <= vllm, f"not methods of vLLM's {vllm_cls}: {set(methods) - vllm}"
+    model_cls = getattr(importlib.import_module(module), cls, None)
+    assert model_cls is not None, f"{module} has no class {cls} (vLLM's {vllm_cls})"
+    missing = [m for m in methods if not callable(getattr(model_cls, m, None))
+               and not isinstance(getattr(model_cls, m, None), property)]
+    assert not missing, f"{module}.{cls} lacks vLLM's {vllm_cls} methods {missing}"
