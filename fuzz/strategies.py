@@ -271,3 +271,26 @@ def family_of(layout: Layout) -> str:
     if set(kinds) == {"full", "sliding_window"}:
         return "gpt_oss"
     return "free"
+
+
+def example_layout(family: str, seed: int = 0) -> Layout:
+    """One realistic layout of a family (drawn reproducibly, with the
+    engine knobs the strategy draws for it)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis import strategies as st
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    got: list[Layout] = []
+
+    @hseed(seed)
+    @settings(max_examples=1, database=None, suppress_health_check=list(HealthCheck),
+              deadline=None)
+    @given(layouts(families=(family,)), st.just(None))
+    def draw(layout, _):
+        if not got:
+            got.append(layout)
+
+    draw()
+    return got[0]

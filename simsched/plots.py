@@ -138,30 +138,6 @@ def layout_from(obj: Any) -> Layout:
     return Layout.from_json(obj)
 
 
-def example_layout(family: str, seed: int = 0) -> Layout:
-    """One realistic layout of a family of ``fuzz.strategies`` (drawn reproducibly, with the
-    engine knobs the strategy draws for it)."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import seed as hseed
-    from hypothesis import strategies as st
-
-    from fuzz.strategies import FAMILIES, layouts
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
-    got: list[Layout] = []
-
-    @hseed(seed)
-    @settings(max_examples=1, database=None, suppress_health_check=list(HealthCheck),
-              deadline=None)
-    @given(layouts(families=(family,)), st.just(None))
-    def draw(layout, _):
-        if not got:
-            got.append(layout)
-
-    draw()
-    return got[0]
-
-
 def geometry_rows(layout: Layout, num_tokens: int = 256,
                   profiles: Iterable[str] | None = None, asserts: bool = True) -> Table:
     """The model's ``config_outcome`` for ``layout`` under each profile, one row per profile."""
@@ -357,7 +333,7 @@ def sweep(layout: Layout, knob: str, values: list, *, releases=None,
           asserts: bool = True) -> Sweep:
     """Run ``layout`` with ``knob`` set to each value on model profiles and on real releases
     (``releases``: a :class:`~simsched.targets.Releases` pool or None), batched per release."""
-    from simsched.targets import ModelTarget, ReleaseTarget
+    from simsched.targets import ModelTarget
     from simsched.case import RequestSpec
     cases: list[Case | None] = []
     variants: list = []
