@@ -153,13 +153,6 @@ class Case:
     timing: Timing = field(default_factory=Timing)
     seed: int = 0
     asserts: bool = True    # False: run vLLM with asserts stripped (python -O)
-    # What the model derives from the requests' prompts alone (Model._prompt: per hash unit and
-    # prompt, its tokens and the identities and keys of its whole units; pure functions of the
-    # prompt and the unit, never changed once made), kept with the (frozen) case so that running
-    # it again (a benchmark, other profiles, a notebook) does not hash its prompts again. Not
-    # part of the case: no effect on equality, hashing, repr, to_json or dataclasses.replace
-    # (a replaced case starts with an empty memo).
-    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @classmethod
     def from_json(cls, obj: Any) -> "Case":

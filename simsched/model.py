@@ -158,7 +158,7 @@ class Model:
         # verification steps so far (the index into its ``accept`` pattern)
         self.drafts: dict[str, int] = {}
         self.verified: dict[str, int] = {}
-        # per step (_schedule): scheduled_spec_decode_tokens (counts), and the requests whose
+        # per step (schedule): scheduled_spec_decode_tokens (counts), and the requests whose
         # drafts are padding (-1) only
         self.sched_drafts: dict[str, int] = {}
         # Scheduler.schedule pads a new one-token decode from the waiting queue also when it
@@ -204,20 +204,16 @@ class Model:
         self.async_ = AsyncRun(self) if layout.engine.async_scheduling else None
         self.q = ev.EventQueue()
         self.q.handlers = {ev.STEP: self._step, ev.ARRIVAL: self._arrival,
-                           ev.STORE_DONE: self._store_done, ev.LOAD_DONE: self._load_done,
-                           ev.ABORT: self._abort, ev.FINISH: self._finish,
+                           ev.STORE_DONE: self.store_done, ev.LOAD_DONE: self.load_done,
+                           ev.ABORT: self._abort, ev.FINISH: self.finish_request,
                            ev.PREEMPT: lambda data: None}
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
-        # the prompt-only requests of the case's prompts (see _prompt), kept in the case's memo
-        # per hash unit and number of groups: a prompt -> its request; a prompt's first segment
-        # (seed, length) -> the first prompt-only request made with it
-        n_groups = len(layout.groups)
-        self.prompts: dict[tuple, Request] = case.memo.setdefault(
-            ("prompts", self.unit, n_groups), {})
-        self.segment_first: dict[tuple, Request] = case.memo.setdefault(
-            ("segment_first", self.unit, n_groups), {})
+        # the prompt-only requests of the case's prompts (see _prompt): a prompt -> its request;
+        # a prompt's first segment (seed, length) -> the first prompt-only request made with it
+        self.prompts: dict[tuple, Request] = {}
+        self.segment_first: dict[tuple, Request] = {}
         # Scheduler.schedule drains a first waiting queue before ``waiting``: up to 0.30.0
         # ``skipped_waiting`` (every request skipped at an earlier step: a load in flight, no
         # lookup result), from 0.31.0 ``kv_holding_waiting`` (requests holding blocks: loading or
@@ -289,8 +285,8 @@ class Model:
         """The prompt-only request of ``spec``'s prompt: its tokens and the identities (and,
         once asked, keys) of its whole units, which every request with that prompt takes as its
         own (``prefix_of``) instead of hashing them again. They are pure functions of the prompt
-        and the hash unit, so it is made once per case (``Case.memo``), is never scheduled and
-        never gets a token. Prompts that start with the same segment share its tokens (case.py):
+        and the hash unit, so it is made once per run, is never scheduled and never gets a
+        token. Prompts that start with the same segment share its tokens (case.py):
         the identities and keys of its whole units are made once, by the first such prompt."""
         proto = self.prompts.get(spec.prompt)
         if proto is None:
@@ -332,7 +328,7 @@ class Model:
         req.status = ABORTED
         self._free_request(req, "aborted", delay_free=loading, computed=computed)
 
-    def _finish(self, req: Request) -> None:
+    def finish_request(self, req: Request) -> None:
         req.status = FINISHED
         self._free_request(req, "finished")
 
@@ -356,7 +352,7 @@ class Model:
         if delay_free:
             # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
             # blocks (delay_free_blocks) until its load reports finished_recving;
-            # _update_from_kv_xfer_finished frees them then (_load_done)
+            # _update_from_kv_xfer_finished frees them then (load_done)
             self.delayed_free[req.rid] = req
         else:
             self._free_request_blocks(req)
@@ -473,7 +469,7 @@ class Model:
                     raise v
             x += 1
 
-    def _store_done(self, jid: int) -> None:
+    def store_done(self, jid: int) -> None:
         job = self.off.jobs.get(jid)
         if job is None:
             return              # flushed and completed earlier
@@ -483,7 +479,7 @@ class Model:
             self.lines.append(f"done {jid} store")
         self.progress = True
 
-    def _load_done(self, jid: int) -> None:
+    def load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
         chunks = job.cpu_chunks if job.cpu_chunks is not None else \
@@ -550,11 +546,11 @@ class Model:
             self.async_.call()
             return
         t = self.q.now
-        sched_reqs, stores = self._schedule(t)
-        self._execute(t, self.step_no, sched_reqs, stores)
-        self._after_step(self.step_no)
+        sched_reqs, stores = self.schedule(t)
+        self.execute_model(t, self.step_no, sched_reqs, stores)
+        self.after_step(self.step_no)
 
-    def _schedule(self, t: int) -> tuple[list[Scheduled], list[Job]]:
+    def schedule(self, t: int) -> tuple[list[Scheduled], list[Job]]:
         """``Scheduler.schedule()`` with ``build_connector_meta``: the scheduled requests as
         ``(request, tokens, new blocks)`` (a quiet decode: the request alone) and the store jobs
         created."""
@@ -696,7 +692,8 @@ class Model:
             asy.after_schedule(sched_reqs)
         return sched_reqs, stores
 
-    def _execute(self, t: int, step: int, sched_reqs: list[Scheduled], stores: list[Job]) -> None:
+    def execute_model(self, t: int, step: int, sched_reqs: list[Scheduled],
+                      stores: list[Job]) -> None:
         """The model runner: computed tokens written (the shadow), one token sampled per
         request whose prefill is complete; finished requests leave (``FINISH``)."""
         kv, shadow = self.kv, self.shadow
@@ -1093,7 +1090,7 @@ class Model:
         self.waiting = kvh + rest[:held_rest] + other + rest[held_rest:]
         self.n_held = len(kvh) + held_rest
 
-    def _after_step(self, step: int) -> None:
+    def after_step(self, step: int) -> None:
         if self.checks == "full":
             self._violation(inv.check_pool(step, self.kv.pool,
                                            [r for r in self.reqs.values() if not r.finished]
@@ -1257,9 +1254,9 @@ class AsyncRun:
         queue = self.queue
         m.step_scheduled = True      # a load completing in here asks for no step at t
         if self.has_requests() or not m.off.quiet():
-            sched_reqs, stores = m._schedule(t)
+            sched_reqs, stores = m.schedule(t)
             batch = self.batch
-            assert batch is not None                 # (m._schedule's after_schedule made it)
+            assert batch is not None                 # (m.schedule's after_schedule made it)
             queue.appendleft(batch)
             if len(queue) < self.DEPTH and (batch.executed or self.has_requests()):
                 self._execute(batch, t, sched_reqs, stores)
@@ -1273,11 +1270,11 @@ class AsyncRun:
         elif queue:
             self._apply(queue.pop())
         m.step_scheduled = False
-        m._after_step(m.step_no)
+        m.after_step(m.step_no)
 
     def _execute(self, batch: _Batch, t: int, sched_reqs: list, stores: list) -> None:
         m = self.m
-        m._execute(t, m.step_no, sched_reqs, stores)
+        m.execute_model(t, m.step_no, sched_reqs, stores)
         due = self.due
         batch.jobs = sorted([j for j, d in due.items() if d <= t + 1])
         for j in batch.jobs:
@@ -1305,16 +1302,16 @@ class AsyncRun:
             if running:
                 m.kv.cache_blocks(req, req.num_computed - in_flight[req.rid])
             if len(req.tokens) >= req.max_tokens:
-                m._finish(req)
+                m.finish_request(req)
         jobs = m.off.jobs
         for jid in batch.jobs:
             job = jobs.get(jid)
             if job is None:
                 continue
             if job.is_store:
-                m._store_done(jid)
+                m.store_done(jid)
             else:
-                m._load_done(jid)
+                m.load_done(jid)
         m.progress = m.progress or batch.executed or bool(batch.jobs)
 
 
