@@ -14,8 +14,6 @@ from operator import is_, itemgetter
 from typing import Any
 
 from simsched.allocator import NULL, key_ident
-from simsched.geometry import GroupGeometry
-from simsched.offload import Job
 from simsched.shadow import chunk_block
 
 INVARIANTS = {
@@ -103,43 +101,6 @@ def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolatio
 def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     """INV-3: one key per chunk, each paired with its chunk's source blocks. ``job``: the
     model's :class:`~simsched.offload.Job` or any job with ``items`` (the real-vLLM harness)."""
-    if not isinstance(job, Job):
-        return _check_store_job_named(step, job, geo)
-    tph = geo.tokens_per_hash
-    groups: tuple = geo.groups      # (the model's Geometry: a tuple of GroupGeometry)
-    g: GroupGeometry                # (typed: its fields read natively)
-    ok = True
-    gids: list[int] = job.gids
-    cidx: list[int] = job.cidx
-    hidx: list[int] = job.hidx
-    bpos: list[int] = job.bpos      # chunk x's blocks: [bpos[x], bpos[x + 1])
-    last_gid = -1
-    t = 0
-    # (zip: the lists' items read inline, not by bounds-checked calls; chunk x gets bpos[x], its
-    # start, and the check of chunk x - 1, ending there, is made then: chunk 0's start
-    # compared with -1 passes; the last chunk's end is compared after the loop)
-    b_lo = -1
-    for gid, h, c, b_hi in zip(gids, hidx, cidx, bpos):
-        if gid != last_gid:
-            last_gid = gid
-            for g in groups:            # the group's tokens per chunk
-                if g.group_id == gid:
-                    t = g.tokens_per_chunk
-                    break
-            else:
-                raise KeyError(gid)
-        if (h + 1) * tph != (c + 1) * t or b_hi == b_lo:
-            ok = False
-        b_lo = b_hi
-    if ok and gids and bpos[len(gids)] == b_lo:
-        ok = False                      # the last chunk has no source block
-    if ok:
-        return None     # every key names its chunk and has source blocks: nothing to report
-    return _check_store_job_named(step, job, geo)
-
-
-def _check_store_job_named(step: int, job, geo) -> InvariantViolation | None:
-    """:func:`check_store_job` item by item: the first violation, named."""
     per_group: dict[int, tuple[int, int]] = {}
     cfgs = {g.group_id: g for g in geo.groups}
     for gid, c, hidx, key, blocks in job.items:
@@ -185,48 +146,6 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
     :class:`~simsched.offload.Job` or any job with ``items`` (the real-vLLM harness)."""
     if tpbs is None:
         tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
-    if not isinstance(job, Job):
-        return _check_loaded_named(step, job, req, shadow, tpbs)
-    # (the shadow's fields untyped: compared as the objects they are)
-    gids: list = shadow.gids
-    ends: list = shadow.ends
-    idents: list = shadow.idents
-    ident: list = req.ident        # (untyped: compared as the int objects they are)
-    unit = req.unit
-    nid = len(ident)
-    jgids: list[int] = job.gids
-    bpos: list[int] = job.bpos
-    bidx: list[int] = job.bidx
-    bids: list[int] = job.bids
-    last_gid = -1              # (a job's chunks come group by group)
-    tpb = 0
-    hi = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
-    # (zip: the chunks' groups and ends read inline; bpos[1:], one list per job)
-    for gid, nxt in zip(jgids, bpos[1:]):
-        if gid != last_gid:
-            last_gid, tpb = gid, tpbs[gid]
-        lo, hi = hi, nxt
-        for y in range(lo, hi):
-            # the common case decided here: the block holds (gid, e, ident_at(e)) with the
-            # identity known; anything else goes to the walk below, which decides and names it
-            e = (bidx[y] + 1) * tpb
-            k = e // unit - 1                  # req.ident_at(e), inlined
-            b = bids[y]
-            if not 0 <= k < nid:
-                return _check_loaded_named(step, job, req, shadow, tpbs)
-            g0 = gids[b]
-            g1 = ends[b]
-            g2 = idents[b]
-            idk = ident[k]
-            # (group and end compared as native ints when they are ints: no boxing)
-            if not (isinstance(g1, int) and g1 == e and isinstance(g0, int) and g0 == gid
-                    and (g2 is idk or g2 == idk)):
-                return _check_loaded_named(step, job, req, shadow, tpbs)
-    return None
-
-
-def _check_loaded_named(step: int, job, req, shadow, tpbs: dict) -> InvariantViolation | None:
-    """:func:`check_loaded` block by block: the first violation, named."""
     for gid, c, hidx, key, blocks in job.items:
         for i, b in blocks:
             want = (gid, (i + 1) * tpbs[gid], req.ident_at((i + 1) * tpbs[gid]))

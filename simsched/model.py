@@ -34,7 +34,7 @@ from typing import Any, Final, Iterator
 from simsched import events as ev
 from simsched import invariants as inv
 from simsched.allocator import (ABORTED, CHUNKED, FINISHED, NULL, RING, RUNNING, WAITING,
-                                WAITING_FOR_LOAD, KVCacheManager, Request, make_key)
+                                WAITING_FOR_LOAD, KVCacheManager, Request)
 from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                SINGLE_TYPE_MANAGER_PY, ConfigError, Profile, cache_block_size,
@@ -103,10 +103,6 @@ class Model:
         self.max_steps = min(MAX_STEPS, 4 * (work + last) + 64)
         self.geo = geo = derive(layout, profile, asserts=case.asserts)
         self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
-        # per group, the stride of its offload keys (Request.keys(gid, stride): the tokens of
-        # its hashes_per_chunk block hashes; 0: no keys)
-        self.key_strides = {g.group_id: g.hashes_per_chunk * geo.tokens_per_hash
-                            for g in geo.groups}
         self.no_blocks_text = fmt_alloc("", [[] for _ in layout.groups])[len("alloc  "):]
         dcp = layout.engine.dcp_size
         sizes = [effective_block_size(g, dcp) for g in layout.groups]
@@ -372,102 +368,21 @@ class Model:
             self.kv.free(req)
 
     def _read_store(self, job: Job) -> None:
-        """The worker reads a store's source blocks (at flush or completion)."""
+        """The worker reads a store's source blocks (at flush or completion): each chunk's
+        content, which must hold the tokens its key names (INV-4)."""
         if job.read:
             return
         job.read = True
         req = self.reqs[job.rid]
-        shadow = self.shadow
-        # the chunks' contents, in chunk order, set by index (no appends)
-        contents: list = [None] * len(job.ckeys)
-        job.contents = contents
-        sgids, sends, sidents = shadow.gids, shadow.ends, shadow.idents
-        geo, tpbs, step = self.geo, self.tpbs, self.step_no
-        strides = self.key_strides
         self.pending_reads.pop(job.jid, None)
-        ident: list = req.ident         # (untyped: compared as the int objects they are)
-        unit = req.unit
-        tph = geo.tokens_per_hash
-        nid = len(ident)
-        gids: list[int] = job.gids
-        cidx: list[int] = job.cidx
-        hidx: list[int] = job.hidx
-        bpos: list[int] = job.bpos
-        bidx: list[int] = job.bidx
-        ckeys, bids = job.ckeys, job.bids
-        last_gid = -1
-        tpb = 0
-        stride = 0
-        hi = bpos[0]               # (chunk x's blocks start where chunk x - 1's end)
-        gkeys: list = []
-        x = 0
-        # (zip: the chunk's fields read inline, not by bounds-checked calls; bpos[1:], the
-        # chunks' ends, one list per job)
-        for gid, key, h, c, nxt in zip(gids, ckeys, hidx, cidx, bpos[1:]):
-            if gid != last_gid:
-                last_gid, tpb, stride = gid, tpbs[gid], strides[gid]
-                # the request's offload keys of the group (those the store's keys were taken
-                # from, see OffloadingConnectorScheduler._update_offload_keys: compared by
-                # identity below)
-                gkeys = req.keys(gid, stride) if stride else []
-            end = (h + 1) * tph
-            lo, hi = hi, nxt
-            # INV-4: a chunk that holds exactly what check_stored_chunk wants passes here (each
-            # block holds (gid, its end, ident there), the last one ending at the key's end,
-            # whose identity is key_ident(key)); anything else goes to check_stored_chunk, which
-            # decides and names the finding. key_ident(key) == ident is decided as
-            # make_key(gid, ident) == key, ident being one of the request's identities (a key
-            # that differs only in its group goes to check_stored_chunk, which passes it)
-            ok = hi > lo and (bidx[hi - 1] + 1) * tpb == end
-            idk: Any = None
-            if hi - lo == 1:
-                # a one-block chunk: its content is the block's (read_chunk, inlined: the
-                # fields read once, for the content and for the check)
-                b = bids[lo]
-                g0 = sgids[b]
-                g1 = sends[b]
-                g2 = sidents[b]
-                content: tuple = (g0, g1, g2)
-                if ok:
-                    k = end // unit - 1                # req.ident_at, inlined
-                    if 0 <= k < nid:
-                        idk = ident[k]
-                        ok = (isinstance(g1, int) and g1 == end and isinstance(g0, int)
-                              and g0 == gid and (g2 is idk or g2 == idk))
-                    else:
-                        ok = False
-            else:
-                content = shadow.read_chunk(bids, lo, hi)
-                if ok:
-                    for y in range(lo, hi):     # (the blocks just read, as the chunk holds them)
-                        e = (bidx[y] + 1) * tpb
-                        k = e // unit - 1                   # req.ident_at, inlined
-                        if not 0 <= k < nid:
-                            ok = False
-                            break
-                        b = bids[y]
-                        g0 = sgids[b]
-                        g1 = sends[b]
-                        g2 = sidents[b]
-                        idk = ident[k]
-                        # (group and end compared as native ints when they are ints: no boxing;
-                        # the identities are mostly the very objects compared)
-                        if not (isinstance(g1, int) and g1 == e and isinstance(g0, int)
-                                and g0 == gid and (g2 is idk or g2 == idk)):
-                            ok = False
-                            break
-            contents[x] = content
-            if ok and key is not idk:
-                # (idk: the last block's identity, that of the prefix [0, end); group 0's keys
-                # are mostly that very object, the others' mostly the group's key for it,
-                # make_key(gid, idk) itself when the chunk's tokens are the key list's chunk c)
-                ok = ((c + 1) * stride == end and c < len(gkeys) and gkeys[c] is key) \
-                    or make_key(gid, idk) == key
-            if not ok:
-                v = inv.check_stored_chunk(step, job, job.chunk(x), content, req, geo, tpbs)
-                if v is not None:
-                    raise v
-            x += 1
+        job.contents = []
+        for x in range(len(job.ckeys)):
+            content = self.shadow.read_chunk(job.bids, job.bpos[x], job.bpos[x + 1])
+            job.contents.append(content)
+            v = inv.check_stored_chunk(self.step_no, job, job.chunk(x), content, req, self.geo,
+                                       self.tpbs)
+            if v is not None:
+                raise v
 
     def store_done(self, jid: int) -> None:
         job = self.off.jobs.get(jid)
