@@ -18,9 +18,12 @@ import warnings
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
-#: model modules compiled at install, in the package ``simsched``
-COMPILED = ("allocator", "case", "cpu_manager", "events", "geometry", "invariants", "layout",
-            "model", "offload", "shadow", "trace")
+#: modules compiled at install, by their paths in the package ``simsched`` (the model's, and the
+#: case, layout, geometry and oracles it runs with)
+COMPILED = ("case", "geometry", "invariants", "layout", "shadow", "trace",
+            "model/block_pool", "model/cpu_manager", "model/events", "model/kv_cache_manager",
+            "model/offloading_scheduler", "model/request", "model/scheduler",
+            "model/single_type_kv_cache_manager")
 
 
 class PureSource(importlib.abc.MetaPathFinder):
@@ -28,16 +31,16 @@ class PureSource(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         pkg, _, mod = fullname.partition(".")
-        if pkg == "simsched" and mod in COMPILED:
+        if pkg == "simsched" and mod.replace(".", "/") in COMPILED:
             return importlib.util.spec_from_file_location(
-                fullname, Path(__file__).with_name(mod + ".py"))
+                fullname, Path(__file__).parent / (mod.replace(".", "/") + ".py"))
         return None
 
 
 def compiled() -> bool:
     """Whether the imported model modules are the compiled ones."""
-    from simsched import model
-    return not str(model.__file__).endswith(".py")
+    from simsched.model import scheduler
+    return not str(scheduler.__file__).endswith(".py")
 
 
 def _stale() -> bool:

@@ -13,7 +13,8 @@ from itertools import chain, compress, repeat
 from operator import is_, itemgetter
 from typing import Any
 
-from simsched.allocator import NULL, key_ident
+from simsched.model.block_pool import NULL
+from simsched.model.request import key_ident
 from simsched.shadow import chunk_block
 
 INVARIANTS = {
@@ -68,7 +69,7 @@ def check_pool(step: int, pool, reqs) -> InvariantViolation | None:
     # first-seen order, as the walk below reports it
     holders = Counter(chain.from_iterable([t for req in reqs for t in req.tables]))
     holders.pop(NULL, None)
-    n_free = pool.num_free()
+    n_free = pool.get_num_free_blocks()
     if n_free + len(holders) != pool.num_blocks - 1:
         return InvariantViolation("INV-1", step, f"free {n_free} + held {len(holders)} != pool "
                                   f"{pool.num_blocks - 1}")
@@ -93,14 +94,14 @@ def check_pool(step: int, pool, reqs) -> InvariantViolation | None:
 
 def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolation | None:
     """INV-1 from counters only (the benchmark's cheap mode)."""
-    if pool.num_free() + num_held_entries != pool.num_blocks - 1:
+    if pool.get_num_free_blocks() + num_held_entries != pool.num_blocks - 1:
         return InvariantViolation("INV-1", step, "free + held != pool")
     return None
 
 
 def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     """INV-3: one key per chunk, each paired with its chunk's source blocks. ``job``: the
-    model's :class:`~simsched.offload.Job` or any job with ``items`` (the real-vLLM harness)."""
+    model's :class:`~simsched.model.offloading_scheduler.Job` or any job with ``items`` (the real-vLLM harness)."""
     per_group: dict[int, tuple[int, int]] = {}
     cfgs = {g.group_id: g for g in geo.groups}
     for gid, c, hidx, key, blocks in job.items:
@@ -143,7 +144,7 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
                  ) -> InvariantViolation | None:
     """INV-5: after a load, its destination blocks hold the request's own tokens. ``tpbs``:
     tokens per block by group id, when the caller has them. ``job``: the model's
-    :class:`~simsched.offload.Job` or any job with ``items`` (the real-vLLM harness)."""
+    :class:`~simsched.model.offloading_scheduler.Job` or any job with ``items`` (the real-vLLM harness)."""
     if tpbs is None:
         tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
     for gid, c, hidx, key, blocks in job.items:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from simsched.allocator import FULLISH, NULL, RING, GroupRule, Request
+from simsched.model.block_pool import NULL
+from simsched.model.request import Request
 
 
 
@@ -38,72 +39,36 @@ class Shadow:
         g = self.gids[b]
         return None if g is None else (g, self.ends[b], self.idents[b])
 
-    def write_computed(self, req: Request, rules: list[GroupRule], start: int,
+    def write_computed(self, req: Request, groups: list[tuple[int, bool]], start: int,
                        end: int, collect: bool = True,
                        fenced: list[int] | None = None) -> list[int]:
-        """The model computed tokens ``[start, end)`` of ``req``: write its blocks; returns the
-        block IDs written (``collect`` False: an empty list, nothing collected). ``fenced``: a
-        count per block ID (``ReadFences.count``); given, only the first block written whose
-        count is not 0 is collected (INV-6 names that one: no list of every block written)."""
-        gids, ends, idents = self.gids, self.ends, self.idents
+        """The model computed tokens ``[start, end)`` of ``req``: write its blocks in every
+        group (``groups[gid]``: the group's block size and whether it is a ring, whose one block
+        holds the latest position); returns the block IDs written (``collect`` False: an empty
+        list). ``fenced``: a count per block ID (``ReadFences.count``); given, only the first
+        block written whose count is not 0 is collected (INV-6 names that one)."""
         written: list[int] = []
-        eo = end
-        unit = req.unit
-        tables = req.tables
-        ident: list[Any] = req.ident    # (the hashes stay the int objects hash() made)
-        nid = len(ident)
-        for r in rules:
-            gid = r.gid
-            go = gid
-            # (the table's items read as the int objects they are, stored as is into written:
-            # see allocator.BlockPool.ids)
-            table: list[Any] = tables[gid]
+
+        def write(b: int, gid: int, upto: int, ident: int | None) -> None:
+            self.gids[b], self.ends[b], self.idents[b] = gid, upto, ident
+            if collect and (fenced is None or (fenced[b] and not written)):
+                written.append(b)
+
+        for gid, (bs, ring) in enumerate(groups):
+            table = req.tables[gid]
             if not table:
                 continue
-            if r.code == RING:
-                bo = table[0]
-                b = bo
-                gids[b] = go
-                ends[b] = eo
-                idents[b] = None
-                if collect and (fenced is None or (fenced[b] and not written)):
-                    written.append(bo)
+            if ring:                   # (the ring's one block is never the null block)
+                write(table[0], gid, end, None)
                 continue
-            bs = r.bs
-            full = end // bs           # blocks [i0, full) are complete at end
-            # (end - 1) // bs + 1: the blocks holding [0, end), from full (one division)
-            last = full if full * bs == end else full + 1
-            if last > len(table):
-                last = len(table)
-                if full > last:
-                    full = last
-            i0 = start // bs
-            if full > i0:
-                # their identities: ident_at((i + 1) * bs) = ident[(i + 1) * per - 1] (None when
-                # not known, as ident_at)
-                per = bs // unit
-                k = i0 * per + per - 1     # block i: ident index (i + 1) * per - 1,
-                e = i0 * bs + bs           # end (i + 1) * bs (both stepped)
-                for i in range(i0, full):
-                    bo = table[i]
-                    b = bo
-                    if b != NULL:
-                        gids[b] = go
-                        ends[b] = e
-                        idents[b] = ident[k] if k < nid else None
-                        if collect and (fenced is None or (fenced[b] and not written)):
-                            written.append(bo)
-                    k += per
-                    e += bs
-            if last > full and last > i0:        # the partial block holding token end - 1
-                bo = table[last - 1]
-                b = bo
-                if b != NULL:
-                    gids[b] = go
-                    ends[b] = eo
-                    idents[b] = None
-                    if collect and (fenced is None or (fenced[b] and not written)):
-                        written.append(bo)
+            # the blocks complete at end, then the partial block holding token end - 1
+            full = min(end // bs, len(table))
+            last = min(-(-end // bs), len(table))
+            for i in range(start // bs, full):
+                if table[i] != NULL:
+                    write(table[i], gid, (i + 1) * bs, req.ident_at((i + 1) * bs))
+            if last > full and last > start // bs and table[last - 1] != NULL:
+                write(table[last - 1], gid, end, None)
         return written
 
     def read_chunk(self, bids: list, lo: int, hi: int) -> tuple:
@@ -167,4 +132,4 @@ def chunk_block(content: tuple, j: int) -> tuple | None:
     return None if g is None else (g, content[3 * j + 1], content[3 * j + 2])
 
 
-__all__ = ["Shadow", "FULLISH", "chunk_block"]
+__all__ = ["Shadow", "chunk_block"]

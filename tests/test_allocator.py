@@ -1,5 +1,8 @@
-from simsched.allocator import (NULL, KVCacheManager, Request, mamba_reachable_blocks,
-                                replay_boundaries, window_reachable_blocks)
+from simsched.model.block_pool import NULL, BlockPool
+from simsched.model.kv_cache_manager import KVCacheManager
+from simsched.model.request import Request, make_key
+from simsched.model.single_type_kv_cache_manager import (mamba_reachable_blocks, replay_boundaries,
+                                                   window_reachable_blocks)
 from simsched.layout import Group
 
 
@@ -17,7 +20,7 @@ def test_full_holds_every_block_and_null_block_never_used():
     r = req(100)
     nb = kv.allocate_slots(r, 100)
     assert len(nb[0]) == 7 and NULL not in nb[0]
-    assert kv.pool.num_free() == 63 - 7
+    assert kv.pool.get_num_free_blocks() == 63 - 7
 
 
 def test_sliding_window_frees_out_of_reach():
@@ -58,7 +61,7 @@ def test_gpu_hit_needs_every_group_and_eviction_lru():
     b = req(100, "b", 2)
     assert kv.get_computed_blocks(b) == 96
     # evict the sliding window's tail blocks: no hit at that length any more
-    kv.pool.get_new_blocks(kv.pool.num_free() - 10)
+    kv.pool.get_new_blocks(kv.pool.get_num_free_blocks() - 10)
     assert kv.get_computed_blocks(b) < 96
 
 
@@ -129,7 +132,7 @@ def test_mamba_align_allocates_one_state_block_after_nulls():
     nb = kv.allocate_slots(r, 100)
     assert len(nb[0]) == 7 and NULL not in nb[0]
     assert nb[1][:6] == [NULL] * 6 and len(nb[1]) == 7 and nb[1][6] != NULL
-    assert kv.pool.num_free() == 63 - 8
+    assert kv.pool.get_num_free_blocks() == 63 - 8
 
 
 def test_mamba_align_chunks_leave_null_gaps_and_free_the_old_state():
@@ -192,7 +195,7 @@ def test_mamba_align_hit_on_a_state_cached_this_step_waits():
     kv.allocate_slots(a, 64, cache_upto=64)
     b = req(100, "b", 2)
     assert kv.get_computed_blocks(b) == 64
-    assert kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.num_free()
+    assert kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.get_num_free_blocks()
     kv.new_step()
     assert kv.admission_blocks(b, 64, 64, 100, True) == 3 + 1
 
@@ -253,7 +256,7 @@ def test_mamba_align_prompt_tail_recached_on_0320_only():
         kv.allocate_slots(a, 6, cache_upto=70)
         b = Request("b", 1, None, [(31 + i) % 1000 for i in range(64)] + [5] * 36, 104, 16, 2)
         assert kv.get_computed_blocks(b) == 64
-        waits = kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.num_free()
+        waits = kv.admission_blocks(b, 64, 64, 100, True) > kv.pool.get_num_free_blocks()
         assert waits is deferred, recache
 
 
@@ -300,33 +303,30 @@ class _RefPool:
             self.ref[b] += 1
 
 
-def test_prefix_cache_chains_and_stale_entries_match_the_reference():
-    """BlockPool keeps a block's key in ``key``, the holder of a key in ``cached`` (entries of
-    evicted blocks left stale) and the other blocks under one key in ``later``/``earlier``
-    chains: random allocations, cachings (many blocks under few keys, equal keys as distinct
-    int objects, keys past 64 bits), frees, hits and uncachings behave as the reference; a hit
-    given any block get_computed_blocks might have remembered takes the key's holder (_hit_block)."""
+def test_block_pool_matches_the_reference():
+    """BlockPool's free queue (a doubly linked list over block IDs) and its prefix cache (every
+    block cached under a key, in caching order): random allocations, cachings (many blocks under
+    few keys, equal keys as distinct int objects, keys past 64 bits), frees, hits and uncachings
+    behave as the reference, the queue's back links included."""
     import random
-    from simsched.allocator import LAST, BlockPool, make_key
     for seed in range(40):
         rng = random.Random(seed)
         n = rng.choice([6, 12, 24])
         pool, ref = BlockPool(n), _RefPool(n)
-        kv = mgr([Group("full", 16)], n)
-        kv.pool = pool
         idents = [rng.randrange(-2**63, 2**63) for _ in range(rng.choice([2, 5, 12]))]
+        keys = [make_key(g, h) for g in range(3) for h in idents]
         held: list[int] = []
         for _ in range(400):
             op = rng.random()
-            if op < 0.3 and pool.num_free():
-                m = rng.randint(1, pool.num_free())
+            if op < 0.3 and pool.get_num_free_blocks():
+                m = rng.randint(1, pool.get_num_free_blocks())
                 got = pool.get_new_blocks(m)
                 assert got == ref.get_new_blocks(m)
                 held += got
             elif op < 0.55 and held:
                 b = rng.choice(held)
                 if pool.key[b] is None:
-                    k = make_key(rng.randrange(3), rng.choice(idents))
+                    k = rng.choice(keys)
                     pool.cache(b, int(str(k)) if rng.random() < 0.5 else k)   # equal, not same
                     ref.cache(b, k)
             elif op < 0.75 and held:
@@ -336,9 +336,8 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                 pool.free_blocks(gone)
                 ref.free_blocks(gone)
             elif op < 0.9:
-                # a hit: the holders of some keys taken (BlockPool.holder, as the GPU lookup finds them)
-                ks = [make_key(g, h) for g in range(3) for h in idents]
-                hit = [b for b in map(pool.holder, rng.sample(ks, 3)) if b is not None]
+                # a hit: the blocks some keys' lookups take
+                hit = [b for b in map(pool.holder, rng.sample(keys, 3)) if b is not None]
                 pool.touch(hit)
                 ref.touch(hit)
                 held += hit
@@ -346,101 +345,63 @@ def test_prefix_cache_chains_and_stale_entries_match_the_reference():
                 b = rng.choice(held)
                 pool.uncache(b)
                 ref.uncache(b)
-            assert pool.free_queue() == ref.free and pool.num_free() == len(ref.free)
+            assert pool.free_queue() == ref.free
+            assert pool.get_num_free_blocks() == len(ref.free)
             assert pool.ref == ref.ref and pool.key == ref.key
-            # the queue's back links hold (a held block's are left stale: membership is a
-            # zero refcount, BlockPool.is_free)
-            back, b = [], pool.prv[NULL]
+            queue, back, b = pool.free_block_queue, [], pool.free_block_queue.prev_free[NULL]
             while b != NULL:
                 back.append(b)
-                b = pool.prv[b]
+                b = queue.prev_free[b]
             assert back == ref.free[::-1]
-            assert [b for b in range(1, n) if pool.is_free(b)] == sorted(ref.free)
-            assert all(pool.later[b] == pool.earlier[b] == NULL
-                       for b in range(n) if pool.key[b] is None)
-            for g in range(3):
-                for h in idents:
-                    k = make_key(g, h)
-                    chain, b = [], pool.holder(k)
-                    while b is not None and b > NULL:       # (LAST ends a chain of two or more)
-                        chain.append(b)
-                        b = pool.later[b]
-                    assert chain == ref.map.get(k, [])
-                    assert [pool.earlier[c] for c in chain] == [NULL, *chain][:len(chain)]
-                    assert (b == LAST) == (len(chain) > 1)
-                    if chain:
-                        # a block the GPU lookup remembered, whatever it carries now: the hit's block
-                        # is the key's holder
-                        b = rng.choice(chain + [rng.randrange(n)])      # (NULL: none found)
-                        assert kv._hit_block([b], 0, k) == chain[0]
+            for k in keys:
+                assert pool.cached_block_hash_to_block.blocks(k) == ref.map.get(k, [])
+                assert pool.holder(k) == (ref.map[k][0] if ref.map.get(k) else None)
 
 
-def test_quiet_bound_with_remembered_leading_nulls_matches_a_fresh_scan():
-    """quiet_bound starts its scan for a table's leading nulls where the last scan ended
-    (Request.leads, reset when the tables are freed): random prefill chunks, decode steps,
-    frees and re-admissions give the bound and the counts a scan from the start gives."""
+def _longest_hit(kv, r):
+    """The hit get_computed_blocks finds, by trying every candidate (no EAGLE): the full
+    groups' run of cached blocks bounds it; then the largest multiple of the scheduler block at
+    or below it at which every other group finds the blocks in its reach cached."""
+    align, pool = kv.config.block_size, kv.pool
+
+    def cached(m, j):
+        keys = r.keys(m.gid, m.block_size)
+        return j < len(keys) and pool.holder(keys[j]) is not None
+
+    L = r.num_tokens - 1
+    if not kv.full:
+        L = L // align * align
+    for m in kv.full:
+        n = 0
+        while n < L // m.block_size and cached(m, n):
+            n += 1
+        L = min(L, n * m.block_size) // align * align
+    while L > 0:
+        for m in kv.rest:
+            lo = m.get_num_skipped_tokens(L) // m.block_size
+            hi = L // m.block_size
+            if m.kind == "sliding_window" and lo >= hi > 0:
+                lo = hi - 1
+            if not all(cached(m, j) for j in range(lo, hi)):
+                break
+        else:
+            return L
+        L -= align
+    return max(L, 0)
+
+
+def test_the_hit_search_resumes_where_it_missed_and_finds_what_trying_every_length_finds():
+    """get_computed_blocks skips, after a miss, every candidate whose reach still covers the
+    missing block: with requests sharing prefixes allocated, cached, freed and evicted at random,
+    a waiting request's hit is the one trying every candidate length gives."""
     import random
-    kinds = [Group("full", 16), Group("sliding_window", 16, sliding_window=32),
+    kinds = [Group("sliding_window", 16, sliding_window=32),
+             Group("sliding_window", 16, sliding_window=1),
              Group("chunked_local", 16, attention_chunk_size=64),
              Group("mamba", 16, mamba_cache_mode="align")]
     for seed in range(30):
         rng = random.Random(seed)
-        groups = [kinds[0]] + rng.sample(kinds[1:], rng.randint(1, 3))
-        kv = mgr(groups, n=4096)
-        r = req(rng.randint(40, 400), groups=len(groups), seed=seed)
-        r.max_tokens = 10**6
-        for _ in range(150):
-            if rng.random() < 0.05:
-                kv.free(r)
-                r.num_computed = 0
-                continue
-            c = r.num_computed
-            n = 1 if c + 1 >= r.num_tokens else rng.randint(1, r.num_tokens - c)
-            assert kv.allocate_slots(r, n, cache_upto=c + n) is not None
-            got, leads = r.quiet_until, list(r.leads)
-            r.leads = [0] * len(groups)
-            assert kv.quiet_bound(r) == got
-            assert r.leads == leads
-            for t, lead in zip(r.tables, leads):
-                assert lead <= len(t) and all(b == NULL for b in t[:lead])
-            r.num_computed = c + n
-            if r.num_computed == r.num_tokens:
-                r.append_tokens([rng.randrange(1000)])
-
-
-def test_request_keys_are_the_keys_of_their_prefixes():
-    """Request.keys(gid, stride) lists make_key(gid, ident_at(k * stride)), k = 1, 2, ..., as far
-    as the tokens are known (group 0's keys a unit apart are the identities themselves), for
-    requests sharing a prefix with an earlier one and as tokens arrive between calls."""
-    import random
-    from simsched.allocator import make_key
-    for seed in range(30):
-        rng = random.Random(seed)
-        unit = rng.choice([4, 8, 16])
-        base = [rng.randrange(1000) for _ in range(rng.randint(0, 200))]
-        first = Request("a", 0, None, base, 10**6, unit, 3)
-        shared = len(base) // unit
-        tail = [rng.randrange(1000) for _ in range(rng.randint(0, 60))]
-        r = Request("b", 1, None, base + tail, 10**6, unit, 3, first, rng.randint(0, shared))
-        for _ in range(20):
-            for who in (first, r):
-                gid, stride = rng.randrange(3), unit * rng.choice([1, 1, 2, 4])
-                want = [make_key(gid, who.ident_at(k * stride))
-                        for k in range(1, who.num_tokens // stride + 1)]
-                assert who.keys(gid, stride) == want
-            r.append_tokens([rng.randrange(1000) for _ in range(rng.choice([1, 1, 3]))])
-
-
-def test_find_hit_with_remembered_blocks_matches_a_fresh_search():
-    """get_computed_blocks keeps the blocks each search found (Request.hit_blocks), admission_blocks and
-    apply_hit read them: with requests sharing prefixes allocated, cached, freed and evicted
-    at random, a waiting request's hit, junction and admission count are those of a search
-    with nothing remembered."""
-    import random
-    groups = [Group("full", 16), Group("sliding_window", 16, sliding_window=32),
-              Group("full", 16)]
-    for seed in range(25):
-        rng = random.Random(seed)
+        groups = [Group("full", 16)] * rng.randint(0, 1) + rng.sample(kinds, rng.randint(1, 2))
         kv = mgr(groups, n=rng.choice([24, 40, 80]))
         bases = [[rng.randrange(1000) for _ in range(rng.choice([32, 64, 96]))] for _ in range(3)]
         made = 0
@@ -456,12 +417,10 @@ def test_find_hit_with_remembered_blocks_matches_a_fresh_search():
         for _ in range(120):
             w = rng.choice(waiting)
             L = kv.get_computed_blocks(w)
-            got = (L, kv.junction, kv.admission_blocks(w, L, L, w.num_tokens, True))
-            memo, w.hit_blocks = w.hit_blocks, []
-            L2 = kv.get_computed_blocks(w)
-            assert got == (L2, kv.junction, kv.admission_blocks(w, L2, L2, w.num_tokens, True))
-            w.hit_blocks = memo
-            if rng.random() < 0.5 and got[2] <= kv.pool.num_free():
+            assert L == _longest_hit(kv, w), (seed, groups)
+            kv.new_step()
+            if rng.random() < 0.5 and kv.admission_blocks(w, L, L, w.num_tokens, True) \
+                    <= kv.pool.get_num_free_blocks():
                 kv.apply_hit(w, L)
                 w.num_computed = L
                 if kv.allocate_slots(w, w.num_tokens - L, cache_upto=w.num_tokens) is None:
@@ -474,6 +433,28 @@ def test_find_hit_with_remembered_blocks_matches_a_fresh_search():
             elif running and rng.random() < 0.6:
                 r = running.pop(rng.randrange(len(running)))
                 kv.free(r)
+
+
+def test_request_keys_are_the_keys_of_their_prefixes():
+    """Request.keys(gid, stride) lists make_key(gid, ident_at(k * stride)), k = 1, 2, ..., as far
+    as the tokens are known (group 0's keys a unit apart are the identities themselves), for
+    requests sharing a prefix with an earlier one and as tokens arrive between calls."""
+    import random
+    for seed in range(30):
+        rng = random.Random(seed)
+        unit = rng.choice([4, 8, 16])
+        base = [rng.randrange(1000) for _ in range(rng.randint(0, 200))]
+        first = Request("a", 0, None, base, 10**6, unit, 3)
+        shared = len(base) // unit
+        tail = [rng.randrange(1000) for _ in range(rng.randint(0, 60))]
+        r = Request("b", 1, None, base + tail, 10**6, unit, 3, first, rng.randint(0, shared))
+        for _ in range(20):
+            for who in (first, r):
+                gid, stride = rng.randrange(3), unit * rng.choice([1, 1, 2, 4])
+                want = [make_key(gid, who.ident_at(k * stride))
+                        for k in range(1, who.num_tokens // stride + 1)]
+                assert who.keys(gid, stride) == want
+            r.append_tokens([rng.randrange(1000) for _ in range(rng.choice([1, 1, 3]))])
 
 
 # --- sparse prefix-cache retention (reachable_block_mask) -----------------------------------

@@ -19,7 +19,7 @@ import pytest
 import simsched
 
 ROOT = Path(__file__).resolve().parent.parent
-SHOW = ("import simsched, simsched.model as m, simsched.offload as o; "
+SHOW = ("import simsched, simsched.model as m, simsched.model.offloading_scheduler as o; "
         "print(simsched.compiled(), m.__file__, o.__file__)")
 
 

@@ -16,8 +16,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from simsched.allocator import key_group, key_ident, make_key
-from simsched.cpu_manager import CPUOffloadingManager, RankedCPUManager, tuple_set_order
+from simsched.model.request import key_group, key_ident, make_key
+from simsched.model.cpu_manager import CPUOffloadingManager, RankedCPUManager, tuple_set_order
 from simsched.vllm import releases as rel
 
 TPC = 16            # tokens per chunk, both groups

@@ -1,4 +1,4 @@
-from simsched import events as ev
+from simsched.model import events as ev
 
 
 def test_order_time_priority_sequence():

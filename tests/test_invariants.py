@@ -41,22 +41,24 @@ def src():
     Compiled model modules (mypyc, at install) call each other natively, past any patched class
     attribute; the source modules, imported afresh for the test alone, take the patch. The
     modules imported before are restored afterwards."""
-    names = [f"simsched.{m}" for m in simsched.COMPILED]
+    names = ["simsched." + m.replace("/", ".") for m in simsched.COMPILED]
     saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
     finder = PureSource()
     sys.meta_path.insert(0, finder)
     try:
-        mods = {m: importlib.import_module(f"simsched.{m}") for m in ("allocator", "cpu_manager",
-                                                                      "offload", "model")}
+        mods = {m: importlib.import_module(f"simsched.model.{m}")
+                for m in ("block_pool", "cpu_manager", "offloading_scheduler", "scheduler")}
     finally:
         sys.meta_path.remove(finder)
         for n in names:
             sys.modules.pop(n, None)
         sys.modules.update(saved)
         for n, mod in saved.items():
-            setattr(simsched, n.split(".")[1], mod)
+            parent, _, child = n.rpartition(".")
+            setattr(sys.modules[parent], child, mod)
     assert all(m.__file__.endswith(".py") for m in mods.values())
-    return SimpleNamespace(run_case=mods["model"].run_case, **mods)
+    return SimpleNamespace(run_case=mods["scheduler"].run_case,
+                           offload=mods["offloading_scheduler"], **mods)
 
 
 def test_load_case_is_clean_and_loads():
@@ -66,14 +68,14 @@ def test_load_case_is_clean_and_loads():
 
 
 def test_inv1_leaked_block(monkeypatch, src):
-    orig = src.allocator.BlockPool.free_blocks
-    monkeypatch.setattr(src.allocator.BlockPool, "free_blocks",
+    orig = src.block_pool.BlockPool.free_blocks
+    monkeypatch.setattr(src.block_pool.BlockPool, "free_blocks",
                         lambda self, blocks: orig(self, list(blocks)[1:]))
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) == "INV-1"
 
 
 def test_inv2_block_handed_to_two_requests(monkeypatch, src):
-    orig = src.allocator.BlockPool.get_new_blocks
+    orig = src.block_pool.BlockPool.get_new_blocks
 
     def twice(self, n):
         out = orig(self, n)
@@ -81,7 +83,7 @@ def test_inv2_block_handed_to_two_requests(monkeypatch, src):
             out[0] = 1
             self.ref[1] += 1
         return out
-    monkeypatch.setattr(src.allocator.BlockPool, "get_new_blocks", twice)
+    monkeypatch.setattr(src.block_pool.BlockPool, "get_new_blocks", twice)
     assert inv_of(src.run_case(load_case(), "prefix-cacheable")) in ("INV-2", "INV-1")
 
 

@@ -85,7 +85,7 @@ def test_load_admission_leaves_the_in_flight_reservations_free():
 def _queue_after_pass(profile: str) -> tuple[list[str], int]:
     """One waiting pass that skipped x (no lookup result), then y (load admitted), and stopped
     at z; w was never reached."""
-    from simsched.allocator import WAITING, WAITING_FOR_LOAD
+    from simsched.model.request import WAITING, WAITING_FOR_LOAD
     from simsched.geometry import PROFILES
     from simsched.model import Model
     reqs = [{"id": r, "prompt": [[1, 32]]} for r in "xyzw"]
@@ -156,8 +156,8 @@ def _tier_evicts(request_ranks: bool, finish_first: bool) -> list[int]:
     """Request a stores 4 chunks (positions 16..64 tokens), then request b stores 2 new chunks
     into a full 4-chunk tier: the indices of a's chunks evicted."""
     from types import SimpleNamespace as NS
-    from simsched.allocator import make_key
-    from simsched.cpu_manager import RankedCPUManager
+    from simsched.model.request import make_key
+    from simsched.model.cpu_manager import RankedCPUManager
     cfgs = [NS(group_id=0, tokens_per_chunk=16)]
     keys_a, keys_b = [make_key(0, i) for i in range(4)], [make_key(0, 10 + i) for i in range(2)]
     a = NS(req=NS(rid="a"), groups=[NS(keys=keys_a)])

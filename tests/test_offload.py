@@ -1,5 +1,5 @@
-from simsched.allocator import make_key
-from simsched.cpu_manager import (HIT, HIT_PENDING, MISS, CPUOffloadingManager, RankedCPUManager,
+from simsched.model.request import make_key
+from simsched.model.cpu_manager import (HIT, HIT_PENDING, MISS, CPUOffloadingManager, RankedCPUManager,
                                   tuple_set_order)
 
 
@@ -199,7 +199,7 @@ def test_load_job_chunks_match_a_per_chunk_walk():
 def test_tuple_set_order_is_the_set_of_pairs_order():
     """tuple_set_order orders keys as the set of their (group_id, ident) tuples iterates."""
     import random
-    from simsched.allocator import key_group, key_ident
+    from simsched.model.request import key_group, key_ident
 
     for seed in range(200):
         rng = random.Random(seed)
@@ -224,7 +224,7 @@ def test_sliding_window_nulling_visits_every_block_a_store_reads():
     code = '''
 from simsched.lockstep import generate_case
 from simsched.model import run_case
-from simsched.offload import OffloadingConnectorScheduler
+from simsched.model.offloading_scheduler import OffloadingConnectorScheduler
 import simsched
 assert not simsched.compiled()
 meta = OffloadingConnectorScheduler.build_connector_meta

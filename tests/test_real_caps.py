@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from simsched import invariants as inv
-from simsched.allocator import make_key
+from simsched.model.request import make_key
 from simsched.case import Case
 from simsched.lockstep import lockstep, run_real
 from simsched.targets import Releases

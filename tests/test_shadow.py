@@ -7,8 +7,9 @@ import random
 from types import SimpleNamespace
 
 from simsched import invariants as inv
-from simsched.allocator import NULL, RING, GroupRule, Request, key_ident, make_key
-from simsched.offload import Job
+from simsched.model.block_pool import NULL
+from simsched.model.request import Request, key_ident, make_key
+from simsched.model.offloading_scheduler import Job
 from simsched.shadow import Shadow
 
 UNIT = 4
@@ -20,19 +21,19 @@ class RefShadow:
     def __init__(self, num_blocks, bpc):
         self.gpu, self.bpc = [None] * num_blocks, bpc
 
-    def write_computed(self, req, rules, start, end):
-        for r in rules:
-            table = req.tables[r.gid]
+    def write_computed(self, req, groups, start, end):
+        for gid, (bs, ring) in enumerate(groups):
+            table = req.tables[gid]
             if not table:
                 continue
-            if r.code == RING:
-                self.gpu[table[0]] = (r.gid, end, None)
+            if ring:
+                self.gpu[table[0]] = (gid, end, None)
                 continue
-            for i in range(start // r.bs, min(-(-end // r.bs), len(table))):
+            for i in range(start // bs, min(-(-end // bs), len(table))):
                 if table[i] != NULL:
-                    e = (i + 1) * r.bs
-                    self.gpu[table[i]] = (r.gid, e, req.ident_at(e)) if e <= end \
-                        else (r.gid, end, None)
+                    e = (i + 1) * bs
+                    self.gpu[table[i]] = (gid, e, req.ident_at(e)) if e <= end \
+                        else (gid, end, None)
 
     def read(self, bids):
         return tuple(self.gpu[b] for b in bids)
@@ -104,10 +105,7 @@ def test_shadow_matches_tuple_reference():
     for trial in range(300):
         nb, bpc, bs = rng.choice([6, 12, 24]), rng.choice([1, 2, 3]), rng.choice([4, 8])
         kinds = rng.sample(["full", "sliding_window", "mamba", "ring"], rng.randint(1, 3))
-        rules = [GroupRule(g, SimpleNamespace(kind=k, sliding_window=2 * bs, drafter=False,
-                                              attention_chunk_size=None, prefix_cacheable=True,
-                                              mamba_cache_mode="none"), bs, True)
-                 for g, k in enumerate(kinds)]
+        rules = [(bs, k == "ring") for k in kinds]
         geo = SimpleNamespace(tokens_per_hash=bs, groups=[
             SimpleNamespace(group_id=g, tokens_per_block=bs) for g in range(len(rules))])
         sh, ref = Shadow(nb, bpc), RefShadow(nb, bpc)

@@ -43,11 +43,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from simsched import invariants as inv
-from simsched.allocator import NULL, GroupRule, Request as IdentRequest, make_key
+from simsched.model.block_pool import NULL
+from simsched.model.request import Request as IdentRequest, make_key
 from simsched.case import Case
 from simsched.geometry import estimate_max_model_len, max_model_len
 from simsched.layout import LayoutError
-from simsched.model import STALL_STEPS, _token
+from simsched.model.scheduler import STALL_STEPS, _token
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
@@ -451,8 +452,9 @@ class _Run:
         mgrs = sched.kv_cache_manager.coordinator.single_type_managers
         self.block_sizes = [int(m.block_size) for m in mgrs]
         self.unit = math.gcd(tph, *self.block_sizes)
-        self.rules = [GroupRule(i, g, bs, layout.engine.enable_prefix_caching)
-                      for i, (g, bs) in enumerate(zip(layout.groups, self.block_sizes))]
+        # per group, what the shadow writes by: the block size, and whether it is a ring
+        self.shadow_groups = [(bs, g.kind == "ring")
+                              for g, bs in zip(layout.groups, self.block_sizes)]
         self.shadow = Shadow(layout.engine.num_gpu_blocks, self.bpc)
         self.tier: dict[Any, tuple] = {}          # offload key -> content (ready chunks)
         self.pending_reads: dict[int, set[int]] = {}
@@ -1151,7 +1153,7 @@ class _Run:
         for k, rid in enumerate(c_ids):
             nb = cached.new_block_ids[k]
             new_ids[rid] = ([list(b) for b in nb] if nb is not None
-                            else [[] for _ in self.rules])
+                            else [[] for _ in self.shadow_groups])
             before[rid] = cached.num_computed_tokens[k]
         preempted = sorted(getattr(out, "preempted_req_ids", None) or ())
         for rid in preempted:
@@ -1180,7 +1182,7 @@ class _Run:
         for rid, n in scheduled.items():
             self.counters["scheduled_tokens"] += n
             self.emit(f"sched {rid} {n}")
-            per_group = new_ids.get(rid) or [[] for _ in self.rules]
+            per_group = new_ids.get(rid) or [[] for _ in self.shadow_groups]
             self.emit(fmt_alloc(rid, per_group))
         new_stores = []
         for jid in sorted(store_jobs):
@@ -1232,7 +1234,7 @@ class _Run:
                 base = len(ident.tokens)
                 accepted = [_token(seed, self.index[rid], base + j) for j in range(a)]
                 ident.append_tokens(accepted[:max(0, ident.max_tokens - base)])
-            written = self.shadow.write_computed(ident, self.rules, start, start + n)
+            written = self.shadow.write_computed(ident, self.shadow_groups, start, start + n)
             self._note_writers(rid, written)
             if pr:
                 own = [b for b in written if self.appending.get(b) != rid]

@@ -20,8 +20,8 @@ import heapq
 from collections import OrderedDict
 from typing import Any, Final
 
-from simsched.allocator import Key, key_group, make_key
 from simsched.geometry import ConfigError
+from simsched.model.request import Key, key_group, make_key
 
 CPU_MANAGER_PY = "v1/kv_offload/cpu/manager.py"
 
@@ -48,7 +48,7 @@ class ChunkStatus:
         return self.ref_cnt >= 0
 
 
-_GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (allocator.make_key)
+_GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (request.make_key)
 
 
 def tuple_set_order(keys: list) -> list[Key]:

@@ -31,17 +31,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, Iterator
 
-from simsched import events as ev
 from simsched import invariants as inv
-from simsched.allocator import (ABORTED, CHUNKED, FINISHED, NULL, RING, RUNNING, WAITING,
-                                WAITING_FOR_LOAD, KVCacheManager, Request)
 from simsched.case import VOCAB, Case, RequestSpec, load_case
 from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
                                SINGLE_TYPE_MANAGER_PY, ConfigError, Profile, cache_block_size,
                                check_enough_kv_cache_memory, derive, effective_block_size,
                                max_model_len, partial_hash_hits, prefix_cacheable_groups,
                                retention_interval, validate_block_size)
-from simsched.offload import Job, ModelCrash, OffloadingConnectorScheduler
+from simsched.model import events as ev
+from simsched.model.block_pool import NULL
+from simsched.model.kv_cache_manager import KVCacheManager
+from simsched.model.offloading_scheduler import Job, ModelCrash, OffloadingConnectorScheduler
+from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_FOR_LOAD, Request
+from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
+                                                         CircularBufferManager)
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
@@ -118,12 +121,15 @@ class Model:
                                  retention_interval=retention_interval(layout, profile))
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
-        self.kv.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
-        self.kv.tokens_per_hash = geo.tokens_per_hash
+        self.kv.config.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
+        self.kv.config.tokens_per_hash = geo.tokens_per_hash
         self.off = OffloadingConnectorScheduler(geo, profile, case.asserts,
                                                 layout.engine.cpu_chunks,
                                                 layout.engine.enable_prefix_caching, layout)
         self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)
+        # per group, what the shadow writes by: the block size, and whether it is a ring
+        self.shadow_groups = [(m.block_size, isinstance(m, CircularBufferManager))
+                              for m in self.kv.managers]
         # Scheduler.need_mamba_block_aligned_split (an align-mode Mamba group, so the engine's
         # cache_config.mamba_cache_mode is "align"): prefill chunks are cut at block boundaries
         # of cache_config.block_size, the first attention group's block size (_mamba_split)
@@ -139,7 +145,7 @@ class Model:
         # fine-grained hash hits on: a prefill chunk also stops at the prompt's last hash
         # boundary, the only step end that registers its partial-tail Mamba state (_mamba_tail)
         self.mamba_tail_unit = geo.tokens_per_hash if (
-            self.mamba_split_bs and self.kv.partial_hash_hits
+            self.mamba_split_bs and self.kv.config.partial_hash_hits
             and geo.tokens_per_hash < geo.scheduler_block_size) else 0
         # 0.30.0+: under EAGLE's block drop that boundary is one hash unit lower
         self.mamba_tail_eagle_shift = profile.extra.get("mamba_tail_eagle_shift", True)
@@ -162,11 +168,11 @@ class Model:
         # requests (0.30.0+; 0.25.1-0.29.0: scheduled_running_reqs and not prefill_scheduled)
         self.spec_pad_after_hit: bool = profile.extra.get("spec_pad_after_hit", True)
         self.padded: set[str] = set()
-        self.kv.eagle_drop = bool(self.lookahead)
+        self.kv.config.eagle_drop = bool(self.lookahead)
         # the sparse-retention masks' EAGLE boundaries (KVCacheManager._reachable_mask)
-        self.kv.eagle_replay_pair = profile.extra.get("eagle_replay_pair", True)
-        self.kv.eagle_junction_below = profile.extra.get("eagle_junction_below", False)
-        self.kv.eagle_margin = (len(layout.groups) > 1
+        self.kv.config.eagle_replay_pair = profile.extra.get("eagle_replay_pair", True)
+        self.kv.config.eagle_junction_below = profile.extra.get("eagle_junction_below", False)
+        self.kv.config.eagle_margin = (len(layout.groups) > 1
                                 and profile.extra.get("eagle_hit_margin", False))
         # ChunkedLocalAttentionManager.find_longest_cache_hit asserts drop_eagle_block is False
         # ("Hybrid KV cache is not supported for eagle + chunked local attention.", every
@@ -175,7 +181,7 @@ class Model:
         self.eagle_chunked_assert = bool(
             self.lookahead and case.asserts and self.kv.hits_possible
             and not any(g.drafter for g in layout.groups)
-            and any(r.code == CHUNKED for r in self.kv.cacheable_rules))
+            and any(isinstance(m, ChunkedLocalAttentionManager) for m in self.kv.cacheable))
         # 0.33.0: with speculative decoding, update_from_output caches the blocks of a running
         # request's computed tokens once its new tokens are appended (rejections rolled back)
         self.cache_on_output = bool(spec is not None
@@ -612,7 +618,7 @@ class Model:
         """The model runner: computed tokens written (the shadow), one token sampled per
         request whose prefill is complete; finished requests leave (``FINISH``)."""
         kv, shadow = self.kv, self.shadow
-        rules, fences = kv.rules, self.pending_reads
+        rules, fences = self.shadow_groups, self.pending_reads
         fenced = fences.count           # per block: the pending store jobs that read it
         gids, ends, idents = shadow.gids, shadow.ends, shadow.idents
         unit = self.unit
@@ -733,7 +739,7 @@ class Model:
             return n
         bs = self.mamba_split_bs
         nt = req.num_tokens
-        if self.kv.eagle_drop:
+        if self.kv.config.eagle_drop:
             # "With Eagle, FullAttn prunes the last matching block, so back off one block to
             # avoid a Mamba cache miss" (get_mamba_prefill_checkpoint_position, 0.32.0+; inline
             # before): the block before the last whole one
@@ -772,7 +778,7 @@ class Model:
         0.30.0), ``get_mamba_prefill_checkpoint_position`` from 0.32.0 (which leaves the last
         prompt token to recompute: a prompt of whole hash units stops one unit short)."""
         h = self.mamba_tail_unit
-        eagle = self.kv.eagle_drop
+        eagle = self.kv.config.eagle_drop
         if self.mamba_split_below:
             tail = (num_prompt if eagle else num_prompt - 1) // h * h - (h if eagle else 0)
         else:
@@ -826,15 +832,15 @@ class Model:
             # (group id, block) of the blocks such a step writes, as the int objects the
             # tables (BlockPool.ids) hold
             blocks: list[tuple[Any, Any]] = []
-            for r in self.kv.rules:
-                gid = r.gid
+            for m in self.kv.managers:
+                gid = m.gid
                 table: list[Any] = req.tables[gid]
                 if not table:
                     continue
-                if r.code == RING:
+                if isinstance(m, CircularBufferManager):
                     blocks.append((gid, table[0]))
                     continue
-                bs = r.bs
+                bs = m.block_size
                 i = c // bs
                 b = (i + 1) * bs - 2
                 if b < bound:
@@ -899,15 +905,17 @@ class Model:
                         reserved += kv.remaining_blocks(r)
                     reserved += self.spec_step_blocks
                 la = 0 if ext else self.lookahead     # no lookahead slots for an async load
-                if (kv.admission_blocks(req, L, total, req.num_tokens, True) > pool.num_free()
+                free = pool.get_num_free_blocks()
+                if (kv.admission_blocks(req, L, total, req.num_tokens, True) > free
                         or kv.admission_blocks(req, L, total, total + n + la, False, la)
-                        > pool.num_free() - reserved):
+                        > free - reserved):
                     break
                 kv.apply_hit(req, L, total)
                 req.num_cached = L
             else:
                 L = req.num_computed
-                if kv.admission_blocks(req, 0, L, req.num_tokens, True) > pool.num_free():
+                if (kv.admission_blocks(req, 0, L, req.num_tokens, True)
+                        > pool.get_num_free_blocks()):
                     break
             if ext:
                 nb = kv.allocate_slots(req, 0, computed=L + ext)
@@ -1134,14 +1142,12 @@ class AsyncRun:
         return self.last_seq.get(req.rid, 0) <= self.processed_seq
 
     def defer_free(self, req: Request) -> None:
-        if self.m.kv.align_rules:
-            self.m.kv.forget(req)
+        self.m.kv.forget(req)
         blocks = [b for table in req.tables for b in table if b != NULL]
         for table in req.tables:
             table.clear()
         req.quiet_until = -1
         req.num_cached_blocks = [0] * len(req.tables)
-        req.leads = [0] * len(req.tables)
         if blocks:
             self.deferred.append((self.sched_seq, blocks))
 

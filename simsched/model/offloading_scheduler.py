@@ -6,10 +6,10 @@ Mirrors ``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py`` (0.2
 len(offload_block_ids)``, ``get_num_new_matched_tokens`` / ``_lookup_complete_chunks``,
 ``update_state_after_alloc`` (load jobs), ``_update_req_states``, ``build_connector_meta`` (flush
 of fenced blocks that get re-allocated), ``update_connector_output`` and ``request_finished``.
-The CPU tier it stores to and loads from is :mod:`simsched.cpu_manager`.
+The CPU tier it stores to and loads from is :mod:`simsched.model.cpu_manager`.
 
 An offload key is ``(group_id, block_hash)`` as in ``make_offload_key``, kept as one int
-(``allocator.make_key``, taken apart by ``key_group`` / ``key_ident``); every key also has a
+(``request.make_key``, taken apart by ``key_group`` / ``key_ident``); every key also has a
 request-relative hash index (kept beside it) for traces. Where vLLM raises, the model raises
 :class:`ModelCrash` (a :class:`~simsched.geometry.ConfigError`) naming the vLLM function.
 """
@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from simsched.allocator import ABORTED, NULL, Key, Request, make_key, window_reachable_blocks
-from simsched.cpu_manager import HIT_PENDING, MISS, CPUOffloadingManager, RankedCPUManager
 from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
                                offload_key_indices, prefix_cacheable_groups,
                                retention_interval)
+from simsched.model.block_pool import NULL
+from simsched.model.cpu_manager import (HIT_PENDING, MISS, CPUOffloadingManager,
+                                        RankedCPUManager)
+from simsched.model.request import ABORTED, Key, Request, make_key
+from simsched.model.single_type_kv_cache_manager import window_reachable_blocks
+
 
 class ModelCrash(ConfigError):
     """An exception the real scheduler raises at run time (stage = the vLLM function's role)."""
