@@ -54,7 +54,7 @@ HINTS = {
     "sched": "scheduling: token budget, running-before-waiting order, prefill chunking, "
              "admission after a load (model._step / Scheduler.schedule)",
     "alloc": "block allocation: free-queue order (LIFO for unhashed blocks), GPU prefix-hit "
-             "length, sliding-window null placeholders (allocator.py / block_pool.py, "
+             "length, sliding-window null placeholders (model/kv_cache_manager.py / block_pool.py, "
              "single_type_kv_cache_manager.py)",
     "preempt": "preemption order: which running request is preempted when the pool runs dry",
     "store": "store job chunking: storable_chunks, reachable-block mask, keys chosen per chunk "

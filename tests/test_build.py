@@ -19,7 +19,8 @@ import pytest
 import simsched
 
 ROOT = Path(__file__).resolve().parent.parent
-SHOW = ("import simsched, simsched.model as m, simsched.model.offloading_scheduler as o; "
+SHOW = ("import simsched, simsched.model.scheduler as m, "
+        "simsched.model.offloading_scheduler as o; "
         "print(simsched.compiled(), m.__file__, o.__file__)")
 
 
@@ -45,7 +46,8 @@ def test_stale_build_runs_the_sources(tmp_path):
         shutil.copy2(lib, tmp_path)
     r = python(SHOW, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("True "), (r.stdout, r.stderr)
-    os.utime(tmp_path / "simsched" / "offload.py")          # edited after the build
+    # a source edited after the build
+    os.utime(tmp_path / "simsched" / "model" / "offloading_scheduler.py")
     r = python(SHOW, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     is_compiled, *files = r.stdout.split()
@@ -63,10 +65,10 @@ def test_in_place_rebuild_is_not_stale(tmp_path):
     shutil.copytree(pkg, tmp_path / "simsched", ignore=shutil.ignore_patterns("__pycache__"))
     libs = [shutil.copy2(lib, tmp_path) for lib in pkg.parent.glob("*__mypyc*")]
     sources = tmp_path / "simsched"
-    t = max(p.stat().st_mtime for p in sources.glob("*.py"))
-    for src in sources.glob("*.py"):
+    t = max(p.stat().st_mtime for p in sources.rglob("*.py"))
+    for src in sources.rglob("*.py"):
         os.utime(src, (t, t))                               # every source edited at t
-    for shim in sources.glob("*.so"):
+    for shim in sources.rglob("*.so"):
         os.utime(shim, (t - 100, t - 100))                  # shims older than the sources
     for lib in libs:
         os.utime(lib, (t + 100, t + 100))                   # the library rebuilt after them
