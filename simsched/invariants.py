@@ -180,37 +180,22 @@ class ReadFences:
         self.jobs: dict[int, list] = {}
         self.count: list[int] = [0] * num_blocks
 
-    def add(self, jid: int, bids: list) -> None:
+    def add(self, jid: int, bids: list[int]) -> None:
         """Job ``jid`` reads the blocks ``bids`` (replacing its earlier blocks, as a dict
         assignment would). The list is kept as given (not copied): the caller leaves it as it
         is while the job is fenced (the model gives a store job's ``bids``, complete by then)."""
         self.pop(jid)
-        blocks: list = bids
-        self.jobs[jid] = blocks
-        count: list[int] = self.count
-        for bo in blocks:
-            b = bo
-            c = count[b]
-            if c:
-                count[b] = c + 1        # (not +=: a generic in-place add when compiled)
-            else:
-                count[b] = 1            # (mostly: a literal, stored as the int object it is)
+        self.jobs[jid] = bids
+        for b in bids:
+            self.count[b] += 1
 
     def pop(self, jid: int, default: Any = None) -> Any:
         """Job ``jid`` has read its blocks (or never had any): its blocks, else ``default``."""
-        jobs = self.jobs
-        blocks = jobs.get(jid)          # (get and del: mypyc calls dict.pop with a default as
-        if blocks is None:              # a method, by name)
+        blocks = self.jobs.pop(jid, None)
+        if blocks is None:
             return default
-        del jobs[jid]
-        count: list[int] = self.count
-        for bo in blocks:
-            b = bo
-            c = count[b]
-            if c == 1:
-                count[b] = 0            # (mostly: a literal, as in add)
-            else:
-                count[b] = c - 1
+        for b in blocks:
+            self.count[b] -= 1
         return blocks
 
     def check(self, step: int, written: list, what: str, who: str
@@ -219,10 +204,8 @@ class ReadFences:
         written block a pending job still reads, named with the lowest such job."""
         if not self.jobs:
             return None
-        count = self.count
-        for bo in written:
-            b = bo
-            if count[b]:
+        for b in written:
+            if self.count[b]:
                 jids = [j for j, s in self.jobs.items() if b in s]
                 return InvariantViolation("INV-6", step, f"block {b} written by {what} {who} "
                                           f"while store job {min(jids)} still reads it")

@@ -711,7 +711,7 @@ class OffloadingConnectorScheduler:
                 visit = False
                 for gi in sw_groups:
                     gs = st.groups[gi]
-                    bids: list = gs.block_ids   # (IDs looked up as the int objects it holds)
+                    bids = gs.block_ids
                     stop = len(bids)
                     if prompt_only:
                         top = num_prompt // cfgs[gi].tokens_per_chunk * bpc
@@ -721,15 +721,7 @@ class OffloadingConnectorScheduler:
                     if start < stop:
                         visit = True
                     for j in range(start, stop):
-                        # _allocated_now(bids[j]), inlined (a NULL block is never marked)
-                        bo = bids[j]
-                        b = bo
-                        if mark is not None:
-                            m = mark[b]
-                            if m == now:
-                                bids[j] = NULL
-                                continue
-                        if in_set and bo in alloc:
+                        if self._allocated_now(bids[j]):
                             bids[j] = NULL
                 if not visit and rid not in new_blocks:     # (new ones: appended below)
                     idle.append(rid)

@@ -628,22 +628,15 @@ class Model:
         fast = not self.num_spec and asy is None
         for item in sched_reqs:
             if isinstance(item, Request):
-                # quiet decode: write_computed of one token that completes no block, inlined
+                # a quiet decode (see _fast_bound): one token that completes no block, written
+                # into the blocks _fast_bound found
                 req = item
                 end = req.num_computed + 1
-                eo = end
-                fb: list[tuple[Any, Any]] = req.fast_blocks
-                for go, bo in fb:
-                    b = bo
-                    gids[b] = go
-                    ends[b] = eo
-                    idents[b] = None
+                for gid, b in req.fast_blocks:
+                    gids[b], ends[b], idents[b] = gid, end, None
                 if fences.jobs:
-                    for _, bo in fb:
-                        b = bo
-                        if fenced[b]:
-                            self._violation(fences.check(step, [x for _, x in fb], "request",
-                                                         req.rid))
+                    written = [b for _, b in req.fast_blocks]
+                    self._violation(fences.check(step, written, "request", req.rid))
                 req.num_computed = end
                 if inflight and req.rid in inflight:
                     del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
@@ -829,12 +822,11 @@ class Model:
                     capped, cap = True, req.num_prompt
                 if not capped or cap >= store_at:
                     bound = min(bound, store_at - 2)        # c + 1 < store_at
-            # (group id, block) of the blocks such a step writes, as the int objects the
-            # tables (BlockPool.ids) hold
-            blocks: list[tuple[Any, Any]] = []
+            # (group id, block) of the blocks such a step writes
+            blocks: list[tuple[int, int]] = []
             for m in self.kv.managers:
                 gid = m.gid
-                table: list[Any] = req.tables[gid]
+                table = req.tables[gid]
                 if not table:
                     continue
                 if isinstance(m, CircularBufferManager):
@@ -845,11 +837,8 @@ class Model:
                 b = (i + 1) * bs - 2
                 if b < bound:
                     bound = b
-                if i < len(table):
-                    bo = table[i]
-                    bi = bo
-                    if bi != NULL:
-                        blocks.append((gid, bo))
+                if i < len(table) and table[i] != NULL:
+                    blocks.append((gid, table[i]))
             req.fast_blocks = blocks
         req.fast_until = bound
 
