@@ -613,13 +613,24 @@ class Model:
             asy.after_schedule(sched_reqs)
         return sched_reqs, stores
 
+    def _write_computed(self, step: int, req: Request, start: int, end: int) -> None:
+        """The forward pass wrote tokens ``[start, end)`` of ``req`` into its blocks: the shadow
+        records them, and INV-6 checks that no pending store job still reads one of them."""
+        fences = self.pending_reads
+        if fences.jobs:
+            # (the first written block a pending store reads, if any)
+            written = self.shadow.write_computed(req, self.shadow_groups, start, end, True,
+                                                 fences.count)
+            if written:
+                self._violation(fences.check(step, written, "request", req.rid))
+        else:
+            self.shadow.write_computed(req, self.shadow_groups, start, end, False)
+
     def execute_model(self, t: int, step: int, sched_reqs: list[Scheduled],
                       stores: list[Job]) -> None:
         """The model runner: computed tokens written (the shadow), one token sampled per
         request whose prefill is complete; finished requests leave (``FINISH``)."""
-        kv, shadow = self.kv, self.shadow
-        rules, fences = self.shadow_groups, self.pending_reads
-        fenced = fences.count           # per block: the pending store jobs that read it
+        kv, shadow, fences = self.kv, self.shadow, self.pending_reads
         gids, ends, idents = shadow.gids, shadow.ends, shadow.idents
         unit = self.unit
         seed = self.case.seed % VOCAB      # (see _token)
@@ -662,13 +673,7 @@ class Model:
                 base = len(req.tokens)
                 acc = [_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
-                if fences.jobs:
-                    # (the first written block a pending store reads, if any)
-                    written = shadow.write_computed(req, rules, start, end, True, fenced)
-                    if written:
-                        self._violation(fences.check(step, written, "request", req.rid))
-                else:
-                    shadow.write_computed(req, rules, start, end, False)
+                self._write_computed(step, req, start, end)
                 req.num_computed = end - (d - a)
                 if inflight:
                     inflight.pop(req.rid, None)
@@ -686,13 +691,7 @@ class Model:
                 else:
                     self.drafts[req.rid] = self.num_spec
                 continue
-            if fences.jobs:
-                # (the first written block a pending store reads, if any)
-                written = shadow.write_computed(req, rules, start, end, True, fenced)
-                if written:
-                    self._violation(fences.check(step, written, "request", req.rid))
-            else:
-                shadow.write_computed(req, rules, start, end, False)
+            self._write_computed(step, req, start, end)
             req.num_computed = end
             if end >= len(req.tokens):
                 if inflight and req.rid in inflight:
