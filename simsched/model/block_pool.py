@@ -129,9 +129,6 @@ class BlockPool:
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
-    def is_free(self, b: int) -> bool:
-        return self.ref[b] == 0
-
     def free_queue(self) -> list[int]:
         """The free blocks, head (next allocated) first."""
         return self.free_block_queue.get_all_free_blocks()

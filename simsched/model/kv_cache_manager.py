@@ -12,16 +12,11 @@
 
 from __future__ import annotations
 
-from typing import Final
-
 from simsched.model.block_pool import NULL, BlockPool
 from simsched.model.request import Request
 from simsched.model.single_type_kv_cache_manager import (
-    ChunkedLocalAttentionManager, CircularBufferManager, FullAttentionManager, MambaManager,
-    PrefixCacheConfig, SingleTypeKVCacheManager, SlidingWindowManager, make_manager)
-
-#: quiet_bound's "no bound": past every position
-NO_BOUND: Final = 1 << 62
+    NO_BOUND, ChunkedLocalAttentionManager, CircularBufferManager, FullAttentionManager,
+    MambaManager, PrefixCacheConfig, SingleTypeKVCacheManager, SlidingWindowManager, make_manager)
 
 
 class KVCacheManager:
@@ -42,7 +37,6 @@ class KVCacheManager:
             make_manager(i, g, bs, enable_prefix_caching, self.pool, self.config,
                          max_in_flight_tokens, self.offers, mamba_tail_recache)
             for i, (g, bs) in enumerate(zip(groups, block_sizes))]
-        self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len: int = 0         # set by the model (0: no cap)
         # a Mamba group without align mode disables GPU prefix hits altogether
         self.hits_possible = enable_prefix_caching and not any(
@@ -353,6 +347,3 @@ class KVCacheManager:
             m.forget(req)
         if self.offers:
             self.offers[:] = [o for o in self.offers if o[0] != req.rid]
-
-    def num_held(self) -> int:
-        return self.pool.num_blocks - 1 - self.pool.get_num_free_blocks()

@@ -27,10 +27,13 @@ front of the free queue.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Final, Sequence
 
 from simsched.model.block_pool import NULL, BlockPool
 from simsched.model.request import Key, Request
+
+#: quiet_bound's "no bound": past every position
+NO_BOUND: Final = 1 << 62
 
 
 class PrefixCacheConfig:
@@ -254,8 +257,9 @@ class SingleTypeKVCacheManager:
 
     def quiet_bound(self, req: Request, first_real_block: int) -> int:
         """The largest ``num_computed`` at which block ``first_real_block`` is still in reach
-        (``get_num_skipped_tokens(c) < (first_real_block + 1) * block_size``)."""
-        return 1 << 62
+        (``get_num_skipped_tokens(c) < (first_real_block + 1) * block_size``); none skips
+        by default."""
+        return NO_BOUND
 
     def forget(self, req: Request) -> None:
         """``pop_blocks_for_free``: the request's per-manager state is dropped."""
