@@ -698,8 +698,6 @@ class OffloadingConnectorScheduler:
         if sw_groups and (alloc or marked):
             bpc = self.bpc
             prompt_only = self.prompt_only
-            now = self.alloc_batch
-            in_set = bool(alloc)
             # every state in req_status, but those whose windows hold no block to visit (not in
             # held; a state with none left leaves it here); only the blocks from next_stored on
             # that a store can still read: with offload_prompt_only, those of the prompt's whole
