@@ -1,8 +1,9 @@
 """Build hook: compiles the model modules (``simsched.COMPILED``) with mypyc at install.
 
 ``pip install -e .`` (or ``pip install .``) compiles the model's modules (``simsched/model/*.py``,
-``invariants.py``, ``shadow.py``, ... as listed) into extension modules
-beside them (under a minute of CPU with gcc and the Python headers); the ``.py`` files stay the specification and run unchanged when
+``invariants.py``, ``shadow.py``, ... as listed) into extension modules beside them (under a
+minute of CPU with gcc and the Python headers); the ``.py`` files stay the specification and run
+unchanged when
 ``SIMSCHED_PURE=1`` is set at install (nothing compiled) or at run time (source imported ahead of
 the compiled modules, see ``simsched/__init__.py``). Everything else is in ``pyproject.toml``.
 """

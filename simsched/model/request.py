@@ -1,5 +1,6 @@
 """A request as the scheduler, the KV cache manager and the connector see it
-(``vllm/v1/request.py``), and the keys that name its KV: the block hashes of the GPU prefix cache and the offload keys.
+(``vllm/v1/request.py``), and the keys that name its KV: the block hashes of the GPU prefix
+cache and the offload keys.
 
 A key names a group's KV for a token prefix: the group ID and the prefix's identity
 (``Request.ident``, a chained hash of the tokens, a signed 64-bit int in [-2**63, 2**63)), as
