@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import workload  # noqa: E402
 
-from simsched.geometry import profile_for_release  # noqa: E402
 from simsched.lockstep import LAYOUTS, generate_case, lockstep, run_real  # noqa: E402
 from simsched.model import run_case  # noqa: E402
+from simsched.profiles import profile_for_release  # noqa: E402
 from simsched.targets import Releases  # noqa: E402
 
 

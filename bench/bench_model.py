@@ -101,7 +101,7 @@ def model_build() -> str:
 
 def side_by_side(versions: list[str], sizes: list[int], runs: int) -> None:
     """Model (fast mode) and bare real Scheduler alternately on one workload; CPU-time medians."""
-    from simsched.geometry import profile_for_release
+    from simsched.profiles import profile_for_release
     from simsched.targets import Releases
 
     print(f"Median of {runs} alternating runs per row (model in fast mode: checks=fast, "

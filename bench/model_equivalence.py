@@ -33,8 +33,8 @@ def gen(path: str, lockstep_seeds: int, n_hypothesis: int) -> None:
     from hypothesis import HealthCheck, given, settings
 
     from fuzz.strategies import cases
-    from simsched.geometry import PROFILES
     from simsched.lockstep import LAYOUTS, generate_case
+    from simsched.profiles import PROFILES
 
     profiles = list(PROFILES)
     out = []

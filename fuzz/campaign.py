@@ -45,10 +45,10 @@ from fuzz import triage as tri
 from fuzz.database import open_database
 from fuzz.strategies import cases, edge_scores, family_of
 from simsched.case import Case, Timing
-from simsched.geometry import PROFILES
 from simsched.invariants import INV_OPS
 from simsched.layout import Engine, Layout, LayoutError, deployment_refusal
 from simsched.outcome import Observation, Signature, crash_signature, describe
+from simsched.profiles import PROFILES
 from simsched.replay import observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
 

@@ -48,9 +48,9 @@ from fuzz import triage as tri
 from fuzz.campaign import simplify
 from fuzz.strategies import cases
 from simsched.case import Case
-from simsched.geometry import get_profile
 from simsched.lockstep import HANDMADE, diff_traces
 from simsched.outcome import Observation, describe
+from simsched.profiles import get_profile
 from simsched.replay import observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
 

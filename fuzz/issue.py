@@ -184,10 +184,10 @@ def _differ(a, b) -> str:
 
 
 def fix_hint(data: dict) -> str:
-    """Where the behaviour profiles say the fix belongs (``geometry.PROFILES``): the profile of
+    """Where the behaviour profiles say the fix belongs (``profiles.PROFILES``): the profile of
     the newest affected release against the clean release after it (the fix) or before it (the
     regression), and the profiles under which simsched's model predicts the finding."""
-    from simsched.geometry import profile_for_release
+    from simsched.profiles import profile_for_release
     from simsched.vllm.releases import release_of
     affected, clean = data["releases_affected"], data["releases_clean"]
     lines = []

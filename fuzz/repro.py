@@ -119,7 +119,7 @@ def issue_text(data: dict, case_text: str, outcomes: dict, trace: list[str] | No
 def model_trace(case, data: dict) -> list[str] | None:
     """The model's trace of the case under the first profile that shows the finding, or under
     the profile of the first affected release."""
-    from simsched.geometry import profile_for_release
+    from simsched.profiles import profile_for_release
     from simsched.vllm.releases import release_of
     from simsched.model import run_case
     names = data["profiles_affected"] or [profile_for_release(release_of(v)).name

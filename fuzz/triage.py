@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simsched.geometry import PROFILES
 from simsched.invariants import INV_OPS
 from simsched.layout import Layout
+from simsched.profiles import PROFILES
 from simsched.vllm.releases import is_release
 
 BUG, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED, TOOL_ERROR = (

@@ -19,7 +19,9 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 #: modules compiled at install, by their paths in the package ``simsched`` (the model's, and the
-#: case, layout, geometry and oracles it runs with)
+#: case, layout, geometry and oracles it runs with). Not ``profiles``: a campaign reads a profile
+#: through a :class:`~simsched.profiles.RecordingProfile`, whose attribute reads a compiled class
+#: would not let it see.
 COMPILED = ("case", "geometry", "invariants", "layout", "shadow", "trace",
             "model/block_pool", "model/cpu_manager", "model/events", "model/kv_cache_manager",
             "model/offloading_scheduler", "model/request", "model/scheduler",

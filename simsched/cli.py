@@ -30,7 +30,7 @@ def _fail(msg: str) -> int:
 
 
 def cmd_profiles(args) -> int:
-    from simsched.geometry import DEFAULT_PROFILE, PROFILES
+    from simsched.profiles import DEFAULT_PROFILE, PROFILES
     for p in PROFILES.values():
         rel = ", ".join(p.releases) if p.releases else "upstream proposal"
         mark = " (default)" if p.name == DEFAULT_PROFILE else ""
@@ -40,7 +40,8 @@ def cmd_profiles(args) -> int:
 
 def cmd_geometry(args) -> int:
     from simsched.case import load_case
-    from simsched.geometry import DEFAULT_PROFILE, config_outcome
+    from simsched.geometry import config_outcome
+    from simsched.profiles import DEFAULT_PROFILE
     case = load_case(args.case)
     num = case.requests[0].prompt_len if case.requests else 0
     out = config_outcome(case.layout, num, args.profile or DEFAULT_PROFILE, case.asserts)
@@ -55,8 +56,8 @@ def cmd_replay(args) -> int:
     died or hung is a tool error (exit 2 when nothing else showed); if nothing showed and no
     release could run it, exit 3."""
     from simsched.case import load_case
-    from simsched.geometry import PROFILES, get_profile
     from simsched.outcome import describe
+    from simsched.profiles import PROFILES, get_profile
     from simsched.replay import observe
     from simsched.targets import ModelTarget, Releases
     case = load_case(args.case)

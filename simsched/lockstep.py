@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from simsched.case import Case
-from simsched.geometry import profile_for_release
 from simsched.outcome import Observation, Signature
+from simsched.profiles import profile_for_release
 from simsched.targets import model_crash
 
 DEFAULT_CASE_TIMEOUT = 120.0

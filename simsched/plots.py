@@ -41,10 +41,11 @@ from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from simsched.case import Case  # noqa: E402
-from simsched.geometry import (DEFAULT_PROFILE, PROFILES, ConfigError, Profile,  # noqa: E402
-                               derive, get_profile, resolve_block_sizes)
+from simsched.geometry import derive, resolve_block_sizes  # noqa: E402
 from simsched.layout import Layout, LayoutError  # noqa: E402
 from simsched.outcome import diff_config  # noqa: E402
+from simsched.profiles import (DEFAULT_PROFILE, PROFILES, ConfigError, Profile,  # noqa: E402
+                               get_profile)
 
 #: the repository root (the notebooks find ``notebooks/data`` and ``docs`` from here)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -371,7 +372,7 @@ def sweep(layout: Layout, knob: str, values: list, *, releases=None,
             out = outcomes[(name, i)]
             model = None
             if not name.startswith("model:"):
-                from simsched.geometry import profile_for_release
+                from simsched.profiles import profile_for_release
                 from simsched.vllm.releases import release_of
                 model = predicted[(profile_for_release(release_of(name)).name, i)]
             cells[(name, i)] = classify(out, model)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from simsched.case import Case
 from simsched.outcome import (Observation, Signature, crash_signature, describe, diff_config,
                               finding_signature)
-from simsched.targets import ModelTarget, ReleaseTarget
+from simsched.targets import ModelTarget, ReleaseTarget, SharedModelRuns
 
 __all__ = ["Observation", "observe", "shows", "run_release", "step_outcome"]
 
@@ -37,12 +37,10 @@ def run_release(target: ReleaseTarget, case: Case) -> dict:
 def _observe_models(case: Case, models: list[ModelTarget], outcomes: dict,
                     predicted: dict) -> list[Observation]:
     obs = []
+    runs = SharedModelRuns(case)
     for t in models:
-        outcome = predicted[t.profile.name] = t.config(case)
-        if outcome["status"] == "error":   # fails while configuring: no step would run
-            findings, steps = [dict(outcome, kind="crash")], 1
-        else:
-            findings, steps = t.run(case)
+        outcome, findings, steps = runs.outcome(t)
+        predicted[t.profile.name] = outcome
         outcomes[t.name] = dict(outcome, findings=findings, steps=steps)
         for f in findings:
             obs.append(Observation(finding_signature(f), t.name, dict(f, steps=steps), "model"))

@@ -7,12 +7,15 @@ first use) and closes them; nothing else in the project talks to a worker direct
 
 from __future__ import annotations
 
+import copy
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from simsched.case import Case
-from simsched.geometry import Profile, config_outcome, get_profile, profile_for_release
+from simsched.geometry import config_outcome
+from simsched.profiles import (Profile, RecordingProfile, answers_alike, get_profile,
+                               profile_for_release)
 
 
 def config_item(case: Case) -> dict:
@@ -61,9 +64,37 @@ class ModelTarget:
             return [dict(model_crash(e), kind="crash")], 0
         return result.findings, result.counters.get("steps", 0)
 
+    def outcome(self, case: Case) -> tuple[dict, list[dict], int]:
+        """The config outcome, the findings and the steps of ``case``: a config stage that
+        fails is a crash finding of one step, and no step runs."""
+        config = self.config(case)
+        if config["status"] == "error":
+            return config, [dict(config, kind="crash")], 1
+        findings, steps = self.run(case)
+        return config, findings, steps
+
     @classmethod
     def named(cls, profile: str) -> "ModelTarget":
         return cls(get_profile(profile))
+
+
+class SharedModelRuns:
+    """One case on the model under several profiles, run once per distinct behaviour: a profile
+    that gives every answer an earlier run got from its own profile (see
+    :func:`~simsched.profiles.answers_alike`) takes that run's outcome."""
+
+    def __init__(self, case: Case):
+        self.case = case
+        self.runs: list[tuple[list, tuple[dict, list[dict], int]]] = []
+
+    def outcome(self, target: ModelTarget) -> tuple[dict, list[dict], int]:
+        for answers, outcome in self.runs:
+            if answers_alike(answers, target.profile):
+                return copy.deepcopy(outcome)
+        recording = RecordingProfile(target.profile)
+        outcome = ModelTarget(recording).outcome(self.case)
+        self.runs.append((recording.answers, outcome))
+        return copy.deepcopy(outcome)
 
 
 @dataclass

@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 from fuzz.strategies import (BLOCK_SIZES, BLOCKS_PER_CHUNK, CHUNK_SIZES,  # noqa: E402
                              FAMILIES, WINDOWS)
 from simsched.case import Case  # noqa: E402
-from simsched.geometry import PROFILES  # noqa: E402
+from simsched.profiles import PROFILES  # noqa: E402
 
 GOLDEN_DIR = ROOT / "tests" / "data" / "model_golden"
 #: the profiles the corpus was recorded with, in their order then (the generated cases draw from

@@ -3,9 +3,9 @@ the vLLM source (not from the model's own output)."""
 
 import pytest
 
-from simsched.geometry import (PROFILES, ConfigError, config_outcome, derive,
-                               offload_key_indices, profile_for_release, retention_interval)
+from simsched.geometry import config_outcome, derive, offload_key_indices
 from simsched.layout import RETENTION_UNSET, Layout
+from simsched.profiles import PROFILES, ConfigError, profile_for_release, retention_interval
 
 FULL16_RING4 = Layout.from_json({"groups": [{"kind": "full", "block_size": 16},
                                             {"kind": "ring", "block_size": 4}]})
@@ -108,8 +108,8 @@ def test_offload_block_size_not_multiple_of_block():
 
 def test_zero_chunk_window_divides_by_zero_like_cdiv():
     # a fix proposal that keeps every group but lets a ring pass: window of a 0-token chunk
-    from simsched.geometry import window_full_attention_only
     from simsched.layout import Group
+    from simsched.profiles import window_full_attention_only
     with pytest.raises(ConfigError) as e:
         window_full_attention_only(Group("sliding_window", 16, sliding_window=128), 0)
     assert (e.value.exception, e.value.function) == ("ZeroDivisionError", "cdiv")

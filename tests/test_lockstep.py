@@ -478,8 +478,8 @@ def test_one_token_prompt_loaded_from_the_cpu_tier_livelocks(pool, version):
     assert not any(x.startswith("sched b ") for x in trace)
     # stopped at b's third load without a step of it (MAX_LOADS_UNSCHEDULED), not the step cap
     assert sum(1 for x in trace if x.startswith("load ") and x.split()[2] == "b") == 3
-    from simsched.geometry import profile_for_release
     from simsched.model import run_case
+    from simsched.profiles import profile_for_release
     model = run_case(case, profile_for_release(version))
     assert [f.get("inv_id") for f in model.findings] == ["INV-8"]
     eagle = {**ONE_TOKEN, "layout": {

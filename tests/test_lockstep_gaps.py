@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from simsched.case import Case
-from simsched.geometry import profile_for_release
 from simsched.lockstep import generate_case, lockstep
 from simsched.model import run_case
+from simsched.profiles import profile_for_release
 from simsched.targets import Releases
 
 LEGACY = ["0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"]

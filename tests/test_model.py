@@ -22,8 +22,8 @@ def test_single_request_clean():
 
 import pytest  # noqa: E402
 
-from simsched.geometry import PROFILES  # noqa: E402
 from simsched.model import cli_run  # noqa: E402
+from simsched.profiles import PROFILES  # noqa: E402
 
 RING_LAYOUTS = [[{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}],
                 [{"kind": "mla", "block_size": 64}, {"kind": "ring", "block_size": 4}]]

@@ -86,8 +86,8 @@ def _queue_after_pass(profile: str) -> tuple[list[str], int]:
     """One waiting pass that skipped x (no lookup result), then y (load admitted), and stopped
     at z; w was never reached."""
     from simsched.model.request import WAITING, WAITING_FOR_LOAD
-    from simsched.geometry import PROFILES
     from simsched.model import Model
+    from simsched.profiles import PROFILES
     reqs = [{"id": r, "prompt": [[1, 32]]} for r in "xyzw"]
     m = Model(Case.from_json({"layout": HANDMADE["load"]["layout"], "requests": reqs}),
               PROFILES[profile])

@@ -26,7 +26,7 @@ def test_load_window_covers_a_partial_rightmost_chunk():
     tpc)); other windowed groups keep their window."""
     from simsched.case import Case
     from simsched.model import Model
-    from simsched.geometry import PROFILES
+    from simsched.profiles import PROFILES
     layout = {"groups": [{"kind": "full", "block_size": 16},
                          {"kind": "sliding_window", "block_size": 16, "sliding_window": 128},
                          {"kind": "chunked_local", "block_size": 16, "attention_chunk_size": 64}],
@@ -47,8 +47,8 @@ def test_lookup_restarts_store_index_from_0330():
     ("Restarting at token 0: offer every chunk again."): a resumed request offers its hit chunks
     for storing again (prepare_store skips those still in the tier). 0.32.0 keeps the index."""
     from simsched.case import Case
-    from simsched.geometry import PROFILES
     from simsched.model import Model
+    from simsched.profiles import PROFILES
     case = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}],
                                       "engine": {"num_gpu_blocks": 64}},
                            "requests": [{"id": "a", "prompt": [[7, 64]]}]})
@@ -149,8 +149,8 @@ def test_load_job_chunks_match_a_per_chunk_walk():
     either end included)."""
     import random
     from simsched.case import Case
-    from simsched.geometry import PROFILES
     from simsched.model import Model
+    from simsched.profiles import PROFILES
     rng = random.Random(5)
     for it in range(300):
         bpc = rng.randint(1, 4)

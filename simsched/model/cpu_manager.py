@@ -20,8 +20,8 @@ import heapq
 from collections import OrderedDict
 from typing import Any, Final
 
-from simsched.geometry import ConfigError
 from simsched.model.request import Key, key_group, make_key
+from simsched.profiles import ConfigError
 
 CPU_MANAGER_PY = "v1/kv_offload/cpu/manager.py"
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from simsched.geometry import (SCHEDULER_PY, ConfigError, Geometry, GroupGeometry, Profile,
-                               offload_key_indices, prefix_cacheable_groups,
-                               retention_interval)
+from simsched.geometry import Geometry, GroupGeometry, offload_key_indices
 from simsched.model.block_pool import NULL
 from simsched.model.cpu_manager import (HIT_PENDING, MISS, CPUOffloadingManager,
                                         RankedCPUManager)
 from simsched.model.request import ABORTED, Key, Request, make_key
 from simsched.model.single_type_kv_cache_manager import window_reachable_blocks
+from simsched.profiles import SCHEDULER_PY, ConfigError, Profile, retention_interval
 
 
 class ModelCrash(ConfigError):
@@ -205,8 +204,7 @@ class OffloadingConnectorScheduler:
         self.tph = geometry.tokens_per_hash
         # the CPU tier's LRUCachePolicy: up to 0.30.0 an evictable list; from 0.31.0 recency ranks,
         # by request and token position from 0.33.0 (profile.extra["cpu_lru"])
-        lru = profile.extra.get("cpu_lru", "ranks" if profile.offloaded_groups is
-                                prefix_cacheable_groups else "list")
+        lru = profile.extra.get("cpu_lru", "list")
         self.tier: CPUOffloadingManager
         if lru == "list":
             self.tier = CPUOffloadingManager(cpu_chunks, asserts)
@@ -249,18 +247,21 @@ class OffloadingConnectorScheduler:
         # the boundary states the KV cache manager hands over (_build_boundary_store_jobs)
         self.cow_groups: frozenset = frozenset()
         # (0.29.0+; before, profile.extra["mamba_boundary_stores"] False, a Mamba group is stored
-        # chunk by chunk like the other groups and the boundary states are not handed over)
-        boundary_stores = profile.extra.get("mamba_boundary_stores", True)
-        self.boundary_stores: bool = boundary_stores
+        # chunk by chunk like the other groups and the boundary states are not handed over).
+        # Only align-mode Mamba groups hand states over: the profile is asked only then.
+        self.boundary_stores: bool = (layout is None or any(
+            g.kind == "mamba" and g.mamba_cache_mode == "align" for g in layout.groups)) \
+            and profile.extra.get("mamba_boundary_stores", True)
         if layout is not None:
             for g in self.cfgs:
                 grp = layout.groups[g.group_id]
                 if grp.kind == "mamba" and grp.mamba_cache_mode == "align":
                     self.mamba_align = g.tokens_per_chunk
-                    if boundary_stores:
+                    if self.boundary_stores:
                         self.cow_groups |= {g.group_id}
-        self.supports_max_load = profile.extra.get(
-            "max_load_tokens", profile.offloaded_groups is prefix_cacheable_groups)
+        self.supports_max_load = profile.extra.get("max_load_tokens", False)
+        # RequestOffloadState.storable_chunks clamps to the keyed chunks (0.30.0+)
+        self.keyed_chunk_clamp = profile.keyed_chunk_clamp
         self.finish_clamp = profile.extra.get("finish_store_clamp", profile.keyed_chunk_clamp)
         # 0.25.1: an EAGLE group's trailing chunk of each store is skipped for good
         self.eagle_tail_hole: bool = profile.extra.get("eagle_tail_hole", False)
@@ -290,7 +291,7 @@ class OffloadingConnectorScheduler:
         self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
                           if layout is not None and layout.groups[g.group_id].kind in
                           ("sliding_window", "sliding_window_mla")}
-        if layout is not None and profile.retention_check:
+        if layout is not None and self.sw_tokens and profile.retention_check:
             retention = retention_interval(layout, profile)
             for g in self.cfgs:
                 grp = layout.groups[g.group_id]
@@ -364,10 +365,10 @@ class OffloadingConnectorScheduler:
             if cfg.drafter and collect:
                 n = max(0, n - 1)
         elif cfg.drafter and num_tokens > st.req.num_prompt and not (
-                self.profile.keyed_chunk_clamp and st.req.finished):
+                self.keyed_chunk_clamp and st.req.finished):
             n = max(0, n - 1)
         n = min(n, len(gs.block_ids) // self.bpc)
-        if self.profile.keyed_chunk_clamp:
+        if self.keyed_chunk_clamp:
             n = min(n, len(gs.keys))
         return n
 

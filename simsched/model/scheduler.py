@@ -33,11 +33,9 @@ from typing import Any, Final, Iterator
 
 from simsched import invariants as inv
 from simsched.case import VOCAB, Case, RequestSpec, load_case
-from simsched.geometry import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES,
-                               SINGLE_TYPE_MANAGER_PY, ConfigError, Profile, cache_block_size,
+from simsched.geometry import (SINGLE_TYPE_MANAGER_PY, cache_block_size,
                                check_enough_kv_cache_memory, derive, effective_block_size,
-                               max_model_len, partial_hash_hits, prefix_cacheable_groups,
-                               retention_interval, validate_block_size)
+                               max_model_len, partial_hash_hits, validate_block_size)
 from simsched.model import events as ev
 from simsched.model.block_pool import NULL
 from simsched.model.kv_cache_manager import KVCacheManager
@@ -45,6 +43,8 @@ from simsched.model.offloading_scheduler import Job, ModelCrash, OffloadingConne
 from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_FOR_LOAD, Request
 from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
                                                          CircularBufferManager)
+from simsched.profiles import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
+                               retention_interval)
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
@@ -113,12 +113,19 @@ class Model:
         # VllmConfig.max_in_flight_tokens: max_num_batched_tokens per concurrent batch (two with
         # async scheduling)
         in_flight = timing.max_num_batched_tokens * (2 if layout.engine.async_scheduling else 1)
+        # MambaManager.tail_recache (0.32.0+), asked of the profile only for a Mamba group
+        tail_recache = any(g.kind == "mamba" for g in layout.groups) and bool(
+            profile.extra.get("mamba_tail_recache"))
+        # the retention interval: read by the sliding-window and Mamba managers' reachable-block
+        # masks only (reachable_block_mask), so asked of the profile only for such a group
+        retention = retention_interval(layout, profile) if any(
+            g.kind in ("sliding_window", "sliding_window_mla", "mamba")
+            for g in layout.groups) else None
         self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
                                  geo.scheduler_block_size, layout.engine.enable_prefix_caching,
                                  max_in_flight_tokens=in_flight,
-                                 mamba_tail_recache=(geo.tokens_per_hash if profile.extra.get(
-                                     "mamba_tail_recache") else 0),
-                                 retention_interval=retention_interval(layout, profile))
+                                 mamba_tail_recache=geo.tokens_per_hash if tail_recache else 0,
+                                 retention_interval=retention)
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
         self.kv.config.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
@@ -193,10 +200,9 @@ class Model:
         # Scheduler._spec_decode_step_blocks (0.31.0+): an async load is admitted only with the
         # blocks of one spec decode step free beyond the in-flight reservations
         self.spec_step_blocks = 0
-        if spec is not None and profile.extra.get(
-                "kv_holding_waiting", profile.offloaded_groups is prefix_cacheable_groups):
+        if spec is not None and profile.extra.get("kv_holding_waiting", False):
             slots = 1 + spec.num_tokens + self.lookahead
-            if profile.name == "prefix-cacheable":      # 0.31.0: by the scheduler block size
+            if profile.extra.get("spec_step_blocks_by_scheduler_block", False):   # 0.31.0
                 self.spec_step_blocks = -(-slots // geo.scheduler_block_size)
             else:                                       # per non-Mamba group
                 self.spec_step_blocks = sum(-(-slots // bs) for g, bs in
@@ -223,8 +229,7 @@ class Model:
         # is the two queues in the order they are drained: the first ``n_held`` are the first.
         self.waiting: list[Request] = []
         self.n_held = 0
-        self.kv_holding_first = profile.extra.get(
-            "kv_holding_waiting", profile.offloaded_groups is prefix_cacheable_groups)
+        self.kv_holding_first = profile.extra.get("kv_holding_waiting", False)
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
         self.delayed_free: dict[str, Request] = {}   # finished, blocks held until a load ends

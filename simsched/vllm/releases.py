@@ -19,7 +19,6 @@ by running the base venv's python with ``PYTHONPATH`` pointing at the release di
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import json

@@ -435,15 +435,16 @@ class _Run:
         self.bpc = int(getattr(cfg, "blocks_per_chunk", None)
                        or getattr(cfg, "block_size_factor", 1))
         gcfgs = []
-        for gc in cfg.kv_group_configs:
-            gid = int(gc.group_idx)
-            tpb = int(getattr(gc, "tokens_per_block", None) or getattr(gc, "gpu_block_size"))
+        for group_cfg in cfg.kv_group_configs:
+            gid = int(group_cfg.group_idx)
+            tpb = int(getattr(group_cfg, "tokens_per_block", None)
+                      or getattr(group_cfg, "gpu_block_size"))
             # cow_source: Mamba "align" (0.33.0+): stores come as one-block boundary jobs whose
             # block_indices name the block's index; the block table is not append-only there
             gcfgs.append(SimpleNamespace(group_id=gid, tokens_per_block=tpb,
                                          tokens_per_chunk=tpb * self.bpc,
-                                         cow_source=bool(getattr(gc, "requires_cow_source",
-                                                                 False))))
+                                         cow_source=bool(getattr(group_cfg,
+                                                                 "requires_cow_source", False))))
         self.gcfgs = gcfgs
         self.gcfg_by_id = {g.group_id: g for g in gcfgs}
         self.drafters = self._drafter_groups(cfg)
