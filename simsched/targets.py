@@ -7,7 +7,6 @@ first use) and closes them; nothing else in the project talks to a worker direct
 
 from __future__ import annotations
 
-import copy
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,11 +89,17 @@ class SharedModelRuns:
     def outcome(self, target: ModelTarget) -> tuple[dict, list[dict], int]:
         for answers, outcome in self.runs:
             if answers_alike(answers, target.profile):
-                return copy.deepcopy(outcome)
+                return _copied(outcome)
         recording = RecordingProfile(target.profile)
         outcome = ModelTarget(recording).outcome(self.case)
         self.runs.append((recording.answers, outcome))
-        return copy.deepcopy(outcome)
+        return _copied(outcome)
+
+
+def _copied(outcome: tuple[dict, list[dict], int]) -> tuple[dict, list[dict], int]:
+    """An outcome each profile can keep as its own (its config and its findings' dicts)."""
+    config, findings, steps = outcome
+    return dict(config), [dict(f) for f in findings], steps
 
 
 @dataclass
