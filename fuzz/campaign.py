@@ -460,6 +460,8 @@ class Campaign:
         self.families[fam] = self.families.get(fam, 0) + 1
         for k in case.layout.engine.to_json():
             self.knobs[k] = self.knobs.get(k, 0) + 1
+        for k in {k for r in case.requests for k in r.to_json() if k not in ("id", "prompt")}:
+            self.knobs[f"requests.{k}"] = self.knobs.get(f"requests.{k}", 0) + 1
         kinds = {g.kind for g in case.layout.groups}
         for k in kinds:
             self.knobs[f"kind:{k}"] = self.knobs.get(f"kind:{k}", 0) + 1

@@ -232,6 +232,12 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
         requests = tuple([dataclasses.replace(r, accept=tuple(
             draw(st.lists(_ints(0, spec.num_tokens), min_size=1, max_size=4))))
             if draw(_ints(0, 3)) else r for r in requests])
+    # now and then the CPU tier's ARC policy, and a request that reads no prefix cache (drawn
+    # last, as above)
+    if draw(_ints(0, 9)) == 9:
+        layout = layout.with_engine(eviction_policy="arc")
+    requests = tuple([dataclasses.replace(r, skip_reading_prefix_cache=True)
+                      if draw(_ints(0, 9)) == 9 else r for r in requests])
     return Case(layout=layout, requests=requests, timing=timing, asserts=flag)
 
 

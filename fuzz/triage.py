@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from simsched.invariants import INV_OPS
 from simsched.layout import Layout
+from simsched.model import unmodelled_knobs
 from simsched.profiles import PROFILES
 from simsched.vllm.releases import is_release
 
@@ -125,6 +126,8 @@ def triage_release(obs, layout: Layout, run_clean: bool | None) -> Triage | None
     # (then the bug of that run is the finding, and this is its consequence)
     if run_clean is False:
         return None
+    if unmodelled := unmodelled_knobs(layout):
+        return Triage(MODEL_GAP, ("model-gap", f"not modelled: {', '.join(unmodelled)}"))
     return Triage(MODEL_GAP, ("model-gap", sig.function))
 
 

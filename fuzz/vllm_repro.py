@@ -164,6 +164,8 @@ def _extra_config(case: Case) -> tuple[dict, int]:
             bpc = max(1, eng.offload_block_size // case.layout.groups[0].block_size)
     if not eng.offload_prompt_only:
         extra["offload_prompt_only"] = False
+    if eng.eviction_policy != "lru":
+        extra["eviction_policy"] = eng.eviction_policy
     return extra, bpc
 
 
@@ -199,9 +201,10 @@ def _requests(case: Case) -> str:
         params = {k: v for k, v in (("max_load_tokens", r.max_load_tokens),
                                     ("max_offload_tokens", r.max_offload_tokens))
                   if v is not None}
+        sampling = {"skip_reading_prefix_cache": True} if r.skip_reading_prefix_cache else {}
         segments = [tuple(s) for s in r.prompt]
         rows.append(f"({r.id!r}, {segments!r}, {r.arrival}, {r.decode}, {r.abort_at!r}, "
-                    f"{params!r})")
+                    f"{params!r}, {sampling!r})")
     return ",\n            ".join(rows)
 
 
@@ -623,7 +626,7 @@ NUM_GPU_BLOCKS, CPU_CHUNKS, BLOCKS_PER_CHUNK = {num_gpu_blocks}, {cpu_chunks}, {
 EXTRA_CONFIG = {extra!r}  # kv_connector_extra_config besides cpu_bytes_to_use
 MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN = {batched}, {seqs}, {max_model_len}
 STORE_LATENCY, LOAD_LATENCY = {store}, {load}  # steps until the worker reports a job done
-# (id, prompt segments (seed, length), arrival step, max_tokens, abort step, kv_transfer_params)
+# (id, segments (seed, length), arrival, max_tokens, abort step, kv_transfer_params, SamplingParams)
 REQUESTS = [{requests}]
 SEED, STEP_CAP{spec_names} = {seed}, {step_cap}{spec_values}
 {spec_constants}
@@ -667,9 +670,10 @@ def make_scheduler(model_dir):
 
 
 def make_request(index, hasher):
-    rid, segments, _, decode, _, params = REQUESTS[index]
+    rid, segments, _, decode, _, params, sampling = REQUESTS[index]
     tokens = [(seed * 7919 + i * 104729 + 17) % 32000 for seed, n in segments for i in range(n)]
     extra = {{"extra_args": {{"kv_transfer_params": params}}}} if params else {{}}
+    extra.update(sampling)
     return Request(request_id=rid, prompt_token_ids=tokens, pooling_params=None,
                    sampling_params=SamplingParams(max_tokens=decode, ignore_eos=True, **extra),
                    arrival_time=float(index), block_hasher=hasher)
@@ -692,7 +696,7 @@ def test_{name}(tmp_path):
 {debug_guard}    sched, hasher, hash_block_size = make_scheduler(tmp_path)
     pending = {{}}  # job id -> (step due, request of a load)
 {before_loop}    for t in range(STEP_CAP):
-        for i, (rid, _, arrival, _, abort_at, _) in enumerate(REQUESTS):
+        for i, (rid, _, arrival, _, abort_at, _, _) in enumerate(REQUESTS):
             if arrival == t{skip}:
                 sched.add_request(make_request(i, hasher))
 {abort_lines}        if not sched.has_requests() and not pending:

@@ -53,6 +53,9 @@ class RequestSpec:
     # (a step that scheduled drafts for it): accept[k % len(accept)], at most the drafts
     # scheduled; None accepts every draft
     accept: tuple[int, ...] | None = None
+    # SamplingParams.skip_reading_prefix_cache: the request reads no prefix cache, GPU or CPU
+    # (its blocks are still cached and offloaded)
+    skip_reading_prefix_cache: bool = False
 
     @property
     def withdrawn(self) -> bool:
@@ -111,6 +114,7 @@ class RequestSpec:
             max_offload_tokens=_int(obj, "max_offload_tokens", path, default=None, optional=True,
                                     lo=0),
             accept=accept,
+            skip_reading_prefix_cache=_bool(obj, "skip_reading_prefix_cache", path, False),
         )
 
     def to_json(self) -> dict:

@@ -261,6 +261,11 @@ class Speculative:
         return asdict(self)
 
 
+#: the CPU tier's built-in cache policies (``CachePolicyFactory``; before 0.27.0 the manager's
+#: ``_CACHE_POLICIES``): every release has both
+EVICTION_POLICIES = ("lru", "arc")
+
+
 @dataclass(frozen=True)
 class Engine:
     """The engine knobs that reach the offloading scheduler."""
@@ -277,6 +282,8 @@ class Engine:
     num_gpu_blocks: int = 1024
     cpu_chunks: int = 256                   # capacity of the CPU tier, in offload chunks
     offload_prompt_only: bool = True        # kv_connector_extra_config["offload_prompt_only"]
+    # kv_connector_extra_config["eviction_policy"]: the CPU tier's CachePolicy, "lru" or "arc"
+    eviction_policy: str = "lru"
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "engine") -> "Engine":
@@ -302,6 +309,7 @@ class Engine:
             num_gpu_blocks=_int(obj, "num_gpu_blocks", path, default=1024, lo=2, hi=1 << 20),
             cpu_chunks=_int(obj, "cpu_chunks", path, default=256, lo=1, hi=1 << 20),
             offload_prompt_only=_bool(obj, "offload_prompt_only", path, True),
+            eviction_policy=_choice(obj, "eviction_policy", path, EVICTION_POLICIES, "lru"),
         )
 
     def to_json(self) -> dict:

@@ -225,19 +225,19 @@ def test_a_cause_that_does_not_show_again_is_set_aside(tmp_path, monkeypatch):
     """A run that is not deterministic (here: the model shows an invariant on the first call
     only) makes hypothesis raise Flaky while shrinking: the campaign goes on, keeps the case as
     a tool error, and reports no finding for it."""
-    from simsched.targets import ModelTarget
+    from simsched.targets import SharedModelRuns
 
-    real, calls = ModelTarget.run, []
+    real, calls = SharedModelRuns.outcome, []
 
-    def once(self, case):
-        findings, steps = real(self, case)
-        if self.profile.name == "fix-assert-only" and not calls:
-            calls.append(case)
-            return findings + [{"kind": "invariant", "inv_id": "INV-5", "step": 0,
-                                "detail": "once", "what": "x"}], steps
-        return findings, steps
+    def once(self, target):
+        config, findings, steps = real(self, target)
+        if target.profile.name == "fix-assert-only" and not calls:
+            calls.append(self.case)
+            return config, findings + [{"kind": "invariant", "inv_id": "INV-5", "step": 0,
+                                        "detail": "once", "what": "x"}], steps
+        return config, findings, steps
 
-    monkeypatch.setattr(ModelTarget, "run", once)
+    monkeypatch.setattr(SharedModelRuns, "outcome", once)
     with Releases(()) as pool:
         data = Campaign(tmp_path, pool, model=True, run_releases=[], budget=3.0, seed_=1,
                         progress=lambda s: None).run()

@@ -25,6 +25,16 @@ __all__ = ["MAX_STEPS", "STALL_STEPS", "Model", "RunResult", "cli_run", "collect
            "crash_finding", "resolve_profile", "run_case"]
 
 
+def unmodelled_knobs(layout) -> list[str]:
+    """The knobs ``layout`` sets that the model does not mirror: the model runs as if they had
+    their default, and a step where a release differs from it on such a case is the model's gap,
+    named after the knob. The CPU tier's ARC policy (``policies/arc.py``) is not modelled."""
+    out = []
+    if layout.engine.eviction_policy != "lru":
+        out.append(f"engine.eviction_policy={layout.engine.eviction_policy}")
+    return out
+
+
 def __getattr__(name: str):
     """The scheduler's public names, imported on first use: the modules the oracles share
     (``block_pool``, ``request``) import without the whole model."""

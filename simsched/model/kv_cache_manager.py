@@ -77,7 +77,8 @@ class KVCacheManager:
         groups' longer hit when another group cut the hit short (``find_longest_cache_hit``'s
         ``num_uncached_common_prefix_tokens``), else 0."""
         self.junction = 0
-        if not self.hits_possible or not self.cacheable:
+        # prefix_cache_lookup_enabled: caching on and the request reads the prefix cache
+        if not self.hits_possible or not self.cacheable or req.skip_reading_prefix_cache:
             return 0
         config = self.config
         align = config.block_size

@@ -203,7 +203,8 @@ class OffloadingConnectorScheduler:
         self.bpc = geometry.blocks_per_chunk
         self.tph = geometry.tokens_per_hash
         # the CPU tier's LRUCachePolicy: up to 0.30.0 an evictable list; from 0.31.0 recency ranks,
-        # by request and token position from 0.33.0 (profile.extra["cpu_lru"])
+        # by request and token position from 0.33.0 (profile.extra["cpu_lru"]). A case's
+        # engine.eviction_policy "arc" is not modelled (simsched.model.unmodelled_knobs)
         lru = profile.extra.get("cpu_lru", "list")
         self.tier: CPUOffloadingManager
         if lru == "list":
@@ -399,7 +400,8 @@ class OffloadingConnectorScheduler:
             return None
         self.update_offload_keys(st, "get_num_new_matched_tokens")
         st.num_local = num_computed
-        hit = self._lookup_complete_chunks(st)
+        # a request that skips reading the prefix cache looks nothing up, and is still touched
+        hit = 0 if req.skip_reading_prefix_cache else self._lookup_complete_chunks(st)
         if hit and self.being_loaded and self._hits_being_loaded(st, hit):
             hit = None
         for cfg, gs in zip(self.cfgs, st.groups):

@@ -63,7 +63,7 @@ class Request:
                  "ident", "unit", "status", "tables", "arrival", "off", "num_cached",
                  "load_target", "finish_step", "num_cached_blocks", "quiet_until", "fast_until",
                  "fast_blocks", "key_lists", "prefix_of", "prefix_units",
-                 "shared_prefix_boundary")
+                 "shared_prefix_boundary", "skip_reading_prefix_cache")
 
     def __init__(self, rid: str, index: int, spec, prompt: Sequence[int], max_tokens: int,
                  unit: int, num_groups: int, prefix_of: Request | None = None,
@@ -83,6 +83,8 @@ class Request:
         self.status = WAITING
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.arrival = spec.arrival if spec is not None else 0
+        # SamplingParams.skip_reading_prefix_cache: no GPU prefix hit, no CPU lookup
+        self.skip_reading_prefix_cache: bool = spec is not None and spec.skip_reading_prefix_cache
         self.off: Any = None    # the connector's RequestOffloadState (offload.RequestOffloadState)
         self.num_cached = 0        # GPU prefix hit tokens at admission
         self.load_target = 0       # tokens computed once the in-flight load completes

@@ -232,6 +232,8 @@ class ConfigBuilder:
         extra["cpu_bytes_to_use"] = chunk_bytes * eng.cpu_chunks
         if not eng.offload_prompt_only:
             extra["offload_prompt_only"] = False
+        if eng.eviction_policy != "lru":
+            extra["eviction_policy"] = eng.eviction_policy
         kt = copy.copy(base.kv_transfer_config)
         kt.kv_connector_extra_config = extra
         vc.kv_transfer_config = kt

@@ -526,6 +526,8 @@ class _Run:
             ktp["max_offload_tokens"] = spec.max_offload_tokens
         if ktp:
             params["extra_args"] = {"kv_transfer_params": ktp}
+        if spec.skip_reading_prefix_cache:
+            params["skip_reading_prefix_cache"] = True
         sp = eng.SamplingParams(**params)
         prompt = spec.prompt_tokens()
         req = self._call("add_request", lambda: eng.probe.Request(

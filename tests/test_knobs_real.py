@@ -1,0 +1,100 @@
+"""The knobs of issue 20 on real releases: each test fails when the harness does not pass the
+knob to vLLM as a deployment does (the real run would then behave as without it)."""
+
+import pytest
+
+from simsched.case import Case
+from simsched.layout import LayoutError
+from simsched.lockstep import lockstep
+from simsched.targets import Releases
+
+VERSIONS = ["0.30.0", "0.33.0"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Releases.installed(VERSIONS, timeout=120) as p:
+        yield p
+
+
+def _repeat(skip: bool) -> Case:
+    """a's 64 tokens are stored to the CPU tier; b, the same prompt, arrives once a is done."""
+    return Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16}],
+                   "engine": {"num_gpu_blocks": 64}},
+        "requests": [{"id": "a", "prompt": [[1, 64]], "decode": 2},
+                     {"id": "b", "prompt": [[1, 64]], "decode": 2, "arrival": 6,
+                      "skip_reading_prefix_cache": skip}]})
+
+
+def _first_sched(trace: list[str], rid: str) -> int:
+    return next(int(line.split()[2]) for line in trace if line.startswith(f"sched {rid} "))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_skip_reading_prefix_cache_reaches_the_release(pool, version):
+    """Without the flag b is served by a prefix hit (a GPU hit and a load from the CPU tier);
+    with it (``SamplingParams.skip_reading_prefix_cache``) the release computes all 64 prompt
+    tokens and loads nothing, and the model agrees step by step."""
+    plain = lockstep(_repeat(False), version, pool)
+    assert plain.agree, plain.summary()
+    assert plain.real["counters"]["loads"] >= 1 and _first_sched(plain.real["trace"], "b") < 64
+
+    skip = lockstep(_repeat(True), version, pool)
+    assert skip.agree and skip.observations == [], skip.summary()
+    assert skip.real["counters"]["loads"] == 0
+    assert _first_sched(skip.real["trace"], "b") == 64
+
+
+def test_skip_reading_prefix_cache_must_be_a_bool():
+    case = _repeat(True).to_json()
+    assert case["requests"][1]["skip_reading_prefix_cache"] is True
+    case["requests"][1]["skip_reading_prefix_cache"] = "yes"
+    with pytest.raises(LayoutError, match=r"requests\[1\]\.skip_reading_prefix_cache"):
+        Case.from_json(case)
+
+
+def _evictions(policy: str) -> Case:
+    """A CPU tier of two chunks (a chunk is 32 tokens; each prompt keys one): a stores A, a2
+    reads A again, b stores B, c's store needs room. The evictable list (LRU) drops A, the least
+    recently used; ARC has moved A, read twice, to T2 and drops B from T1. d repeats a's prompt:
+    its chunk is stored again only where A was dropped."""
+    reqs = [("a", 1, 0), ("a2", 1, 5), ("b", 2, 10), ("c", 3, 15), ("d", 1, 20)]
+    return Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16}],
+                   "engine": {"num_gpu_blocks": 8, "cpu_chunks": 2, "blocks_per_chunk": 2,
+                              "eviction_policy": policy}},
+        "requests": [{"id": r, "prompt": [[seed, 48]], "decode": 1, "arrival": t}
+                     for r, seed, t in reqs]})
+
+
+def _stored_by(trace: list[str]) -> list[str]:
+    return [line.split()[2] for line in trace if line.startswith("store ")]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_arc_eviction_policy_reaches_the_release(pool, version):
+    """``engine.eviction_policy`` "arc" reaches the CPU tier (``kv_connector_extra_config``):
+    the release keeps the chunk read twice where LRU drops it; the model, which mirrors LRU
+    only, differs there, and the difference is the model's gap named after the knob."""
+    from fuzz.triage import MODEL_GAP, triage_release
+
+    lru = lockstep(_evictions("lru"), version, pool)
+    assert lru.agree, lru.summary()
+    assert _stored_by(lru.real["trace"]) == ["a", "b", "c", "d"]
+
+    arc = lockstep(_evictions("arc"), version, pool)
+    assert arc.real["status"] == "ok" and not arc.real["findings"], arc.summary()
+    assert _stored_by(arc.real["trace"]) == ["a", "b", "c"]
+    assert [o.signature.kind for o in arc.observations] == ["divergence"]
+    t = triage_release(arc.observations[0], arc.case.layout, True)
+    assert (t.klass, t.key) == (MODEL_GAP, ("model-gap",
+                                            "not modelled: engine.eviction_policy=arc"))
+
+
+def test_eviction_policy_is_lru_or_arc():
+    case = _evictions("arc").to_json()
+    assert case["layout"]["engine"]["eviction_policy"] == "arc"
+    case["layout"]["engine"]["eviction_policy"] = "lfu"
+    with pytest.raises(LayoutError, match=r"engine\.eviction_policy: must be one of lru, arc"):
+        Case.from_json(case)
