@@ -154,6 +154,12 @@ def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
                     yield replace(c, layout=replace(c.layout, groups=rest))
         for i in range(1, len(c.requests)):
             yield replace(c, requests=c.requests[:i] + c.requests[i + 1:])
+        for i in range(len(c.events)):
+            yield replace(c, events=c.events[:i] + c.events[i + 1:])
+        for i, r in enumerate(c.requests):
+            if r.skip_reading_prefix_cache:
+                plain = replace(r, skip_reading_prefix_cache=False)
+                yield replace(c, requests=c.requests[:i] + (plain,) + c.requests[i + 1:])
         default = Engine()
         for f in fields(Engine):
             if getattr(c.layout.engine, f.name) != getattr(default, f.name):
@@ -462,6 +468,8 @@ class Campaign:
             self.knobs[k] = self.knobs.get(k, 0) + 1
         for k in {k for r in case.requests for k in r.to_json() if k not in ("id", "prompt")}:
             self.knobs[f"requests.{k}"] = self.knobs.get(f"requests.{k}", 0) + 1
+        for k in {f"events.{e.do}" for e in case.events}:
+            self.knobs[k] = self.knobs.get(k, 0) + 1
         kinds = {g.kind for g in case.layout.groups}
         for k in kinds:
             self.knobs[f"kind:{k}"] = self.knobs.get(f"kind:{k}", 0) + 1

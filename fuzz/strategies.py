@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from hypothesis import strategies as st
 
-from simsched.case import Case, RequestSpec, Timing
+from simsched.case import Case, CaseEvent, RequestSpec, Timing
 from simsched.layout import (KINDS, RETENTION_UNSET, Engine, Group, Layout, RetentionUnset,
                              Speculative, dcp_refusal)
 
@@ -238,7 +238,10 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
         layout = layout.with_engine(eviction_policy="arc")
     requests = tuple([dataclasses.replace(r, skip_reading_prefix_cache=True)
                       if draw(_ints(0, 9)) == 9 else r for r in requests])
-    return Case(layout=layout, requests=requests, timing=timing, asserts=flag)
+    # and an operator's reset_prefix_cache call (refused while a block is in use)
+    events = ((CaseEvent(step=draw(_pick((6, 2, 12))), do="reset_prefix_cache"),)
+              if draw(_ints(0, 9)) == 9 else ())
+    return Case(layout=layout, requests=requests, timing=timing, asserts=flag, events=events)
 
 
 def edge_scores(case: Case) -> dict[str, float]:

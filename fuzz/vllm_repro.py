@@ -325,7 +325,8 @@ def _optional(case: Case, data: dict) -> dict:
     aborts = any(r.abort_at is not None for r in case.requests)
     parts = {"skip": " and rid not in withdrawn" if aborts else "",
              "request_imports": "Request, RequestStatus" if aborts else "Request",
-             "before_loop": "", "abort_lines": "", "pytest_import": "", "debug_guard": "",
+             "before_loop": "", "abort_lines": "", "event_lines": "", "pytest_import": "",
+             "debug_guard": "",
              "offload_import": "", "helpers": "", "after_schedule": "", "job_check": "",
              "after_update": "",
              "config_imports": "", "dataclasses_import": "", "outputs_imports": "",
@@ -337,6 +338,11 @@ def _optional(case: Case, data: dict) -> dict:
         parts["abort_lines"] = (
             "            if abort_at is not None and abort_at <= t and rid in sched.requests:\n"
             "                sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)\n")
+    if case.events:   # Case.events: reset_prefix_cache calls while requests are unfinished
+        times = sorted({e.step for e in case.events})
+        parts["event_lines"] = (
+            f"        if t in {set(times)!r} and (sched.has_requests() or any(r[2] > t for r in "
+            "REQUESTS)):\n            sched.reset_prefix_cache()  # an operator's call\n")
     if not case.asserts:   # the layout's bug is what breaks where python -O strips an assert
         parts["pytest_import"] = "import pytest\n"
         parts["debug_guard"] = ("    if __debug__:\n        pytest.fail(\"vLLM's asserts refuse "
@@ -699,7 +705,7 @@ def test_{name}(tmp_path):
         for i, (rid, _, arrival, _, abort_at, _, _) in enumerate(REQUESTS):
             if arrival == t{skip}:
                 sched.add_request(make_request(i, hasher))
-{abort_lines}        if not sched.has_requests() and not pending:
+{abort_lines}{event_lines}        if not sched.has_requests() and not pending:
             if all(r[2] <= t for r in REQUESTS):
                 return  # every request finished
             continue  # nothing to do before the next arrival

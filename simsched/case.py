@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
-from simsched.layout import Layout, LayoutError, _bool, _int, _take
+from simsched.layout import Layout, LayoutError, _bool, _choice, _int, _take
 
 CASE_FORMAT = "simsched-case/1"
 VOCAB: Final = 32000
@@ -150,6 +150,28 @@ class Timing:
                 if getattr(self, f.name) != f.default}
 
 
+#: what a case event does: ``Scheduler.reset_prefix_cache()``, as an operator's
+#: ``/reset_prefix_cache`` call reaches the engine core between two steps
+EVENT_KINDS = ("reset_prefix_cache",)
+
+
+@dataclass(frozen=True)
+class CaseEvent:
+    """An engine call at a time of the case's clock (the one of arrivals and aborts): after that
+    time's arrivals and aborts, before its step is scheduled."""
+
+    step: int
+    do: str
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str) -> "CaseEvent":
+        obj = _take(obj, path, {"step", "do"})
+        return cls(step=_int(obj, "step", path, lo=0), do=_choice(obj, "do", path, EVENT_KINDS))
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "do": self.do}
+
+
 @dataclass(frozen=True)
 class Case:
     layout: Layout
@@ -157,10 +179,12 @@ class Case:
     timing: Timing = field(default_factory=Timing)
     seed: int = 0
     asserts: bool = True    # False: run vLLM with asserts stripped (python -O)
+    events: tuple[CaseEvent, ...] = ()
 
     @classmethod
     def from_json(cls, obj: Any) -> "Case":
-        obj = _take(obj, "", {"format", "layout", "requests", "timing", "seed", "asserts"})
+        obj = _take(obj, "", {"format", "layout", "requests", "timing", "seed", "asserts",
+                              "events"})
         fmt = obj.get("format", CASE_FORMAT)
         if fmt != CASE_FORMAT:
             raise LayoutError("format", f"expected {CASE_FORMAT!r}, got {fmt!r}")
@@ -175,10 +199,15 @@ class Case:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise LayoutError("requests", f"duplicate request id {dup!r}")
+        events = obj.get("events", [])
+        if not isinstance(events, list):
+            raise LayoutError("events", "expected a list of events")
         return cls(layout=layout, requests=parsed,
                    timing=Timing.from_json(obj.get("timing", {})),
                    seed=_int(obj, "seed", "", default=0, lo=0, hi=(1 << 63) - 1),
-                   asserts=_bool(obj, "asserts", "", True))
+                   asserts=_bool(obj, "asserts", "", True),
+                   events=tuple(CaseEvent.from_json(e, f"events[{i}]")
+                                for i, e in enumerate(events)))
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"format": CASE_FORMAT, "layout": self.layout.to_json(),
@@ -190,6 +219,8 @@ class Case:
             out["seed"] = self.seed
         if not self.asserts:
             out["asserts"] = False
+        if self.events:
+            out["events"] = [e.to_json() for e in self.events]
         return out
 
     def dumps(self) -> str:

@@ -98,3 +98,45 @@ def test_eviction_policy_is_lru_or_arc():
     case["layout"]["engine"]["eviction_policy"] = "lfu"
     with pytest.raises(LayoutError, match=r"engine\.eviction_policy: must be one of lru, arc"):
         Case.from_json(case)
+
+
+def _reset(at: int | None) -> Case:
+    """a stores its 64 tokens and finishes; b repeats the prompt at 8; a reset at ``at``."""
+    return Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16}],
+                   "engine": {"num_gpu_blocks": 64}},
+        "requests": [{"id": "a", "prompt": [[1, 64]], "decode": 2},
+                     {"id": "b", "prompt": [[1, 64]], "decode": 2, "arrival": 8}],
+        "events": [] if at is None else [{"step": at, "do": "reset_prefix_cache"}]})
+
+
+def _loaded_blocks(trace: list[str], rid: str) -> int:
+    return sum(len(line.split()) - 3 for line in trace if line.startswith("load ")
+               and line.split()[2] == rid)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_reset_prefix_cache_event_empties_the_gpu_prefix_cache(pool, version):
+    """Without a reset b hits a's three full blocks on the GPU and loads the fourth; a reset
+    once a is done (step 6) empties the GPU prefix cache, and b loads all four from the CPU
+    tier; a reset while a runs (step 1) is refused. The model agrees step by step."""
+    plain = lockstep(_reset(None), version, pool)
+    assert plain.agree and _loaded_blocks(plain.real["trace"], "b") == 1, plain.summary()
+    done = lockstep(_reset(6), version, pool)
+    assert done.agree and done.observations == [], done.summary()
+    assert "reset_prefix_cache ok" in done.real["trace"]
+    assert _loaded_blocks(done.real["trace"], "b") == 4
+    busy = lockstep(_reset(1), version, pool)
+    assert busy.agree and "reset_prefix_cache refused" in busy.real["trace"], busy.summary()
+    assert _loaded_blocks(busy.real["trace"], "b") == 1
+
+
+def test_events_are_validated():
+    case = _reset(6).to_json()
+    assert Case.from_json(case).events[0].do == "reset_prefix_cache"
+    case["events"] = [{"step": 2, "do": "reset_everything"}]
+    with pytest.raises(LayoutError, match=r"events\[0\]\.do: must be one of reset_prefix_cache"):
+        Case.from_json(case)
+    case["events"] = [{"step": -1, "do": "reset_prefix_cache"}]
+    with pytest.raises(LayoutError, match=r"events\[0\]\.step"):
+        Case.from_json(case)

@@ -175,6 +175,16 @@ class BlockPool:
                 self.free_block_queue.remove(b)
             self.ref[b] += 1
 
+    def reset_prefix_cache(self) -> bool:
+        """``reset_prefix_cache``: every hash dropped, only while no block but the null block is
+        in use (a running request's blocks could not be told from fresh ones); the free queue
+        keeps its order."""
+        if self.get_num_free_blocks() != self.num_blocks - 1:
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.key = [None] * self.num_blocks
+        return True
+
     def holder(self, k: Key) -> int | None:
         """``get_cached_block``: the block a hit on key ``k`` takes, None if none carries it."""
         return self.cached_block_hash_to_block.get_one_block(k)

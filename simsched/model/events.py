@@ -21,7 +21,10 @@ ABORT: Final = 3
 STEP: Final = 4
 FINISH: Final = 5
 PREEMPT: Final = 6
-KIND_NAMES = ("store_done", "load_done", "arrival", "abort", "step", "finish", "preempt")
+# a case event (Case.events): after the arrivals and aborts of its time, before the step
+CASE_EVENT: Final = 7
+KIND_NAMES = ("store_done", "load_done", "arrival", "abort", "step", "finish", "preempt",
+              "case_event")
 
 
 class EventQueue:

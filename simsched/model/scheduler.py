@@ -214,7 +214,7 @@ class Model:
         self.q.handlers = {ev.STEP: self._step, ev.ARRIVAL: self._arrival,
                            ev.STORE_DONE: self.store_done, ev.LOAD_DONE: self.load_done,
                            ev.ABORT: self._abort, ev.FINISH: self.finish_request,
-                           ev.PREEMPT: lambda data: None}
+                           ev.PREEMPT: lambda data: None, ev.CASE_EVENT: self._case_event}
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
@@ -260,6 +260,8 @@ class Model:
             if spec_.abort_at is not None:
                 self.q.schedule(spec_.abort_at, ev.ABORT, spec_.id)
                 self.future_events += 1
+        for event in case.events:     # after the arrivals and aborts of its time
+            self.q.schedule(event.step, ev.CASE_EVENT, event, priority=ev.ABORT)
         sent = [r.arrival for r in case.requests if not r.withdrawn]
         if sent:
             self._schedule_step(min(sent))
@@ -317,6 +319,15 @@ class Model:
         self.off.on_new_request(req)
         self.waiting.append(req)
         self._schedule_step(self.q.now)
+
+    def _case_event(self, event) -> None:
+        """A case event, while some request of the case is unfinished: the engine core's
+        ``reset_prefix_cache`` call, ``Scheduler.reset_prefix_cache()`` with its defaults (the
+        GPU prefix cache only; refused while a block is in use)."""
+        if self.unfinished <= 0:
+            return
+        done = self.kv.pool.reset_prefix_cache()
+        self._emit(f"reset_prefix_cache {'ok' if done else 'refused'}")
 
     def _abort(self, rid: str) -> None:
         self.future_events -= 1

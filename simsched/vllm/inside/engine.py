@@ -392,6 +392,13 @@ class _Run:
             if cs is not None:
                 vars(cs).pop("get_num_new_matched_tokens", None)
 
+    def _case_event(self, event) -> None:
+        """``Scheduler.reset_prefix_cache()`` between two steps, as the engine core runs an
+        operator's ``reset_prefix_cache`` call: its defaults (no running request reset, no
+        connector reset)."""
+        done = self._call("reset_prefix_cache", self.sched.reset_prefix_cache)
+        self.emit(f"reset_prefix_cache {'ok' if done else 'refused'}")
+
     def _kinds_named(self, detail: str) -> str | None:
         """The kinds of the KV cache groups a violation names (``group 2``, ``g1:3``, or a
         block some request's table of that group holds), for the finding's cluster; None
@@ -1022,7 +1029,8 @@ class _Run:
                            if not r.withdrawn), key=lambda x: (x[0], x[1]))
         aborts = sorted(((r.abort_at, i, r.id) for i, r in enumerate(case.requests)
                          if r.abort_at is not None))
-        ai = bi = 0
+        events = sorted(case.events, key=lambda e: e.step)
+        ai = bi = ei = 0
         unfinished = len(case.requests)
         t = arrivals[0][0] if arrivals else 0
         self.stall = 0
@@ -1052,6 +1060,10 @@ class _Run:
                 unfinished -= 1
                 self.counters["aborted"] += 1
                 self.emit(f"finish {rid} aborted")
+            while ei < len(events) and events[ei].step <= t:
+                if unfinished > 0:      # (as the model: an event while the case is running)
+                    self._case_event(events[ei])
+                ei += 1
             if (unfinished <= 0 and not sched.has_requests() and not self._live_jobs()
                     and not queue):
                 break
@@ -1065,7 +1077,8 @@ class _Run:
                     t += 1
                     continue
                 # idle: jump to the next arrival or abort
-                nxt = [x[0] for x in arrivals[ai:ai + 1]] + [x[0] for x in aborts[bi:bi + 1]]
+                nxt = ([x[0] for x in arrivals[ai:ai + 1]] + [x[0] for x in aborts[bi:bi + 1]]
+                       + [e.step for e in events[ei:ei + 1]])
                 if not nxt:
                     raise inv.InvariantViolation("INV-8", self.step_no,
                                                  f"{unfinished} requests never finished")
