@@ -13,7 +13,6 @@ from heapq import heappop, heappush
 from typing import Any, Callable, Final
 
 # Event kinds; the value is also the default priority (lower runs first at equal time).
-# (Final: compile-time constants for mypyc, not module-dict lookups)
 STORE_DONE: Final = 0
 LOAD_DONE: Final = 1
 ARRIVAL: Final = 2

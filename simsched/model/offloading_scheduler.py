@@ -145,10 +145,10 @@ class Job:
         self.gids: list[int] = []
         self.cidx: list[int] = []
         self.hidx: list[int] = []
-        self.ckeys: list = []           # (Key = Any: the key objects as made)
+        self.ckeys: list = []           # the chunks' offload keys
         self.bpos: list[int] = [0]
         self.bidx: list[int] = []
-        self.bids: list = []            # (the block ID objects of the tables: no re-boxing)
+        self.bids: list = []            # the GPU block IDs, as the block tables hold them
         self.fenced = fenced
         self.deferred = deferred
         self.read = False            # a store has read its source blocks
@@ -317,29 +317,14 @@ class OffloadingConnectorScheduler:
         for cfg, gs in zip(self.cfgs, st.groups):
             hpc = cfg.hashes_per_chunk
             if hpc > 0 and (len(gs.keys) + 1) * hpc > num_hashes:
-                continue                       # fast path: no new key
+                continue                       # no hash completes a new chunk yet
             m = len(gs.keys)
-            if hpc <= 0:
-                # offload_key_indices raises islice's ValueError or, for a group of no hashes
-                # skipped, gives no index: no key
-                offload_key_indices(cfg, num_hashes, m, profile)
-                continue
-            # offload_key_indices(cfg, num_hashes, m, profile), inlined (hpc > 0: no error): the
-            # hash indices range(first, num_hashes, hpc), of which there are n_new; key m (hash
-            # index j = hpc * m + hpc - 1) names the tokens [0, (j + 1) * tph):
-            # make_key(gid, ident_at((m + 1) * hpc * tph)), from the request's shared key list
-            first = hpc * m + hpc - 1
-            n_new = (num_hashes - first + hpc - 1) // hpc if num_hashes > first else 0
+            # the hash indices of the new keys (islice's ValueError where hpc is 0, unless the
+            # group of no hashes is skipped: no key); key m (hash index hpc * m + hpc - 1)
+            # names the tokens [0, (m + 1) * hpc * tph), from the request's shared key list
+            n_new = len(offload_key_indices(cfg, num_hashes, m, profile))
             if n_new:
-                ks = req.keys(cfg.group_id, hpc * tph)
-                if n_new == 1 and m < len(ks):
-                    gs.keys.append(ks[m])       # (mostly one, as decoding completes a chunk)
-                elif m:
-                    gs.keys.extend(ks[m:m + n_new])
-                else:
-                    # the group's first keys: the slice is its list (nothing else holds the
-                    # empty one), not copied into it (a list.extend is a slice assignment)
-                    gs.keys = ks[:n_new]
+                gs.keys.extend(req.keys(cfg.group_id, hpc * tph)[m:m + n_new])
         # every group keyed so far: the next key comes at (len(keys) + 1) * hpc hashes
         nxt = None
         for cfg, gs in zip(self.cfgs, st.groups):
@@ -428,7 +413,7 @@ class OffloadingConnectorScheduler:
         wt: int | None = self.sw_tokens.get(cfg.group_id)
         if wt is None:
             return w
-        win: int = wt                   # (native ints from here)
+        win: int = wt
         tpc = cfg.tokens_per_chunk
         n = -(-(win - 1 + (-num_tokens % tpc)) // tpc)
         wi: int = w
@@ -682,14 +667,7 @@ class OffloadingConnectorScheduler:
             for cfg, gs in zip(cfgs, st.groups):
                 new: list[int] = nb[cfg.group_id]
                 if cfg.sliding_window_in_chunks is None:
-                    bl: list = gs.block_ids     # (the block ID objects appended as they are)
-                    if len(new) == 1:
-                        # one block (a decode step reaching a new block): appended (list.extend
-                        # is a slice assignment with a realloc, about 300 instructions more)
-                        one: list = new
-                        bl.append(one[0])
-                    else:
-                        bl.extend(new)
+                    gs.block_ids.extend(new)    # the request's new blocks, in table order
                 if mark is None:
                     alloc.update(new)
                     continue

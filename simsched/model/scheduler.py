@@ -29,7 +29,7 @@ import sys
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, Iterator
+from typing import Final, Iterator
 
 from simsched import invariants as inv
 from simsched.case import VOCAB, Case, RequestSpec, load_case
@@ -83,16 +83,11 @@ class RunResult:
         return "\n".join(self.trace) + "\n"
 
 
-# every token id as an int object, made once: a sampled token is one of them (Any: the compiled
-# build returns and appends it as is, instead of boxing a new int object per sampled token)
-_TOKENS: Final[list[Any]] = list(range(VOCAB))
-
-
-def _token(seed: int, index: int, pos: int) -> Any:
+def _token(seed: int, index: int, pos: int) -> int:
     """The token request ``index`` samples at ``pos`` in a case whose seed is ``seed`` mod VOCAB
     (the token depends on the seed's residue only: the caller passes it reduced, which keeps
     every term far below 2**63)."""
-    return _TOKENS[(seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB]
+    return (seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB
 
 
 class Model:
@@ -241,8 +236,7 @@ class Model:
         self.pending_reads = inv.ReadFences(layout.engine.num_gpu_blocks)
         self.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0, "finished": 0,
                          "aborted": 0, "scheduled_tokens": 0, "cpu_evictions": 0}
-        # the counters every step adds to, as native ints (a dict entry's += is a generic add
-        # and a boxed store per step); into ``counters`` when the run stops (run)
+        # the counters every step adds to; into ``counters`` when the run stops (run)
         self.steps = 0
         self.scheduled_tokens = 0
         self.n_stores = 0
@@ -430,8 +424,8 @@ class Model:
             lo, hi = hi, nxt
             c: tuple | None = chunk.content
             if hi - lo == 1 and c is not None and len(c) == 3:
-                # a one-block chunk into one block: its fields as they are (write_chunk, inlined:
-                # whole chunk or not, the block takes the chunk's only block)
+                # a one-block chunk into one block: the block takes the chunk's only block,
+                # whole chunk or not
                 b = bids[lo]
                 sgids[b] = c[0]
                 sends[b] = c[1]
@@ -875,7 +869,7 @@ class Model:
                     i += 1
                     continue
                 self._promote_loaded(req)
-            ext = 0             # the tokens to load (a native int: the hit once known)
+            ext = 0             # the tokens to load: the connector's hit, once known
             fresh = req.num_computed == 0
             if fresh:
                 if self.eagle_chunked_assert:
