@@ -468,6 +468,8 @@ class Campaign:
             self.knobs[k] = self.knobs.get(k, 0) + 1
         for k in {k for r in case.requests for k in r.to_json() if k not in ("id", "prompt")}:
             self.knobs[f"requests.{k}"] = self.knobs.get(f"requests.{k}", 0) + 1
+        for k in {f"timing.jobs.{j.kind}" for j in case.timing.jobs}:
+            self.knobs[k] = self.knobs.get(k, 0) + 1
         for k in {f"events.{e.do}" for e in case.events}:
             self.knobs[k] = self.knobs.get(k, 0) + 1
         kinds = {g.kind for g in case.layout.groups}

@@ -127,6 +127,28 @@ class RequestSpec:
 
 
 @dataclass(frozen=True)
+class JobTiming:
+    """One transfer job's own latency: the ``index``-th store (or load) job the connector
+    creates, counted from 0 in the order of creation."""
+
+    kind: str          # "store" or "load"
+    index: int
+    latency: int
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str) -> "JobTiming":
+        obj = _take(obj, path, {"store", "load", "latency"})
+        kinds = [k for k in ("store", "load") if k in obj]
+        if len(kinds) != 1:
+            raise LayoutError(path, "exactly one of store or load (the job's index) is required")
+        return cls(kind=kinds[0], index=_int(obj, kinds[0], path, lo=0),
+                   latency=_int(obj, "latency", path, lo=0, hi=1000))
+
+    def to_json(self) -> dict:
+        return {self.kind: self.index, "latency": self.latency}
+
+
+@dataclass(frozen=True)
 class Timing:
     """When transfers complete, in scheduler steps after the step that created the job."""
 
@@ -134,20 +156,35 @@ class Timing:
     load_latency: int = 1
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 32
+    jobs: tuple[JobTiming, ...] = ()     # per-job overrides of the two latencies
+
+    def latency(self, kind: str, index: int) -> int:
+        """The latency of the ``index``-th ``kind`` ("store" or "load") job."""
+        for job in self.jobs:
+            if job.kind == kind and job.index == index:
+                return job.latency
+        return self.store_latency if kind == "store" else self.load_latency
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "timing") -> "Timing":
         obj = _take(obj, path, {f.name for f in fields(cls)})
+        jobs = obj.get("jobs", [])
+        if not isinstance(jobs, list):
+            raise LayoutError(f"{path}.jobs", "expected a list of {store | load, latency}")
         return cls(
             store_latency=_int(obj, "store_latency", path, default=1, lo=0, hi=1000),
             load_latency=_int(obj, "load_latency", path, default=1, lo=0, hi=1000),
             max_num_batched_tokens=_int(obj, "max_num_batched_tokens", path, default=2048),
             max_num_seqs=_int(obj, "max_num_seqs", path, default=32, hi=4096),
+            jobs=tuple(JobTiming.from_json(j, f"{path}.jobs[{i}]") for i, j in enumerate(jobs)),
         )
 
     def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) != f.default}
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
+                               if f.name != "jobs" and getattr(self, f.name) != f.default}
+        if self.jobs:
+            out["jobs"] = [j.to_json() for j in self.jobs]
+        return out
 
 
 #: what a case event does: ``Scheduler.reset_prefix_cache()``, as an operator's

@@ -140,3 +140,58 @@ def test_events_are_validated():
     case["events"] = [{"step": -1, "do": "reset_prefix_cache"}]
     with pytest.raises(LayoutError, match=r"events\[0\]\.step"):
         Case.from_json(case)
+
+
+def _lagging(jobs: list[dict]) -> Case:
+    """a stores its prefix (store 0), c stores its own (store 1), b repeats a's prompt at 6 and
+    loads a's last block from the CPU tier (load 0)."""
+    return Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16}],
+                   "engine": {"num_gpu_blocks": 16}},
+        "requests": [{"id": "a", "prompt": [[1, 64]], "decode": 2},
+                     {"id": "c", "prompt": [[2, 96]], "decode": 2, "arrival": 3},
+                     {"id": "b", "prompt": [[1, 64]], "decode": 2, "arrival": 6}],
+        "timing": {"jobs": jobs}})
+
+
+def _step_of(trace: list[str], line: str) -> int:
+    step = None
+    for t in trace:
+        if t.startswith("step "):
+            step = int(t.split()[1])
+        if t == line:
+            return step
+    raise AssertionError(f"{line!r} not in the trace")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_per_job_latencies_reach_the_release(pool, version):
+    """``timing.jobs``: store 0 lagging 12 steps completes at step 11 while store 1 keeps the
+    default latency, and b's load of a's chunk waits for it (the release's scheduler sees the
+    chunk only once the worker reports it); a slow load 0 holds b for its 6 steps. The model
+    agrees step by step."""
+    plain = lockstep(_lagging([]), version, pool)
+    assert plain.agree, plain.summary()
+    assert _step_of(plain.real["trace"], "done 0 store") == 0
+    assert _step_of(plain.real["trace"], "load 2 b g0:3=11") == 6
+
+    slow_store = lockstep(_lagging([{"store": 0, "latency": 12}]), version, pool)
+    assert slow_store.agree and slow_store.observations == [], slow_store.summary()
+    trace = slow_store.real["trace"]
+    assert _step_of(trace, "done 1 store") == 3 and _step_of(trace, "done 0 store") == 11
+    assert _step_of(trace, "load 2 b g0:3=11") == 12
+
+    slow_load = lockstep(_lagging([{"load": 0, "latency": 6}]), version, pool)
+    assert slow_load.agree, slow_load.summary()
+    assert _step_of(slow_load.real["trace"], "done 2 load") == 11
+
+
+def test_per_job_latencies_are_validated():
+    case = _lagging([{"store": 0, "latency": 12}]).to_json()
+    assert case["timing"]["jobs"] == [{"store": 0, "latency": 12}]
+    case["timing"]["jobs"] = [{"store": 0, "load": 1, "latency": 2}]
+    with pytest.raises(LayoutError, match=r"timing\.jobs\[0\]: exactly one of store or load"):
+        Case.from_json(case)
+    case["timing"]["jobs"] = [{"load": 0, "latency": -1}]
+    with pytest.raises(LayoutError, match=r"timing\.jobs\[0\]\.latency"):
+        Case.from_json(case)

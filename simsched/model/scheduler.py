@@ -241,6 +241,7 @@ class Model:
         self.scheduled_tokens = 0
         self.n_stores = 0
         self.n_loads = 0
+        self.loads_created = 0
         self.step_no = 0
         self.unfinished = len(case.requests)
         self.future_events = 0      # arrivals and aborts not yet processed
@@ -597,12 +598,12 @@ class Model:
             scheduled, new_blocks, preempted, finished, kv.take_offers())
         stores, loads, flush = meta
         if stores:
-            store_t = t + self.timing.store_latency
             geo, q = self.geo, self.q
-            for job in stores:
+            for n, job in enumerate(stores, self.n_stores):
                 if tracing:
                     lines.append(fmt_job(job))
                 self._violation(inv.check_store_job(step, job, geo))
+                store_t = t + self.timing.latency("store", n)
                 if asy is None:
                     q.schedule(store_t, ev.STORE_DONE, job.jid)
                 else:
@@ -929,10 +930,13 @@ class Model:
                 req.status = WAITING_FOR_LOAD
                 req.load_target = L + ext
                 inflight[req.rid] = req
+                # the load jobs created so far: this one's index (Timing.jobs)
+                load_t = t + self.timing.latency("load", self.loads_created)
+                self.loads_created += 1
                 if self.async_ is None:
-                    self.q.schedule(t + self.timing.load_latency, ev.LOAD_DONE, job.jid)
+                    self.q.schedule(load_t, ev.LOAD_DONE, job.jid)
                 else:
-                    self.async_.due[job.jid] = t + self.timing.load_latency
+                    self.async_.due[job.jid] = load_t
                 i += 1
                 continue
             n = min(req.num_tokens - L, budget)

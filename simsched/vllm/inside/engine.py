@@ -491,8 +491,8 @@ class _Run:
         self.req_done: dict[str, int] = {}   # rid -> step of its own last reported transfer
         self.deferred: dict[str, list[int]] = {}     # rid -> steps its lookup deferred
         self.loads_unscheduled: dict[str, int] = {}  # rid -> loads since it last ran
-        self.defer_bound = max(case.timing.store_latency, case.timing.load_latency) + \
-            DEFER_MARGIN
+        self.defer_bound = max([case.timing.store_latency, case.timing.load_latency]
+                               + [j.latency for j in case.timing.jobs]) + DEFER_MARGIN
         # a layout group the connector does not offload bounds every load (gpu-group-bound)
         self.gpu_only_groups = len(gcfgs) < len(layout.groups)
         try:
@@ -1179,11 +1179,12 @@ class _Run:
         load_jobs = dict(getattr(meta, "load_jobs", None) or {}) if meta is not None else {}
         store_jobs = dict(getattr(meta, "store_jobs", None) or {}) if meta is not None else {}
         flush = set(getattr(meta, "jobs_to_flush", None) or ()) if meta is not None else set()
-        for jid in sorted(load_jobs):
+        for n, jid in enumerate(sorted(load_jobs), self.counters["loads"]):
             tj = load_jobs[jid]
             status = self.cs._jobs.get(jid)
             items = self._job_items(jid, tj, status, False) if status is not None else []
-            job = _Job(jid, tj.req_id, False, items, t + case.timing.load_latency)
+            # the worker reports it done its latency after (Timing.jobs: by order of creation)
+            job = _Job(jid, tj.req_id, False, items, t + case.timing.latency("load", n))
             self.jobs[jid] = job
             self.emit(fmt_job(job))
             self._check_caps(step, job)
@@ -1201,11 +1202,11 @@ class _Run:
             per_group = new_ids.get(rid) or [[] for _ in self.shadow_groups]
             self.emit(fmt_alloc(rid, per_group))
         new_stores = []
-        for jid in sorted(store_jobs):
+        for n, jid in enumerate(sorted(store_jobs), self.counters["stores"]):
             tj = store_jobs[jid]
             status = self.cs._jobs.get(jid)
             items = self._job_items(jid, tj, status, True) if status is not None else []
-            job = _Job(jid, tj.req_id, True, items, t + case.timing.store_latency)
+            job = _Job(jid, tj.req_id, True, items, t + case.timing.latency("store", n))
             self.jobs[jid] = job
             new_stores.append(job)
             self.emit(fmt_job(job))
