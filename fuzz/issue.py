@@ -86,7 +86,7 @@ def serve_flags(case: Case) -> list[str]:
         flags.append(f"--mamba-cache-mode {cache['mamba_cache_mode']}")
     if eng.prefix_match_unit is not None:
         flags.append(f"--prefix-match-unit {eng.prefix_match_unit}")
-    if not isinstance(eng.retention_interval, RetentionUnset):   # null: the flag's None
+    if not isinstance(eng.retention_interval, RetentionUnset):   # None: "dense"
         flags.append(f"--prefix-cache-retention-interval {eng.retention_interval}")
     if eng.dcp_size != 1:
         flags.append(f"--decode-context-parallel-size {eng.dcp_size}")

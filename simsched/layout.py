@@ -143,8 +143,8 @@ def _int(obj: dict, key: str, path: str, *, default: Any = ..., lo: int = 1,
 class RetentionUnset:
     """``engine.retention_interval`` left out of the case: the release's own default, what an
     engine started without ``--prefix-cache-retention-interval`` has in its ``CacheConfig`` and
-    ``KVCacheConfig`` (``geometry.retention_interval``). An explicit JSON null is the flag's
-    ``None`` (dense). 0.29.0's ``EngineArgs`` tells the two apart the same way
+    ``KVCacheConfig`` (``profiles.retention_interval``), as is an explicit JSON null;
+    ``"dense"`` is the flag's ``None``. 0.29.0's ``EngineArgs`` tells the two apart the same way
     (``PREFIX_CACHE_RETENTION_INTERVAL_UNSET``, ``engine/arg_utils.py``)."""
 
     def __repr__(self) -> str:
@@ -158,10 +158,17 @@ RETENTION_UNSET = RetentionUnset()
 
 
 def _retention(obj: dict, path: str) -> int | None | RetentionUnset:
-    """Absent: the release's default; null: ``--prefix-cache-retention-interval None``."""
-    if "retention_interval" not in obj:
+    """Absent or null: the release's default; ``"dense"``: ``--prefix-cache-retention-interval
+    None`` (every block cached), None inside."""
+    value = obj.get("retention_interval")
+    if value is None:
         return RETENTION_UNSET
-    return _int(obj, "retention_interval", path, default=None, optional=True, lo=0)
+    if value == "dense":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LayoutError(f"{path}.retention_interval",
+                          f"expected an integer >= 0, \"dense\" or null, got {value!r}")
+    return value
 
 
 def _bool(obj: dict, key: str, path: str, default: bool) -> bool:
@@ -317,7 +324,11 @@ class Engine:
         for f in fields(self):
             value = getattr(self, f.name)
             if value != f.default:
-                out[f.name] = value.to_json() if isinstance(value, Speculative) else value
+                if isinstance(value, Speculative):
+                    value = value.to_json()
+                elif f.name == "retention_interval" and value is None:
+                    value = "dense"
+                out[f.name] = value
         return out
 
 

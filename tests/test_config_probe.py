@@ -178,7 +178,8 @@ def test_unset_retention_is_one_value_on_both_sides(workers, version, default, h
 @pytest.mark.parametrize("value", [None, 64])
 def test_set_retention_reaches_both_sides(workers, version, value):
     """A case's value, null (--prefix-cache-retention-interval None) included, on every side."""
-    layout = {**HYBRID_EAGLE, "engine": {**HYBRID_EAGLE["engine"], "retention_interval": value}}
+    layout = {**HYBRID_EAGLE, "engine": {**HYBRID_EAGLE["engine"],
+                                         "retention_interval": "dense" if value is None else value}}
     out = boot_retention(workers(version), layout)
     assert out == {"cache_config": value, "kv_cache_config": value, "kv_cache_manager": value,
                    "connector": value if version >= "0.30.0" else "absent"}

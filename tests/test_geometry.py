@@ -4,7 +4,7 @@ the vLLM source (not from the model's own output)."""
 import pytest
 
 from simsched.geometry import config_outcome, derive, offload_key_indices
-from simsched.layout import RETENTION_UNSET, Layout
+from simsched.layout import RETENTION_UNSET, Layout, LayoutError
 from simsched.profiles import PROFILES, ConfigError, profile_for_release, retention_interval
 
 FULL16_RING4 = Layout.from_json({"groups": [{"kind": "full", "block_size": 16},
@@ -155,17 +155,23 @@ def test_retention_left_out_is_the_release_default(version, default, hybrid_eagl
     ngram = {"method": "ngram", "num_tokens": 2}
     assert retention_interval(L(*HYBRID, speculative=ngram), profile) == default
     # the flag given: its value, None (--prefix-cache-retention-interval None) included
-    for value in (None, 0, 64):
+    for value, want in (("dense", None), (0, 0), (64, 64)):
         assert retention_interval(L(*HYBRID, speculative=EAGLE, retention_interval=value),
-                                  profile) == value
+                                  profile) == want
 
 
-def test_retention_null_and_absent_round_trip():
+def test_retention_dense_null_and_absent_round_trip():
+    """Absent and null are the release's default; "dense" is the flag's None."""
     absent, null = L(*SW_FULL), L(*SW_FULL, retention_interval=None)
-    assert absent.to_json() == {"groups": list(SW_FULL)}
-    assert null.to_json()["engine"] == {"retention_interval": None}
-    assert Layout.from_json(null.to_json()) == null != absent
-    assert "retention_interval=None" in null.describe()
+    dense = L(*SW_FULL, retention_interval="dense")
+    assert absent.to_json() == null.to_json() == {"groups": list(SW_FULL)}
+    assert null == absent and null.engine.retention_interval is RETENTION_UNSET
+    assert dense.engine.retention_interval is None
+    assert dense.to_json()["engine"] == {"retention_interval": "dense"}
+    assert Layout.from_json(dense.to_json()) == dense != absent
+    assert "retention_interval=dense" in dense.describe()
+    with pytest.raises(LayoutError, match=r"engine\.retention_interval: expected an integer"):
+        L(*SW_FULL, retention_interval="sparse")
 
 
 def test_single_group_prefix_match_unit_is_refused_from_0_32():

@@ -56,7 +56,7 @@ def test_align_mamba_store_jobs_agree(pool, version):
         # every state kept (retention null): under 0.29.0's default of 0 the state at 64 is no
         # replay boundary's (63, aligned to 48) and is not offered at all
         case = {**MAMBA_ONE, "layout": {**MAMBA_ONE["layout"],
-                                         "engine": {"retention_interval": None}}}
+                                         "engine": {"retention_interval": "dense"}}}
     res = lockstep(Case.from_json(case), version, pool)
     assert res.agree, res.summary()
     want = (["store 0 r0 g1:3=5", "store 1 r0 g0:0=1 g0:1=2 g0:2=3 g0:3=4"]
@@ -176,8 +176,8 @@ UNSET = "unset"
 
 def with_retention(case: dict, retention: int | None | str) -> dict:
     engine = {**case["layout"].get("engine", {})}
-    if retention != UNSET:
-        engine["retention_interval"] = retention
+    if retention != UNSET:       # None: the flag's None, "dense" in the case format
+        engine["retention_interval"] = "dense" if retention is None else retention
     return {**case, "layout": {**case["layout"], "engine": engine}}
 
 

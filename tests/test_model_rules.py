@@ -20,7 +20,7 @@ def trace(name: str, profile: str = "prefix-cacheable-windows-in-config",
     default."""
     case = copy.deepcopy(HANDMADE[name])
     if dense:
-        case["layout"].setdefault("engine", {})["retention_interval"] = None
+        case["layout"].setdefault("engine", {})["retention_interval"] = "dense"
     r = run_case(Case.from_json(case), profile)
     assert r.ok, r.findings
     return r.trace

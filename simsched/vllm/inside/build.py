@@ -203,7 +203,7 @@ class ConfigBuilder:
                 raise Unsupported("prefix_match_unit: CacheConfig has neither prefix_match_unit "
                                   "nor hash_block_size")
             setattr(cc, self.match_unit_field, eng.prefix_match_unit)
-        if not isinstance(eng.retention_interval, RetentionUnset):     # null: the flag's None
+        if not isinstance(eng.retention_interval, RetentionUnset):     # "dense": the flag's None
             if self.retention_field is None:
                 raise Unsupported("retention_interval: CacheConfig has no "
                                   "prefix_cache_retention_interval")
