@@ -184,6 +184,17 @@ def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
     return case, obs
 
 
+def knobs_of(case: Case) -> set[str]:
+    """The knobs a case sets, for the report's ``knobs`` coverage: the engine's, the requests'
+    (``requests.<field>``), per-job timings, events, and the kinds of its groups (``kind:``)."""
+    return (set(case.layout.engine.to_json())
+            | {f"requests.{k}" for r in case.requests for k in r.to_json()
+               if k not in ("id", "prompt")}
+            | {f"timing.jobs.{j.kind}" for j in case.timing.jobs}
+            | {f"events.{e.do}" for e in case.events}
+            | {f"kind:{g.kind}" for g in case.layout.groups})
+
+
 def load_findings(out: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
     """Every finding on disk (``repros/<id>/finding.json``, the durable record, written before
     the report), and the files that could not be read (named, left in place, never deleted)."""
@@ -464,17 +475,8 @@ class Campaign:
         self._sample()
         fam = family_of(case.layout)
         self.families[fam] = self.families.get(fam, 0) + 1
-        for k in case.layout.engine.to_json():
+        for k in knobs_of(case):
             self.knobs[k] = self.knobs.get(k, 0) + 1
-        for k in {k for r in case.requests for k in r.to_json() if k not in ("id", "prompt")}:
-            self.knobs[f"requests.{k}"] = self.knobs.get(f"requests.{k}", 0) + 1
-        for k in {f"timing.jobs.{j.kind}" for j in case.timing.jobs}:
-            self.knobs[k] = self.knobs.get(k, 0) + 1
-        for k in {f"events.{e.do}" for e in case.events}:
-            self.knobs[k] = self.knobs.get(k, 0) + 1
-        kinds = {g.kind for g in case.layout.groups}
-        for k in kinds:
-            self.knobs[f"kind:{k}"] = self.knobs.get(f"kind:{k}", 0) + 1
 
     def _sampled(self) -> bool:
         """Is the current example one of the share run on the newest release regardless?"""
