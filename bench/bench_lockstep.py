@@ -5,10 +5,12 @@
   full16, GPU pool 1,200 blocks), and the model-to-real speed ratio on the same workload in the
   same run (the model with full checks and trace, as lockstep runs it);
 * agreement rate over N generated cases per release and layout (``simsched.lockstep``), with
-  the first divergences by kind.
+  the first divergences by kind; with ``--families``, over cases of model families whose
+  groups each release's own planner builds (``simsched.families``), where a case the release
+  refuses at start-up is ``refused`` (not run, neither agreement nor difference).
 
 Run: ``python bench/bench_lockstep.py [--cases N] [--releases 0.30.0,0.33.0] [--layouts L,..]
-[--async] [--no-speed] [--sizes 16,64] [--runs 5]``. Prints Markdown.
+[--families all|F,..] [--async] [--no-speed] [--sizes 16,64] [--runs 5]``. Prints Markdown.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import workload  # noqa: E402
 
+from simsched.families import FAMILIES, family_case  # noqa: E402
 from simsched.lockstep import LAYOUTS, generate_case, lockstep, run_real  # noqa: E402
 from simsched.model import run_case  # noqa: E402
 from simsched.profiles import profile_for_release  # noqa: E402
@@ -66,7 +69,10 @@ def speed(pool, versions, sizes=(16, 64), runs: int = 5) -> None:
 
 
 def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = False,
-              show_seeds: bool = False) -> None:
+              show_seeds: bool = False, make=None) -> None:
+    """``make(seed, name)``: the case of a seed and layout (default :func:`generate_case`)."""
+    make = make or (lambda seed, layout: generate_case(seed, layout,
+                                                       async_scheduling=async_scheduling))
     print()
     print("| release | layout | cases | agree | divergences by kind (first differing line) |"
           " real findings |")
@@ -78,8 +84,7 @@ def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = Fa
             finds: collections.Counter = collections.Counter()
             agree = 0
             for seed in range(n_cases):
-                r = lockstep(generate_case(seed, layout, async_scheduling=async_scheduling), v,
-                             pool)
+                r = lockstep(make(seed, layout), v, pool)
                 if r.agree:
                     agree += 1
                 elif r.divergence is not None:
@@ -94,8 +99,9 @@ def agreement(pool, versions, n_cases: int, layouts, async_scheduling: bool = Fa
             kd = ", ".join(f"{k} {n}" for k, n in kinds.most_common()) or "-"
             fd = ", ".join(f"{k} {n}" for k, n in finds.most_common()) or "-"
             name = layout + (" (async)" if async_scheduling else "")
-            print(f"| {v} | {name} | {n_cases} | {agree} ({100 * agree / n_cases:.0f}%) | "
-                  f"{kd} | {fd} |", flush=True)
+            ran = n_cases - kinds["refused"]
+            print(f"| {v} | {name} | {n_cases} | {agree} of {ran} run "
+                  f"({100 * agree / max(ran, 1):.1f}%) | {kd} | {fd} |", flush=True)
             if show_seeds:
                 for k, ss in seeds.items():
                     print(f"<!-- {v} {name} {k}: seeds {' '.join(map(str, ss))} -->", flush=True)
@@ -111,6 +117,9 @@ def main() -> None:
     ap.add_argument("--async", dest="async_scheduling", action="store_true",
                     help="generated cases under async scheduling (AsyncScheduler, batch queue "
                          "of depth 2)")
+    ap.add_argument("--families", default="",
+                    help="model families (simsched.families, 'all'), planned by each release, "
+                         "instead of --layouts")
     ap.add_argument("--no-speed", action="store_true", help="agreement only")
     ap.add_argument("--show-seeds", action="store_true",
                     help="after each row, the diverging seeds by kind (as a Markdown comment)")
@@ -120,7 +129,11 @@ def main() -> None:
     with Releases.installed(versions, timeout=600) as pool:
         if not args.no_speed:
             speed(pool, versions, tuple(int(x) for x in args.sizes.split(",")), args.runs)
-        if args.cases > 0:
+        if args.cases > 0 and args.families:
+            families = list(FAMILIES) if args.families == "all" else args.families.split(",")
+            agreement(pool, versions, args.cases, families, show_seeds=args.show_seeds,
+                      make=family_case)
+        elif args.cases > 0:
             agreement(pool, versions, args.cases, layouts, args.async_scheduling,
                       args.show_seeds)
 

@@ -100,6 +100,11 @@ def deployment_refusal(layout: "Layout") -> str | None:
             return f"dcp_size {eng.dcp_size}: {why}"
     return None
 MAMBA_CACHE_MODES = ("none", "align")
+#: Layer kinds a layout of layers declares (``Layer``): each becomes the spec its name says, with
+#: the layer's own heads, head size and dtype; the release's planner groups them
+LAYER_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local")
+#: KV cache dtypes of a layer (``ModelConfig.dtype`` names; ``--kv-cache-dtype auto``)
+LAYER_DTYPES = ("float16", "bfloat16", "float32")
 SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
 
 MAX_BLOCK_SIZE = 1 << 16
@@ -260,6 +265,53 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Layer:
+    """Attention layers of a model as its attention modules declare them (``get_kv_cache_spec``
+    of each ``Attention`` / ``MLAAttention`` layer), ``count`` of them alike. A layout of layers
+    leaves the grouping to the release: its planner (``get_kv_cache_configs``) builds the KV cache
+    groups a deployment of that model gets, and its start-up checks run on them."""
+
+    kind: str
+    count: int = 1
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    sliding_window: int | None = None        # sliding_window, sliding_window_mla
+    attention_chunk_size: int | None = None  # chunked_local
+    drafter: bool = False                    # a layer of the EAGLE/MTP drafter (is_draft)
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str) -> "Layer":
+        obj = _take(obj, path, {f.name for f in fields(cls)})
+        layer = cls(
+            kind=_choice(obj, "kind", path, LAYER_KINDS),
+            count=_int(obj, "count", path, default=1, hi=256),
+            num_kv_heads=_int(obj, "num_kv_heads", path, default=8, hi=256),
+            head_size=_int(obj, "head_size", path, default=128, hi=1024),
+            dtype=_choice(obj, "dtype", path, LAYER_DTYPES, "bfloat16"),
+            sliding_window=_int(obj, "sliding_window", path, default=None, optional=True),
+            attention_chunk_size=_int(obj, "attention_chunk_size", path, default=None,
+                                      optional=True),
+            drafter=_bool(obj, "drafter", path, False),
+        )
+        needs = {"sliding_window": layer.kind in WINDOWED_KINDS,
+                 "attention_chunk_size": layer.kind == "chunked_local"}
+        for name, needed in needs.items():
+            if needed != (getattr(layer, name) is not None):
+                raise LayoutError(f"{path}.{name}", f"required for kind {layer.kind!r}" if needed
+                                  else f"not used by kind {layer.kind!r}")
+        return layer
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"kind": self.kind}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "kind" and value != f.default:
+                out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True)
 class Speculative:
     method: str
     num_tokens: int
@@ -291,6 +343,9 @@ class Engine:
     offload_prompt_only: bool = True        # kv_connector_extra_config["offload_prompt_only"]
     # kv_connector_extra_config["eviction_policy"]: the CPU tier's CachePolicy, "lru" or "arc"
     eviction_policy: str = "lru"
+    # cache_config.block_size (--block-size) of a layout of layers; a layout of groups names
+    # each group's block size instead
+    block_size: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "engine") -> "Engine":
@@ -317,6 +372,8 @@ class Engine:
             cpu_chunks=_int(obj, "cpu_chunks", path, default=256, lo=1, hi=1 << 20),
             offload_prompt_only=_bool(obj, "offload_prompt_only", path, True),
             eviction_policy=_choice(obj, "eviction_policy", path, EVICTION_POLICIES, "lru"),
+            block_size=_int(obj, "block_size", path, default=None, optional=True,
+                            hi=MAX_BLOCK_SIZE),
         )
 
     def to_json(self) -> dict:
@@ -334,35 +391,65 @@ class Engine:
 
 @dataclass(frozen=True)
 class Layout:
-    """KV cache groups in the order vLLM's ``KVCacheConfig.kv_cache_groups`` lists them."""
+    """KV cache groups in the order vLLM's ``KVCacheConfig.kv_cache_groups`` lists them.
+
+    A layout of ``layers`` describes the model instead, and its groups are what a release's
+    planner builds of them (``simsched.planning``): empty until then, and the planner's once
+    planned (the release harness plans again and checks it builds the same groups)."""
 
     groups: tuple[Group, ...]
     engine: Engine = field(default_factory=Engine)
+    layers: tuple[Layer, ...] = ()
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "layout") -> "Layout":
-        obj = _take(obj, path, {"groups", "engine"})
-        groups = obj.get("groups")
-        if not isinstance(groups, list) or not groups:
-            raise LayoutError(f"{path}.groups", "a non-empty list of groups is required")
+        obj = _take(obj, path, {"groups", "engine", "layers"})
+        layers = obj.get("layers")
+        if layers is not None and (not isinstance(layers, list) or not layers):
+            raise LayoutError(f"{path}.layers", "a non-empty list of layers is expected")
+        groups = obj.get("groups", [] if layers else None)
+        if not isinstance(groups, list) or not (groups or layers):
+            raise LayoutError(f"{path}.groups", "a non-empty list of groups is required "
+                              "(or layout.layers)")
         if len(groups) > 16:
             raise LayoutError(f"{path}.groups", f"at most 16 groups, got {len(groups)}")
         parsed = tuple(Group.from_json(g, f"{path}.groups[{i}]") for i, g in enumerate(groups))
         engine = Engine.from_json(obj.get("engine", {}), f"{path}.engine")
-        layout = cls(groups=parsed, engine=engine)
+        layout = cls(groups=parsed, engine=engine,
+                     layers=tuple(Layer.from_json(x, f"{path}.layers[{i}]")
+                                  for i, x in enumerate(layers or ())))
         layout._check(path)
         return layout
 
     def _check(self, path: str) -> None:
-        if self.engine.speculative is None and any(g.drafter for g in self.groups):
+        spec = self.engine.speculative
+        if spec is None and any(g.drafter for g in self.groups):
             i = next(i for i, g in enumerate(self.groups) if g.drafter)
             raise LayoutError(f"{path}.groups[{i}].drafter",
                               "a drafter group needs engine.speculative")
+        if self.layers:
+            if spec is None and any(x.drafter for x in self.layers):
+                raise LayoutError(f"{path}.layers", "a drafter layer needs engine.speculative")
+            if all(x.drafter for x in self.layers):
+                raise LayoutError(f"{path}.layers", "a model needs at least one target layer")
+            return      # the groups are the release's planner's, eagle-marked as it marks them
+        if self.engine.block_size is not None:
+            raise LayoutError(f"{path}.engine.block_size", "only with layout.layers (each "
+                              "group names its own block size)")
         if all(g.drafter for g in self.groups):
             raise LayoutError(f"{path}.groups", "a layout needs at least one target group")
 
+    @property
+    def planned(self) -> bool:
+        """Whether the layout has its KV cache groups (a layout of layers: once planned)."""
+        return bool(self.groups)
+
     def to_json(self) -> dict:
-        out: dict[str, Any] = {"groups": [g.to_json() for g in self.groups]}
+        out: dict[str, Any] = {}
+        if self.layers:
+            out["layers"] = [x.to_json() for x in self.layers]
+        if self.groups or not self.layers:
+            out["groups"] = [g.to_json() for g in self.groups]
         engine = self.engine.to_json()
         if engine:
             out["engine"] = engine
@@ -380,7 +467,8 @@ class Layout:
 
     def describe(self) -> str:
         """The layout on one line, e.g. ``mla/64 + ring/4 | blocks_per_chunk=1``."""
-        parts = []
+        parts = [] if self.groups else [f"{x.count}x{x.kind}" + ("[drafter]" if x.drafter else "")
+                                        for x in self.layers]
         for g in self.groups:
             extra = (g.sliding_window or g.attention_chunk_size or
                      (g.mamba_cache_mode if g.kind == "mamba" else None))

@@ -235,8 +235,15 @@ def run_real(case: Case, version: str, pool, mutant: str | None = None,
 def lockstep(case: Case, version: str, pool, mutant: str | None = None,
              timeout: float | None = DEFAULT_CASE_TIMEOUT) -> LockstepResult:
     from simsched.model import run_case
+    from simsched.planning import plan
 
     profile = profile_for_release(pool.release_of(version))
+    planned, outcome = plan(case, version, pool, timeout=timeout)
+    if planned is None:         # a layout of layers whose engine does not start: no run
+        res = LockstepResult(case, version, profile.name, None, outcome, None)
+        res.observations = _observations(res, None)
+        return res
+    case = planned
     t0 = time.perf_counter()
     model, model_err = None, None
     try:
@@ -350,8 +357,20 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
     n = n_requests or rng.randint(2, 8)
     groups = LAYOUTS[layout]
     knobs = LAYOUT_ENGINE.get(layout, {})
-    spec = knobs.get("speculative")
+    reqs = random_requests(rng, seed, n, knobs.get("speculative"))
     per_token_blocks = len([g for g in groups if g["kind"] != "ring"])
+    blocks = rng.choice([24, 32, 48, 96]) * per_token_blocks
+    return Case.from_json({
+        "layout": {"groups": groups, "engine": dict(
+            {"num_gpu_blocks": blocks, "cpu_chunks": rng.choice([16, 64, 256])}, **knobs,
+            **({"async_scheduling": True} if async_scheduling else {}))},
+        "requests": reqs, "seed": seed, "timing": random_timing(rng)})
+
+
+def random_requests(rng, seed: int, n: int, spec: dict | None) -> list[dict]:
+    """``n`` requests of :func:`generate_case`: prompts of one of three shared prefixes and a
+    private tail, arrivals over ``3n`` steps, short decodes, now and then an abort, and under
+    speculative decoding the drafts each verification step accepts."""
     reqs = []
     for i in range(n):
         prefix = rng.randrange(3)
@@ -368,15 +387,14 @@ def generate_case(seed: int, layout: str = "full16", n_requests: int | None = No
             r["accept"] = [rng.randint(0, spec["num_tokens"])
                            for _ in range(rng.randint(1, 4))]
         reqs.append(r)
-    blocks = rng.choice([24, 32, 48, 96]) * per_token_blocks
-    return Case.from_json({
-        "layout": {"groups": groups, "engine": dict(
-            {"num_gpu_blocks": blocks, "cpu_chunks": rng.choice([16, 64, 256])}, **knobs,
-            **({"async_scheduling": True} if async_scheduling else {}))},
-        "requests": reqs, "seed": seed,
-        "timing": {"store_latency": rng.randint(0, 3), "load_latency": rng.randint(0, 3),
-                   "max_num_batched_tokens": rng.choice([64, 128, 2048]),
-                   "max_num_seqs": rng.choice([2, 4, 32])}})
+    return reqs
+
+
+def random_timing(rng) -> dict:
+    """Transfer latencies of 0 to 3 steps and one of three token budgets and batch sizes."""
+    return {"store_latency": rng.randint(0, 3), "load_latency": rng.randint(0, 3),
+            "max_num_batched_tokens": rng.choice([64, 128, 2048]),
+            "max_num_seqs": rng.choice([2, 4, 32])}
 
 
 #: hand-made cases: ``load`` (a prefix stored, evicted from the GPU by a filler, loaded back

@@ -33,6 +33,7 @@ from typing import Final, Iterator
 
 from simsched import invariants as inv
 from simsched.case import VOCAB, Case, RequestSpec, load_case
+from simsched.layout import LayoutError
 from simsched.geometry import (SINGLE_TYPE_MANAGER_PY, cache_block_size,
                                check_enough_kv_cache_memory, derive, effective_block_size,
                                max_model_len, partial_hash_hits, validate_block_size)
@@ -1282,6 +1283,9 @@ def collector_paused() -> Iterator[None]:
 
 
 def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: bool) -> RunResult:
+    if not case.layout.planned:
+        raise LayoutError("layout.groups", "a layout of layers runs once a release's planner "
+                          "built its groups (simsched.planning.plan)")
     prof = resolve_profile(profile)
     result = RunResult(profile=prof.name)
     # the engine checks its KV cache pool (get_kv_cache_configs), then the block size

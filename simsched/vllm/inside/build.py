@@ -2,7 +2,9 @@
 
 :class:`ConfigBuilder` builds the expensive base ``VllmConfig`` (a real ``ModelConfig`` over a tiny
 Llama ``config.json``) once per worker, then derives each layout's ``VllmConfig`` and
-``KVCacheConfig`` cheaply by shallow copies of the sub-configs that change.
+``KVCacheConfig`` cheaply by shallow copies of the sub-configs that change. A layout of groups
+gets its ``KVCacheConfig`` built by hand; a layout of layers gets the one the release's own
+planner builds (:class:`Planner`).
 
 Release differences are detected by what exists (dataclass fields, module attributes), never by
 version strings; :data:`ConfigBuilder.features` lists what was detected. A kind or knob a release
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -20,7 +24,7 @@ from typing import Any
 
 import torch
 
-from simsched.layout import Layout, RetentionUnset, cache_block_size, deployment_refusal
+from simsched.layout import KINDS, Layout, RetentionUnset, cache_block_size, deployment_refusal
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -35,6 +39,10 @@ ENGINE_ID = "simsched"
 
 class Unsupported(Exception):
     """The release cannot express this layout (a kind or an engine knob it lacks)."""
+
+
+class Refused(Exception):
+    """The release's planner refused the engine at start-up (its ValueError's message)."""
 
 
 def _init_fields(cls: type) -> set[str]:
@@ -102,6 +110,7 @@ class ConfigBuilder:
                                model_config=model_config,
                                cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
                                kv_transfer_config=kt)
+        self._planner: Planner | None = None
         self.spec_cls = None
         try:
             from vllm.config import SpeculativeConfig
@@ -148,10 +157,33 @@ class ConfigBuilder:
         return cls(**kw)
 
     # -- per-layout configs ---------------------------------------------------------------------
-    def build(self, layout: Layout) -> tuple[Any, Any]:
-        """(VllmConfig, KVCacheConfig) for ``layout``; raises :class:`Unsupported`."""
+    def build(self, layout: Layout, planning=None) -> tuple[Any, Any]:
+        """(VllmConfig, KVCacheConfig) for ``layout``; raises :class:`Unsupported`, and for a
+        layout of layers :class:`Refused` where the planner refuses it. ``planning(vc)``: the
+        config the planner runs its start-up checks with (the case's ``max_model_len`` and
+        scheduler budget), required for a layout of layers."""
+        if layout.layers:
+            vc = self.vllm_config(layout)
+            if planning is None:
+                raise Unsupported("a layout of layers is planned with a case (its requests "
+                                  "and budget): run it as a case")
+            kvc = self.planner.plan(layout, planning(vc))
+            built = self.planner.groups(kvc)
+            if layout.groups and built != [g.to_json() for g in layout.groups]:
+                raise RuntimeError(f"harness: the release's planner builds the groups {built}, "
+                                   f"the case's planned layout has "
+                                   f"{[g.to_json() for g in layout.groups]}")
+        else:
+            kvc = self.kv_cache_config(layout)
+            vc = self.vllm_config(layout)
+        self.offloading(layout, vc, kvc)
+        self.retention(layout, vc, kvc)
+        return vc, kvc
+
+    def kv_cache_config(self, layout: Layout) -> Any:
+        """A layout of groups' ``KVCacheConfig``, built by hand: one tensor shared by every
+        layer, the groups in the layout's order."""
         kvi = self.kvi
-        eng = layout.engine
         groups = []
         tensor_layers: list[str] = []
         bytes_per_block = 0
@@ -169,17 +201,20 @@ class ConfigBuilder:
                 gkw["is_eagle_group"] = True
             groups.append(kvi.KVCacheGroupSpec(**gkw))
 
-        num_blocks = eng.num_gpu_blocks
+        num_blocks = layout.engine.num_gpu_blocks
         total = bytes_per_block * num_blocks
         if "shared_by" in self.tensor_fields:        # 0.25.x-0.28.x
             tensor = kvi.KVCacheTensor(size=total, shared_by=tensor_layers)
         else:                                        # 0.29.0+: layers + strides
             tensor = kvi.KVCacheTensor(size=total, layers=tensor_layers,
                                        layer_stride=0, block_stride=bytes_per_block)
-        kv_cache_config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
-                                            kv_cache_groups=groups)
+        return kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                                 kv_cache_groups=groups)
 
-        # --- VllmConfig derived from the base one ---
+    def vllm_config(self, layout: Layout) -> Any:
+        """The layout's ``VllmConfig`` but for the connector's extra config
+        (:meth:`offloading`), derived from the base one."""
+        eng = layout.engine
         base = self.base
         vc = copy.copy(base)
         cc = copy.copy(base.cache_config)
@@ -187,8 +222,9 @@ class ConfigBuilder:
         # "align" mode share it. A layout no engine builds (layout.deployment_refusal: an
         # align-mode Mamba block of another size, a "none" Mamba group under prefix caching, a
         # layout vLLM refuses under DCP by asserts only) is no behaviour of a release
-        cc.block_size = cache_block_size(layout.groups)
-        why = deployment_refusal(layout)
+        cc.block_size = (eng.block_size or 16) if layout.layers else \
+            cache_block_size(layout.groups)
+        why = deployment_refusal(layout) if layout.groups else None
         if why:
             raise Unsupported(why)
         cc.enable_prefix_caching = eng.enable_prefix_caching
@@ -214,7 +250,28 @@ class ConfigBuilder:
             pc = copy.copy(base.parallel_config)
             pc.decode_context_parallel_size = eng.dcp_size
             vc.parallel_config = pc
+        if eng.speculative is not None:
+            vc.speculative_config = self.speculative(eng.speculative)
+        sc = vc.scheduler_config = copy.copy(base.scheduler_config)
+        if eng.async_scheduling:
+            if not hasattr(sc, "async_scheduling"):
+                raise Unsupported("async_scheduling: SchedulerConfig has no async_scheduling")
+            sc.async_scheduling = True
+        if layout.layers and hasattr(sc, "disable_hybrid_kv_cache_manager"):
+            # VllmConfig.__post_init__ on a GPU platform, the OffloadingConnector being
+            # SupportsHMA (0.25.1-0.33.0): the hybrid KV cache manager is on, but for a model
+            # with chunked local attention, where it is off by default (a latency regression;
+            # VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 turns it on, but with EAGLE).
+            # Off, the planner turns every local layer into full attention
+            # (unify_hybrid_kv_cache_specs)
+            sc.disable_hybrid_kv_cache_manager = any(
+                x.kind == "chunked_local" for x in layout.layers)
+        return vc
 
+    def offloading(self, layout: Layout, vc, kvc) -> None:
+        """``kv_connector_extra_config`` as a deployment passes it: the chunking knobs, and a CPU
+        tier of ``cpu_chunks`` chunks of the GPU pool's bytes per block."""
+        eng = layout.engine
         bpc = 1
         extra: dict[str, Any] = {}
         if eng.blocks_per_chunk is not None:
@@ -227,6 +284,7 @@ class ConfigBuilder:
             extra["block_size"] = eng.offload_block_size
             if eng.blocks_per_chunk is None:
                 bpc = max(1, eng.offload_block_size // layout.groups[0].block_size)
+        bytes_per_block = sum(t.size for t in kvc.kv_cache_tensors) // kvc.num_blocks
         chunk_bytes = (bytes_per_block * bpc + self.cpu_alignment - 1) \
             // self.cpu_alignment * self.cpu_alignment
         extra["cpu_bytes_to_use"] = chunk_bytes * eng.cpu_chunks
@@ -234,20 +292,15 @@ class ConfigBuilder:
             extra["offload_prompt_only"] = False
         if eng.eviction_policy != "lru":
             extra["eviction_policy"] = eng.eviction_policy
-        kt = copy.copy(base.kv_transfer_config)
+        kt = copy.copy(self.base.kv_transfer_config)
         kt.kv_connector_extra_config = extra
         vc.kv_transfer_config = kt
 
-        if eng.speculative is not None:
-            vc.speculative_config = self.speculative(eng.speculative)
-        if eng.async_scheduling:
-            sc = copy.copy(base.scheduler_config)
-            if not hasattr(sc, "async_scheduling"):
-                raise Unsupported("async_scheduling: SchedulerConfig has no async_scheduling")
-            sc.async_scheduling = True
-            vc.scheduler_config = sc
-        self.retention(layout, vc, kv_cache_config)
-        return vc, kv_cache_config
+    @property
+    def planner(self) -> "Planner":
+        if self._planner is None:
+            self._planner = Planner(self)
+        return self._planner
 
     def retention(self, layout: Layout, vc, kv_cache_config) -> None:
         """``prefix_cache_retention_interval`` as an engine has it: in ``cache_config`` (the
@@ -292,3 +345,122 @@ class ConfigBuilder:
         object.__setattr__(obj, "method", spec.method)
         object.__setattr__(obj, "num_speculative_tokens", spec.num_tokens)
         return obj
+
+
+def _raised_in(exc: BaseException, function: str) -> bool:
+    """Whether ``function`` is on the traceback of ``exc`` (the check that refused)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class Planner:
+    """A layout of layers -> the ``KVCacheConfig`` the release's own planner builds.
+
+    A deployment never writes its KV cache groups: each attention layer declares a spec
+    (``Attention.get_kv_cache_spec``), and ``EngineCore._initialize_kv_caches`` hands them to
+    ``get_kv_cache_configs`` (``v1/core/kv_cache_utils.py``; ``kv_cache_planning.py`` from
+    0.33.0), which groups the layers, sizes the pool and runs the start-up checks: the longest
+    request must fit the pool as the release counts it (``_check_enough_kv_cache_memory``; from
+    0.29.0 with the null block held back). The same calls run here on the specs of the layout's
+    layers, with ``num_gpu_blocks_override`` for the case's pool (a flag every release's planner
+    honours: it checks and sizes against that many blocks)."""
+
+    #: the layout language's kinds (``simsched.layout.KINDS``) by spec class name
+    KIND_OF_SPEC = {name: kind for kind, name in KINDS.items()}
+    DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+    def __init__(self, builder: ConfigBuilder):
+        self.builder = builder
+        module = importlib.import_module("vllm.v1.core.kv_cache_utils")
+        self.generate_scheduler_kv_cache_config = module.generate_scheduler_kv_cache_config
+        try:        # 0.33.0 moved the planner out of kv_cache_utils
+            module = importlib.import_module("vllm.v1.core.kv_cache_planning")
+        except ImportError:
+            pass
+        self.planning = module
+        # 0.33.0: the global groups are computed first, then passed in
+        self.takes_global_groups = "global_kv_cache_groups" in inspect.signature(
+            module.get_kv_cache_configs).parameters
+
+    def layer_specs(self, layout: Layout) -> dict[str, Any]:
+        """One spec per layer, named as a model's layers are; the drafter's layers after the
+        target's, as the drafter model registers them after the target model."""
+        block_size = layout.engine.block_size or 16
+        layers = [x for x in layout.layers if not x.drafter] + [
+            x for x in layout.layers if x.drafter]
+        specs: dict[str, Any] = {}
+        for layer in layers:
+            prefix = "drafter.layers" if layer.drafter else "model.layers"
+            for _ in range(layer.count):
+                specs[f"{prefix}.{len(specs)}.attn"] = self.spec(layer, block_size)
+        return specs
+
+    def spec(self, layer, block_size: int) -> Any:
+        b = self.builder
+        cls = b.spec_classes.get(layer.kind)
+        if cls is None:
+            raise Unsupported(f"kind {layer.kind!r}: this release has no {KINDS[layer.kind]}")
+        mla = layer.kind in ("mla", "sliding_window_mla")
+        kw: dict[str, Any] = {"block_size": block_size, "dtype": self.DTYPES[layer.dtype],
+                              # MLA caches one latent vector per token, shared by the heads
+                              "num_kv_heads": 1 if mla else layer.num_kv_heads,
+                              "head_size": layer.head_size}
+        if layer.kind in ("sliding_window", "sliding_window_mla"):
+            kw["sliding_window"] = layer.sliding_window
+        if layer.kind == "chunked_local":
+            kw["attention_chunk_size"] = layer.attention_chunk_size
+        if layer.drafter and "is_draft" in b.spec_fields[layer.kind]:
+            kw["is_draft"] = True
+        return cls(**kw)
+
+    def plan(self, layout: Layout, vc) -> Any:
+        """The scheduler's ``KVCacheConfig`` (``generate_scheduler_kv_cache_config``), or
+        :class:`Refused` with the planner's message."""
+        vc = copy.copy(vc)
+        cc = vc.cache_config = copy.copy(vc.cache_config)
+        cc.num_gpu_blocks_override = layout.engine.num_gpu_blocks
+        if hasattr(cc, "kv_cache_layout") and cc.kv_cache_layout is None:
+            # 0.29.0+: the engine core resolves the physical layout before planning
+            # (resolve_kv_cache_layout); a value set beforehand is honoured as it is. The
+            # scheduler never reads it: the legacy default NHD's
+            cc.kv_cache_layout = "LBNHC"
+        specs = [self.layer_specs(layout)]
+        memory = [1 << 50]          # the planner replaces it by the override's blocks
+        try:
+            if self.takes_global_groups:
+                groups = self.planning.get_global_kv_cache_groups(vc, specs)
+                configs = self.planning.get_kv_cache_configs(vc, specs, memory, groups)
+            else:
+                configs = self.planning.get_kv_cache_configs(vc, specs, memory)
+        except ValueError as e:
+            if not _raised_in(e, "_check_enough_kv_cache_memory"):
+                raise
+            raise Refused(str(e)) from None
+        return self.generate_scheduler_kv_cache_config(configs)
+
+    def groups(self, kvc) -> list[dict]:
+        """The planned groups as the layout language writes them (``Group.to_json``)."""
+        out = []
+        for g in kvc.kv_cache_groups:
+            spec = g.kv_cache_spec
+            kind = self.KIND_OF_SPEC.get(type(spec).__name__)
+            if kind is None:
+                raise Unsupported(f"the planner built a {type(spec).__name__} group, which the "
+                                  "layout language does not name")
+            group: dict[str, Any] = {"kind": kind, "block_size": spec.block_size}
+            if len(g.layer_names) != 1:
+                group["layers"] = len(g.layer_names)
+            if kind in ("sliding_window", "sliding_window_mla"):
+                group["sliding_window"] = spec.sliding_window
+            if kind == "chunked_local":
+                group["attention_chunk_size"] = spec.attention_chunk_size
+            if kind == "mamba":
+                group["mamba_cache_mode"] = getattr(spec, "mamba_cache_mode", "none")
+            if getattr(g, "is_eagle_group", False):
+                group["drafter"] = True
+            out.append(group)
+        return out

@@ -32,6 +32,7 @@ a lookup that defers, INV-8 (a deferral that outlasts every transfer it could wa
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import math
@@ -47,7 +48,7 @@ from simsched.model.block_pool import NULL
 from simsched.model.request import Request as IdentRequest, make_key
 from simsched.case import Case
 from simsched.geometry import estimate_max_model_len, max_model_len
-from simsched.layout import LayoutError
+from simsched.layout import Layout, LayoutError
 from simsched.model.scheduler import STALL_STEPS, _token
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
@@ -157,11 +158,12 @@ class RealEngine:
             self.StructuredOutputManager = None
         from simsched.vllm.inside import build
         self.Unsupported = build.Unsupported
+        self.Refused = build.Refused
 
     # -- boot ------------------------------------------------------------------------------
     def boot(self, case: Case):
         import copy
-        vc, kvc = self.builder.build(case.layout)
+        vc, kvc = self.build(case)
         eng, timing = case.layout.engine, case.timing
         if case.requests:   # the engine's max_model_len, as its start-up check counted it
             vc.model_config = copy.copy(vc.model_config)
@@ -229,6 +231,12 @@ class RealEngine:
             case = Case.from_json(case_json)
         except LayoutError as e:
             return {"status": "invalid", "reason": str(e)}
+        if not case.layout.planned:
+            planned = self.plan_case(case)
+            if planned["status"] != "ok":
+                return planned
+            case = dataclasses.replace(case, layout=Layout.from_json(
+                dict(case.layout.to_json(), groups=planned["groups"])))
         refusal = self.startup_refusal(case)
         if refusal is not None:
             return {"status": "refused", "reason": refusal}
@@ -254,16 +262,69 @@ class RealEngine:
         out["mutant"] = mutant
         return out
 
+    def plan(self, case_json: dict) -> dict:
+        """Op ``plan``: the KV cache groups the release's planner builds of a case's layers,
+        ``{"status": "ok", "groups": [...]}``, or why the engine does not start (``refused``,
+        ``unsupported``, ``invalid``)."""
+        try:
+            case = Case.from_json(case_json)
+        except LayoutError as e:
+            return {"status": "invalid", "reason": str(e)}
+        return self.plan_case(case)
+
+    def plan_case(self, case: Case) -> dict:
+        try:
+            _, kvc = self.build(case)
+            groups = self.builder.planner.groups(kvc)
+        except self.Unsupported as e:
+            return {"status": "unsupported", "reason": str(e)}
+        except self.Refused as e:
+            return {"status": "refused", "reason": str(e)}
+        try:
+            Layout.from_json(dict(case.layout.to_json(), groups=groups))
+        except LayoutError as e:
+            return {"status": "unsupported", "reason": f"the planner built groups the layout "
+                    f"language refuses: {e}"}
+        return {"status": "ok", "groups": groups}
+
     def startup_refusal(self, case: Case) -> str | None:
         """The release's own start-up checks, in ``EngineCore._initialize_kv_caches``' order,
         run before any Scheduler is built: the KV cache pool (:meth:`kv_memory_refusal`), then
         ``VllmConfig.validate_block_size`` (:meth:`block_size_refusal`). The first refusal's
         message, or None."""
         try:
-            vc, kvc = self.builder.build(case.layout)
+            vc, kvc = self.build(case)
         except self.Unsupported:
             return None             # the run says so
+        except self.Refused as e:   # a layout of layers: the release's planner ran the check
+            return str(e)
+        if case.layout.layers:
+            return self.block_size_refusal(case, vc, kvc)
         return self.kv_memory_refusal(case, vc, kvc) or self.block_size_refusal(case, vc, kvc)
+
+    def build(self, case: Case):
+        """The case's (VllmConfig, KVCacheConfig); a layout of layers planned by the release
+        with the config its start-up checks see (:meth:`checked_config`)."""
+        return self.builder.build(case.layout, planning=lambda vc: self.checked_config(case, vc))
+
+    def checked_config(self, case: Case, vc):
+        """A copy of ``vc`` as the engine's start-up checks see it: the case's
+        ``max_model_len`` (:func:`simsched.geometry.max_model_len`, as :meth:`boot` sets it)
+        and scheduler budget."""
+        import copy
+        vc = copy.copy(vc)
+        vc.model_config = copy.copy(vc.model_config)
+        if case.requests:
+            vc.model_config.max_model_len = max_model_len(case)
+        sc = vc.scheduler_config = copy.copy(vc.scheduler_config)
+        sc.max_num_batched_tokens = case.timing.max_num_batched_tokens
+        # SchedulerConfig.__post_init__ sets the encoder budget (cross attention's blocks) to
+        # max_num_batched_tokens: an engine started with this budget has it
+        if hasattr(sc, "max_num_encoder_input_tokens"):
+            sc.max_num_encoder_input_tokens = sc.max_num_batched_tokens
+        if hasattr(sc, "async_scheduling"):
+            sc.async_scheduling = bool(case.layout.engine.async_scheduling)
+        return vc
 
     def block_size_refusal(self, case: Case, vc, kvc) -> str | None:
         """``VllmConfig.validate_block_size`` (``config/vllm.py``, called by
@@ -298,7 +359,6 @@ class RealEngine:
         pages; the groups share the pool of ``num_gpu_blocks`` blocks, the null block held
         back. Passed in units of 1 GiB, so that the release's message counts blocks where it
         says GiB. Its ValueError's message, or None (it fits, or the release has no check)."""
-        import copy
         import importlib
         check = None
         for name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
@@ -311,16 +371,7 @@ class RealEngine:
                 break
         if check is None or not case.requests:
             return None
-        vc = copy.copy(vc)
-        vc.model_config = copy.copy(vc.model_config)
-        sc = vc.scheduler_config = copy.copy(vc.scheduler_config)
-        sc.max_num_batched_tokens = case.timing.max_num_batched_tokens
-        # SchedulerConfig.__post_init__ sets the encoder budget (cross attention's blocks) to
-        # max_num_batched_tokens: an engine started with this budget has it
-        if hasattr(sc, "max_num_encoder_input_tokens"):
-            sc.max_num_encoder_input_tokens = sc.max_num_batched_tokens
-        if hasattr(sc, "async_scheduling"):
-            sc.async_scheduling = bool(case.layout.engine.async_scheduling)
+        vc = self.checked_config(case, vc)
         specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
         gib = 1 << 30
 

@@ -7,7 +7,8 @@ Protocol (one JSON object per line): the worker first announces
 not an observation of vLLM: vLLM's own failures are outcomes inside ``result``).
 
 Ops: ``ping``, ``config_batch`` (``items``: list of ``{"layout", "num_tokens"}``),
-``scheduler_construct`` (``layout``), ``run_case`` (``case``, ``mutant``, ``step_cap``: see
+``scheduler_construct`` (``layout``), ``plan`` (``case``: the KV cache groups the release's
+planner builds of a layout of layers), ``run_case`` (``case``, ``mutant``, ``step_cap``: see
 :mod:`simsched.vllm.inside.engine`), ``features``, ``coverage`` (``action``: ``take``, ``reset`` or
 ``summary``; arc coverage of the offloading code, collected when the worker starts with
 ``SIMSCHED_COVERAGE=1``, see :mod:`simsched.vllm.inside.coverage`), ``exit``; and ``sleep`` (``seconds``), a
@@ -100,6 +101,11 @@ def main() -> int:
                 kw = {"step_cap": int(req["step_cap"])} if req.get("step_cap") else {}
                 result = state["engine"].run_case(req["case"], req.get("mutant") or mutant,
                                                      bare=bool(req.get("bare", False)), **kw)
+            elif op == "plan":
+                if "engine" not in state:
+                    from simsched.vllm.inside.engine import RealEngine
+                    state["engine"] = RealEngine(probe())
+                result = state["engine"].plan(req["case"])
             elif op == "boot_retention":
                 if "engine" not in state:
                     from simsched.vllm.inside.engine import RealEngine

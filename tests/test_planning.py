@@ -1,0 +1,144 @@
+"""Layouts of layers, planned by each release's own planner (``simsched.planning``).
+
+The expected groups follow vLLM's grouping rule (``get_kv_cache_groups``: layers of one spec
+form a group; with specs of one page size, groups of the smallest kind's layer count) and the
+hybrid KV cache manager's default (``VllmConfig.__post_init__``: off for chunked local
+attention, whose layers then plan as full attention), read in each release's source."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from simsched.case import Case
+from simsched.families import FAMILIES, family_case
+from simsched.layout import Layout, LayoutError
+from simsched.lockstep import lockstep
+from simsched.model import run_case
+from simsched.planning import plan
+from simsched.targets import Releases
+
+VERSIONS = ["0.30.0", "0.33.0"]
+GPT_OSS = [{"kind": "full", "count": 2, "head_size": 64},
+           {"kind": "sliding_window", "count": 2, "head_size": 64, "sliding_window": 128}]
+#: a prefix stored by a, loaded back by b once c has pushed it out of the GPU pool
+LOAD = [{"id": "a", "prompt": [[1, 100]], "decode": 2},
+        {"id": "c", "prompt": [[9, 500]], "arrival": 8, "decode": 2},
+        {"id": "b", "prompt": [[1, 100]], "arrival": 20, "decode": 2}]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Releases.installed(VERSIONS, timeout=120) as p:
+        yield p
+
+
+def layers_case(layers, requests=LOAD, **engine) -> Case:
+    """48 blocks: c's prompt (32 blocks of a full-attention group, and a sliding window's 128
+    tokens and a 64-token chunk) needs the blocks a's prefix left cached."""
+    return Case.from_json({"layout": {"layers": layers, "engine": dict(
+        {"num_gpu_blocks": 48}, **engine)}, "requests": requests,
+        "timing": {"max_num_batched_tokens": 64}})
+
+
+# --- the layout language (no release needed) ---------------------------------------------
+
+@pytest.mark.parametrize("layers, field", [
+    ([{"kind": "mamba"}], "layout.layers[0].kind"),
+    ([{"kind": "sliding_window"}], "layout.layers[0].sliding_window"),
+    ([{"kind": "full", "attention_chunk_size": 8}], "layout.layers[0].attention_chunk_size"),
+    ([{"kind": "full", "dtype": "int4"}], "layout.layers[0].dtype"),
+    ([{"kind": "full", "drafter": True}], "layout.layers"),
+    ([], "layout.layers"),
+])
+def test_a_bad_layer_is_refused_naming_its_field(layers, field):
+    with pytest.raises(LayoutError) as e:
+        Layout.from_json({"layers": layers})
+    assert e.value.field == field
+
+
+def test_block_size_belongs_to_a_layout_of_layers():
+    assert Layout.from_json({"layers": [{"kind": "full"}],
+                             "engine": {"block_size": 32}}).engine.block_size == 32
+    with pytest.raises(LayoutError, match="engine.block_size: only with layout.layers"):
+        Layout.from_json({"groups": [{"kind": "full", "block_size": 16}],
+                          "engine": {"block_size": 16}})
+
+
+def test_the_model_runs_a_layout_of_layers_only_once_planned():
+    case = layers_case(GPT_OSS)
+    assert not case.layout.planned
+    assert Case.from_json(case.to_json()) == case
+    with pytest.raises(LayoutError, match="planner"):
+        run_case(case)
+
+
+def test_family_cases_are_deterministic():
+    for family in FAMILIES:
+        assert family_case(3, family).to_json() == family_case(3, family).to_json()
+        assert family_case(3, family).to_json() != family_case(4, family).to_json()
+
+
+# --- the release's planner --------------------------------------------------------------
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("layers, groups, blocks", [
+    (GPT_OSS, [{"kind": "full", "block_size": 16, "layers": 2},
+               {"kind": "sliding_window", "block_size": 16, "layers": 2,
+                "sliding_window": 128}], 48),
+    # Llama 4: the hybrid KV cache manager is off by default, local layers become full ones
+    ([{"kind": "chunked_local", "count": 3, "attention_chunk_size": 64},
+      {"kind": "full", "count": 1}], [{"kind": "full", "block_size": 16, "layers": 4}], 36),
+    # one spec, one group, whatever the layer count
+    ([{"kind": "mla", "count": 3, "head_size": 576}],
+     [{"kind": "mla", "block_size": 16, "layers": 3}], 36),
+])
+def test_the_planner_groups_layers_as_the_release_does(pool, version, layers, groups, blocks):
+    """Planned, then run in lockstep: b loads a's prefix back (one group: 36 blocks, so that
+    c's 32 evict a's)."""
+    case = layers_case(layers, num_gpu_blocks=blocks)
+    planned, out = plan(case, version, pool)
+    assert out["status"] == "ok", out
+    assert [g.to_json() for g in planned.layout.groups] == groups
+    res = lockstep(case, version, pool)
+    assert res.agree, res.summary()
+    assert res.real["counters"]["loads"] >= 1, res.summary()
+
+
+@pytest.mark.parametrize("version, marked", [("0.30.0", False), ("0.33.0", True)])
+def test_an_eagle_drafter_layer_joins_the_target_group(pool, version, marked):
+    """0.33.0 marks the group that holds a draft layer ``is_eagle_group`` (spec.is_draft);
+    0.30.0 marks none for plain attention (its rule is for non-causal multi-token decode
+    specs), and its coordinator then treats every group as an EAGLE group."""
+    case = layers_case([{"kind": "full", "count": 4}, {"kind": "full", "drafter": True}],
+                       speculative={"method": "eagle", "num_tokens": 2})
+    planned, out = plan(case, version, pool)
+    assert out["status"] == "ok", out
+    [group] = planned.layout.groups
+    assert (group.layers, group.drafter) == (5, marked)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_pool_the_release_refuses_is_refused_not_run(pool, version):
+    """48 blocks less the null block hold 47 * 16 = 752 tokens of one full-attention group,
+    not a request of 800."""
+    case = layers_case([{"kind": "full", "count": 2}],
+                       requests=[{"id": "a", "prompt": [[1, 790]], "decode": 10}])
+    planned, out = plan(case, version, pool)
+    assert planned is None and out["status"] == "refused", out
+    assert "max seq len (800)" in out["reason"]
+    res = lockstep(case, version, pool)
+    assert res.real["status"] == "refused" and res.observations == []
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_groups_the_planner_does_not_build_are_a_harness_error(pool, version):
+    """A case that says its layers planned into other groups is not the release's layout: the
+    harness refuses to run it (a worker error), and no finding is made of it."""
+    case = layers_case(GPT_OSS)
+    wrong = dataclasses.replace(case, layout=Layout.from_json(dict(
+        case.layout.to_json(), groups=[{"kind": "full", "block_size": 16, "layers": 4}])))
+    res = lockstep(wrong, version, pool)
+    assert res.real["status"] == "worker", res.summary()
+    assert "planner builds the groups" in res.real["message"]
