@@ -17,6 +17,7 @@ from simsched.case import Case
 from simsched.lockstep import (HANDMADE, canonical, diff_traces, generate_case, lockstep,
                                lockstep_observations, segments)
 from simsched.targets import Releases
+from simsched.vllm.releases import KNOWN_RELEASES, version_key
 
 RING = {"groups": [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}],
         "engine": {"num_gpu_blocks": 64}}
@@ -251,6 +252,18 @@ def test_a_pool_too_small_for_the_longest_request_is_refused_at_startup(pool, ve
                                     "least one request with the model's max seq len")
     hint = f"the estimated maximum model length is {estimate}."
     assert hint in res.real["reason"] and hint in res.model.refused
+
+
+@pytest.mark.parametrize("version", sorted(KNOWN_RELEASES, key=version_key))
+def test_mamba_stall_is_refused_at_startup_on_every_release(version):
+    """The liveness finding HANDMADE["mamba_stall"] once gave is a state no deployment reaches:
+    every release's start-up check refuses its pool (97 tokens need 7 full-attention blocks and
+    2 align-mode Mamba blocks, of 8), and the model refuses it the same way: no observation."""
+    with Releases.installed([version], timeout=300) as one:
+        res = lockstep(Case.from_json(HANDMADE["mamba_stall"]), version, one)
+    assert res.real["status"] == "refused", res.summary()
+    assert "max seq len (97)" in res.real["reason"]
+    assert res.model.refused is not None and res.observations == []
 
 
 #: EAGLE beside a group whose cache-hit finder never drops a block (the model crashed with a
