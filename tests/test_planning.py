@@ -142,3 +142,19 @@ def test_groups_the_planner_does_not_build_are_a_harness_error(pool, version):
     res = lockstep(wrong, version, pool)
     assert res.real["status"] == "worker", res.summary()
     assert "planner builds the groups" in res.real["message"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("seed", [20, 36])
+def test_the_cpu_tier_of_a_planned_pool_holds_cpu_chunks_chunks(pool, version, seed):
+    """The planner's pool has one KV cache tensor per layer slot, each shared by a layer of
+    every group, and from 0.29.0 each tensor's size is the whole allocation
+    (``build_offloading_config`` divides the first one's by the blocks). A harness that added
+    the sizes up gave the real CPU tier twice the chunks of ``cpu_chunks`` on gpt-oss: these
+    cases, whose 16-chunk tier fills, diverged on the first store the model's full tier
+    refused."""
+    case = family_case(seed, "gpt-oss")
+    assert case.layout.engine.cpu_chunks == 16
+    res = lockstep(case, version, pool)
+    assert res.agree, res.summary()
+    assert res.real["counters"]["stores"] >= 2

@@ -111,6 +111,12 @@ class ConfigBuilder:
                                cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
                                kv_transfer_config=kt)
         self._planner: Planner | None = None
+        try:        # 0.26.0-0.28.x; 0.25.1's CPU spec tests a block_stride
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+                is_kv_cache_tensor_packed)
+            self.tensor_packed = is_kv_cache_tensor_packed
+        except ImportError:
+            self.tensor_packed = lambda tensor: bool(getattr(tensor, "block_stride", 0))
         self.spec_cls = None
         try:
             from vllm.config import SpeculativeConfig
@@ -284,7 +290,7 @@ class ConfigBuilder:
             extra["block_size"] = eng.offload_block_size
             if eng.blocks_per_chunk is None:
                 bpc = max(1, eng.offload_block_size // layout.groups[0].block_size)
-        bytes_per_block = sum(t.size for t in kvc.kv_cache_tensors) // kvc.num_blocks
+        bytes_per_block = self.kv_bytes_per_block(kvc)
         chunk_bytes = (bytes_per_block * bpc + self.cpu_alignment - 1) \
             // self.cpu_alignment * self.cpu_alignment
         extra["cpu_bytes_to_use"] = chunk_bytes * eng.cpu_chunks
@@ -295,6 +301,20 @@ class ConfigBuilder:
         kt = copy.copy(self.base.kv_transfer_config)
         kt.kv_connector_extra_config = extra
         vc.kv_transfer_config = kt
+
+    def kv_bytes_per_block(self, kvc) -> int:
+        """GPU KV bytes of one pool block as the connector counts them, the unit of its CPU
+        blocks (``build_offloading_config``'s ``worker_kv_bytes_per_block``; 0.25.1: the CPU
+        spec's): from 0.29.0, where a ``KVCacheTensor`` places layers by strides, every tensor
+        describes one backing allocation and its size is the whole pool; before, separate
+        tensors' sizes add up, and packed ones (``is_kv_cache_tensor_packed``; 0.25.1: a
+        ``block_stride``) share one allocation. A hand-built pool has one tensor; the planner's
+        has one per layer slot, each shared by a layer of every group."""
+        tensors = kvc.kv_cache_tensors
+        separate = "shared_by" in self.tensor_fields and not all(
+            self.tensor_packed(t) for t in tensors)
+        total = sum(t.size for t in tensors) if separate else tensors[0].size
+        return total // kvc.num_blocks
 
     @property
     def planner(self) -> "Planner":
