@@ -158,3 +158,31 @@ def test_the_cpu_tier_of_a_planned_pool_holds_cpu_chunks_chunks(pool, version, s
     res = lockstep(case, version, pool)
     assert res.agree, res.summary()
     assert res.real["counters"]["stores"] >= 2
+
+
+def test_the_model_alone_says_a_layout_of_layers_is_not_its_to_plan():
+    """Replayed on the model only, a layout of layers is ``unsupported`` with the reason, never
+    a crash finding of the model nor a predicted vLLM error (its empty group list would predict
+    'KV offloading found no eligible cache groups')."""
+    from simsched.replay import observe
+    from simsched.targets import UNPLANNED, ModelTarget
+    from simsched.profiles import PROFILES
+
+    outcomes: dict = {}
+    obs = observe(layers_case(GPT_OSS), [ModelTarget(p) for p in PROFILES.values()], [],
+                  outcomes)
+    assert obs == []
+    assert {o["status"] for o in outcomes.values()} == {"unsupported"}
+    assert all(o["reason"] == UNPLANNED for o in outcomes.values())
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_replay_plans_a_layout_of_layers_on_each_release(pool, version):
+    from simsched.replay import observe
+    from simsched.targets import ReleaseTarget
+
+    outcomes: dict = {}
+    obs = observe(layers_case(GPT_OSS), [], [ReleaseTarget(version, pool)], outcomes,
+                  config=False)
+    assert obs == [] and outcomes[version]["status"] == "ran", outcomes
+    assert outcomes[version]["counters"]["loads"] >= 1
