@@ -43,11 +43,12 @@ from fuzz import report as report_mod
 from fuzz import repro as repro_mod
 from fuzz import triage as tri
 from fuzz.database import open_database
-from fuzz.strategies import cases, edge_scores, family_of
+from fuzz.strategies import cases, edge_scores, family_of, planned_cases
 from simsched.case import Case, Timing
 from simsched.invariants import INV_OPS
 from simsched.layout import Engine, Layout, LayoutError, deployment_refusal
 from simsched.outcome import Observation, Signature, crash_signature, describe
+from simsched.planning import plan
 from simsched.profiles import PROFILES
 from simsched.replay import observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
@@ -64,6 +65,10 @@ DEFAULT_STEER = "target"
 #: the share of generated cases run step by step on the newest release whatever the pre-screen
 #: says (BENCHMARKS.md, "The real side in the main campaign", measures the choice)
 REAL_SHARE = 0.25
+
+#: every fourth round draws model families as their layers, planned by a release (issue 20:
+#: the layouts real deployments of those models get)
+LAYERS_EVERY = 4
 
 #: how the releases run each case: ``screen`` (the pre-screen and the share, the default),
 #: ``every`` (every case step by step on every release), ``none`` (the config chain only)
@@ -334,6 +339,7 @@ class Campaign:
         self.examples = 0
         self.families: dict[str, int] = {}
         self.knobs: dict[str, int] = {}
+        self.layers: dict[str, int] = {}   # layouts of layers: planned, refused, unsupported
         self.timeline: list[dict] = []
         self.started = 0.0
         self.warmup_s = 0.0
@@ -528,6 +534,24 @@ class Campaign:
         if v not in f.variants:
             f.variants.append(v)
 
+    def _strategy(self, round_no: int):
+        """Every LAYERS_EVERY-th round draws model families as their layers
+        (:func:`fuzz.strategies.planned_cases`) when a release can plan them; the others draw
+        layouts of groups."""
+        if self.newest is not None and round_no % LAYERS_EVERY == LAYERS_EVERY - 1:
+            return planned_cases(asserts=self.asserts)
+        return cases(asserts=self.asserts)
+
+    def _planned(self, case: Case) -> Case | None:
+        """A layout of layers with the groups the newest stepped release's planner builds (the
+        harness of every other release plans it again: ``unsupported`` where its planner
+        builds other groups). None where that release's engine does not start (counted in the
+        report's ``layers``), or it cannot plan the case."""
+        planned, out = plan(case, self.newest.version, self.pool)
+        status = out["status"] if planned is None else "planned"
+        self.layers[status] = self.layers.get(status, 0) + 1
+        return planned
+
     def _round(self, round_no: int, deadline: float, db) -> Finding | None:
         state: dict = {"hunt": None, "case": None, "seen": None, "t": 0.0, "n": 0, "first": None}
         known = self.known_keys()
@@ -543,8 +567,12 @@ class Campaign:
                   suppress_health_check=list(HealthCheck),
                   phases=(Phase.reuse, Phase.generate, Phase.target, Phase.shrink))
         @seed(self.seed * 1_000_003 + round_no)
-        @given(cases(asserts=self.asserts))
+        @given(self._strategy(round_no))
         def body(case: Case) -> None:
+            if not case.layout.planned:
+                case = self._planned(case)
+                if case is None:
+                    return
             hunt: Hunt | None = state["hunt"]
             if hunt is None:
                 if time.monotonic() > deadline:
@@ -877,6 +905,7 @@ class Campaign:
             "releases_installed": list(self.pool.versions),
             "families": dict(sorted(self.families.items())),
             "knobs": dict(sorted(self.knobs.items())),
+            "layers": dict(sorted(self.layers.items())),
             "timeline": self.timeline,
             "samples": self.samples + [{"t": round(el, 3), "examples": self.examples,
                                         "findings": len(self.findings)}],

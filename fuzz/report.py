@@ -201,7 +201,10 @@ def markdown(data: dict, plots: list[tuple[str, str]] | None = None,
     lines += ["", "## Coverage", "", "Layout families: "
               + (", ".join(f"{k} {v}" for k, v in data["families"].items()) or "none"), "",
               "Knobs and kinds: " + (", ".join(f"{k} {v}" for k, v in data["knobs"].items())
-                                     or "none"), ""]
+                                     or "none"), "",
+              "Layouts of layers (planned by the newest release): "
+              + (", ".join(f"{k} {v}" for k, v in data.get("layers", {}).items()) or "none"),
+              ""]
     if "vllm_arcs" in data:
         lines += [f"vLLM offloading code covered inside the release workers: "
                   f"{data['vllm_arcs']} arcs (steering: {data.get('steer', '?')}).", ""]
@@ -235,7 +238,7 @@ def merge(out: Path, findings: list[dict], base: dict) -> dict:
     data["model_steps_per_s"] = round(data["model_steps"] / el, 1) if el else 0.0
     data["interrupted"] = any(p.get("interrupted") for p in parts)
     data["worker_startup_s"] = max((p.get("worker_startup_s", 0.0) for p in parts), default=0.0)
-    for key in ("families", "knobs"):
+    for key in ("families", "knobs", "layers"):
         total: dict = {}
         for p in parts:
             for k, v in p.get(key, {}).items():

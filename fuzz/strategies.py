@@ -16,6 +16,8 @@ from functools import lru_cache
 from hypothesis import strategies as st
 
 from simsched.case import Case, CaseEvent, JobTiming, RequestSpec, Timing
+from simsched.families import FAMILIES as FAMILY_LAYERS
+from simsched.families import family_of as layers_family_of
 from simsched.layout import (KINDS, RETENTION_UNSET, Engine, Group, Layout, RetentionUnset,
                              Speculative, dcp_refusal)
 
@@ -249,6 +251,29 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
     return Case(layout=layout, requests=requests, timing=timing, asserts=flag, events=events)
 
 
+@st.composite
+def planned_cases(draw, asserts: bool | None = True) -> Case:
+    """A case of a model family given as its layers (``simsched.families``): each release's
+    own planner groups them and runs its start-up checks, so what it shows is a deployment's.
+    The workload and timings are drawn as :func:`cases` draws them; the pool holds 24 to 96
+    blocks a group the family's planner builds, or barely the longest request."""
+    family = draw(st.sampled_from(tuple(FAMILY_LAYERS)))
+    layers, flags, groups = FAMILY_LAYERS[family]
+    flag = draw(_pick((True, False))) if asserts is None else asserts
+    requests = _workload(draw)
+    spec = flags.get("speculative")
+    if spec is not None:
+        requests = tuple([dataclasses.replace(r, accept=tuple(
+            draw(st.lists(_ints(0, spec["num_tokens"]), min_size=1, max_size=4))))
+            if draw(_ints(0, 3)) else r for r in requests])
+    blocks = draw(_pick((32, 24, 48, 96))) * groups
+    longest = max(r.prompt_len + r.decode for r in requests)
+    blocks = max(blocks, groups * -(-longest // 16) + 1 + draw(_pick((2, 4, 8))))
+    layout = Layout.from_json({"layers": layers, "engine": dict(
+        flags, num_gpu_blocks=blocks, cpu_chunks=draw(_pick((16, 64, 256))))})
+    return Case(layout=layout, requests=requests, timing=_timing(draw), asserts=flag)
+
+
 def edge_scores(case: Case) -> dict[str, float]:
     """How close a case is to the edges where this bug class lives, for ``hypothesis.target``:
     a chunk smaller than the hash unit, a block size that divides nothing else, a GPU pool
@@ -270,7 +295,10 @@ def edge_scores(case: Case) -> dict[str, float]:
 
 
 def family_of(layout: Layout) -> str:
-    """The realistic family a layout looks like (for coverage reports); 'free' otherwise."""
+    """The realistic family a layout looks like (for coverage reports); 'free' otherwise. A
+    layout of layers is the ``simsched.families`` family it is (``layers:<name>``)."""
+    if layout.layers:
+        return f"layers:{layers_family_of(layout) or 'other'}"
     kinds = tuple(g.kind for g in layout.groups)
     if any(g.drafter for g in layout.groups):
         return "drafter"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 from simsched.case import Case
+from simsched.layout import Layer
 
 _MLA = {"kind": "mla", "head_size": 576}            # DeepSeek: kv_lora_rank 512 + rope 64
 
@@ -62,3 +63,12 @@ def family_case(seed: int, family: str) -> Case:
                   cpu_chunks=rng.choice([16, 64, 256]))
     return Case.from_json({"layout": {"layers": layers, "engine": engine}, "requests": reqs,
                            "seed": seed, "timing": random_timing(rng)})
+
+
+def family_of(layout) -> str | None:
+    """The family whose layers ``layout`` has (None: another model)."""
+    mine = list(layout.layers)
+    for name, (layers, _, _) in FAMILIES.items():
+        if [Layer.from_json(x, name) for x in layers] == mine:
+            return name
+    return None

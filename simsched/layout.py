@@ -444,6 +444,13 @@ class Layout:
         """Whether the layout has its KV cache groups (a layout of layers: once planned)."""
         return bool(self.groups)
 
+    def as_groups(self) -> "Layout":
+        """A planned layout of layers as the layout of its groups alone (the config chain,
+        which sizes nothing, runs the groups; the step runs replan the layers)."""
+        if not self.layers:
+            return self
+        return Layout(groups=self.groups, engine=replace(self.engine, block_size=None))
+
     def to_json(self) -> dict:
         out: dict[str, Any] = {}
         if self.layers:

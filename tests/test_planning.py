@@ -133,15 +133,15 @@ def test_a_pool_the_release_refuses_is_refused_not_run(pool, version):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_groups_the_planner_does_not_build_are_a_harness_error(pool, version):
-    """A case that says its layers planned into other groups is not the release's layout: the
-    harness refuses to run it (a worker error), and no finding is made of it."""
+def test_groups_the_planner_does_not_build_are_unsupported(pool, version):
+    """A case that says its layers planned into other groups (another release's plan, or one
+    written by hand) is no layout of this release: unsupported, and no finding is made of it."""
     case = layers_case(GPT_OSS)
     wrong = dataclasses.replace(case, layout=Layout.from_json(dict(
         case.layout.to_json(), groups=[{"kind": "full", "block_size": 16, "layers": 4}])))
     res = lockstep(wrong, version, pool)
-    assert res.real["status"] == "worker", res.summary()
-    assert "planner builds the groups" in res.real["message"]
+    assert res.real["status"] == "unsupported", res.summary()
+    assert "planner builds the groups" in res.real["reason"] and res.observations == []
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -186,3 +186,23 @@ def test_replay_plans_a_layout_of_layers_on_each_release(pool, version):
                   config=False)
     assert obs == [] and outcomes[version]["status"] == "ran", outcomes
     assert outcomes[version]["counters"]["loads"] >= 1
+
+
+def test_the_campaign_plans_a_layout_of_layers_on_its_newest_release(pool, tmp_path):
+    """A drawn layout of layers is planned by the campaign's newest release and evaluated as
+    any case (no tool error: every other release plans it again); one whose engine that
+    release refuses is counted, not run."""
+    from fuzz import triage as tri
+    from fuzz.campaign import LAYERS_EVERY, Campaign
+
+    camp = Campaign(tmp_path, pool, model=True, run_releases=VERSIONS, budget=1.0, seed_=0)
+    assert camp.newest.version == "0.33.0"
+    assert "planned_cases" in repr(camp._strategy(LAYERS_EVERY - 1))
+    assert "planned_cases" not in repr(camp._strategy(0))
+    planned = camp._planned(layers_case(GPT_OSS))
+    assert [g.kind for g in planned.layout.groups] == ["full", "sliding_window"]
+    seen = camp.evaluate(planned, sampled=True)
+    assert not [s for s in seen if s.klass == tri.TOOL_ERROR], seen
+    too_long = layers_case([{"kind": "full"}], requests=[{"id": "a", "prompt": [[1, 900]]}])
+    assert camp._planned(too_long) is None
+    assert camp.layers == {"planned": 1, "refused": 1}

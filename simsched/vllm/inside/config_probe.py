@@ -129,7 +129,7 @@ class ConfigProbe:
     # ---------------------------------------------------------------------------------------
     def build_chain(self, layout: Layout):
         """Up to the scheduler config: (vllm_config, kv_cache_config, spec, sched_config)."""
-        vc, kvc = self.builder.build(layout)
+        vc, kvc = self.builder.build(layout.as_groups())
         stage = "resolve"
         try:
             scheduler_block_size, tokens_per_hash = self.kcu.resolve_kv_cache_block_sizes(kvc, vc)
@@ -250,7 +250,7 @@ class ConfigProbe:
         except LayoutError as e:
             return {"status": "invalid", "reason": f"{type(e).__name__}: {e}"}
         try:
-            vc, kvc = self.builder.build(layout)
+            vc, kvc = self.builder.build(layout.as_groups())
             try:
                 if self.build_offloading_config is not None:
                     oc = self.build_offloading_config(vc, kvc)
