@@ -48,7 +48,7 @@ from simsched.case import Case, Timing
 from simsched.invariants import INV_OPS
 from simsched.layout import Engine, Layout, LayoutError, deployment_refusal
 from simsched.outcome import Observation, Signature, crash_signature, describe
-from simsched.planning import plan
+from simsched.planning import deployment_reach, plan
 from simsched.profiles import PROFILES
 from simsched.replay import observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
@@ -132,6 +132,7 @@ class Finding:
             "fingerprint": list(self.fingerprint),
             "first_target": self.first_target,
             "layout": self.case.layout.describe(),
+            "deployment": deployment_reach(self.case.layout),
             "case": f"repros/{self.id}/case.json",
             "groups": len(self.case.layout.groups), "requests": len(self.case.requests),
             "steps": o.get("steps", 1),

@@ -123,7 +123,8 @@ def _step(f: dict) -> str:
 
 def _rows(members_by_cluster: list[list[dict]]) -> list[str]:
     lines = ["| cluster | what broke | minimal layout | first bad step | present in | "
-             "regressed in / fixed in | variants | repro |", "|---|---|---|---|---|---|---|---|"]
+             "regressed in / fixed in | variants | repro | deployment |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for members in members_by_cluster:
         klass = cluster_class(members)
         f = min((m for m in members if m.get("class") == klass),
@@ -133,7 +134,8 @@ def _rows(members_by_cluster: list[list[dict]]) -> list[str]:
         folder = f["case"].rsplit("/", 1)[0]
         lines.append(f"| {f.get('cluster') or f['id']} | {_what(f)} | `{f['layout']}` | "
                      f"{_step(f)} | {', '.join(releases) or '-'} | {cluster_range(members)} | "
-                     f"{variants} | [{f['id']}]({folder}/README.md) |")
+                     f"{variants} | [{f['id']}]({folder}/README.md) | "
+                     f"{f.get('deployment', '-')} |")
     return lines
 
 

@@ -36,3 +36,28 @@ def plan(case: Case, version: str, pool, timeout: float | None = None) -> tuple[
         return None, out
     layout = Layout.from_json(dict(case.layout.to_json(), groups=out["groups"]))
     return dataclasses.replace(case, layout=layout), out
+
+
+def deployment_reach(layout: Layout) -> str:
+    """Whether, and how, a real deployment reaches ``layout``, in one line for a finding.
+
+    A layout of layers is what the release's own planner built for that model: a deployment
+    of it, with the case's engine flags, has these groups. A layout of groups was written by
+    hand; no planner vouches for it, and where a rule of vLLM's start-up is known to keep
+    deployments from it, the line says which flag they need."""
+    from simsched.families import family_of
+
+    flags = " ".join(f"{k}={v}" for k, v in layout.engine.to_json().items()
+                     if k not in ("num_gpu_blocks", "cpu_chunks"))
+    if layout.layers:
+        family = family_of(layout)
+        model = f"the {family} family" if family else "a model of these layers"
+        return (f"reached: {model}, its groups built by the release's own planner"
+                + (f"; flags {flags}" if flags else ""))
+    kinds = {g.kind for g in layout.groups}
+    if "chunked_local" in kinds and len(kinds) > 1:
+        return ("written as groups: a model with chunked local attention runs with the hybrid "
+                "KV cache manager off (VllmConfig.__post_init__), its local layers planned as "
+                "full attention, unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 "
+                "(and never with EAGLE)")
+    return "written as groups: no release's planner was asked whether a deployment builds them"

@@ -206,3 +206,24 @@ def test_the_campaign_plans_a_layout_of_layers_on_its_newest_release(pool, tmp_p
     too_long = layers_case([{"kind": "full"}], requests=[{"id": "a", "prompt": [[1, 900]]}])
     assert camp._planned(too_long) is None
     assert camp.layers == {"planned": 1, "refused": 1}
+
+
+def test_a_finding_says_how_a_deployment_reaches_its_layout():
+    from simsched.planning import deployment_reach
+
+    planned = Layout.from_json({"layers": FAMILIES["gpt-oss"][0], "groups": [
+        {"kind": "full", "block_size": 16, "layers": 2},
+        {"kind": "sliding_window", "block_size": 16, "layers": 2, "sliding_window": 128}],
+        "engine": {"num_gpu_blocks": 64}})
+    assert deployment_reach(planned) == ("reached: the gpt-oss family, its groups built by the "
+                                         "release's own planner")
+    eagle = Layout.from_json({"layers": FAMILIES["dense+eagle"][0],
+                              "engine": FAMILIES["dense+eagle"][1]})
+    assert deployment_reach(eagle).endswith(
+        "flags speculative={'method': 'eagle', 'num_tokens': 2}")
+    local = Layout.from_json({"groups": [{"kind": "full", "block_size": 16},
+                                         {"kind": "chunked_local", "block_size": 16,
+                                          "attention_chunk_size": 64}]})
+    assert "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1" in deployment_reach(local)
+    alone = Layout.from_json({"groups": [{"kind": "full", "block_size": 16}]})
+    assert deployment_reach(alone).startswith("written as groups: no release's planner")
