@@ -501,3 +501,17 @@ def test_one_token_prompt_loaded_from_the_cpu_tier_livelocks(pool, version):
         "engine": {"num_gpu_blocks": 64, "speculative": {"method": "eagle", "num_tokens": 2}}}}
     res = lockstep(Case.from_json(eagle), version, pool)
     assert res.agree and not res.real["findings"], res.summary()
+
+
+@pytest.mark.parametrize("version, seed", [("0.31.0", 25), ("0.31.0", 110), ("0.32.0", 74)])
+def test_an_inflight_reservation_holds_a_spec_decode_step(pool, version, seed):
+    """Scheduler._request_remaining_blocks under speculative decoding: 0.31.0 adds one spec
+    decode step's blocks to each in-flight prefill's reservation, 0.32.0 on counts its
+    1 + k + lookahead slots with the sequence. On these EAGLE cases (the planner's merged
+    group, a 24-block pool) an async load of the whole prompt is then refused for a step, and
+    the prefix it wanted is evicted from the 16-chunk tier meanwhile: the model admitted the
+    load until it held the step too (BENCHMARKS.md, planner-built families)."""
+    from simsched.families import family_case
+
+    res = lockstep(family_case(seed, "dense+eagle"), version, pool)
+    assert res.agree, res.summary()

@@ -194,11 +194,14 @@ class Model:
             # (update_draft_token_ids_in_output), not played here: no drafts
             self.num_spec = 0
         # Scheduler._spec_decode_step_blocks (0.31.0+): an async load is admitted only with the
-        # blocks of one spec decode step free beyond the in-flight reservations
+        # blocks of one spec decode step free beyond the in-flight reservations, and each
+        # in-flight reservation holds that step too (_request_remaining_blocks)
         self.spec_step_blocks = 0
+        self.spec_step_slots = 0
+        self.spec_step_by_block = profile.extra.get("spec_step_blocks_by_scheduler_block", False)
         if spec is not None and profile.extra.get("kv_holding_waiting", False):
-            slots = 1 + spec.num_tokens + self.lookahead
-            if profile.extra.get("spec_step_blocks_by_scheduler_block", False):   # 0.31.0
+            self.spec_step_slots = slots = 1 + spec.num_tokens + self.lookahead
+            if self.spec_step_by_block:                 # 0.31.0
                 self.spec_step_blocks = -(-slots // geo.scheduler_block_size)
             else:                                       # per non-Mamba group
                 self.spec_step_blocks = sum(-(-slots // bs) for g, bs in
@@ -902,7 +905,7 @@ class Model:
                 reserved = 0
                 if ext:
                     for r in inflight.values():
-                        reserved += kv.remaining_blocks(r)
+                        reserved += self.remaining_blocks(r)
                     reserved += self.spec_step_blocks
                 la = 0 if ext else self.lookahead     # no lookahead slots for an async load
                 free = pool.get_num_free_blocks()
@@ -1015,6 +1018,19 @@ class Model:
         other = [r for r in skipped if not (r.status == WAITING_FOR_LOAD or r.num_computed)]
         self.waiting = kvh + rest[:held_rest] + other + rest[held_rest:]
         self.n_held = len(kvh) + held_rest
+
+    def remaining_blocks(self, req: Request) -> int:
+        """``Scheduler._request_remaining_blocks``: the blocks an in-flight prefill (or load)
+        still needs for its full sequence and, under speculative decoding, one spec decode
+        step: 0.31.0 adds that step's blocks (``_spec_decode_step_blocks``), 0.32.0 on counts
+        its ``1 + num_spec_tokens + num_lookahead_tokens`` slots past the sequence."""
+        if not self.spec_step_slots:
+            return self.kv.remaining_blocks(req)
+        if self.spec_step_by_block:
+            return self.kv.remaining_blocks(req) + self.spec_step_blocks
+        slots = self.spec_step_slots
+        return self.kv.admission_blocks(req, 0, req.num_computed, req.num_tokens + slots, True,
+                                        slots)
 
     def after_step(self, step: int) -> None:
         if self.checks == "full":
