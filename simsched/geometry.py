@@ -370,23 +370,29 @@ def validate_block_size(case, profile: "Profile") -> str | None:
             f"max_num_batched_tokens ({budget}).")
 
 
-def check_enough_kv_cache_memory(case) -> str | None:
+def check_enough_kv_cache_memory(case, profile) -> str | None:
     """vLLM's start-up check that the KV cache pool holds one request of ``max_model_len``
     tokens (``check_enough_kv_cache_memory`` / ``_check_enough_kv_cache_memory``,
     ``v1/core/kv_cache_utils.py``, ``kv_cache_planning.py`` from 0.33.0; every release): the
-    groups share one pool, so their ``max_memory_usage_bytes`` add up, counted here in blocks
-    against the pool less the null block the ``BlockPool`` holds back. The engine refuses to
-    start otherwise: returns the refusal as vLLM words it (blocks where it says GiB), None
-    when the pool is large enough."""
+    groups share one pool, so their ``max_memory_usage_bytes`` add up, counted here in blocks.
+    From 0.29.0 ``get_kv_cache_configs`` checks against the pool less the null block the
+    ``BlockPool`` holds back; before, against the whole pool (``startup_null_block`` False),
+    so that an engine whose pool holds the longest request only with the null block starts,
+    and that request never gets its blocks. The engine refuses to start otherwise: returns the
+    refusal as vLLM words it (blocks where it says GiB), None when the pool is large enough."""
     if not case.requests:
         return None                 # no request, no max_model_len to serve
-    available = case.layout.engine.num_gpu_blocks - 1
+    blocks = case.layout.engine.num_gpu_blocks
 
     def needed(model_len: int) -> int:
         return kv_cache_blocks_needed(case, model_len)
 
     model_len = max_model_len(case)
     need = needed(model_len)
+    if need < blocks:
+        return None
+    # (asked only where the answer matters: a pool short of the request by the null block)
+    available = blocks - 1 if profile.extra.get("startup_null_block", True) else blocks
     if need <= available:
         return None
     estimate = estimate_max_model_len(needed, available, model_len)

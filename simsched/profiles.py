@@ -185,6 +185,11 @@ _EVERY_GROUP_NO_CLAMP = Profile(
 #: ``max_load_tokens``; and the CPU tier's LRU policy by recency ranks, not an evictable list.
 _SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "ranks"}
 
+#: Before 0.29.0 the start-up check of the KV cache pool counts the null block as usable
+#: (``get_kv_cache_configs`` checks the whole pool; 0.29.0 reserves the block the
+#: ``BlockPool`` holds back: geometry.check_enough_kv_cache_memory)
+_BEFORE_0_29 = {"startup_null_block": False}
+
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,
     # 0.28.0 has no KVCacheManager.take_boundary_state_offloads and no
@@ -194,7 +199,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             summary="as every-group-no-clamp; an align-mode Mamba state is stored in the chunk "
             "store job, not as a boundary job of its own", releases=("0.28.0",),
             retention_default=retention_absent,
-            extra={**_EVERY_GROUP_NO_CLAMP.extra, "mamba_boundary_stores": False}),
+            extra={**_EVERY_GROUP_NO_CLAMP.extra, **_BEFORE_0_29,
+                   "mamba_boundary_stores": False}),
     Profile("legacy-spec-init",
             "0.29.0's rules as 0.25.1 has them: boot checks in OffloadingSpec.__init__, no DCP "
             "for hybrid layouts, Mamba back-off by block size, no chunked-local window",
@@ -204,7 +210,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             offload_dcp_all_groups=True, hybrid_dcp_error=True, hash_unit_all_groups=True,
             config_function="__init__", window_function="get_sliding_window_size_in_blocks",
             retention_default=retention_absent,
-            extra={"mamba_boundary_stores": False, "eagle_tail_hole": True,
+            extra={**_BEFORE_0_29, "mamba_boundary_stores": False, "eagle_tail_hole": True,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
                    "align_budget_assert": True, "window_frees_on_processed": False,
                    "partial_hash_hits": "none"}),
@@ -215,7 +221,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             alignment="absent", eagle_marks_all_groups=True, retention_check=False,
             window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
             offload_dcp_all_groups=True, retention_default=retention_absent,
-            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
+            extra={**_BEFORE_0_29, "mamba_boundary_stores": False, "spec_pad_after_hit": False,
                    "preempt_in_flight": True, "align_budget_assert": True,
                    "partial_hash_hits": "no-dcp-any-group", "mamba_tail_eagle_shift": False}),
     Profile("legacy-mamba-block-size",
@@ -224,7 +230,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             chunk_size_error="AssertionError", alignment="absent", eagle_marks_all_groups=True,
             retention_check=False, window_in_chunks=window_before_chunked_local,
             mamba_backoff="block_size", retention_default=retention_absent,
-            extra={"mamba_boundary_stores": False, "spec_pad_after_hit": False,
+            extra={**_BEFORE_0_29, "mamba_boundary_stores": False, "spec_pad_after_hit": False,
                    "preempt_in_flight": True, "partial_hash_hits": "no-dcp-any-group",
                    "mamba_tail_eagle_shift": False}),
     Profile("every-group",

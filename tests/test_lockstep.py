@@ -254,16 +254,33 @@ def test_a_pool_too_small_for_the_longest_request_is_refused_at_startup(pool, ve
     assert hint in res.real["reason"] and hint in res.model.refused
 
 
+#: one request whose 128 tokens fill 8 blocks: the whole pool, the null block included
+NULL_BLOCK_EDGE = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                              "engine": {"num_gpu_blocks": 8}},
+                   "requests": [{"id": "a", "prompt": [[1, 126]], "decode": 2}]}
+
+
 @pytest.mark.parametrize("version", sorted(KNOWN_RELEASES, key=version_key))
-def test_mamba_stall_is_refused_at_startup_on_every_release(version):
+def test_the_startup_checks_of_every_release(version):
     """The liveness finding HANDMADE["mamba_stall"] once gave is a state no deployment reaches:
     every release's start-up check refuses its pool (97 tokens need 7 full-attention blocks and
-    2 align-mode Mamba blocks, of 8), and the model refuses it the same way: no observation."""
+    2 align-mode Mamba blocks, of 8), and the model refuses it the same way: no observation.
+    NULL_BLOCK_EDGE is one that deployments reach before 0.29.0: their check counts the null
+    block as usable (get_kv_cache_configs; 0.29.0 reserves it), the engine starts, and the
+    request never gets the 8 blocks the BlockPool has only 7 of to give: INV-8 on the release
+    and on the model alike; 0.29.0 on refuse it at start-up."""
     with Releases.installed([version], timeout=300) as one:
         res = lockstep(Case.from_json(HANDMADE["mamba_stall"]), version, one)
-    assert res.real["status"] == "refused", res.summary()
-    assert "max seq len (97)" in res.real["reason"]
-    assert res.model.refused is not None and res.observations == []
+        assert res.real["status"] == "refused", res.summary()
+        assert "max seq len (97)" in res.real["reason"]
+        assert res.model.refused is not None and res.observations == []
+        edge = lockstep(Case.from_json(NULL_BLOCK_EDGE), version, one)
+    if version_key(version) >= version_key("0.29.0"):
+        assert edge.real["status"] == "refused" and edge.observations == [], edge.summary()
+        assert "the estimated maximum model length is 112" in edge.model.refused
+    else:
+        assert edge.agree, edge.summary()
+        assert sigs(edge) == ["invariant:INV-8"]
 
 
 #: EAGLE beside a group whose cache-hit finder never drops a block (the model crashed with a

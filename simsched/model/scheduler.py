@@ -1306,7 +1306,7 @@ def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: boo
     result = RunResult(profile=prof.name)
     # the engine checks its KV cache pool (get_kv_cache_configs), then the block size
     # (validate_block_size), before it builds the scheduler
-    refusal = check_enough_kv_cache_memory(case) or validate_block_size(case, prof)
+    refusal = check_enough_kv_cache_memory(case, prof) or validate_block_size(case, prof)
     if refusal is not None:
         result.refused = refusal
         result.trace = [header(prof.name, case.asserts), f"refused at start-up: {refusal}"]

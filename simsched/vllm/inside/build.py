@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
@@ -461,6 +462,22 @@ class Planner:
                 raise
             raise Refused(str(e)) from None
         return self.generate_scheduler_kv_cache_config(configs)
+
+    @functools.cached_property
+    def holds_null_block(self) -> bool:
+        """Whether the release's start-up check counts the pool less the null block (0.29.0
+        on) or the whole pool: asked of its own planner, with one full-attention layer of 8
+        blocks and a max_model_len of 128 tokens, which fit only with the null block."""
+        layout = Layout.from_json({"layers": [{"kind": "full"}],
+                                   "engine": {"num_gpu_blocks": 8}})
+        vc = self.builder.vllm_config(layout)
+        vc.model_config = copy.copy(vc.model_config)
+        vc.model_config.max_model_len = 128
+        try:
+            self.plan(layout, vc)
+        except Refused:
+            return True
+        return False
 
     def groups(self, kvc) -> list[dict]:
         """The planned groups as the layout language writes them (``Group.to_json``)."""

@@ -384,8 +384,9 @@ class RealEngine:
             return estimate_max_model_len(needed, available, model_len)
 
         model_len = max_model_len(case)
+        usable = kvc.num_blocks - (1 if self.builder.planner.holds_null_block else 0)
         try:
-            check(gib * (kvc.num_blocks - 1), lambda: needed(model_len), model_len, estimate)
+            check(gib * usable, lambda: needed(model_len), model_len, estimate)
         except ValueError as e:
             return str(e)
         except AssertionError:      # e.g. "DCP not support sliding window.": the run shows it
