@@ -12,7 +12,7 @@ from simsched.layout import Group
 from simsched.lockstep import lockstep
 from simsched.targets import Releases
 
-RELEASES = ["0.26.0", "0.27.0", "0.31.0", "0.33.0"]
+RELEASES = ["0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.33.0"]
 
 #: shrunk cases of the 20-minute campaign: a windowed or chunked-local group under DCP, asserts
 #: stripped. vLLM asserts each unsupported (``SlidingWindowManager.find_longest_cache_hit``:
@@ -100,7 +100,7 @@ def test_cross_attention_under_dcp_sizes_blocks_unscaled():
     assert max_blocks_per_request(Group("full", 16), 65, 2048, 2, 2048) == 3   # cdiv(65, 32)
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])
 def test_cross_attention_under_dcp_is_refused_at_startup_on_both_sides(pool, version):
     """Before: the release refused the case at start-up (1024 blocks needed, 1023 usable) while
     the model counted DCP-scaled blocks (512), ran it and crashed in from_spec: a model gap
@@ -109,6 +109,25 @@ def test_cross_attention_under_dcp_is_refused_at_startup_on_both_sides(pool, ver
     assert res.real["status"] == "refused", res.summary()
     assert res.model.refused is not None and res.observations == [], res.summary()
     assert "(1024 blocks) KV cache is needed" in res.model.refused
+    assert "(1024.0 GiB KV cache is needed" in res.real["reason"]      # GiB stand for blocks
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.28.0"])
+def test_cross_attention_under_dcp_passes_startup_before_0290_and_fails_at_boot(pool, version):
+    """Before 0.29.0 the start-up check counts the null block (vllm-project/vllm#47272): the
+    1024 blocks fit the 1024-block pool, the engine starts, and the OffloadingConnector's
+    scheduler refuses the spec at boot with vLLM's own assert in
+    get_sliding_window_size_in_chunks (cross attention is not a FullAttentionSpec). The model
+    passes the same start-up check and stops at the same place."""
+    res = lockstep(Case.from_json(CROSS), version, pool)
+    assert res.model.refused is None and res.divergence is None, res.summary()
+    crash = res.real["findings"]
+    assert [(c["stage"], c["exception"], c["function"]) for c in crash] == [
+        ("boot", "AssertionError", "get_sliding_window_size_in_chunks")], crash
+    assert res.model.trace[-1] == ("crash AssertionError get_sliding_window_size_in_chunks "
+                                   "from_spec"), res.model.trace
+    assert [o.signature.function for o in res.observations] == [
+        "get_sliding_window_size_in_chunks"], res.observations
 
 
 def test_dcp_mamba_hybrid_with_a_connector_claims_an_unheld_block_0260(pool):

@@ -357,7 +357,8 @@ class RealEngine:
         ``kv_cache_planning.py`` from 0.33.0) with the case's ``max_model_len``
         (:func:`simsched.geometry.max_model_len`, as :meth:`boot` sets it). A group needs its spec's ``max_memory_usage_bytes`` in
         pages; the groups share the pool of ``num_gpu_blocks`` blocks, the null block held
-        back. Passed in units of 1 GiB, so that the release's message counts blocks where it
+        back from 0.29.0 (``Planner.holds_null_block``; before, the check counted it,
+        vllm-project/vllm#47272). Passed in units of 1 GiB, so that the release's message counts blocks where it
         says GiB. Its ValueError's message, or None (it fits, or the release has no check)."""
         import importlib
         check = None
