@@ -162,6 +162,8 @@ def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
             yield replace(c, requests=c.requests[:i] + c.requests[i + 1:])
         for i in range(len(c.events)):
             yield replace(c, events=c.events[:i] + c.events[i + 1:])
+        if c.faults:
+            yield replace(c, faults=())
         for i, r in enumerate(c.requests):
             if r.skip_reading_prefix_cache:
                 plain = replace(r, skip_reading_prefix_cache=False)
@@ -192,12 +194,13 @@ def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
 
 def knobs_of(case: Case) -> set[str]:
     """The knobs a case sets, for the report's ``knobs`` coverage: the engine's, the requests'
-    (``requests.<field>``), per-job timings, events, and the kinds of its groups (``kind:``)."""
+    (``requests.<field>``), per-job timings, events, faults, and the kinds of its groups (``kind:``)."""
     return (set(case.layout.engine.to_json())
             | {f"requests.{k}" for r in case.requests for k in r.to_json()
                if k not in ("id", "prompt")}
             | {f"timing.jobs.{j.kind}" for j in case.timing.jobs}
             | {f"events.{e.do}" for e in case.events}
+            | {f"faults.{f.kind}" for f in case.faults}
             | {f"kind:{g.kind}" for g in case.layout.groups})
 
 
@@ -422,7 +425,7 @@ class Campaign:
             st["step_seconds"] += time.perf_counter() - t0
             st["step_cases"] += 1
             out = outcomes.get(t.name) or {}
-            st["real_steps"] += out.get("steps", 0) if out.get("status") == "ran" else 0
+            st["real_steps"] += out.get("steps", 0)
         return obs
 
     def triage(self, case: Case, obs: list[Observation], outcomes: dict) -> list[Seen]:

@@ -15,7 +15,8 @@ from functools import lru_cache
 
 from hypothesis import strategies as st
 
-from simsched.case import Case, CaseEvent, JobTiming, RequestSpec, Timing
+from simsched.case import (FAULT_KINDS, Case, CaseEvent, JobTiming, RequestSpec, Timing,
+                           TransferFault)
 from simsched.families import FAMILIES as FAMILY_LAYERS
 from simsched.families import family_of as layers_family_of
 from simsched.layout import (KINDS, RETENTION_UNSET, Engine, Group, Layout, RetentionUnset,
@@ -248,7 +249,11 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
     # and an operator's reset_prefix_cache call (refused while a block is in use)
     events = ((CaseEvent(step=draw(_pick((6, 2, 12))), do="reset_prefix_cache"),)
               if draw(_ints(0, 9)) == 9 else ())
-    return Case(layout=layout, requests=requests, timing=timing, asserts=flag, events=events)
+    # rarely, a transfer that fails (every release's worker stops there: the run is cut short)
+    faults = ((TransferFault(kind=draw(_pick(FAULT_KINDS)), job=draw(_pick((0, 1, 2)))),)
+              if draw(_ints(0, 19)) == 19 else ())
+    return Case(layout=layout, requests=requests, timing=timing, asserts=flag, events=events,
+                faults=faults)
 
 
 @st.composite

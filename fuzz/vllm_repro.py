@@ -83,7 +83,8 @@ def supported(case: Case, data: dict) -> None:
     why = [("async scheduling", eng.async_scheduling),
            ("a drafter group", any(g.drafter for g in case.layout.groups)),
            ("no request", not case.requests),
-           ("per-job transfer timings (timing.jobs)", bool(case.timing.jobs))]
+           ("per-job transfer timings (timing.jobs)", bool(case.timing.jobs)),
+           ("failed transfers (faults)", bool(case.faults))]
     if data.get("invariant") == "INV-3":  # a chunk's tokens: block size x blocks per chunk
         why += [("a Mamba group or DCP (another chunk size)",
                  eng.dcp_size != 1 or any(g.kind == "mamba" for g in case.layout.groups)),

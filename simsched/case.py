@@ -209,6 +209,33 @@ class CaseEvent:
         return {"step": self.step, "do": self.do}
 
 
+#: how a transfer job fails: the copy engine reports the job unsuccessful
+#: (``TransferResult.success`` False) to the offloading worker's ``get_finished``
+FAULT_KINDS = ("store_failed", "load_failed")
+
+
+@dataclass(frozen=True)
+class TransferFault:
+    """The ``job``-th store (``store_failed``) or load (``load_failed``) job the connector
+    creates, counted from 0 in the order of creation as ``timing.jobs`` counts them, fails: the
+    worker learns it when the job would have completed (its latency)."""
+
+    kind: str
+    job: int
+
+    @property
+    def job_kind(self) -> str:
+        return "store" if self.kind == "store_failed" else "load"
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str) -> "TransferFault":
+        obj = _take(obj, path, {"job", "kind"})
+        return cls(kind=_choice(obj, "kind", path, FAULT_KINDS), job=_int(obj, "job", path, lo=0))
+
+    def to_json(self) -> dict:
+        return {"job": self.job, "kind": self.kind}
+
+
 @dataclass(frozen=True)
 class Case:
     layout: Layout
@@ -217,11 +244,19 @@ class Case:
     seed: int = 0
     asserts: bool = True    # False: run vLLM with asserts stripped (python -O)
     events: tuple[CaseEvent, ...] = ()
+    faults: tuple[TransferFault, ...] = ()
+
+    def fault(self, job_kind: str, index: int) -> TransferFault | None:
+        """The fault of the ``index``-th ``job_kind`` ("store" or "load") job, if any."""
+        for f in self.faults:
+            if f.job_kind == job_kind and f.job == index:
+                return f
+        return None
 
     @classmethod
     def from_json(cls, obj: Any) -> "Case":
         obj = _take(obj, "", {"format", "layout", "requests", "timing", "seed", "asserts",
-                              "events"})
+                              "events", "faults"})
         fmt = obj.get("format", CASE_FORMAT)
         if fmt != CASE_FORMAT:
             raise LayoutError("format", f"expected {CASE_FORMAT!r}, got {fmt!r}")
@@ -239,12 +274,21 @@ class Case:
         events = obj.get("events", [])
         if not isinstance(events, list):
             raise LayoutError("events", "expected a list of events")
+        faults = obj.get("faults", [])
+        if not isinstance(faults, list):
+            raise LayoutError("faults", "expected a list of {job, kind}")
+        parsed_faults = tuple(TransferFault.from_json(f, f"faults[{i}]")
+                              for i, f in enumerate(faults))
+        if len(set(parsed_faults)) != len(parsed_faults):
+            twice = next(f for f in parsed_faults if parsed_faults.count(f) > 1)
+            raise LayoutError("faults", f"{twice.kind} of job {twice.job} given twice")
         return cls(layout=layout, requests=parsed,
                    timing=Timing.from_json(obj.get("timing", {})),
                    seed=_int(obj, "seed", "", default=0, lo=0, hi=(1 << 63) - 1),
                    asserts=_bool(obj, "asserts", "", True),
                    events=tuple(CaseEvent.from_json(e, f"events[{i}]")
-                                for i, e in enumerate(events)))
+                                for i, e in enumerate(events)),
+                   faults=parsed_faults)
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"format": CASE_FORMAT, "layout": self.layout.to_json(),
@@ -258,6 +302,8 @@ class Case:
             out["asserts"] = False
         if self.events:
             out["events"] = [e.to_json() for e in self.events]
+        if self.faults:
+            out["faults"] = [f.to_json() for f in self.faults]
         return out
 
     def dumps(self) -> str:

@@ -48,7 +48,7 @@ CONTEXT_STEPS = 3
 
 #: canonical order of line kinds inside a step segment
 _RANK = {"step": 0, "preempt": 1, "load": 2, "sched": 3, "alloc": 3, "store": 4, "flush": 5,
-         "check": 6, "violation": 6, "crash": 6, "finish": 7, "done": 7}
+         "check": 6, "violation": 6, "crash": 6, "finish": 7, "done": 7, "failed": 7}
 
 HINTS = {
     "sched": "scheduling: token budget, running-before-waiting order, prefill chunking, "
@@ -206,6 +206,8 @@ class LockstepResult:
         return self.divergence is None and self.real.get("status") == "ok"
 
     def summary(self) -> str:
+        if self.real.get("status") == "unsupported" and self.divergence is not None:
+            return f"{self.version}: {self.divergence.describe()}"
         if self.real.get("status") == "refused" and self.divergence is None:
             return f"{self.version}: not run: refused at start-up: {self.real.get('reason', '')}"
         if self.real.get("status") not in ("ok",):
@@ -254,7 +256,7 @@ def lockstep(case: Case, version: str, pool, mutant: str | None = None,
     real = run_real(case, version, pool, mutant=mutant, timeout=timeout)
     t2 = time.perf_counter()
     div = None
-    if real.get("status") == "ok" and model is not None:
+    if model is not None and stepped(real):
         div = diff_traces(model.trace, real["trace"])
     elif real.get("status") == "refused" and model is not None and model.refused is None:
         div = _refused_by_release_only(real)
@@ -262,6 +264,13 @@ def lockstep(case: Case, version: str, pool, mutant: str | None = None,
                          model_seconds=t1 - t0, real_seconds=t2 - t1)
     res.observations = _observations(res, model_err)
     return res
+
+
+def stepped(real: dict) -> bool:
+    """The release ran the case step by step: to its end (``ok``), or until a step where it
+    stopped short of a finding (``unsupported`` with a trace: a failed transfer, case.faults)."""
+    return real.get("status") == "ok" or (real.get("status") == "unsupported"
+                                          and bool(real.get("trace")))
 
 
 def _refused_by_release_only(real: dict) -> Divergence:
@@ -282,7 +291,7 @@ def _observations(res: LockstepResult, model_err: dict | None) -> list[Observati
         obs.append(Observation(Signature("crash", real["exception"], "release_worker"), version,
                                dict(real, release=version)))
         return obs
-    if status != "ok":      # refused at start-up (check_enough_kv_cache_memory), unsupported:
+    if not stepped(real):   # refused at start-up (check_enough_kv_cache_memory), unsupported:
         if res.divergence is not None:          # not run, no finding: unless the model ran it
             obs.append(Observation(Signature("divergence", function="trace.refused"), version,
                                    {"divergence": res.divergence.to_json(), "release": version,

@@ -67,7 +67,10 @@ def step_outcome(res) -> dict:
     real = res.real
     status = real.get("status")
     if status != "ok":
-        return {k: v for k, v in real.items() if k not in ("trace",)}
+        out = {k: v for k, v in real.items() if k not in ("trace", "counters")}
+        if "counters" in real:  # stopped on a step (a failed transfer): its steps were real
+            out["steps"] = real["counters"].get("steps", 0)
+        return out
     gap = res.divergence.to_json() if res.divergence is not None else None
     return {"status": "ran", "steps": real.get("counters", {}).get("steps", 0),
             "findings": real.get("findings", []), "counters": real.get("counters", {}),

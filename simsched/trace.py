@@ -14,6 +14,8 @@ single spaces, lists comma-separated without spaces, groups written ``g<id>``)::
     load <job> <rid> g<id>:<hash_idx>=<b,...> ...    a load job, same shape (destination blocks)
     flush <job,...>                           store jobs the worker must finish before this step
     done <job> <store|load>                   a job completed (reported by the worker)
+    failed <job> <store|load>                 a job of the case's faults failed: the offloading
+                                              worker raises, the run stops (last line)
     finish <rid> <finished|aborted>           a request finished
     check <ok|INV-n>                          invariants checked after the step
     crash <Exception> <function> <stage>      the scheduler raised (last line)

@@ -22,8 +22,11 @@ FINISH: Final = 5
 PREEMPT: Final = 6
 # a case event (Case.events): after the arrivals and aborts of its time, before the step
 CASE_EVENT: Final = 7
+# a faulted job (Case.faults): scheduled with priority -1, before the other completions of its
+# time, which the worker never reports (it raises first)
+TRANSFER_FAILED: Final = 8
 KIND_NAMES = ("store_done", "load_done", "arrival", "abort", "step", "finish", "preempt",
-              "case_event")
+              "case_event", "transfer_failed")
 
 
 class EventQueue:

@@ -75,6 +75,8 @@ class RunResult:
     counters: dict = field(default_factory=dict)
     # why the engine refused to start (check_enough_kv_cache_memory): the case did not run
     refused: str | None = None
+    # why the run stopped short of the case's end without a finding (a failed transfer)
+    unsupported: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -82,6 +84,20 @@ class RunResult:
 
     def trace_text(self) -> str:
         return "\n".join(self.trace) + "\n"
+
+
+class TransferFailed(Exception):
+    """A transfer job of the case's ``faults`` failed. The offloading worker collects the copy
+    engine's results in ``OffloadingConnectorWorker.get_finished``, which asserts each one
+    succeeded ("we currently do not support job failures", 0.25.1-0.33.0): the engine stops,
+    and no release reports the failure to the scheduler (the connector implements no
+    ``get_block_ids_with_load_errors``, the path ``kv_load_failure_policy`` acts on)."""
+
+    def __init__(self, jid: int, kind: str):
+        super().__init__(f"the offloading worker does not support failed transfers: {kind} job "
+                         f"{jid} failed (OffloadingConnectorWorker.get_finished asserts "
+                         f"transfer_result.success)")
+        self.jid, self.kind = jid, kind
 
 
 def _token(seed: int, index: int, pos: int) -> int:
@@ -213,7 +229,8 @@ class Model:
         self.q.handlers = {ev.STEP: self._step, ev.ARRIVAL: self._arrival,
                            ev.STORE_DONE: self.store_done, ev.LOAD_DONE: self.load_done,
                            ev.ABORT: self._abort, ev.FINISH: self.finish_request,
-                           ev.PREEMPT: lambda data: None, ev.CASE_EVENT: self._case_event}
+                           ev.PREEMPT: lambda data: None, ev.CASE_EVENT: self._case_event,
+                           ev.TRANSFER_FAILED: self.transfer_failed}
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
@@ -246,6 +263,8 @@ class Model:
         self.n_stores = 0
         self.n_loads = 0
         self.loads_created = 0
+        # job ID -> "store" or "load": the jobs the case's faults make fail
+        self.failing: dict[int, str] = {}
         self.step_no = 0
         self.unfinished = len(case.requests)
         self.future_events = 0      # arrivals and aborts not yet processed
@@ -414,6 +433,22 @@ class Model:
         if self.tracing:
             self.lines.append(f"done {jid} store")
         self.progress = True
+
+    def completion(self, t: int, jid: int, event: int) -> None:
+        """The worker reports job ``jid`` at ``t``: ``event`` (``STORE_DONE``, ``LOAD_DONE``),
+        or, for a job the case's faults name, its failure, before any other completion of
+        ``t``."""
+        if jid in self.failing:
+            self.q.schedule(t, ev.TRANSFER_FAILED, jid, priority=-1)
+        else:
+            self.q.schedule(t, event, jid)
+
+    def transfer_failed(self, jid: int) -> None:
+        """The worker learns of a failed job when it would have completed, and raises in
+        ``get_finished`` before it reports any other job of the step: the run stops."""
+        kind = self.failing[jid]
+        self._emit(f"failed {jid} {kind}")
+        raise TransferFailed(jid, kind)
 
     def load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
@@ -602,14 +637,16 @@ class Model:
             scheduled, new_blocks, preempted, finished, kv.take_offers())
         stores, loads, flush = meta
         if stores:
-            geo, q = self.geo, self.q
+            geo = self.geo
             for n, job in enumerate(stores, self.n_stores):
                 if tracing:
                     lines.append(fmt_job(job))
                 self._violation(inv.check_store_job(step, job, geo))
+                if self.case.fault("store", n) is not None:
+                    self.failing[job.jid] = "store"
                 store_t = t + self.timing.latency("store", n)
                 if asy is None:
-                    q.schedule(store_t, ev.STORE_DONE, job.jid)
+                    self.completion(store_t, job.jid, ev.STORE_DONE)
                 else:
                     asy.due[job.jid] = store_t
             self.n_stores += len(stores)
@@ -621,7 +658,7 @@ class Model:
                 if fj is not None and fj.is_store:
                     self._read_store(fj)
                     if asy is None:
-                        self.q.schedule(t, ev.STORE_DONE, jid)
+                        self.completion(t, jid, ev.STORE_DONE)
                     else:
                         asy.due[jid] = t
         if asy is not None:
@@ -936,9 +973,11 @@ class Model:
                 inflight[req.rid] = req
                 # the load jobs created so far: this one's index (Timing.jobs)
                 load_t = t + self.timing.latency("load", self.loads_created)
+                if self.case.fault("load", self.loads_created) is not None:
+                    self.failing[job.jid] = "load"
                 self.loads_created += 1
                 if self.async_ is None:
-                    self.q.schedule(load_t, ev.LOAD_DONE, job.jid)
+                    self.completion(load_t, job.jid, ev.LOAD_DONE)
                 else:
                     self.async_.due[job.jid] = load_t
                 i += 1
@@ -1243,6 +1282,9 @@ class AsyncRun:
                 m.kv.cache_blocks(req, req.num_computed - in_flight[req.rid])
             if len(req.tokens) >= req.max_tokens:
                 m.finish_request(req)
+        failing = [jid for jid in batch.jobs if jid in m.failing]
+        if failing:
+            m.transfer_failed(failing[0])
         jobs = m.off.jobs
         for jid in batch.jobs:
             job = jobs.get(jid)
@@ -1326,6 +1368,9 @@ def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: boo
         model.lines.append(f"crash {e.exception} {e.function} {e.stage}")
         result.findings.append(crash_finding(e, model.step_no))
         e.__traceback__ = None      # (see below)
+    except TransferFailed as e:
+        result.unsupported = str(e)
+        e.__traceback__ = None
     except inv.InvariantViolation as v:
         model.lines.append(f"violation {v.inv_id} {v.detail}")
         result.findings.append(v.to_json())
@@ -1347,6 +1392,9 @@ def cli_run(case_path: str, profile: str | None = None, out=sys.stdout) -> int:
     out.write(result.trace_text())
     if result.refused is not None:
         return 0            # not run: no finding
+    if result.unsupported is not None:
+        out.write(f"UNSUPPORTED {result.unsupported}\n")
+        return 0
     if result.findings:
         f = result.findings[0]
         if f["kind"] == "crash":

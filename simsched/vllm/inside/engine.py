@@ -83,6 +83,14 @@ class _Crash(Exception):
         self.exc = exc
 
 
+class _TransferFailed(Exception):
+    """A faulted job failed and the release's offloading worker raised: the run stops."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class _ChunkIndex:
     """The chunk index of a job's key: where it sits in its request's offload keys (the
     connector's ``RequestOffloadState``, per group), else the chunk its hash index ends. A
@@ -413,6 +421,11 @@ class _Run:
         # lookups the connector answered and checked: how many, how many the tier's ready
         # chunks gave a hit (the oracle's want > 0), how many deferred
         self.lookup_counts = {"checked": 0, "expected_hit": 0, "deferred": 0}
+        # the case's faults: job ID -> (store | load, the connector metadata that created it);
+        # the failed job and why the run stopped there
+        self.faulted: dict[int, tuple[str, Any]] = {}
+        self.failed: tuple[_Job, str] | None = None
+        self.unsupported: str | None = None
 
     # -- helpers ---------------------------------------------------------------------------
     def emit(self, line: str) -> None:
@@ -422,7 +435,9 @@ class _Run:
         # loop_wall, loop_cpu: the Scheduler loop with the worker side, shadow and checks, boot
         # excluded (as _BareRun's), for bench/bench_real_side.py
         started = self.loop_t0 is not None
-        return {"status": "ok", "trace": self.lines, "findings": self.findings,
+        stopped = {} if self.unsupported is None else {"reason": self.unsupported}
+        return {"status": "ok" if self.unsupported is None else "unsupported", **stopped,
+                "trace": self.lines, "findings": self.findings,
                 "counters": self.counters, "lookups": self.lookup_counts,
                 "loop_wall": time.perf_counter() - self.loop_t0 if started else None,
                 "loop_cpu": time.process_time() - self.loop_c0 if started else None}
@@ -439,6 +454,8 @@ class _Run:
             self.lines.append(f"violation {v.inv_id} {v.detail}")
             self.findings.append(dict(v.to_finding(),
                                       group_kinds=self._kinds_named(v.detail)))
+        except _TransferFailed as f:
+            self.unsupported = f.reason
         finally:
             # the observed lookup was this connector's own attribute: drop it
             cs = getattr(self, "cs", None)
@@ -481,7 +498,7 @@ class _Run:
     def _boot(self) -> None:
         eng, case = self.eng, self.case
         vc, kvc, sched, sbs, tph = self._call("boot", eng.boot, case)
-        self.sched, self.tph = sched, tph
+        self.sched, self.tph, self.vc, self.kvc = sched, tph, vc, kvc
         self.conn = sched.connector
         cs = getattr(self.conn, "connector_scheduler", None)
         if cs is None:
@@ -1169,6 +1186,10 @@ class _Run:
         self.lines.extend(tail)
         for job in done:
             self.emit(f"done {job.jid} {'store' if job.is_store else 'load'}")
+        if self.failed is not None:
+            job, reason = self.failed
+            self.emit(f"failed {job.jid} {'store' if job.is_store else 'load'}")
+            raise _TransferFailed(reason)
         self._stall(progress, future, unfinished)
         return unfinished
 
@@ -1239,6 +1260,8 @@ class _Run:
             # the worker reports it done its latency after (Timing.jobs: by order of creation)
             job = _Job(jid, tj.req_id, False, items, t + case.timing.latency("load", n))
             self.jobs[jid] = job
+            if case.fault("load", n) is not None:
+                self.faulted[jid] = ("load", meta)
             self.emit(fmt_job(job))
             self._check_caps(step, job)
             self._bind_slots(step, job, tj)
@@ -1261,6 +1284,8 @@ class _Run:
             items = self._job_items(jid, tj, status, True) if status is not None else []
             job = _Job(jid, tj.req_id, True, items, t + case.timing.latency("store", n))
             self.jobs[jid] = job
+            if case.fault("store", n) is not None:
+                self.faulted[jid] = ("store", meta)
             new_stores.append(job)
             self.emit(fmt_job(job))
             self._check_caps(step, job)
@@ -1334,10 +1359,29 @@ class _Run:
         # --- completions reported by this step's worker output
         done = [j for j in self.jobs.values() if not j.done and j.due <= t + 1]
         done.sort(key=lambda j: j.jid)
+        failing = [j for j in done if j.jid in self.faulted]
+        if failing:
+            self._fail(failing[0])
+            done = []           # the worker raised before it reported any job of the step
         for job in done:
             self._complete(job)
         return SimpleNamespace(out=out, order=list(scheduled), sampled=sampled, done=done,
                                executed=bool(scheduled))
+
+    def _fail(self, job: _Job) -> None:
+        """A job of the case's faults is due: the release's own offloading worker is handed
+        its failure (:mod:`transfer_faults`). Where it raises, the run stops after this step
+        (:meth:`_end_call`), as the engine would; a release whose worker takes the failure
+        would go on to recover, which the harness does not play yet: unsupported."""
+        from simsched.vllm.inside import transfer_faults
+        kind, meta = self.faulted[job.jid]
+        raised = transfer_faults.worker_refusal(self.sched, self.vc, self.kvc, meta, job.jid)
+        if raised is None:
+            raise self.eng.Unsupported(
+                f"{kind} job {job.jid} failed and this release's offloading worker took the "
+                "failure without raising; simsched does not drive the recovery that follows")
+        self.failed = (job, f"the offloading worker does not support failed transfers: {kind} "
+                            f"job {job.jid} failed ({raised})")
 
     def _check_reloads(self, order: list[str], done: list) -> None:
         """INV-8 on loads: a request loaded again and again without ever running. A completed
