@@ -201,6 +201,7 @@ def knobs_of(case: Case) -> set[str]:
             | {f"timing.jobs.{j.kind}" for j in case.timing.jobs}
             | {f"events.{e.do}" for e in case.events}
             | {f"faults.{f.kind}" for f in case.faults}
+            | ({"requests.prompt.sampled"} if case.repeated_outputs() else set())
             | {f"kind:{g.kind}" for g in case.layout.groups})
 
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 from hypothesis import strategies as st
 
 from simsched.case import (FAULT_KINDS, Case, CaseEvent, JobTiming, RequestSpec, Timing,
-                           TransferFault)
+                           TransferFault, sampled_segment)
 from simsched.families import FAMILIES as FAMILY_LAYERS
 from simsched.families import family_of as layers_family_of
 from simsched.layout import (KINDS, RETENTION_UNSET, Engine, Group, Layout, RetentionUnset,
@@ -202,6 +202,13 @@ def _workload(draw, max_requests: int = 4) -> tuple[RequestSpec, ...]:
                              if draw(_ints(0, 9)) == 9 else None),
             max_offload_tokens=(draw(_pick((0, 16, 64)))
                                 if draw(_ints(0, 9)) == 9 else None)))
+    if n > 1 and draw(_ints(0, 7)) == 7:
+        # the next turn of a conversation: the last request repeats the first one's prompt
+        # and answer (sampled_segment, in a case of seed 0), then says something new
+        first = out[0]
+        answer = sampled_segment(0, 0, first.prompt_len, first.decode)
+        out[-1] = dataclasses.replace(out[-1], prompt=first.prompt + (answer, (200, 16)),
+                                      arrival=8)
     return tuple(out)
 
 

@@ -38,6 +38,26 @@ def segment_tokens(seed: int, length: int) -> list[int]:
     return out
 
 
+def sampled_token(seed: int, index: int, pos: int) -> int:
+    """The token request ``index`` samples at ``pos`` in a case whose seed is ``seed`` mod VOCAB
+    (the model and the harness both sample it; the token depends on the seed's residue only:
+    callers pass it reduced, which keeps every term far below 2**63)."""
+    return (seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB
+
+
+_INV_7919 = pow(7919, -1, VOCAB)
+
+
+def sampled_segment(seed: int, index: int, position: int, length: int) -> tuple[int, int]:
+    """The prompt segment ``(s, length)`` whose tokens are the ``length`` tokens that request
+    ``index`` of a case of seed ``seed`` samples from ``position`` on (a multi-turn prompt that
+    repeats an earlier answer). Both are progressions of step 104729 modulo VOCAB
+    (:func:`segment_tokens`, :func:`sampled_token`), so ``s`` solves
+    ``s * 7919 + 17 == sampled_token(seed, index, position)`` (mod VOCAB)."""
+    first = sampled_token(seed % VOCAB, index, position)
+    return ((first - 17) * _INV_7919 % VOCAB, length)
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request of the workload. Times are scheduler steps."""
@@ -266,11 +286,8 @@ class Case:
         requests = obj.get("requests", [])
         if not isinstance(requests, list):
             raise LayoutError("requests", "expected a list of requests")
-        parsed = tuple(RequestSpec.from_json(r, f"requests[{i}]") for i, r in enumerate(requests))
-        ids = [r.id for r in parsed]
-        if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
-            raise LayoutError("requests", f"duplicate request id {dup!r}")
+        seed = _int(obj, "seed", "", default=0, lo=0, hi=(1 << 63) - 1)
+        parsed = _resolve_sampled(requests, seed)
         events = obj.get("events", [])
         if not isinstance(events, list):
             raise LayoutError("events", "expected a list of events")
@@ -284,11 +301,22 @@ class Case:
             raise LayoutError("faults", f"{twice.kind} of job {twice.job} given twice")
         return cls(layout=layout, requests=parsed,
                    timing=Timing.from_json(obj.get("timing", {})),
-                   seed=_int(obj, "seed", "", default=0, lo=0, hi=(1 << 63) - 1),
+                   seed=seed,
                    asserts=_bool(obj, "asserts", "", True),
                    events=tuple(CaseEvent.from_json(e, f"events[{i}]")
                                 for i, e in enumerate(events)),
                    faults=parsed_faults)
+
+    def repeated_outputs(self) -> list[tuple[str, str]]:
+        """``(later, earlier)`` for each prompt segment of ``later`` that repeats tokens
+        ``earlier`` samples from its first output token on (:func:`sampled_segment`)."""
+        out = []
+        for j, earlier in enumerate(self.requests):
+            heads = {sampled_segment(self.seed, j, earlier.prompt_len, n)
+                     for n in range(1, earlier.decode + 1)}
+            out += [(later.id, earlier.id) for later in self.requests[j + 1:]
+                    if heads.intersection(later.prompt)]
+        return out
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"format": CASE_FORMAT, "layout": self.layout.to_json(),
@@ -308,6 +336,38 @@ class Case:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n"
+
+
+def _resolve_sampled(requests: list, seed: int) -> tuple[RequestSpec, ...]:
+    """The requests, each prompt segment ``{"sampled": id, "length": n}`` made the segment of
+    the first ``n`` tokens (default: all) that the earlier request ``id`` samples."""
+    parsed: list[RequestSpec] = []
+    index: dict[str, int] = {}
+    for i, raw in enumerate(requests):
+        path = f"requests[{i}]"
+        prompt = raw.get("prompt") if isinstance(raw, dict) else None
+        if isinstance(prompt, list) and any(isinstance(x, dict) for x in prompt):
+            segments = []
+            for k, seg in enumerate(prompt):
+                if not isinstance(seg, dict):
+                    segments.append(seg)
+                    continue
+                where = f"{path}.prompt[{k}]"
+                seg = _take(seg, where, {"sampled", "length"})
+                rid = seg.get("sampled")
+                if rid not in index:
+                    raise LayoutError(f"{where}.sampled", f"the id of an earlier request is "
+                                      f"required, got {rid!r}")
+                earlier = parsed[index[rid]]
+                n = _int(seg, "length", where, default=earlier.decode, lo=1, hi=earlier.decode)
+                segments.append(list(sampled_segment(seed, index[rid], earlier.prompt_len, n)))
+            raw = dict(raw, prompt=segments)
+        spec = RequestSpec.from_json(raw, path)
+        if spec.id in index:
+            raise LayoutError("requests", f"duplicate request id {spec.id!r}")
+        index[spec.id] = i
+        parsed.append(spec)
+    return tuple(parsed)
 
 
 def load_case(path: str | Path) -> Case:

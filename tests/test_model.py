@@ -167,7 +167,7 @@ def test_token_depends_on_the_seed_mod_vocab():
     import random
 
     from simsched.case import VOCAB
-    from simsched.model.scheduler import _token
+    from simsched.case import sampled_token as _token
 
     rng = random.Random(7)
     for _ in range(2000):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Final, Iterator
 
 from simsched import invariants as inv
-from simsched.case import VOCAB, Case, RequestSpec, load_case
+from simsched.case import VOCAB, Case, RequestSpec, load_case, sampled_token
 from simsched.layout import LayoutError
 from simsched.geometry import (SINGLE_TYPE_MANAGER_PY, cache_block_size,
                                check_enough_kv_cache_memory, derive, effective_block_size,
@@ -98,13 +98,6 @@ class TransferFailed(Exception):
                          f"{jid} failed (OffloadingConnectorWorker.get_finished asserts "
                          f"transfer_result.success)")
         self.jid, self.kind = jid, kind
-
-
-def _token(seed: int, index: int, pos: int) -> int:
-    """The token request ``index`` samples at ``pos`` in a case whose seed is ``seed`` mod VOCAB
-    (the token depends on the seed's residue only: the caller passes it reduced, which keeps
-    every term far below 2**63)."""
-    return (seed * 1000003 + index * 7919 + pos * 104729 + 3) % VOCAB
 
 
 class Model:
@@ -685,7 +678,7 @@ class Model:
         kv, shadow, fences = self.kv, self.shadow, self.pending_reads
         gids, ends, idents = shadow.gids, shadow.ends, shadow.idents
         unit = self.unit
-        seed = self.case.seed % VOCAB      # (see _token)
+        seed = self.case.seed % VOCAB      # (see sampled_token)
         inflight = self.inflight
         asy = self.async_
         fast = not self.num_spec and asy is None
@@ -704,7 +697,7 @@ class Model:
                 if inflight and req.rid in inflight:
                     del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
                 tokens = req.tokens
-                tokens.append(_token(seed, req.index, end))     # never the last one
+                tokens.append(sampled_token(seed, req.index, end))     # never the last one
                 if len(tokens) % unit == 0:
                     req._extend_ident()
                 continue
@@ -723,14 +716,14 @@ class Model:
                     self.verified[req.rid] = k + 1
                     a = req.spec.accepted(k, d)
                 base = len(req.tokens)
-                acc = [_token(seed, req.index, p) for p in range(base, base + a)]
+                acc = [sampled_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
                 self._write_computed(step, req, start, end)
                 req.num_computed = end - (d - a)
                 if inflight:
                     inflight.pop(req.rid, None)
                 if len(req.tokens) < req.max_tokens:
-                    req.append_tokens([_token(seed, req.index, base + a)])
+                    req.append_tokens([sampled_token(seed, req.index, base + a)])
                 elif self.cache_on_output:
                     # 0.33.0 _update_request_with_output: the tokens trimmed at a stop leave
                     # num_computed_tokens too
@@ -748,7 +741,7 @@ class Model:
             if end >= len(req.tokens):
                 if inflight and req.rid in inflight:
                     del inflight[req.rid]   # _update_after_schedule: no longer a prefill chunk
-                tok = _token(seed, req.index, len(req.tokens))
+                tok = sampled_token(seed, req.index, len(req.tokens))
                 if asy is not None:
                     assert asy.batch is not None            # (after_schedule made it)
                     asy.batch.tokens.append((req, tok))     # delivered with the batch's output

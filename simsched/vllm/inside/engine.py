@@ -6,8 +6,8 @@ Runs inside a release worker only (op ``run_case``). Nothing under test is mocke
 back on: the scheduler sees every group, checked at boot), the connector builds its real CPU
 offloading manager. This module plays the GPU worker only:
 
-* one sampled token per request whose prefill is complete, ``simsched.model._token`` (the model
-  samples the same ids);
+* one sampled token per request whose prefill is complete, ``simsched.case.sampled_token`` (the
+  model samples the same ids);
 * speculative decoding (sync scheduling): ``k`` drafts per request of an executed batch through
   ``Scheduler.update_draft_token_ids`` (as ``EngineCore.post_step``), the tokens that follow the
   request's known ones; a step that scheduled drafts accepts the first ones as the request's
@@ -49,7 +49,8 @@ from simsched.model.request import Request as IdentRequest, make_key
 from simsched.case import Case
 from simsched.geometry import estimate_max_model_len, max_model_len
 from simsched.layout import Layout, LayoutError
-from simsched.model.scheduler import STALL_STEPS, _token
+from simsched.case import sampled_token
+from simsched.model.scheduler import STALL_STEPS
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
 
@@ -1327,7 +1328,7 @@ class _Run:
                     self.verified[rid] = k + 1
                     a = spec.accepted(k, d)
                 base = len(ident.tokens)
-                accepted = [_token(seed, self.index[rid], base + j) for j in range(a)]
+                accepted = [sampled_token(seed, self.index[rid], base + j) for j in range(a)]
                 ident.append_tokens(accepted[:max(0, ident.max_tokens - base)])
             written = self.shadow.write_computed(ident, self.shadow_groups, start, start + n)
             self._note_writers(rid, written)
@@ -1340,7 +1341,7 @@ class _Run:
             # async scheduling it knows the tokens the scheduler has not received yet)
             if samples:
                 pos = start + n - d + len(accepted)
-                tok = _token(seed, self.index[rid], pos)
+                tok = sampled_token(seed, self.index[rid], pos)
                 sampled[rid] = accepted + [tok]
                 if len(ident.tokens) < ident.max_tokens:
                     ident.append_tokens([tok])
@@ -1447,7 +1448,7 @@ class _Run:
         for rid in order:
             req = self.reqs[rid]
             base = req.num_tokens
-            drafts.append([_token(seed, self.index[rid], base + j) for j in range(k)])
+            drafts.append([sampled_token(seed, self.index[rid], base + j) for j in range(k)])
         self._call("update_draft_token_ids", self.sched.update_draft_token_ids,
                    self.eng.DraftTokenIds(list(order), drafts))
 
@@ -1456,7 +1457,7 @@ class _BareRun:
     """The real Scheduler (+ KVCacheManager + OffloadingConnector) driven through a case by the
     smallest worker side that keeps it going, for speed measurements (``bench/bench_model.py
     --real``): per step ``schedule()``, one sampled token per request whose prefill completes
-    (``_token``, as :class:`_Run`), transfer completions reported as :class:`_Run` does (a job
+    (``sampled_token``, as :class:`_Run`), transfer completions reported as :class:`_Run` does (a job
     due ``latency`` steps after its creation, flushed jobs at once), ``update_from_output()``.
     No trace, no content shadow, no invariant check. The real ``Request`` objects (prompt block
     hashes included) are built before the timed loop; ``loop_wall``/``loop_cpu`` time the loop
@@ -1541,7 +1542,7 @@ class _BareRun:
                     counters["scheduled_tokens"] += scheduled[rid]
                     req = reqs[rid][2]
                     # schedule() has advanced num_computed_tokens: the prefill is complete
-                    sampled.append([_token(seed, reqs[rid][0], req.num_tokens)]
+                    sampled.append([sampled_token(seed, reqs[rid][0], req.num_tokens)]
                                    if req.num_computed_tokens >= req.num_tokens else [])
                 kvo = None
                 done = [jid for jid, (due, _) in pending.items() if due <= t + 1]
