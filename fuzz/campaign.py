@@ -202,6 +202,8 @@ def knobs_of(case: Case) -> set[str]:
             | {f"events.{e.do}" for e in case.events}
             | {f"faults.{f.kind}" for f in case.faults}
             | ({"requests.prompt.sampled"} if case.repeated_outputs() else set())
+            | {"groups.extra_retained_tokens" for g in case.layout.groups
+               if g.extra_retained_tokens}
             | {f"kind:{g.kind}" for g in case.layout.groups})
 
 

@@ -256,6 +256,15 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
     # and an operator's reset_prefix_cache call (refused while a block is in use)
     events = ((CaseEvent(step=draw(_pick((6, 2, 12))), do="reset_prefix_cache"),)
               if draw(_ints(0, 9)) == 9 else ())
+    # now and then a sliding-window group that keeps the blocks of a few trailing tokens more
+    # (multi-module MTP's extra_retained_tokens; drawn last, as above)
+    if draw(_ints(0, 9)) == 9 and any(g.kind in ("sliding_window", "sliding_window_mla")
+                                      for g in layout.groups):
+        extra = draw(_pick((1, 3, 15)))
+        layout = dataclasses.replace(layout, groups=tuple(
+            dataclasses.replace(g, extra_retained_tokens=extra)
+            if g.kind in ("sliding_window", "sliding_window_mla") else g
+            for g in layout.groups))
     # rarely, a transfer that fails (every release's worker stops there: the run is cut short)
     faults = ((TransferFault(kind=draw(_pick(FAULT_KINDS)), job=draw(_pick((0, 1, 2)))),)
               if draw(_ints(0, 19)) == 19 else ())

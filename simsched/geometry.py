@@ -215,6 +215,12 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
                                   profile.window_file, "from_spec",
                                   f"{e.args[0]} is not a FullAttentionSpec") from None
             window = None
+        if (window is not None and group.extra_retained_tokens
+                and profile.extra.get("retained_widens_windows", False)):
+            # 0.31.0+: the window reaches the retained tokens too (max of cdiv(window, tpc)
+            # and cdiv(window - 1 + extra_retained_tokens, tpc))
+            retained = (group.sliding_window or 1) - 1 + group.extra_retained_tokens
+            window = max(window, -(-retained // tokens_per_chunk))
         groups.append(GroupGeometry(
             group_id=i, kind=group.kind, tokens_per_block=tpb[i],
             tokens_per_chunk=tokens_per_chunk,
@@ -320,7 +326,8 @@ def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: in
     if group.kind == "mamba":
         return 2 if group.mamba_cache_mode == "align" else 1
     if group.kind in ("sliding_window", "sliding_window_mla"):
-        return -(-min((group.sliding_window or 1) - 1 + in_flight, model_len) // bs) + 1
+        retained = (group.sliding_window or 1) - 1 + group.extra_retained_tokens
+        return -(-min(retained + in_flight, model_len) // bs) + 1
     if group.kind == "chunked_local":
         return -(-min((group.attention_chunk_size or 1) + in_flight, model_len) // bs)
     if group.kind == "cross_attention":

@@ -206,6 +206,9 @@ class Group:
     attention_chunk_size: int | None = None  # chunked_local
     mamba_cache_mode: str | None = None      # mamba: "none" or "align"
     drafter: bool = False                    # an EAGLE/MTP drafter group beside its target
+    # sliding window (0.28.0+): trailing tokens whose blocks are kept, not attended
+    # (SlidingWindowSpec.extra_retained_tokens; multi-module MTP re-prefills them)
+    extra_retained_tokens: int = 0
 
     @property
     def spec_name(self) -> str:
@@ -235,6 +238,8 @@ class Group:
             mamba_cache_mode=(_choice(obj, "mamba_cache_mode", path, MAMBA_CACHE_MODES, "none")
                               if kind == "mamba" else obj.get("mamba_cache_mode")),
             drafter=_bool(obj, "drafter", path, False),
+            extra_retained_tokens=_int(obj, "extra_retained_tokens", path, default=0, lo=0,
+                                       hi=1 << 16),
         )
         group._check(path)
         return group
@@ -251,6 +256,9 @@ class Group:
                 raise LayoutError(f"{path}.{name}", f"not used by kind {self.kind!r}")
         if self.drafter and self.kind not in ("full", "mla", "sliding_window"):
             raise LayoutError(f"{path}.drafter", f"a drafter group is attention, not {self.kind!r}")
+        if self.extra_retained_tokens and self.kind not in WINDOWED_KINDS:
+            raise LayoutError(f"{path}.extra_retained_tokens",
+                              f"not used by kind {self.kind!r} (a sliding-window field)")
 
     def to_json(self) -> dict:
         out = {"kind": self.kind, "block_size": self.block_size}
@@ -261,6 +269,8 @@ class Group:
                 out[name] = getattr(self, name)
         if self.drafter:
             out["drafter"] = True
+        if self.extra_retained_tokens:
+            out["extra_retained_tokens"] = self.extra_retained_tokens
         return out
 
 

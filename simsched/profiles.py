@@ -183,7 +183,10 @@ _EVERY_GROUP_NO_CLAMP = Profile(
 #: ``kv_holding_waiting`` queue, drained before ``waiting``, with the blocks of one spec decode
 #: step kept free for an async load (``Scheduler._spec_decode_step_blocks``); the connector's
 #: ``max_load_tokens``; and the CPU tier's LRU policy by recency ranks, not an evictable list.
-_SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "ranks"}
+#: (retained_widens_windows: get_sliding_window_size_in_chunks, load_window_size_in_chunks and
+#: the store mask count a sliding-window group's extra_retained_tokens)
+_SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "ranks",
+               "retained_widens_windows": True}
 
 #: Before 0.29.0 the start-up check of the KV cache pool counts the null block as usable
 #: (``get_kv_cache_configs`` checks the whole pool; 0.29.0 reserves the block the

@@ -101,6 +101,10 @@ def test_old_release_unsupported_kinds_and_knobs(workers):
     assert out["status"] == "ok" and out["geometry"]["blocks_per_chunk"] == 2
     assert out["geometry"]["alignment_tokens"] is None       # 0.25.1 has no alignment_tokens
     assert out["offload_keys"] == [[1, 3, 5]]
+    kept = {"groups": [{"kind": "sliding_window", "block_size": 16, "sliding_window": 32,
+                        "extra_retained_tokens": 3}]}
+    out = one(w, kept)
+    assert out["status"] == "unsupported" and "extra_retained_tokens" in out["reason"]
 
 
 def random_items(n: int, seed: int) -> list[dict]:

@@ -103,3 +103,16 @@ def test_without_the_fault_the_release_completes_the_same_case(pool, version):
     res = lockstep(_case(), version, pool)
     assert res.agree, res.summary()
     assert res.real["counters"]["loads"] == 1 and res.real["counters"]["finished"] == 2
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+@pytest.mark.parametrize("kind,jid", [("store_failed", 0), ("load_failed", 1)])
+def test_under_async_scheduling_the_run_stops_at_the_same_step(pool, version, kind, jid):
+    """With the batch queue the failure reaches the scheduler with its batch's output: both
+    sides end that step with its check, then ``failed``."""
+    case = _case((kind, 0)).to_json()
+    case["layout"]["engine"]["async_scheduling"] = True
+    res = lockstep(Case.from_json(case), version, pool)
+    assert res.real["status"] == "unsupported", res.summary()
+    assert res.real["trace"][-1] == f"failed {jid} {kind[:-7]}"
+    assert res.divergence is None and res.observations == [], res.summary()

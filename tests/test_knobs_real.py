@@ -195,3 +195,41 @@ def test_per_job_latencies_are_validated():
     case["timing"]["jobs"] = [{"load": 0, "latency": -1}]
     with pytest.raises(LayoutError, match=r"timing\.jobs\[0\]\.latency"):
         Case.from_json(case)
+
+
+def _retained(extra: int) -> Case:
+    """A sliding-window group of 32 tokens beside full attention: after a's 128-token prefill
+    the window manager frees the blocks of the tokens out of reach (97 skipped: six blocks of
+    16), or, keeping ``extra`` trailing tokens more, fewer; b's blocks then come from a pool
+    that differs."""
+    return Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16},
+                              {"kind": "sliding_window", "block_size": 16, "sliding_window": 32,
+                               "extra_retained_tokens": extra}],
+                   "engine": {"num_gpu_blocks": 40}},
+        "requests": [{"id": "a", "prompt": [[1, 128]], "decode": 3},
+                     {"id": "b", "prompt": [[2, 64]], "arrival": 1, "decode": 2}]})
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_extra_retained_tokens_reach_the_release(pool, version):
+    """The release's SlidingWindowManager keeps the blocks of 32 more trailing tokens: its run
+    differs from the same case without them, and the model agrees step by step with both."""
+    plain = lockstep(_retained(0), version, pool)
+    assert plain.agree, plain.summary()
+    kept = lockstep(_retained(32), version, pool)
+    assert kept.agree and kept.observations == [], kept.summary()
+    assert kept.real["trace"] != plain.real["trace"]
+
+
+def test_extra_retained_tokens_is_a_sliding_window_field():
+    case = _retained(32).to_json()
+    assert case["layout"]["groups"][1]["extra_retained_tokens"] == 32
+    assert "extra_retained_tokens" not in _retained(0).to_json()["layout"]["groups"][1]
+    case["layout"]["groups"][0]["extra_retained_tokens"] = 1
+    with pytest.raises(LayoutError, match=r"groups\[0\]\.extra_retained_tokens: not used by kind"):
+        Case.from_json(case)
+    case["layout"]["groups"][0].pop("extra_retained_tokens")
+    case["layout"]["groups"][1]["extra_retained_tokens"] = -1
+    with pytest.raises(LayoutError, match=r"groups\[1\]\.extra_retained_tokens"):
+        Case.from_json(case)

@@ -141,7 +141,7 @@ class KVCacheManager:
             for x, m in enumerate(self.rest):
                 bs = m.block_size
                 hi = L // bs
-                lo = m.get_num_skipped_tokens(L) // bs
+                lo = m.num_tokens_out_of_window(L) // bs
                 if isinstance(m, SlidingWindowManager):
                     if drop_last and lo > 0:
                         # find_longest_cache_hit(drop_eagle_block): the run it needs counts
@@ -195,7 +195,9 @@ class KVCacheManager:
         for m in self.cacheable:
             table = req.tables[m.gid]
             n = L // m.block_size
-            first = min(m.get_num_skipped_tokens(total) // m.block_size, n)
+            # the blocks the hit did not look up (nulls), and those out of reach at ``total``
+            first = min(max(m.num_tokens_out_of_window(L), m.get_num_skipped_tokens(total))
+                        // m.block_size, n)
             table.extend([NULL] * first)
             keys = req.keys(m.gid, m.block_size)
             blocks = [self.pool.get_cached_block(keys[j]) for j in range(first, n)]

@@ -37,6 +37,14 @@ class ModelCrash(ConfigError):
 
 
 
+def _reach(group, profile) -> int:
+    """A sliding-window group's window in tokens as the connector reads it: widened by its
+    ``extra_retained_tokens`` from 0.31.0 on."""
+    if group.extra_retained_tokens and profile.extra.get("retained_widens_windows", False):
+        return group.sliding_window + group.extra_retained_tokens
+    return group.sliding_window
+
+
 class _SlidingWindowStoreMask:
     """``_reachable_store_block_mask`` for a sliding-window group (0.30.0-0.33.0), per chunk.
 
@@ -289,16 +297,19 @@ class OffloadingConnectorScheduler:
         # update_state_after_alloc
         self.other_gids: tuple | None = None if layout is None else tuple(
             sorted(set(range(len(layout.groups))) - {g.group_id for g in self.cfgs}))
-        self.sw_tokens = {g.group_id: layout.groups[g.group_id].sliding_window for g in self.cfgs
-                          if layout is not None and layout.groups[g.group_id].kind in
-                          ("sliding_window", "sliding_window_mla")}
+        # 0.31.0+: the windows of lookups and store masks reach the retained tokens too
+        # (a spec of sliding_window + extra_retained_tokens in _reachable_store_block_mask)
+        self.sw_tokens = {g.group_id: _reach(layout.groups[g.group_id], profile)
+                          for g in self.cfgs if layout is not None and
+                          layout.groups[g.group_id].kind in ("sliding_window",
+                                                              "sliding_window_mla")}
         if layout is not None and self.sw_tokens and profile.retention_check:
             retention = retention_interval(layout, profile)
             for g in self.cfgs:
                 grp = layout.groups[g.group_id]
                 if grp.kind in ("sliding_window", "sliding_window_mla"):
                     self.sw_store_mask[g.group_id] = _SlidingWindowStoreMask(
-                        g, grp.sliding_window, geometry, retention)
+                        g, self.sw_tokens[g.group_id], geometry, retention)
 
     # --- RequestOffloadState ----------------------------------------------------------------
     def update_offload_keys(self, st: RequestOffloadState, caller: str = "") -> None:

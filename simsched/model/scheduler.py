@@ -256,8 +256,10 @@ class Model:
         self.n_stores = 0
         self.n_loads = 0
         self.loads_created = 0
-        # job ID -> "store" or "load": the jobs the case's faults make fail
+        # job ID -> "store" or "load": the jobs the case's faults make fail; under async
+        # scheduling, the one whose batch output reported it, until the step's check
         self.failing: dict[int, str] = {}
+        self.failed_job: int | None = None
         self.step_no = 0
         self.unfinished = len(case.requests)
         self.future_events = 0      # arrivals and aborts not yet processed
@@ -1071,6 +1073,8 @@ class Model:
                                            + list(self.delayed_free.values())
                                            + (self.async_.held() if self.async_ else [])))
         self._emit("check ok")
+        if self.failed_job is not None:
+            self.transfer_failed(self.failed_job)
         quiet = self.off.quiet()
         if self.progress or not quiet or self.future_events:
             self.stall = 0
@@ -1277,7 +1281,10 @@ class AsyncRun:
                 m.finish_request(req)
         failing = [jid for jid in batch.jobs if jid in m.failing]
         if failing:
-            m.transfer_failed(failing[0])
+            # the worker raised before it reported any job of the batch: the step ends with
+            # its check, then the run stops (after_step)
+            m.failed_job = failing[0]
+            return
         jobs = m.off.jobs
         for jid in batch.jobs:
             job = jobs.get(jid)

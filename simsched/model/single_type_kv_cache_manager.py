@@ -159,13 +159,19 @@ class SingleTypeKVCacheManager:
         # what the group's KVCacheSpec compares equal by (the harness gives every attention
         # spec the same heads and dtype): groups of one spec share a SpecGroup
         self.spec: tuple = (self.kind, block_size, self.window, self.chunk,
-                            group.mamba_cache_mode if group.kind == "mamba" else None)
+                            group.mamba_cache_mode if group.kind == "mamba" else None,
+                            group.extra_retained_tokens)
         #: ``max_admission_blocks_per_request`` of the recycling specs; None: no cap
         self.admission_cap: int | None = None
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens out of this group's reach: none by default."""
         return 0
+
+    def num_tokens_out_of_window(self, num_tokens: int) -> int:
+        """Tokens a prefix hit of ``num_tokens`` need not find (``find_longest_cache_hit``):
+        the skipped ones, but for a sliding window that retains extra tokens."""
+        return self.get_num_skipped_tokens(num_tokens)
 
     def use_eagle(self) -> bool:
         return self.config.use_eagle(self.spec)
@@ -189,7 +195,9 @@ class SingleTypeKVCacheManager:
         skipped = self.get_num_skipped_tokens(total) // bs
         need = max(required - max(n_hit, skipped), 0)
         keys = req.keys(self.gid, bs)
-        for j in range(skipped, n_hit):
+        # the hit's blocks past those it did not look up (nulls, never evictable)
+        looked_up = max(skipped, self.num_tokens_out_of_window(hit) // bs)
+        for j in range(looked_up, n_hit):
             if self.pool.ref[self.pool.get_cached_block(keys[j])] == 0:
                 need += 1           # an evictable hit block
         return need
@@ -275,22 +283,31 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """``SlidingWindowManager``: a token is out of reach once ``sliding_window`` newer ones are
-    computed."""
+    computed; its block is freed ``extra_retained_tokens`` later (0.28.0+: multi-module MTP
+    re-prefills that many trailing tokens)."""
 
     def __init__(self, gid: int, group, block_size: int, enable_prefix_caching: bool,
                  pool: BlockPool, config: PrefixCacheConfig,
                  max_in_flight_tokens: int | None = None):
         super().__init__(gid, group, block_size, enable_prefix_caching, pool, config)
+        self.extra_retained_tokens: int = group.extra_retained_tokens
         if max_in_flight_tokens is not None:
-            # SlidingWindowSpec.max_admission_blocks_per_request: cdiv(window - 1 + in_flight,
-            # bs) + 1, in_flight = VllmConfig.max_in_flight_tokens
-            self.admission_cap = -(-(self.window - 1 + max_in_flight_tokens) // block_size) + 1
+            # SlidingWindowSpec.max_admission_blocks_per_request: cdiv(window - 1 + extra
+            # retained + in_flight, bs) + 1, in_flight = VllmConfig.max_in_flight_tokens
+            self.admission_cap = -(-(self.window - 1 + self.extra_retained_tokens
+                                     + max_in_flight_tokens) // block_size) + 1
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return max(0, num_computed_tokens - self.window + 1)
+        return max(0, num_computed_tokens - self.window + 1 - self.extra_retained_tokens)
+
+    def num_tokens_out_of_window(self, num_tokens: int) -> int:
+        """``find_longest_cache_hit`` looks for the ``cdiv(sliding_window - 1, block_size)``
+        blocks before the hit: the retained tokens are not looked up."""
+        return max(0, num_tokens - self.window + 1)
 
     def quiet_bound(self, req: Request, first_real_block: int) -> int:
-        return (first_real_block + 1) * self.block_size + self.window - 2
+        return ((first_real_block + 1) * self.block_size + self.window - 2
+                + self.extra_retained_tokens)
 
     def reachable_block_mask(self, req: Request, start: int, end: int) -> list[bool] | None:
         """The coordinator's retention interval and alignment, the request's replay boundaries

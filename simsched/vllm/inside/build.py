@@ -157,6 +157,11 @@ class ConfigBuilder:
             kw.update(num_kv_heads=1, head_size=HEAD_SIZE, dtype=DTYPE)
             if group.kind in ("sliding_window", "sliding_window_mla"):
                 kw["sliding_window"] = group.sliding_window
+                if group.extra_retained_tokens:
+                    if "extra_retained_tokens" not in names:
+                        raise Unsupported(f"extra_retained_tokens: this release's "
+                                          f"{group.spec_name} has no such field (0.28.0 on)")
+                    kw["extra_retained_tokens"] = group.extra_retained_tokens
             if group.kind == "chunked_local":
                 kw["attention_chunk_size"] = group.attention_chunk_size
         if group.drafter and "is_draft" in names:
