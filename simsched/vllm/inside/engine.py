@@ -46,10 +46,9 @@ from typing import Any
 from simsched import invariants as inv
 from simsched.model.block_pool import NULL
 from simsched.model.request import Request as IdentRequest, make_key
-from simsched.case import Case
+from simsched.case import Case, sampled_token
 from simsched.geometry import estimate_max_model_len, max_model_len
 from simsched.layout import Layout, LayoutError
-from simsched.case import sampled_token
 from simsched.model.scheduler import STALL_STEPS
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_job, header
