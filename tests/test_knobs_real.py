@@ -233,29 +233,3 @@ def test_extra_retained_tokens_is_a_sliding_window_field():
     case["layout"]["groups"][1]["extra_retained_tokens"] = -1
     with pytest.raises(LayoutError, match=r"groups\[1\]\.extra_retained_tokens"):
         Case.from_json(case)
-
-
-@pytest.mark.parametrize("version", VERSIONS)
-def test_a_mamba_group_under_speculative_decoding_gets_its_speculative_blocks(pool, version):
-    """As a deployment's MambaBase.get_kv_cache_spec builds it, the Mamba spec reserves
-    ``num_speculative_tokens`` state blocks: the release's first allocation of the Mamba group
-    holds two blocks more than without speculative decoding. The real run stays clean; the
-    model does not play the blocks and the case names them as not modelled."""
-    from simsched.model import unmodelled_knobs
-    base = {"layout": {"groups": [{"kind": "full", "block_size": 16},
-                                  {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
-                       "engine": {"num_gpu_blocks": 64}},
-            "requests": [{"id": "a", "prompt": [[1, 48]], "decode": 4}]}
-    spec = dict(base, layout=dict(base["layout"], engine=dict(
-        base["layout"]["engine"], speculative={"method": "mtp", "num_tokens": 2})))
-
-    def first_mamba_alloc(res):
-        line = next(x for x in res.real["trace"] if x.startswith("alloc a "))
-        return [b for b in line.split(" g1=")[1].split(",") if b != "0"]
-
-    plain = lockstep(Case.from_json(base), version, pool)
-    drafts = lockstep(Case.from_json(spec), version, pool)
-    assert drafts.real["status"] == "ok" and drafts.real["findings"] == [], drafts.summary()
-    assert len(first_mamba_alloc(drafts)) == len(first_mamba_alloc(plain)) + 2
-    assert unmodelled_knobs(Case.from_json(spec).layout) == [
-        "groups.num_speculative_blocks (mamba under speculative decoding)"]

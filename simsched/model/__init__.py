@@ -28,15 +28,10 @@ __all__ = ["MAX_STEPS", "STALL_STEPS", "Model", "RunResult", "cli_run", "collect
 def unmodelled_knobs(layout) -> list[str]:
     """The knobs ``layout`` sets that the model does not mirror: the model runs as if they had
     their default, and a step where a release differs from it on such a case is the model's gap,
-    named after the knob. Not modelled: the CPU tier's ARC policy (``policies/arc.py``), and the
-    speculative state blocks of a Mamba group under speculative decoding (``MambaSpec.
-    num_speculative_blocks``, which ``MambaBase.get_kv_cache_spec`` sets to the number of
-    speculative tokens: the manager allocates them after the running state)."""
+    named after the knob. The CPU tier's ARC policy (``policies/arc.py``) is not modelled."""
     out = []
     if layout.engine.eviction_policy != "lru":
         out.append(f"engine.eviction_policy={layout.engine.eviction_policy}")
-    if layout.engine.speculative is not None and any(g.kind == "mamba" for g in layout.groups):
-        out.append("groups.num_speculative_blocks (mamba under speculative decoding)")
     return out
 
 
