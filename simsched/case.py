@@ -312,10 +312,10 @@ class Case:
         ``earlier`` samples from its first output token on (:func:`sampled_segment`)."""
         out = []
         for j, earlier in enumerate(self.requests):
-            heads = {sampled_segment(self.seed, j, earlier.prompt_len, n)
-                     for n in range(1, earlier.decode + 1)}
+            # the segment's seed does not depend on its length
+            seed, _ = sampled_segment(self.seed, j, earlier.prompt_len, 1)
             out += [(later.id, earlier.id) for later in self.requests[j + 1:]
-                    if heads.intersection(later.prompt)]
+                    if any(s == seed and n <= earlier.decode for s, n in later.prompt)]
         return out
 
     def to_json(self) -> dict:

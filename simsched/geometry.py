@@ -215,12 +215,10 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
                                   profile.window_file, "from_spec",
                                   f"{e.args[0]} is not a FullAttentionSpec") from None
             window = None
-        if (window is not None and group.extra_retained_tokens
-                and profile.extra.get("retained_widens_windows", False)):
-            # 0.31.0+: the window reaches the retained tokens too (max of cdiv(window, tpc)
-            # and cdiv(window - 1 + extra_retained_tokens, tpc))
-            retained = (group.sliding_window or 1) - 1 + group.extra_retained_tokens
-            window = max(window, -(-retained // tokens_per_chunk))
+        if window is not None and group.extra_retained_tokens:
+            # max of cdiv(window, tpc) and cdiv(window - 1 + extra_retained_tokens, tpc)
+            reach = connector_window_tokens(group, profile)
+            window = max(window, -(-(reach - 1) // tokens_per_chunk))
         groups.append(GroupGeometry(
             group_id=i, kind=group.kind, tokens_per_block=tpb[i],
             tokens_per_chunk=tokens_per_chunk,
@@ -305,6 +303,18 @@ def max_model_len(case) -> int:
     lookahead = spec.num_tokens if spec is not None else 0
     longest = max((r.prompt_len + r.decode for r in case.requests), default=0)
     return longest + lookahead if longest else 0
+
+
+def connector_window_tokens(group: Group, profile: Profile) -> int:
+    """A sliding-window group's window in tokens as the offloading connector reads it: from
+    0.31.0 (``retained_widens_windows``) widened by the group's ``extra_retained_tokens``
+    (``get_sliding_window_size_in_chunks``, ``load_window_size_in_chunks``, and the spec of
+    ``_reachable_store_block_mask``: "Widen only the store mask, not the model's attention
+    window")."""
+    window = group.sliding_window or 1
+    if group.extra_retained_tokens and profile.extra.get("retained_widens_windows", False):
+        return window + group.extra_retained_tokens
+    return window
 
 
 def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: int,

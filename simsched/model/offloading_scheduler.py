@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from simsched.geometry import Geometry, GroupGeometry, offload_key_indices
+from simsched.geometry import (Geometry, GroupGeometry, connector_window_tokens,
+                               offload_key_indices)
 from simsched.model.block_pool import NULL
 from simsched.model.cpu_manager import (HIT_PENDING, MISS, CPUOffloadingManager,
                                         RankedCPUManager)
@@ -35,14 +36,6 @@ class ModelCrash(ConfigError):
         super().__init__(exception, function, file, stage, message)
 
 
-
-
-def _reach(group, profile) -> int:
-    """A sliding-window group's window in tokens as the connector reads it: widened by its
-    ``extra_retained_tokens`` from 0.31.0 on."""
-    if group.extra_retained_tokens and profile.extra.get("retained_widens_windows", False):
-        return group.sliding_window + group.extra_retained_tokens
-    return group.sliding_window
 
 
 class _SlidingWindowStoreMask:
@@ -299,7 +292,8 @@ class OffloadingConnectorScheduler:
             sorted(set(range(len(layout.groups))) - {g.group_id for g in self.cfgs}))
         # 0.31.0+: the windows of lookups and store masks reach the retained tokens too
         # (a spec of sliding_window + extra_retained_tokens in _reachable_store_block_mask)
-        self.sw_tokens = {g.group_id: _reach(layout.groups[g.group_id], profile)
+        self.sw_tokens = {g.group_id: connector_window_tokens(layout.groups[g.group_id],
+                                                              profile)
                           for g in self.cfgs if layout is not None and
                           layout.groups[g.group_id].kind in ("sliding_window",
                                                               "sliding_window_mla")}
