@@ -247,13 +247,15 @@ def lockstep(case: Case, version: str, pool, mutant: str | None = None,
         return res
     case = planned
     t0 = time.perf_counter()
+    real = run_real(case, version, pool, mutant=mutant, timeout=timeout)
+    t1 = time.perf_counter()
     model, model_err = None, None
     try:
-        model = run_case(case, profile)
+        # the order each job's key set was walked in is vLLM's to leave unspecified: the model
+        # takes the release's (cpu_manager.walk_order) and is compared on everything else
+        model = run_case(case, profile, observed_walks=dict(real.get("walks") or ()))
     except Exception as e:   # a bug in the model is a finding of its own
         model_err = model_crash(e)
-    t1 = time.perf_counter()
-    real = run_real(case, version, pool, mutant=mutant, timeout=timeout)
     t2 = time.perf_counter()
     div = None
     if model is not None and stepped(real):
@@ -261,7 +263,7 @@ def lockstep(case: Case, version: str, pool, mutant: str | None = None,
     elif real.get("status") == "refused" and model is not None and model.refused is None:
         div = _refused_by_release_only(real)
     res = LockstepResult(case, version, profile.name, model, real, div,
-                         model_seconds=t1 - t0, real_seconds=t2 - t1)
+                         model_seconds=t2 - t1, real_seconds=t1 - t0)
     res.observations = _observations(res, model_err)
     return res
 

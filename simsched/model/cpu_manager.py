@@ -53,16 +53,29 @@ _GROUP0_END: Final = 1 << 63       # group 0's keys are [-2**63, 2**63) (request
 
 def tuple_set_order(keys: list) -> list[Key]:
     """The distinct ``keys`` in the order a set of their ``(group_id, ident)`` tuples, filled in
-    the order given, iterates them. A job's keys as vLLM holds them (a set) are walked in set
-    order when the job completes, which matters to the evictable list of the pre-0.31.0 CPU tier
-    (each completed chunk joins its MRU end). vLLM's set holds bytes keys, whose hashes vary per
-    process; the model fixed that order as the one of the pair tuples (the representation of keys
-    before they became ints), and keeps it."""
+    the order given, iterates them: the model's stand-in for the order vLLM walks a job's key set
+    in (:func:`walk_order`)."""
     pairs: set[tuple[int, Key]] = set()
     for k in keys:
         g = 0 if k < _GROUP0_END else key_group(k)
         pairs.add((g, k - make_key(g, 0) if g else k))
     return [make_key(g, h) if g else h for g, h in pairs]
+
+
+def walk_order(keys: list, observed: list | None = None) -> list[Key]:
+    """The order in which a completing job's distinct ``keys`` reach the CPU tier's policy.
+
+    vLLM keeps a job's keys as a set (``TransferJobStatus.keys``) and ``complete_store`` /
+    ``complete_load`` walk that set; up to 0.30.0 each chunk joins the evictable list's MRU end as
+    it is walked, so the walk decides which of the job's chunks is evicted first. A set of hash
+    bytes iterates in an order that depends on the process's hash seed: vLLM leaves it
+    unspecified, and so does the model. ``observed`` is the order a release's run took for this
+    job (``simsched.lockstep`` passes it, so that a run is compared with the release on what vLLM
+    does specify); without it, or where it names other keys (the runs went apart earlier), the
+    model walks :func:`tuple_set_order`."""
+    if observed is not None and len(observed) == len(set(observed)) and set(observed) == set(keys):
+        return list(observed)
+    return tuple_set_order(keys)
 
 
 class CPUOffloadingManager:
@@ -144,17 +157,19 @@ class CPUOffloadingManager:
             del self.evictable[k]
         return victims
 
-    def complete_store(self, keys: list, contents: list, chunks: list | None = None) -> None:
+    def complete_store(self, keys: list, contents: list, chunks: list | None = None,
+                       observed: list | None = None) -> None:
         """A store job's chunks ``keys`` are ready, holding ``contents[i]`` for ``keys[i]``
-        (``chunks``: the job's, else looked up). In the order of vLLM's set of the job's keys
-        (``tuple_set_order``) each joins the evictable list's MRU end."""
+        (``chunks``: the job's, else looked up). In the order vLLM walks the job's key set
+        (:func:`walk_order`; ``observed``: a release's) each joins the evictable list's MRU
+        end."""
         chunks = self.chunks_of(keys) if chunks is None else chunks
         content: dict = {}
         status: dict = {}
         for k, ch, c in zip(keys, chunks, contents):     # (a key's first chunk, as listed)
             content.setdefault(k, c)
             status.setdefault(k, ch)
-        for k in tuple_set_order(keys):
+        for k in walk_order(keys, observed):
             chunk = status[k]
             if chunk is not None and not chunk.is_ready:
                 chunk.ref_cnt = 0
@@ -180,10 +195,11 @@ class CPUOffloadingManager:
                 del self.evictable[k]
         return self._pin(keys)
 
-    def complete_load(self, keys: list, chunks: list | None = None) -> None:
+    def complete_load(self, keys: list, chunks: list | None = None,
+                      observed: list | None = None) -> None:
         """A load job's chunks have been read; those no other load reads join the evictable
-        list's MRU end, in the order of vLLM's set of the job's keys."""
-        for k in tuple_set_order(keys):
+        list's MRU end, in the order vLLM walks the job's key set (:func:`walk_order`)."""
+        for k in walk_order(keys, observed):
             chunk = self.chunks[k]
             chunk.ref_cnt -= 1
             if chunk.ref_cnt == 0:
@@ -367,7 +383,9 @@ class RankedCPUManager(CPUOffloadingManager):
                 self.next_rank += 1
                 self._set_rank(k, chunk, (self.next_rank, 0))
 
-    def complete_store(self, keys: list, contents: list, chunks: list | None = None) -> None:
+    def complete_store(self, keys: list, contents: list, chunks: list | None = None,
+                       observed: list | None = None) -> None:
+        """Recency is a rank here: the order the job's keys are walked in does not matter."""
         chunks = self.chunks_of(keys) if chunks is None else chunks
         for k, chunk, c in zip(keys, chunks, contents):
             if chunk is not None and not chunk.is_ready:
@@ -375,7 +393,8 @@ class RankedCPUManager(CPUOffloadingManager):
                 chunk.content = c
                 self._push(k, chunk)            # evictable now
 
-    def complete_load(self, keys: list, chunks: list | None = None) -> None:
+    def complete_load(self, keys: list, chunks: list | None = None,
+                      observed: list | None = None) -> None:
         chunks = self.chunks_of(keys) if chunks is None else chunks
         for k, chunk in zip(keys, chunks):
             chunk.ref_cnt -= 1

@@ -197,8 +197,12 @@ class Job:
 
 class OffloadingConnectorScheduler:
     def __init__(self, geometry: Geometry, profile: Profile, asserts: bool, cpu_chunks: int,
-                 enable_prefix_caching: bool = True, layout=None):
+                 enable_prefix_caching: bool = True, layout=None,
+                 observed_walks: dict[int, list] | None = None):
         self.geo, self.profile, self.asserts = geometry, profile, asserts
+        # job ID -> the order a release's run walked the job's key set in, where the run is
+        # compared with one (cpu_manager.walk_order: vLLM leaves that order unspecified)
+        self.observed_walks: dict[int, list] = observed_walks or {}
         self.cfgs = geometry.groups
         self.n = len(self.cfgs)
         self.bpc = geometry.blocks_per_chunk
@@ -618,8 +622,8 @@ class OffloadingConnectorScheduler:
         # the chunks not ready to read (their stores in flight): INV-7 names them
         job.unready = [x for x, k in enumerate(keys) if not self.tier.is_ready(k)]
         job.cpu_chunks = self.tier.prepare_load(keys, st)
-        # (the evictable list's complete_load puts the keys in the order of their set,
-        # tuple_set_order, itself: when that order is needed)
+        # (the evictable list's complete_load walks the keys as their set, walk_order, itself:
+        # when that order is needed)
         job.keys = keys
         self._new_job(job)
         if self.asserts and st.jobs:
@@ -964,10 +968,11 @@ class OffloadingConnectorScheduler:
         """``update_connector_output`` for one completed job."""
         job = self.jobs.pop(jid)
         st = self.req_status[job.rid]
+        walked = self.observed_walks.get(jid)
         if job.is_store:
-            self.tier.complete_store(job.ckeys, job.contents, job.cpu_chunks)
+            self.tier.complete_store(job.ckeys, job.contents, job.cpu_chunks, walked)
         else:
-            self.tier.complete_load(job.keys, job.cpu_chunks)
+            self.tier.complete_load(job.keys, job.cpu_chunks, walked)
             if self.being_loaded:
                 self.being_loaded.difference_update(job.keys)
         if self.block_to_jobs:

@@ -101,7 +101,8 @@ class TransferFailed(Exception):
 
 
 class Model:
-    def __init__(self, case: Case, profile: Profile, checks: str = "full", trace: bool = True):
+    def __init__(self, case: Case, profile: Profile, checks: str = "full", trace: bool = True,
+                 observed_walks: dict[int, list] | None = None):
         self.case, self.profile, self.checks = case, profile, checks
         layout, timing = case.layout, case.timing
         # A healthy run schedules at least one token a step once requests have arrived, so a
@@ -137,7 +138,8 @@ class Model:
         self.kv.config.tokens_per_hash = geo.tokens_per_hash
         self.off = OffloadingConnectorScheduler(geo, profile, case.asserts,
                                                 layout.engine.cpu_chunks,
-                                                layout.engine.enable_prefix_caching, layout)
+                                                layout.engine.enable_prefix_caching, layout,
+                                                observed_walks)
         self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)
         # per group, what the shadow writes by: the block size, and whether it is a ring
         self.shadow_groups = [(m.block_size, isinstance(m, CircularBufferManager))
@@ -1312,16 +1314,18 @@ def crash_finding(e: ConfigError, step: int | None) -> dict:
 
 
 def run_case(case: Case, profile: Profile | str | None = None, *, checks: str = "full",
-             trace: bool = True) -> RunResult:
+             trace: bool = True, observed_walks: dict[int, list] | None = None) -> RunResult:
     """Run ``case`` under ``profile`` (a name from ``PROFILES`` or a Profile).
 
     ``checks="full"`` checks every invariant (INV-1/2 walk the pool every step); ``"fast"``
     skips the O(pool) walk and the INV-9 oracle. ``trace=False`` keeps no trace lines.
+    ``observed_walks``: job ID -> the order a release's run walked the job's key set in, the
+    one order vLLM leaves unspecified (``cpu_manager.walk_order``), for a run compared with it.
 
     The run pauses the cyclic garbage collector (:func:`collector_paused`).
     """
     with collector_paused():
-        return _run_case(case, profile, checks, trace)
+        return _run_case(case, profile, checks, trace, observed_walks)
 
 
 @contextmanager
@@ -1340,7 +1344,8 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: bool) -> RunResult:
+def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: bool,
+              observed_walks: dict[int, list] | None = None) -> RunResult:
     if not case.layout.planned:
         raise LayoutError("layout.groups", "a layout of layers runs once a release's planner "
                           "built its groups (simsched.planning.plan)")
@@ -1355,7 +1360,7 @@ def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: boo
         result.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0}
         return result
     try:
-        model = Model(case, prof, checks=checks, trace=trace)
+        model = Model(case, prof, checks=checks, trace=trace, observed_walks=observed_walks)
     except ConfigError as e:
         result.trace = [header(prof.name, case.asserts),
                         f"crash {e.exception} {e.function} {e.stage}"]

@@ -426,6 +426,10 @@ class _Run:
         self.faulted: dict[int, tuple[str, Any]] = {}
         self.failed: tuple[_Job, str] | None = None
         self.unsupported: str | None = None
+        # job ID -> its keys (as the model's keys) in the order of the job's key set
+        # (TransferJobStatus.keys), which complete_store / complete_load walk: an order vLLM
+        # leaves to the set (simsched.model.cpu_manager.walk_order); lockstep hands it to the model
+        self.walks: dict[int, list] = {}
 
     # -- helpers ---------------------------------------------------------------------------
     def emit(self, line: str) -> None:
@@ -439,6 +443,7 @@ class _Run:
         return {"status": "ok" if self.unsupported is None else "unsupported", **stopped,
                 "trace": self.lines, "findings": self.findings,
                 "counters": self.counters, "lookups": self.lookup_counts,
+                "walks": sorted(self.walks.items()),
                 "loop_wall": time.perf_counter() - self.loop_t0 if started else None,
                 "loop_cpu": time.process_time() - self.loop_c0 if started else None}
 
@@ -736,10 +741,13 @@ class _Run:
         ident = self.ident[rid]
         req_state = self.cs._req_status.get(rid)
         by_group: dict[int, list] = {}
+        walk = []
         for k in status.keys:
             gid = int(self.key_group(k))
             hidx = self._hidx(rid, self.key_hash(k))
             by_group.setdefault(gid, []).append((hidx, k))
+            walk.append(make_key(gid, ident.ident_at((hidx + 1) * self.tph)))
+        self.walks[jid] = walk
         items = []
         pos = 0
         for gi, gcfg in enumerate(self.gcfgs):
