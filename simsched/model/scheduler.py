@@ -508,10 +508,19 @@ class Model:
         self.counters["preemptions"] += 1
         self._emit(f"preempt {req.rid}")
 
+    def has_requests(self) -> bool:
+        """``Scheduler.has_requests``: requests to schedule, or finished ones not yet reported to
+        the workers."""
+        return bool(self.running or self.waiting or self.finished_ids)
+
     def _step(self, _data) -> None:
         self.step_scheduled = False
         if self.async_ is not None:
             self.async_.call()
+            return
+        if not self.has_requests() and self.off.quiet():
+            # EngineCore idles (has_work): no request, and the transfers that completed before
+            # this step released the last finished one; the next arrival wakes it
             return
         t = self.q.now
         sched_reqs, stores = self.schedule(t)
@@ -1178,8 +1187,7 @@ class AsyncRun:
             "window_frees_on_processed", True)
 
     def has_requests(self) -> bool:
-        m = self.m
-        return bool(m.running or m.waiting or m.finished_ids)
+        return self.m.has_requests()
 
     def busy(self) -> bool:
         """The engine steps again: something to schedule, a job pending, a batch in flight."""
