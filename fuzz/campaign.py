@@ -48,7 +48,7 @@ from simsched.case import Case, Timing
 from simsched.invariants import INV_OPS
 from simsched.layout import Engine, Layout, LayoutError, deployment_refusal
 from simsched.outcome import Observation, Signature, crash_signature, describe
-from simsched.planning import deployment_reach, plan
+from simsched.planning import REACHED, SYNTHETIC, deployment_reach, group_layout_reach, plan
 from simsched.profiles import PROFILES
 from simsched.replay import observe
 from simsched.targets import ModelTarget, Releases, ReleaseTarget
@@ -103,6 +103,7 @@ class Finding:
     variants: list[dict] = field(default_factory=list)   # other cases showing it, unshrunk
     installed: tuple[str, ...] = ()
     cluster: str = ""              # the cluster it joins; default: its own key's
+    deployment: str = ""           # how a deployment reaches it; default: planning.deployment_reach
 
     def to_json(self) -> dict:
         o = self.outcome
@@ -132,7 +133,7 @@ class Finding:
             "fingerprint": list(self.fingerprint),
             "first_target": self.first_target,
             "layout": self.case.layout.describe(),
-            "deployment": deployment_reach(self.case.layout),
+            "deployment": self.deployment or deployment_reach(self.case.layout),
             "case": f"repros/{self.id}/case.json",
             "groups": len(self.case.layout.groups), "requests": len(self.case.requests),
             "steps": o.get("steps", 1),
@@ -723,6 +724,27 @@ class Campaign:
                 finding.releases_not_run[t.name] = describe(outcome)
         if finding.klass == tri.BUG and finding.releases_affected:
             finding.aliases = sorted(set(finding.aliases) | set(self._twins(finding)), key=repr)
+            self._judge_reach(finding)
+
+    def _judge_reach(self, finding: Finding) -> None:
+        """A bug on a layout of groups written by hand: each affected release's planner says
+        whether it builds those groups for some model (``planning.group_layout_reach``). Where
+        none does, no deployment reaches the state: the finding is ``synthetic``, with the
+        planner's answer as its reason."""
+        if finding.case.layout.layers:
+            return
+        by_version = {t.version: t for t in self.all_release_targets}
+        answers = {v: group_layout_reach(finding.case, v, by_version[v].pool)
+                   for v in finding.releases_affected if v in by_version}
+        reached = [why for how, why in answers.values() if how == REACHED]
+        if reached:
+            finding.deployment = f"reached: {reached[-1]}"
+        elif answers and all(how == SYNTHETIC for how, _ in answers.values()):
+            finding.klass = tri.SYNTHETIC
+            finding.deployment = f"synthetic: {list(answers.values())[-1][1]}"
+        elif answers:
+            finding.deployment = (f"written as groups, not checked against a planner: "
+                                  f"{list(answers.values())[-1][1]}")
 
     @staticmethod
     def _moved(finding: Finding, seen: list[Seen]) -> list[tuple]:

@@ -140,6 +140,8 @@ def _rows(members_by_cluster: list[list[dict]]) -> list[str]:
 
 
 SECTIONS = (
+    ("synthetic", "Synthetic: bugs on layouts written as groups that no release's planner builds "
+                  "(no deployment reaches them)"),
     ("validation", "Validation: vLLM refused the configuration at start-up, naming the problem"),
     ("model-gap", "Model gaps: the model disagrees with a release whose run broke nothing"),
     ("proposal", "Proposals: shows only under a hypothetical fix profile"),
@@ -154,7 +156,7 @@ def markdown(data: dict, plots: list[tuple[str, str]] | None = None,
     by_cluster = clusters(data["findings"])
     per_class = summ["clusters"]
     head = ", ".join(f"{per_class.get(k, 0)} {k}" for k in
-                     ("bug", "validation", "model-gap", "proposal", "predicted")
+                     ("bug", "synthetic", "validation", "model-gap", "proposal", "predicted")
                      if per_class.get(k) or k == "bug")
     lines = ["# simsched campaign report", "",
              f"**{head}** clusters ({summ['clusters_total']} in all"

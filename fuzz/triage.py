@@ -13,6 +13,10 @@ Every observation of a case (:class:`simsched.replay.Observation`) gets a **clas
 ``model-gap``
     the model disagrees with a release whose run broke no invariant (a configuration or trace
     difference, or an invariant the model predicts for a release that ran clean);
+``synthetic``
+    a bug shown only on a layout of groups written by hand that no affected release's planner
+    builds for any model (``simsched.planning.group_layout_reach``): no deployment reaches it,
+    so it is never reported as a ``bug`` of vLLM (the reason says what the planner builds);
 ``proposal``
     shows only under a hypothetical fix profile (it judges a fix; no release has it): one
     cluster per fix profile, what the fix would leave broken;
@@ -40,10 +44,11 @@ from simsched.model import unmodelled_knobs
 from simsched.profiles import PROFILES
 from simsched.vllm.releases import is_release
 
-BUG, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED, TOOL_ERROR = (
-    "bug", "validation", "model-gap", "proposal", "predicted", "tool-error")
-#: the order in which a campaign hunts new clusters and a report lists them
-CLASSES = (BUG, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED)
+BUG, SYNTHETIC, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED, TOOL_ERROR = (
+    "bug", "synthetic", "validation", "model-gap", "proposal", "predicted", "tool-error")
+#: the order in which a campaign hunts new clusters and a report lists them (a bug is found
+#: as one and made ``synthetic`` when it is recorded, once every release has run it)
+CLASSES = (BUG, SYNTHETIC, VALIDATION, MODEL_GAP, PROPOSAL, PREDICTED)
 
 #: configuration stages of a release (the config chain and the real engine's boot): a clean
 #: refusal can only happen here; later, the same exception is a bug

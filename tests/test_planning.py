@@ -227,3 +227,78 @@ def test_a_finding_says_how_a_deployment_reaches_its_layout():
     assert "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1" in deployment_reach(local)
     alone = Layout.from_json({"groups": [{"kind": "full", "block_size": 16}]})
     assert deployment_reach(alone).startswith("written as groups: no release's planner")
+
+
+def groups_case(groups, **engine) -> Case:
+    return Case.from_json({"layout": {"groups": groups, "engine": dict(num_gpu_blocks=64,
+                                                                        **engine)},
+                           "requests": [{"id": "a", "prompt": [[1, 40]], "decode": 2}]})
+
+
+FULL, SW = {"kind": "full", "block_size": 16}, {"kind": "sliding_window", "block_size": 16,
+                                                "sliding_window": 128}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_release_s_planner_judges_a_layout_of_groups(pool, version):
+    """A layout of groups written by hand, asked of the release's planner with the layers it
+    declares (``planning.layers_for_groups``). vLLM groups layers by spec in the order each spec
+    first appears and cuts each spec's layers into groups (``_get_kv_cache_groups_uniform_page_
+    size``, 0.30.0 ``v1/core/kv_cache_utils.py:1435``): the groups of one spec are next to each
+    other, and one spec alone is one group. So ``full + full + sliding_window`` is what a model
+    of two full layers and a sliding-window layer gets; ``full + sliding_window + full`` no model
+    gets (its layers plan as the former), nor two full groups alone (one group)."""
+    from simsched.planning import REACHED, SYNTHETIC, UNCHECKED, group_layout_reach
+
+    how, why = group_layout_reach(groups_case([FULL, FULL, SW]), version, pool)
+    assert how == REACHED and "1xfull + 1xfull + 1xsliding_window(w=128)" in why, why
+    how, why = group_layout_reach(groups_case([FULL, SW, FULL]), version, pool)
+    assert how == SYNTHETIC, why
+    assert "builds full/16 + full/16 + sliding_window/16(w=128) from the layers" in why
+    how, why = group_layout_reach(groups_case([FULL, FULL]), version, pool)
+    assert (how, why.split(" from ")[0]) == (SYNTHETIC, f"{version}'s planner builds full/16")
+    # what the layer language cannot say is not judged
+    ring = groups_case([FULL, {"kind": "ring", "block_size": 4}])
+    assert group_layout_reach(ring, version, pool)[0] == UNCHECKED
+    mixed = groups_case([FULL, dict(FULL, block_size=64)])
+    assert group_layout_reach(mixed, version, pool) == (
+        UNCHECKED, "groups of several block sizes (16, 64)")
+
+
+@pytest.mark.parametrize("version", ["0.33.0"])
+def test_a_bug_on_a_layout_no_planner_builds_is_synthetic(pool, version, tmp_path):
+    """The campaign asks each affected release's planner about a bug's hand-written layout:
+    where none builds it, the finding is ``synthetic`` with the planner's answer, and the report
+    lists it apart from the bugs; where one does, it stays a bug that says how it is reached."""
+    from types import SimpleNamespace
+
+    from fuzz import triage as tri
+    from fuzz.campaign import Campaign
+    from fuzz.report import markdown, summary
+
+    camp = Campaign(tmp_path, pool, model=False, run_releases=[version], budget=1.0, seed_=0)
+    synthetic = SimpleNamespace(case=groups_case([FULL, SW, FULL]), klass=tri.BUG,
+                                releases_affected=[version], deployment="")
+    camp._judge_reach(synthetic)
+    assert synthetic.klass == tri.SYNTHETIC
+    assert synthetic.deployment.startswith(f"synthetic: {version}'s planner builds full/16 + "
+                                           "full/16 + sliding_window/16(w=128)")
+    reached = SimpleNamespace(case=groups_case([FULL, FULL, SW]), klass=tri.BUG,
+                              releases_affected=[version], deployment="")
+    camp._judge_reach(reached)
+    assert reached.klass == tri.BUG and reached.deployment.startswith("reached: ")
+
+    def finding(fid, klass):
+        return {"id": fid, "class": klass, "cluster": fid, "kind": "invariant",
+                "signature": "invariant:INV-4", "invariant": "INV-4", "op": "store",
+                "message": "m", "layout": "l", "case": f"repros/{fid}/case.json", "groups": 3,
+                "requests": 1, "releases_affected": [version], "releases_clean": [],
+                "range": "r", "first_bad_step": 1}
+    data = {"seed": 1, "budget_s": 1, "elapsed_s": 1.0, "examples": 1, "examples_per_s": 1.0,
+            "targets": [], "releases_installed": [version], "families": {}, "knobs": {},
+            "findings": [finding("made-up", "synthetic"), finding("real", "bug")]}
+    data["summary"] = summary(data)
+    assert data["summary"]["clusters"] == {"bug": 1, "synthetic": 1}
+    assert data["summary"]["bugs_in_newest"] == 1
+    md = markdown(data)
+    assert md.index("[real]") < md.index("<details><summary>Synthetic") < md.index("[made-up]")
