@@ -165,6 +165,8 @@ def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
             yield replace(c, events=c.events[:i] + c.events[i + 1:])
         if c.faults:
             yield replace(c, faults=())
+        if c.timing.jobs:
+            yield replace(c, timing=replace(c.timing, jobs=()))
         for i, r in enumerate(c.requests):
             if r.skip_reading_prefix_cache:
                 plain = replace(r, skip_reading_prefix_cache=False)
@@ -200,6 +202,7 @@ def knobs_of(case: Case) -> set[str]:
             | {f"requests.{k}" for r in case.requests for k in r.to_json()
                if k not in ("id", "prompt")}
             | {f"timing.jobs.{j.kind}" for j in case.timing.jobs}
+            | {"timing.jobs.never" for j in case.timing.jobs if j.latency is None}
             | {f"events.{e.do}" for e in case.events}
             | {f"faults.{f.kind}" for f in case.faults}
             | ({"requests.prompt.sampled"} if case.repeated_outputs() else set())

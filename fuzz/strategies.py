@@ -248,11 +248,11 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
         layout = layout.with_engine(eviction_policy="arc")
     requests = tuple([dataclasses.replace(r, skip_reading_prefix_cache=True)
                       if draw(_ints(0, 9)) == 9 else r for r in requests])
-    # one transfer job slower or faster than the rest
+    # one transfer job slower or faster than the rest, or one that never completes (None)
     if draw(_ints(0, 9)) == 9:
         timing = dataclasses.replace(timing, jobs=(JobTiming(
             kind=draw(_pick(("store", "load"))), index=draw(_pick((0, 1, 2))),
-            latency=draw(_pick((9, 0, 4)))),))
+            latency=draw(_pick((9, 0, 4, None)))),))
     # and an operator's reset_prefix_cache call (refused while a block is in use)
     events = ((CaseEvent(step=draw(_pick((6, 2, 12))), do="reset_prefix_cache"),)
               if draw(_ints(0, 9)) == 9 else ())

@@ -149,11 +149,12 @@ class RequestSpec:
 @dataclass(frozen=True)
 class JobTiming:
     """One transfer job's own latency: the ``index``-th store (or load) job the connector
-    creates, counted from 0 in the order of creation."""
+    creates, counted from 0 in the order of creation. ``latency`` None: the job never completes
+    (a copy that hangs: the worker never reports it)."""
 
     kind: str          # "store" or "load"
     index: int
-    latency: int
+    latency: int | None
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "JobTiming":
@@ -161,8 +162,14 @@ class JobTiming:
         kinds = [k for k in ("store", "load") if k in obj]
         if len(kinds) != 1:
             raise LayoutError(path, "exactly one of store or load (the job's index) is required")
-        return cls(kind=kinds[0], index=_int(obj, kinds[0], path, lo=0),
-                   latency=_int(obj, "latency", path, lo=0, hi=1000))
+        latency = obj.get("latency", ...)
+        if latency is not None:
+            if latency is ... or isinstance(latency, bool) or not isinstance(latency, int) \
+                    or not 0 <= latency <= 1000:
+                raise LayoutError(f"{path}.latency", "an integer 0 to 1000, or null (never "
+                                  f"completes), is required, got "
+                                  f"{'nothing' if latency is ... else repr(latency)}")
+        return cls(kind=kinds[0], index=_int(obj, kinds[0], path, lo=0), latency=latency)
 
     def to_json(self) -> dict:
         return {self.kind: self.index, "latency": self.latency}
@@ -178,8 +185,9 @@ class Timing:
     max_num_seqs: int = 32
     jobs: tuple[JobTiming, ...] = ()     # per-job overrides of the two latencies
 
-    def latency(self, kind: str, index: int) -> int:
-        """The latency of the ``index``-th ``kind`` ("store" or "load") job."""
+    def latency(self, kind: str, index: int) -> int | None:
+        """The latency of the ``index``-th ``kind`` ("store" or "load") job; None if it never
+        completes."""
         for job in self.jobs:
             if job.kind == kind and job.index == index:
                 return job.latency
@@ -196,8 +204,13 @@ class Timing:
             load_latency=_int(obj, "load_latency", path, default=1, lo=0, hi=1000),
             max_num_batched_tokens=_int(obj, "max_num_batched_tokens", path, default=2048),
             max_num_seqs=_int(obj, "max_num_seqs", path, default=32, hi=4096),
-            jobs=tuple(JobTiming.from_json(j, f"{path}.jobs[{i}]") for i, j in enumerate(jobs)),
+            jobs=_jobs(jobs, f"{path}.jobs"),
         )
+
+    @property
+    def hangs(self) -> bool:
+        """Some job never completes (``"latency": null``)."""
+        return any(j.latency is None for j in self.jobs)
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
@@ -205,6 +218,16 @@ class Timing:
         if self.jobs:
             out["jobs"] = [j.to_json() for j in self.jobs]
         return out
+
+
+def _jobs(jobs: list, path: str) -> tuple[JobTiming, ...]:
+    parsed = tuple(JobTiming.from_json(j, f"{path}[{i}]") for i, j in enumerate(jobs))
+    seen: set[tuple[str, int]] = set()
+    for j in parsed:
+        if (j.kind, j.index) in seen:
+            raise LayoutError(path, f"{j.kind} {j.index} given twice")
+        seen.add((j.kind, j.index))
+    return parsed
 
 
 #: what a case event does: ``Scheduler.reset_prefix_cache()``, as an operator's

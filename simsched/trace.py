@@ -16,6 +16,13 @@ single spaces, lists comma-separated without spaces, groups written ``g<id>``)::
     done <job> <store|load>                   a job completed (reported by the worker)
     failed <job> <store|load>                 a job of the case's faults failed: the offloading
                                               worker raises, the run stops (last line)
+    end waiting on <store|load> <job>[, ...] (never completes)[; held back: <rid>=<how>,...]
+                                              nothing but jobs that never complete (case
+                                              timing.jobs, latency null) is left, and the
+                                              requests they hold back: the run stops (last line)
+    end flush waits on <store|load> <job> (never completes)
+                                              the worker must finish such a job before the step
+                                              (flush): it waits forever, the run stops (last line)
     finish <rid> <finished|aborted>           a request finished
     check <ok|INV-n>                          invariants checked after the step
     crash <Exception> <function> <stage>      the scheduler raised (last line)
@@ -47,3 +54,17 @@ def fmt_job(job) -> str:
 
 def header(profile: str, asserts: bool) -> str:
     return f"# {TRACE_FORMAT} profile={profile} asserts={'on' if asserts else 'off'}"
+
+
+def fmt_hung_end(jobs, held) -> str:
+    """The last line of a run stopped with only never-completing jobs left: ``jobs``, (job ID,
+    is_store) pairs; ``held``, (request ID, how) pairs: the requests they hold back and how
+    (``load``, ``lookup``, ``blocks``)."""
+    names = ", ".join(f"{'store' if s else 'load'} {j}" for j, s in sorted(jobs))
+    tail = f"; held back: {','.join(f'{r}={h}' for r, h in sorted(held))}" if held else ""
+    return f"end waiting on {names} (never completes){tail}"
+
+
+def fmt_hung_flush(jid: int, is_store: bool) -> str:
+    """The last line of a run whose step flushes a job that never completes."""
+    return f"end flush waits on {'store' if is_store else 'load'} {jid} (never completes)"

@@ -197,6 +197,126 @@ def test_per_job_latencies_are_validated():
         Case.from_json(case)
 
 
+def _hanging(jobs: list[dict], *, prefix_caching: bool = True, big: bool = False,
+             async_scheduling: bool = False) -> Case:
+    """``_lagging``'s requests (a stores 64 tokens: store 0; c stores its own: store 1; b repeats
+    a's prompt at 6 and loads a's last chunk: load 2), and with ``big`` d, 176 tokens at 8, which
+    needs 12 of the pool's 15 blocks."""
+    case = _lagging(jobs).to_json()
+    engine = case["layout"]["engine"]
+    if not prefix_caching:
+        engine["enable_prefix_caching"] = False
+    if async_scheduling:
+        engine["async_scheduling"] = True
+    if big:
+        case["requests"].append({"id": "d", "prompt": [[3, 176]], "decode": 2, "arrival": 8})
+    return Case.from_json(case)
+
+
+def _lines(trace: list[str], *prefixes: str) -> list[str]:
+    return [x for x in trace if x.startswith(prefixes)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_store_that_never_completes_holds_back_a_repeat_of_its_prompt(pool, version,
+                                                                         async_scheduling):
+    """``{"store": 0, "latency": null}``: the worker never reports a's store. a and c finish all
+    the same (``request_finished`` returns False: a's blocks are freed, only fenced), but a's
+    chunks stay written-not-ready in the CPU tier (``CPUOffloadingManager.lookup``:
+    ``HIT_PENDING``), so b's lookup, past its GPU hit of 48 tokens, defers at every step
+    (``_maximal_prefix_lookup``) and b is never scheduled. The engine would step on
+    (``has_pending_push_work``); the run stops with b held back by the lookup, no finding, and
+    the model agrees. With the store's latency passed as any number b would load a's chunk."""
+    res = lockstep(_hanging([{"store": 0, "latency": None}], async_scheduling=async_scheduling),
+                   version, pool)
+    assert res.agree and res.observations == [], res.summary()
+    trace = res.real["trace"]
+    assert res.real["findings"] == []
+    assert trace[-1] == "end waiting on store 0 (never completes); held back: b=lookup"
+    assert _lines(trace, "done ", "finish ") == ["finish a finished", "done 1 store",
+                                                 "finish c finished"]
+    assert not _lines(trace, "sched b", "load ")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_flush_of_a_store_that_never_completes_stops_the_step(pool, version):
+    """Without GPU prefix caching c's first allocation takes a's freed blocks, which the
+    pending store fences: the connector flushes store 0 (``jobs_to_flush``), and the worker
+    waits for it before the step runs (``handle_preemptions``: ``worker.wait``), forever. The
+    run stops in that step, after its flush line; c never finishes."""
+    res = lockstep(_hanging([{"store": 0, "latency": None}], prefix_caching=False), version,
+                   pool)
+    assert res.agree and res.observations == [], res.summary()
+    trace = res.real["trace"]
+    assert res.real["findings"] == []
+    assert trace[-2:] == ["flush 0", "end flush waits on store 0 (never completes)"]
+    assert _step_of(trace, "flush 0") == 3 and "finish c finished" not in trace
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_load_that_never_completes_holds_back_its_request_and_its_blocks(pool, version,
+                                                                           async_scheduling):
+    """``{"load": 0, "latency": null}``: b's load of a's last chunk (job 2) is never reported,
+    so b waits for remote KVs for good (``finished_recving`` never comes) holding its 4 blocks;
+    d, which needs 12 of the 15, is never admitted (11 free), while a and c finish. The run
+    stops with b held back by its load and d by the blocks it holds, and the model agrees.
+    Without the knob b and d finish (the plain run)."""
+    plain = lockstep(_hanging([], big=True), version, pool)
+    assert plain.agree, plain.summary()
+    assert "finish b finished" in plain.real["trace"] and "finish d finished" in \
+        plain.real["trace"]
+    res = lockstep(_hanging([{"load": 0, "latency": None}], big=True,
+                            async_scheduling=async_scheduling), version, pool)
+    assert res.agree and res.observations == [], res.summary()
+    trace = res.real["trace"]
+    assert res.real["findings"] == []
+    assert trace[-1] == "end waiting on load 2 (never completes); held back: b=load,d=blocks"
+    assert "load 2 b g0:3=11" in trace and "done 2 load" not in trace
+    assert _lines(trace, "finish ") == ["finish a finished", "finish c finished"]
+
+
+@pytest.fixture(scope="module")
+def pool_0280():
+    with Releases.installed(["0.28.0"], timeout=120) as p:
+        yield p
+
+
+def test_a_stall_a_hung_job_does_not_explain_is_still_inv8(pool_0280):
+    """0.28.0 starts an engine whose 8 blocks hold r (126 + 2 tokens) only by counting the null
+    block (docs/repro/null_block_startup_stall.py): r is never scheduled. s's store never
+    completing does not hold r back (r's lookup does not defer, no load holds blocks): the run
+    is INV-8 as without the hang, on both sides."""
+    res = lockstep(Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16}],
+                   "engine": {"num_gpu_blocks": 8}},
+        "requests": [{"id": "s", "prompt": [[1, 32]], "decode": 2},
+                     {"id": "r", "prompt": [[2, 126]], "decode": 2, "arrival": 4}],
+        "timing": {"jobs": [{"store": 0, "latency": None}]}}), "0.28.0", pool_0280)
+    assert res.divergence is None, res.summary()
+    found = res.real["findings"]
+    assert [f["inv_id"] for f in found] == ["INV-8"], found
+    assert "not held back by them: ['r']" in found[0]["detail"]
+    assert [f["inv_id"] for f in res.model.findings] == ["INV-8"]
+
+
+def test_a_job_that_never_completes_is_written_null():
+    case = _lagging([{"store": 0, "latency": None}]).to_json()
+    assert case["timing"]["jobs"] == [{"store": 0, "latency": None}]
+    assert Case.from_json(case).timing.latency("store", 0) is None
+    assert Case.from_json(case).timing.latency("store", 1) == 1
+    for bad in ([{"store": 0}], [{"load": 0, "latency": "never"}],
+                [{"load": 0, "latency": False}], [{"load": 0, "latency": 1001}]):
+        case["timing"]["jobs"] = bad
+        with pytest.raises(LayoutError, match=r"^timing\.jobs\[0\]\.latency: an integer 0 to "
+                           r"1000, or null \(never completes\), is required"):
+            Case.from_json(case)
+    case["timing"]["jobs"] = [{"store": 1, "latency": None}, {"store": 1, "latency": 3}]
+    with pytest.raises(LayoutError, match=r"^timing\.jobs: store 1 given twice"):
+        Case.from_json(case)
+
+
 def _retained(extra: int) -> Case:
     """A sliding-window group of 32 tokens beside full attention: after a's 128-token prefill
     the window manager frees the blocks of the tokens out of reach (97 skipped: six blocks of

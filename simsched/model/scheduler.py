@@ -47,7 +47,7 @@ from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionMa
 from simsched.profiles import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
                                retention_interval)
 from simsched.shadow import Shadow
-from simsched.trace import fmt_alloc, fmt_job, header
+from simsched.trace import fmt_alloc, fmt_hung_end, fmt_hung_flush, fmt_job, header
 
 MAX_STEPS: Final = 100_000
 # a scheduled request: (request, tokens, new block IDs per group), or the request alone for a
@@ -98,6 +98,13 @@ class TransferFailed(Exception):
                          f"{jid} failed (OffloadingConnectorWorker.get_finished asserts "
                          f"transfer_result.success)")
         self.jid, self.kind = jid, kind
+
+
+class RunEnded(Exception):
+    """The run stops cleanly on a transfer job that never completes (``timing.jobs``, latency
+    null): its step flushes the job, or nothing but such jobs and the requests they hold back
+    is left. The release's engine would step on forever (``has_pending_push_work``) or wait
+    forever in the worker's flush; the trace's last line says which."""
 
 
 class Model:
@@ -262,6 +269,11 @@ class Model:
         # scheduling, the one whose batch output reported it, until the step's check
         self.failing: dict[int, str] = {}
         self.failed_job: int | None = None
+        # jobs that never complete (Timing.jobs, latency None): job ID -> is a store; the
+        # requests whose last lookup deferred (kept only when the case has such jobs)
+        self.hung: dict[int, bool] = {}
+        self.hangs = timing.hangs
+        self.deferred_lookups: set[str] = set()
         self.step_no = 0
         self.unfinished = len(case.requests)
         self.future_events = 0      # arrivals and aborts not yet processed
@@ -650,15 +662,24 @@ class Model:
                 self._violation(inv.check_store_job(step, job, geo))
                 if self.case.fault("store", n) is not None:
                     self.failing[job.jid] = "store"
-                store_t = t + self.timing.latency("store", n)
-                if asy is None:
-                    self.completion(store_t, job.jid, ev.STORE_DONE)
+                store_lat = self.timing.latency("store", n)
+                if store_lat is None:
+                    self.hung[job.jid] = True       # the worker never reports it
+                elif asy is None:
+                    self.completion(t + store_lat, job.jid, ev.STORE_DONE)
                 else:
-                    asy.due[job.jid] = store_t
+                    asy.due[job.jid] = t + store_lat
             self.n_stores += len(stores)
         self.n_loads += len(loads)
         if flush:
             self._emit("flush " + ",".join(map(str, sorted(flush))))
+            if self.hung:
+                for jid in sorted(flush):
+                    if jid in self.hung and jid in off.jobs:
+                        # the worker waits for the flushed jobs before the step runs
+                        # (handle_preemptions: worker.wait(jobs_to_flush)): forever on this one
+                        self._emit(fmt_hung_flush(jid, self.hung[jid]))
+                        raise RunEnded()
             for jid in sorted(flush):
                 fj = off.jobs.get(jid)
                 if fj is not None and fj.is_store:
@@ -932,6 +953,11 @@ class Model:
                 if self.checks == "full":
                     self._violation(inv.check_hit(self.step_no, off, off.req_status[req.rid],
                                                   hit))
+                if self.hangs:
+                    if hit is None:
+                        self.deferred_lookups.add(req.rid)
+                    else:
+                        self.deferred_lookups.discard(req.rid)
                 if hit is None:
                     i += 1
                     continue
@@ -978,14 +1004,16 @@ class Model:
                 req.load_target = L + ext
                 inflight[req.rid] = req
                 # the load jobs created so far: this one's index (Timing.jobs)
-                load_t = t + self.timing.latency("load", self.loads_created)
+                load_lat = self.timing.latency("load", self.loads_created)
                 if self.case.fault("load", self.loads_created) is not None:
                     self.failing[job.jid] = "load"
                 self.loads_created += 1
-                if self.async_ is None:
-                    self.completion(load_t, job.jid, ev.LOAD_DONE)
+                if load_lat is None:
+                    self.hung[job.jid] = False      # the worker never reports it
+                elif self.async_ is None:
+                    self.completion(t + load_lat, job.jid, ev.LOAD_DONE)
                 else:
-                    self.async_.due[job.jid] = load_t
+                    self.async_.due[job.jid] = t + load_lat
                 i += 1
                 continue
             n = min(req.num_tokens - L, budget)
@@ -1087,11 +1115,17 @@ class Model:
         if self.failed_job is not None:
             self.transfer_failed(self.failed_job)
         quiet = self.off.quiet()
-        if self.progress or not quiet or self.future_events:
+        # a job that never completes is no transfer to wait for (it only keeps the engine
+        # stepping: the scheduler's has_requests holds while the connector has jobs)
+        live = not quiet and (not self.hung
+                              or any(jid not in self.hung for jid in self.off.jobs))
+        if self.progress or live or self.future_events:
             self.stall = 0
         else:
             self.stall += 1
         self.progress = False
+        if self.stall > STALL_STEPS and self.hung and self._hung_jobs():
+            self._end_hung(step)
         if (self.async_.busy() if self.async_ is not None else
                 self.running or not quiet or any(r.status != WAITING_FOR_LOAD
                                                  or r.rid in self.loaded for r in self.waiting)):
@@ -1100,6 +1134,53 @@ class Model:
                 raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} "
                                              f"steps with the tier quiet; stuck: {stuck}")
             self._schedule_step(self.q.now + 1)
+
+    def _hung_jobs(self) -> list[Job]:
+        """The jobs that never complete, in flight (all of them: nothing completes them)."""
+        jobs = self.off.jobs
+        return [jobs[jid] for jid in sorted(self.hung) if jid in jobs]
+
+    def _end_hung(self, step: int) -> None:
+        """Nothing has moved for ``STALL_STEPS`` steps and only jobs that never complete are in
+        flight: the run stops (``RunEnded``) when every unfinished request is held back by
+        them (:meth:`held_back`), else one is stuck for another reason (INV-8)."""
+        hung = self._hung_jobs()
+        held = [(r.rid, self.held_back(r, hung)) for r in self.reqs.values() if not r.finished]
+        free = [rid for rid, how in held if how is None]
+        if free:
+            names = ", ".join(f"{'store' if j.is_store else 'load'} {j.jid}" for j in hung)
+            raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} steps "
+                                         f"with only jobs that never complete in flight "
+                                         f"({names}); stuck and not held back by them: "
+                                         f"{free[:5]}")
+        self._emit(fmt_hung_end([(j.jid, j.is_store) for j in hung], held))
+        raise RunEnded()
+
+    def held_back(self, req: Request, hung: list[Job]) -> str | None:
+        """How a job that never completes holds ``req`` back, in vLLM's terms, or None:
+        ``load``, its own load (the request waits for remote KVs until ``finished_recving``,
+        which never comes); ``lookup``, its last lookup deferred on one (:meth:`defers_on`);
+        ``blocks``, it waits for admission while a load that never completes holds its
+        request's GPU blocks (allocated before the load, freed once it finishes, also when that
+        request is aborted: delay_free_blocks)."""
+        rid = req.rid
+        if any(not j.is_store and j.rid == rid for j in hung):
+            return "load"
+        if rid in self.deferred_lookups and self.defers_on(req, hung):
+            return "lookup"
+        if any(not j.is_store for j in hung) and req.status != RUNNING:
+            return "blocks"
+        return None
+
+    def defers_on(self, req: Request, hung: list[Job]) -> bool:
+        """A deferred lookup of ``req`` waits on one of ``hung``: its own (the connector defers
+        while the request has transfer jobs), or one holding a chunk of its prompt (a store's
+        chunk is HIT_PENDING until it completes, a load's is being loaded)."""
+        if any(j.rid == req.rid for j in hung):
+            return True
+        keys = {k for j in hung for k in j.ckeys}
+        st = self.off.req_status.get(req.rid)
+        return st is not None and any(k in keys for gs in st.groups for k in gs.keys)
 
     # --- running ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -1383,6 +1464,8 @@ def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: boo
         e.__traceback__ = None      # (see below)
     except TransferFailed as e:
         result.unsupported = str(e)
+        e.__traceback__ = None
+    except RunEnded as e:      # a job that never completes: the last line says so
         e.__traceback__ = None
     except inv.InvariantViolation as v:
         model.lines.append(f"violation {v.inv_id} {v.detail}")

@@ -18,7 +18,9 @@ offloading manager. This module plays the GPU worker only:
   ``finished_recving`` (as the real offloading worker does). A job created at time ``t`` is
   reported in the output of the step at ``t + latency - 1`` (so the scheduler sees it before the
   step at ``t + latency``, as the model's ``STORE_DONE``/``LOAD_DONE`` events); jobs named in
-  ``jobs_to_flush`` complete in the step that flushes them.
+  ``jobs_to_flush`` complete in the step that flushes them. A job of latency null
+  (``timing.jobs``) is never reported: a step that flushes it never ends, and once nothing but
+  such jobs is in flight the run stops (:meth:`_Run._end_hung`).
 
 It emits ``simsched-trace/1`` lines (see :mod:`simsched.trace`) from what the real scheduler did,
 and keeps a content shadow of every GPU block and CPU chunk (:class:`simsched.shadow.Shadow`),
@@ -51,7 +53,7 @@ from simsched.geometry import estimate_max_model_len, max_model_len
 from simsched.layout import Layout, LayoutError
 from simsched.model.scheduler import STALL_STEPS
 from simsched.shadow import Shadow
-from simsched.trace import fmt_alloc, fmt_job, header
+from simsched.trace import fmt_alloc, fmt_hung_end, fmt_hung_flush, fmt_job, header
 
 _block_id = attrgetter("block_id")
 
@@ -91,6 +93,15 @@ class _TransferFailed(Exception):
         self.reason = reason
 
 
+class _Ended(Exception):
+    """The run stops cleanly on a job that never completes (``timing.jobs``, latency null):
+    ``line``, the trace's last line."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
+
+
 class _ChunkIndex:
     """The chunk index of a job's key: where it sits in its request's offload keys (the
     connector's ``RequestOffloadState``, per group), else the chunk its hash index ends. A
@@ -116,7 +127,8 @@ class _ChunkIndex:
 
 class _Job:
     """One real transfer job as the shadow sees it: ``items`` like the model's
-    ``(group_id, chunk_idx, hash_idx, key, [(block_index, block_id), ...])``."""
+    ``(group_id, chunk_idx, hash_idx, key, [(block_index, block_id), ...])``; ``due`` None: the
+    worker never reports it (it hangs)."""
 
     __slots__ = ("jid", "rid", "is_store", "items", "due", "read", "contents", "done")
 
@@ -461,6 +473,8 @@ class _Run:
                                       group_kinds=self._kinds_named(v.detail)))
         except _TransferFailed as f:
             self.unsupported = f.reason
+        except _Ended as e:
+            self.lines.append(e.line)
         finally:
             # the observed lookup was this connector's own attribute: drop it
             cs = getattr(self, "cs", None)
@@ -567,7 +581,8 @@ class _Run:
         self.deferred: dict[str, list[int]] = {}     # rid -> steps its lookup deferred
         self.loads_unscheduled: dict[str, int] = {}  # rid -> loads since it last ran
         self.defer_bound = max([case.timing.store_latency, case.timing.load_latency]
-                               + [j.latency for j in case.timing.jobs]) + DEFER_MARGIN
+                               + [j.latency for j in case.timing.jobs
+                                  if j.latency is not None]) + DEFER_MARGIN
         # a layout group the connector does not offload bounds every load (gpu-group-bound)
         self.gpu_only_groups = len(gcfgs) < len(layout.groups)
         try:
@@ -724,7 +739,7 @@ class _Run:
         steps = [s for s in self.deferred.get(rid, ()) if s > since and s != self.step_no]
         steps.append(self.step_no)
         self.deferred[rid] = steps
-        if len(steps) > self.defer_bound and want > 0:
+        if len(steps) > self.defer_bound and want > 0 and not self._defers_on_hung(rid):
             raise inv.InvariantViolation(
                 "INV-8", self.step_no, f"{rid}: lookup deferred {len(steps)} steps (bound "
                 f"{self.defer_bound}) while ready chunks cover {want} tokens beyond the GPU hit "
@@ -1206,6 +1221,8 @@ class _Run:
             self.stall = 0
         else:
             self.stall += 1
+            if self.stall > STALL_STEPS and self._hung():
+                self._end_hung()
             if self.stall > STALL_STEPS:
                 stuck = [r for r in self.reqs if r not in self.finished][:5]
                 raise inv.InvariantViolation("INV-8", self.step_no, f"no progress for "
@@ -1216,7 +1233,69 @@ class _Run:
                                          f"unfinished after {self.step_cap} steps")
 
     def _live_jobs(self) -> bool:
-        return any(not j.done for j in self.jobs.values())
+        """A transfer is in flight that the worker will report (a job that never completes is
+        none: it keeps the release's engine stepping, has_pending_push_work, and nothing
+        else)."""
+        return any(not j.done and j.due is not None for j in self.jobs.values())
+
+    # -- jobs that never complete (timing.jobs, latency null) -------------------------------
+    def _hung(self) -> list[_Job]:
+        return [j for j in self.jobs.values() if j.due is None and not j.done]
+
+    def _end_hung(self) -> None:
+        """Nothing has moved for ``STALL_STEPS`` steps and only jobs that never complete are in
+        flight (the release's engine would step on forever: ``Scheduler.has_requests`` holds
+        while the connector has jobs, ``has_pending_push_work``). The run stops with
+        ``end waiting on ...`` when every unfinished request is held back by them
+        (:meth:`_held_back`); one that is not is stuck for another reason (INV-8)."""
+        hung = self._hung()
+        held = [(rid, self._held_back(rid, hung)) for rid in self.reqs if rid not in self.finished]
+        free = [rid for rid, how in held if how is None]
+        if free:
+            names = ", ".join(f"{'store' if j.is_store else 'load'} {j.jid}"
+                              for j in sorted(hung, key=attrgetter("jid")))
+            raise inv.InvariantViolation("INV-8", self.step_no, f"no progress for {self.stall} "
+                                         f"steps with only jobs that never complete in flight "
+                                         f"({names}); stuck and not held back by them: "
+                                         f"{free[:5]}")
+        raise _Ended(fmt_hung_end([(j.jid, j.is_store) for j in hung], held))
+
+    def _held_back(self, rid: str, hung: list[_Job]) -> str | None:
+        """How a job that never completes holds request ``rid`` back, in vLLM's terms, or None:
+        ``load``, its own load: it waits for remote KVs until ``finished_recving``, which never
+        comes; ``lookup``, its last lookup deferred (the connector's
+        ``get_num_new_matched_tokens`` returns None only while a transfer it could wait for is
+        in flight: :meth:`_defers_on_hung`); ``blocks``, it waits for admission while a load
+        that never completes holds its request's GPU blocks (allocated before the load, freed
+        only once it finishes, also when that request is aborted: delay_free_blocks)."""
+        if any(not j.is_store and j.rid == rid for j in hung):
+            return "load"
+        if rid in self.deferred and self._defers_on_hung(rid):
+            return "lookup"
+        if any(not j.is_store for j in hung) and \
+                self.reqs[rid].status != self.eng.RequestStatus.RUNNING:
+            return "blocks"
+        return None
+
+    def _defers_on_hung(self, rid: str) -> bool:
+        """A deferred lookup of ``rid`` waits on a job that never completes: one of its own
+        (``get_num_new_matched_tokens`` defers while the request has transfer jobs), or one
+        holding a chunk of its prompt (a store's chunk is HIT_PENDING in the CPU tier until it
+        completes, ``_maximal_prefix_lookup`` / ``_sliding_window_lookup`` defer on it; a
+        load's is in ``_chunks_being_loaded``)."""
+        hung = self._hung()
+        if not hung:
+            return False
+        if any(j.rid == rid for j in hung):
+            return True
+        keys = {item[3] for j in hung for item in j.items}
+        ident = self.ident[rid]
+        for g in self.gcfgs:
+            tpc = g.tokens_per_chunk
+            for c in range(len(ident.tokens) // tpc):
+                if make_key(g.group_id, ident.ident_at((c + 1) * tpc)) in keys:
+                    return True
+        return False
 
     def _schedule_execute(self, t: int) -> SimpleNamespace:
         """``schedule()`` and the worker's execution of the batch; its output is applied by
@@ -1266,7 +1345,7 @@ class _Run:
             status = self.cs._jobs.get(jid)
             items = self._job_items(jid, tj, status, False) if status is not None else []
             # the worker reports it done its latency after (Timing.jobs: by order of creation)
-            job = _Job(jid, tj.req_id, False, items, t + case.timing.latency("load", n))
+            job = _Job(jid, tj.req_id, False, items, _due(t, case.timing.latency("load", n)))
             self.jobs[jid] = job
             if case.fault("load", n) is not None:
                 self.faulted[jid] = ("load", meta)
@@ -1290,7 +1369,7 @@ class _Run:
             tj = store_jobs[jid]
             status = self.cs._jobs.get(jid)
             items = self._job_items(jid, tj, status, True) if status is not None else []
-            job = _Job(jid, tj.req_id, True, items, t + case.timing.latency("store", n))
+            job = _Job(jid, tj.req_id, True, items, _due(t, case.timing.latency("store", n)))
             self.jobs[jid] = job
             if case.fault("store", n) is not None:
                 self.faulted[jid] = ("store", meta)
@@ -1304,6 +1383,13 @@ class _Run:
         self.counters["stores"] += len(store_jobs)
         if flush:
             self.emit("flush " + ",".join(map(str, sorted(flush))))
+            for jid in sorted(flush):
+                job = self.jobs.get(jid)
+                if job is not None and not job.done and job.due is None:
+                    # the worker waits for a flushed job before the step runs (handle_preemptions:
+                    # worker.wait(jobs_to_flush), a CUDA event synchronize): on one that never
+                    # completes it waits forever, and the engine never finishes this step
+                    raise _Ended(fmt_hung_flush(jid, job.is_store))
             for jid in sorted(flush):
                 job = self.jobs.get(jid)
                 if job is not None and job.is_store and not job.done:
@@ -1365,7 +1451,8 @@ class _Run:
                         for _, b in item[4]:
                             self.appending[b] = job.rid
         # --- completions reported by this step's worker output
-        done = [j for j in self.jobs.values() if not j.done and j.due <= t + 1]
+        done = [j for j in self.jobs.values()
+                if not j.done and j.due is not None and j.due <= t + 1]
         done.sort(key=lambda j: j.jid)
         failing = [j for j in done if j.jid in self.faulted]
         if failing:
@@ -1574,6 +1661,11 @@ class _BareRun:
                     "loop_wall": time.perf_counter() - w0}
         finally:
             gc.unfreeze()
+
+
+def _due(t: int, latency: int | None) -> int | None:
+    """When the worker reports a job created at ``t``: None for one that never completes."""
+    return None if latency is None else t + latency
 
 
 def _cap_memory() -> None:
