@@ -45,6 +45,12 @@ FAMILIES: dict[str, tuple[list[dict], dict, int]] = {
                          "sliding_window": 128},
                         {"kind": "full", "head_size": 64, "drafter": True}],
                        {"speculative": {"method": "eagle3", "num_tokens": 2}}, 3),
+    # DeepSeek V4.1 style compressed attention (and Qwen4-exp's QSA): MLA layers at 64-token
+    # blocks, each with a compressor's ring of the open token group (CompressorStateCache: a
+    # CircularBufferSpec of 8 float32 state rows, one block per request; 0.29.0+)
+    "mla+ring": ([dict(_MLA, count=4),
+                  {"kind": "ring", "count": 4, "block_size": 8, "num_kv_heads": 1,
+                   "head_size": 1024, "dtype": "float32"}], {"block_size": 64}, 2),
     # DeepSeek's MTP module: one MLA drafter layer
     "deepseek-mla+mtp": ([dict(_MLA, count=4), dict(_MLA, drafter=True)],
                          {"speculative": {"method": "mtp", "num_tokens": 1}}, 1),

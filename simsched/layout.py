@@ -102,7 +102,7 @@ def deployment_refusal(layout: "Layout") -> str | None:
 MAMBA_CACHE_MODES = ("none", "align")
 #: Layer kinds a layout of layers declares (``Layer``): each becomes the spec its name says, with
 #: the layer's own heads, head size and dtype; the release's planner groups them
-LAYER_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local")
+LAYER_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local", "ring")
 #: KV cache dtypes of a layer (``ModelConfig.dtype`` names; ``--kv-cache-dtype auto``)
 LAYER_DTYPES = ("float16", "bfloat16", "float32")
 SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
@@ -289,6 +289,9 @@ class Layer:
     sliding_window: int | None = None        # sliding_window, sliding_window_mla
     attention_chunk_size: int | None = None  # chunked_local
     drafter: bool = False                    # a layer of the EAGLE/MTP drafter (is_draft)
+    # ring: the capacity of the layer's CircularBufferSpec, its own block size (a compressor's
+    # or QSA's ring of the open token group; the other layers take --block-size)
+    block_size: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "Layer":
@@ -303,9 +306,12 @@ class Layer:
             attention_chunk_size=_int(obj, "attention_chunk_size", path, default=None,
                                       optional=True),
             drafter=_bool(obj, "drafter", path, False),
+            block_size=_int(obj, "block_size", path, default=None, optional=True,
+                            hi=MAX_BLOCK_SIZE),
         )
         needs = {"sliding_window": layer.kind in WINDOWED_KINDS,
-                 "attention_chunk_size": layer.kind == "chunked_local"}
+                 "attention_chunk_size": layer.kind == "chunked_local",
+                 "block_size": layer.kind == "ring"}
         for name, needed in needs.items():
             if needed != (getattr(layer, name) is not None):
                 raise LayoutError(f"{path}.{name}", f"required for kind {layer.kind!r}" if needed

@@ -66,71 +66,99 @@ def deployment_reach(layout: Layout) -> str:
 #: how a release's planner stands to a layout of groups written by hand
 REACHED, SYNTHETIC, UNCHECKED = "reached", "synthetic", "unchecked"
 
+#: the layer each group kind becomes in a witness: attention with the layer language's default
+#: heads; MLA with DeepSeek's latent (kv_lora_rank 512 + rope 64); a ring as DeepSeek V4.1's
+#: compressor declares it (``CompressorStateCache``: one head of float32 state rows)
+_ATTENTION = Layer(kind="full")
+_MLA = Layer(kind="mla", head_size=576)
+_RING = Layer(kind="ring", num_kv_heads=1, head_size=1024, dtype="float32", block_size=8)
+#: ring state widths tried: the planner scales a page that divides the largest page and pads one
+#: that does not, so which block size a ring keeps depends on its width (1000: a width whose
+#: page divides no power of two)
+_RING_WIDTHS = (1024, 1000)
+_MLA_KINDS = ("mla", "sliding_window_mla")
 
-def layers_for_groups(layout: Layout) -> tuple[Layout | None, str]:
-    """The model a deployment would declare to get ``layout``'s groups, if any model does: each
-    group becomes its ``layers`` attention layers, in the group's order (a drafter group's after
-    the target's, as the drafter registers them), alike in heads, head size and dtype, served
-    with ``--block-size`` the groups' block size. (None, why) where the layer language cannot
-    say what the groups do: another kind than an attention layer's, a knob of a group that a
-    layer does not carry, or groups of several block sizes (a deployment gets those from layers
-    whose page sizes the planner unifies, a search this does not make)."""
+
+def witness_models(layout: Layout) -> tuple[list[Layout], bool, str]:
+    """Models a deployment could declare to get ``layout``'s groups: each group becomes its
+    ``layers`` layers, in the group's order (a drafter group's after the target's, as the
+    drafter registers them), served with ``--block-size`` the groups' block size (a ring layer
+    declares its own). ``complete``: the groups a planner builds from these models are what
+    every model of these layer kinds gets (one block size, no ring, no MLA beside other
+    attention: page sizes then play no part, and the planner groups layers by spec in the order
+    the specs first appear, ``_get_kv_cache_groups_uniform_page_size``). ``([], False, why)``
+    where the layer language cannot say what the groups do."""
     groups = layout.groups
     other = sorted({g.kind for g in groups} - set(LAYER_KINDS))
     if other:
-        return None, f"no layers of kind {', '.join(other)} in the layer language"
+        return [], False, f"no layers of kind {', '.join(other)} in the layer language"
     if any(g.extra_retained_tokens for g in groups):
-        return None, "extra_retained_tokens is a group's knob, not a layer's"
+        return [], False, "extra_retained_tokens is a group's knob, not a layer's"
     if any(g.kind == "chunked_local" for g in groups) and len({g.kind for g in groups}) > 1:
         # the planner here runs as an engine started without the flag, which plans local
         # layers as full attention
-        return None, ("chunked local attention beside other groups: a deployment gets such "
-                      "groups with VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 (the "
-                      "hybrid KV cache manager is off for it by default), never with EAGLE")
-    sizes = sorted({g.block_size for g in groups})
+        return [], False, ("chunked local attention beside other groups: a deployment gets such "
+                           "groups with VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 (the "
+                           "hybrid KV cache manager is off for it by default), never with EAGLE")
+    sizes = sorted({g.block_size for g in groups if g.kind != "ring"})
     if len(sizes) > 1:
-        return None, f"groups of several block sizes ({', '.join(map(str, sizes))})"
-    layers = [Layer(kind=g.kind, count=g.layers, sliding_window=g.sliding_window,
-                    attention_chunk_size=g.attention_chunk_size, drafter=g.drafter)
-              for g in groups]
+        return [], False, f"groups of several block sizes ({', '.join(map(str, sizes))})"
+    if not sizes:
+        return [], False, "rings alone: a model has attention layers beside its rings"
     engine = dataclasses.replace(layout.engine, block_size=sizes[0],
                                  # the pool is checked by the case's own run, not here
                                  num_gpu_blocks=1 << 20)
-    return Layout(groups=(), engine=engine, layers=tuple(layers)), ""
+    rings = any(g.kind == "ring" for g in groups)
+    models = []
+    for width in _RING_WIDTHS if rings else _RING_WIDTHS[:1]:
+        layers = tuple(dataclasses.replace(
+            _RING if g.kind == "ring" else _MLA if g.kind in _MLA_KINDS else _ATTENTION,
+            kind=g.kind, count=g.layers, sliding_window=g.sliding_window,
+            attention_chunk_size=g.attention_chunk_size, drafter=g.drafter,
+            **({"block_size": g.block_size, "head_size": width} if g.kind == "ring" else {}))
+            for g in groups)
+        models.append(Layout(groups=(), engine=engine, layers=layers))
+    mla = {g.kind in _MLA_KINDS for g in groups}
+    return models, not rings and len(mla) == 1, ""
+
+
+def _describe_layers(model: Layout) -> str:
+    return " + ".join(f"{x.count}x{x.kind}" + (f"/{x.block_size}" if x.block_size else "")
+                      + (f"(w={x.sliding_window})" if x.sliding_window else "")
+                      + (f"(c={x.attention_chunk_size})" if x.attention_chunk_size else "")
+                      + ("[drafter]" if x.drafter else "") for x in model.layers)
 
 
 def group_layout_reach(case: Case, version: str, pool,
                        timeout: float | None = None) -> tuple[str, str]:
     """Whether ``version``'s planner builds ``case``'s hand-written groups for some model:
-    ``(REACHED, how)``, ``(SYNTHETIC, what it builds instead)`` or ``(UNCHECKED, why not
-    asked)``. The planner is asked for the groups of :func:`layers_for_groups`'s model: with one
-    block size and attention layers alike, the groups it builds depend only on the layers' kinds,
-    windows, chunks, drafters and order, so what it builds from them is what every such model
-    gets. The groups compare in order, by everything but their layer counts (which size a block
-    in bytes, not what the scheduler does with it)."""
+    ``(REACHED, from which layers)``, ``(SYNTHETIC, what it builds instead)`` where the witness
+    is complete (:func:`witness_models`), or ``(UNCHECKED, why it cannot tell)``. Groups compare
+    in order, by everything but their layer counts (which size a block in bytes, not what the
+    scheduler does with it)."""
     layout = case.layout
     if layout.layers:
         return REACHED, "a layout of layers: its groups are the release's planner's"
-    model, why = layers_for_groups(layout)
-    if model is None:
+    models, complete, why = witness_models(layout)
+    if not models:
         return UNCHECKED, why
-    probe = dataclasses.replace(case, layout=model)
-    planned, out = plan(probe, version, pool, timeout=timeout)
-    if planned is None:
-        return UNCHECKED, (f"the planner does not start an engine of these layers: "
-                           f"{out.get('status')} {out.get('reason') or out.get('message') or ''}"
-                           ).strip()
 
     def shape(groups) -> list[dict]:
         return [{k: v for k, v in g.to_json().items() if k != "layers"} for g in groups]
 
-    layers = " + ".join(f"{x.count}x{x.kind}" + (f"(w={x.sliding_window})" if x.sliding_window
-                                                 else "")
-                        + (f"(c={x.attention_chunk_size})" if x.attention_chunk_size else "")
-                        + ("[drafter]" if x.drafter else "") for x in model.layers)
-    flags = f"--block-size {model.engine.block_size}"
-    if shape(planned.layout.groups) == shape(layout.groups):
-        return REACHED, f"{version}'s planner builds these groups from layers {layers} ({flags})"
-    built = Layout(groups=planned.layout.groups, engine=Engine()).describe()
-    return SYNTHETIC, (f"{version}'s planner builds {built} from the layers these groups "
-                       f"declare ({layers}, {flags}), not these groups")
+    answers = []
+    for model in models:
+        planned, out = plan(dataclasses.replace(case, layout=model), version, pool,
+                            timeout=timeout)
+        layers = f"{_describe_layers(model)}, --block-size {model.engine.block_size}"
+        if planned is None:
+            answers.append(f"refuses layers {layers}: {out.get('status')} "
+                           f"{out.get('reason') or out.get('message') or ''}".strip())
+        elif shape(planned.layout.groups) == shape(layout.groups):
+            return REACHED, f"{version}'s planner builds these groups from layers {layers}"
+        else:
+            built = Layout(groups=planned.layout.groups, engine=Engine()).describe()
+            answers.append(f"builds {built} from layers {layers}")
+    if complete and not answers[0].startswith("refuses"):
+        return SYNTHETIC, f"{version}'s planner {answers[0]}, not these groups"
+    return UNCHECKED, f"{version}'s planner " + "; ".join(dict.fromkeys(answers))

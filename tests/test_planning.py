@@ -254,15 +254,24 @@ def test_the_release_s_planner_judges_a_layout_of_groups(pool, version):
     assert how == REACHED and "1xfull + 1xfull + 1xsliding_window(w=128)" in why, why
     how, why = group_layout_reach(groups_case([FULL, SW, FULL]), version, pool)
     assert how == SYNTHETIC, why
-    assert "builds full/16 + full/16 + sliding_window/16(w=128) from the layers" in why
+    assert "builds full/16 + full/16 + sliding_window/16(w=128) from layers 1xfull + " \
+           "1xsliding_window(w=128) + 1xfull, --block-size 16, not these groups" in why
     how, why = group_layout_reach(groups_case([FULL, FULL]), version, pool)
     assert (how, why.split(" from ")[0]) == (SYNTHETIC, f"{version}'s planner builds full/16")
-    # what the layer language cannot say is not judged
+    # a ring of 4 beside full attention of 16 (upstream PR #55037's layout): a ring whose
+    # state page does not divide the attention page is padded and keeps its capacity
     ring = groups_case([FULL, {"kind": "ring", "block_size": 4}])
-    assert group_layout_reach(ring, version, pool)[0] == UNCHECKED
+    how, why = group_layout_reach(ring, version, pool)
+    assert how == REACHED and "1xfull + 1xring/4, --block-size 16" in why, why
+    # a ring no witness builds is not judged: other widths than the ones tried might
+    odd = groups_case([{"kind": "mla", "block_size": 64}, {"kind": "ring", "block_size": 132}])
+    assert group_layout_reach(odd, version, pool)[0] == UNCHECKED
+    # what the layer language cannot say is not judged
     mixed = groups_case([FULL, dict(FULL, block_size=64)])
     assert group_layout_reach(mixed, version, pool) == (
         UNCHECKED, "groups of several block sizes (16, 64)")
+    mamba = groups_case([FULL, {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}])
+    assert group_layout_reach(mamba, version, pool)[0] == UNCHECKED
 
 
 @pytest.mark.parametrize("version", ["0.33.0"])
@@ -302,3 +311,25 @@ def test_a_bug_on_a_layout_no_planner_builds_is_synthetic(pool, version, tmp_pat
     assert data["summary"]["bugs_in_newest"] == 1
     md = markdown(data)
     assert md.index("[real]") < md.index("<details><summary>Synthetic") < md.index("[made-up]")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_compressor_ring_family_reaches_the_ring_boot_assert_of_0_30_0(pool, version):
+    """DeepSeek V4.1 style layers (MLA at 64-token blocks, a compressor's ring of 8 float32 state
+    rows: ``CompressorStateCache.get_kv_cache_spec``) planned by the release: the ring keeps its
+    capacity (its page is padded to the MLA page). 0.30.0's ``build_offloading_config`` then
+    asserts every group's block size divisible by the hash unit (64): the engine does not boot,
+    upstream PR #55037's bug, reached by a model's own layers; 0.31.0 keys only the
+    prefix-cacheable groups, and 0.33.0 runs the case. Both sides agree."""
+    case = family_case(3, "mla+ring")
+    planned, out = plan(case, version, pool)
+    assert out["status"] == "ok", out
+    assert [(g.kind, g.block_size) for g in planned.layout.groups] == [("mla", 64), ("ring", 8)]
+    res = lockstep(case, version, pool)
+    assert res.agree, res.summary()
+    crashes = [f for f in res.real["findings"] if f.get("kind") == "crash"]
+    if version == "0.30.0":
+        assert [(f["exception"], f["function"]) for f in crashes] == [
+            ("AssertionError", "build_offloading_config")]
+    else:
+        assert res.real["findings"] == [] and res.real["counters"]["steps"] > 0

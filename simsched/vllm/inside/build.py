@@ -435,6 +435,12 @@ class Planner:
                               # MLA caches one latent vector per token, shared by the heads
                               "num_kv_heads": 1 if mla else layer.num_kv_heads,
                               "head_size": layer.head_size}
+        if layer.kind == "ring":
+            # as DeepSeek V4.1's CompressorStateCache and Qwen4-exp's QSA cache declare their
+            # ring: its own capacity, one head of state rows, no value half
+            kw.update(block_size=layer.block_size, num_kv_heads=1)
+            if "head_size_v" in b.spec_fields[layer.kind]:
+                kw["head_size_v"] = 0
         if layer.kind in ("sliding_window", "sliding_window_mla"):
             kw["sliding_window"] = layer.sliding_window
         if layer.kind == "chunked_local":
