@@ -17,6 +17,9 @@ from simsched.case import Case
 from simsched.layout import Layer
 
 _MLA = {"kind": "mla", "head_size": 576}            # DeepSeek: kv_lora_rank 512 + rope 64
+#: a compressor's ring (DeepSeek V4.1 CompressorStateCache: 8 float32 state rows a request)
+_RING = {"kind": "ring", "block_size": 8, "num_kv_heads": 1, "head_size": 1024,
+         "dtype": "float32"}
 
 #: family -> (layers, engine flags, groups the pool is sized for)
 FAMILIES: dict[str, tuple[list[dict], dict, int]] = {
@@ -48,9 +51,12 @@ FAMILIES: dict[str, tuple[list[dict], dict, int]] = {
     # DeepSeek V4.1 style compressed attention (and Qwen4-exp's QSA): MLA layers at 64-token
     # blocks, each with a compressor's ring of the open token group (CompressorStateCache: a
     # CircularBufferSpec of 8 float32 state rows, one block per request; 0.29.0+)
-    "mla+ring": ([dict(_MLA, count=4),
-                  {"kind": "ring", "count": 4, "block_size": 8, "num_kv_heads": 1,
-                   "head_size": 1024, "dtype": "float32"}], {"block_size": 64}, 2),
+    "mla+ring": ([dict(_MLA, count=4), dict(_RING, count=4)], {"block_size": 64}, 2),
+    # DeepSeek V4 style: MLA layers, sliding-window MLA layers (the window scaled to 64) and the
+    # compressor rings beside them
+    "deepseek-v4": ([dict(_MLA, count=4), dict(_MLA, kind="sliding_window_mla", count=4,
+                                               sliding_window=64),
+                     dict(_RING, count=4)], {"block_size": 64}, 3),
     # DeepSeek's MTP module: one MLA drafter layer
     "deepseek-mla+mtp": ([dict(_MLA, count=4), dict(_MLA, drafter=True)],
                          {"speculative": {"method": "mtp", "num_tokens": 1}}, 1),

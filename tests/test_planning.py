@@ -333,3 +333,36 @@ def test_a_compressor_ring_family_reaches_the_ring_boot_assert_of_0_30_0(pool, v
             ("AssertionError", "build_offloading_config")]
     else:
         assert res.real["findings"] == [] and res.real["counters"]["steps"] > 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_layers_the_planner_cannot_lay_out_are_refused_naming_the_check(pool, version):
+    """MLA layers of two page sizes beside sliding-window MLA: vLLM's planner cannot unify the
+    pages (``unify_kv_cache_spec_page_size`` pads only non-MLA layers) and raises
+    NotImplementedError: the engine does not start, ``refused`` naming the check and no
+    finding, never a worker error."""
+    case = layers_case([dict(kind="mla", count=2, head_size=576),
+                        dict(kind="sliding_window_mla", count=2, head_size=576,
+                             sliding_window=64),
+                        dict(kind="mla", count=2, head_size=132)], block_size=64)
+    planned, out = plan(case, version, pool)
+    assert planned is None and out["status"] == "refused", out
+    assert out["reason"].startswith("NotImplementedError in unify_kv_cache_spec_page_size: ")
+    res = lockstep(case, version, pool)
+    assert res.real["status"] == "refused" and res.observations == [], res.summary()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_deepseek_v4_family_plans_three_groups(pool, version):
+    """MLA, sliding-window MLA and compressor-ring layers, four of each, plan as three groups;
+    0.30.0 stops at boot on the ring's block size (the hash unit is 64), 0.33.0 runs the case
+    step by step, agreeing with the model."""
+    case = family_case(5, "deepseek-v4")
+    planned, out = plan(case, version, pool)
+    assert out["status"] == "ok", out
+    assert [(g.kind, g.block_size, g.layers) for g in planned.layout.groups] == [
+        ("mla", 64, 4), ("sliding_window_mla", 64, 4), ("ring", 8, 4)]
+    res = lockstep(case, version, pool)
+    assert res.agree, res.summary()
+    crashed = [f["function"] for f in res.real["findings"] if f.get("kind") == "crash"]
+    assert crashed == (["build_offloading_config"] if version == "0.30.0" else [])

@@ -383,6 +383,17 @@ def _raised_in(exc: BaseException, function: str) -> bool:
     return False
 
 
+def _refusal(exc: BaseException) -> str:
+    """A planner's refusal in one line: the exception, the vLLM function that raised it, and its
+    message."""
+    tb, function = exc.__traceback__, "?"
+    while tb is not None:
+        if "/vllm/" in tb.tb_frame.f_code.co_filename:
+            function = tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    return f"{type(exc).__name__} in {function}: {' '.join(str(exc).split())}"
+
+
 class Planner:
     """A layout of layers -> the ``KVCacheConfig`` the release's own planner builds.
 
@@ -469,9 +480,13 @@ class Planner:
             else:
                 configs = self.planning.get_kv_cache_configs(vc, specs, memory)
         except ValueError as e:
-            if not _raised_in(e, "_check_enough_kv_cache_memory"):
-                raise
-            raise Refused(str(e)) from None
+            if _raised_in(e, "_check_enough_kv_cache_memory"):
+                raise Refused(str(e)) from None
+            raise Refused(_refusal(e)) from None
+        except NotImplementedError as e:
+            # the planner cannot lay these layers out (page sizes it cannot unify, a mix of
+            # specs it has no grouping for): the engine does not start
+            raise Refused(_refusal(e)) from None
         return self.generate_scheduler_kv_cache_config(configs)
 
     @functools.cached_property
