@@ -57,6 +57,21 @@ FAMILIES: dict[str, tuple[list[dict], dict, int]] = {
     "deepseek-v4": ([dict(_MLA, count=4), dict(_MLA, kind="sliding_window_mla", count=4,
                                                sliding_window=64),
                      dict(_RING, count=4)], {"block_size": 64}, 3),
+    # Qwen3-Next style: Gated DeltaNet linear-attention layers (MambaBase, mamba_type gdn_attn)
+    # three to one full attention layer, scaled down: 2 key and 4 value heads of 32 (conv state
+    # (2*2*32 + 4*32, conv kernel 4 - 1), temporal state (4, 32, 32), bfloat16: 9,728 bytes) and
+    # attention of 2 KV heads of 64 (512 bytes a token); the platform raises the block to 32
+    # tokens (two 16-token kernel blocks hold the state) and pads the state page to 16 KiB
+    "qwen3-next": ([{"kind": "mamba", "count": 3, "mamba_type": "gdn_attn",
+                     "shapes": [[256, 3], [4, 32, 32]]},
+                    {"kind": "full", "num_kv_heads": 2, "head_size": 64}], {}, 4),
+    # Jamba style: Mamba (mamba1) layers seven to one attention layer, scaled down: d_inner
+    # 512, d_conv 4, d_state 16 (conv state (512, 3), SSM state (512, 16), bfloat16: 19,456
+    # bytes) beside 8 KV heads of 128 (4 KiB a token): a 16-token page holds the state, the
+    # block stays 16 and the state page is padded to 64 KiB
+    "jamba": ([{"kind": "mamba", "count": 7, "mamba_type": "mamba1",
+                "shapes": [[512, 3], [512, 16]]},
+               {"kind": "full", "count": 1}], {}, 8),
     # DeepSeek's MTP module: one MLA drafter layer
     "deepseek-mla+mtp": ([dict(_MLA, count=4), dict(_MLA, drafter=True)],
                          {"speculative": {"method": "mtp", "num_tokens": 1}}, 1),

@@ -102,7 +102,14 @@ def deployment_refusal(layout: "Layout") -> str | None:
 MAMBA_CACHE_MODES = ("none", "align")
 #: Layer kinds a layout of layers declares (``Layer``): each becomes the spec its name says, with
 #: the layer's own heads, head size and dtype; the release's planner groups them
-LAYER_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local", "ring")
+LAYER_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local", "ring",
+               "mamba")
+#: a Mamba layer's type (``MambaSpec.mamba_type``: ``MambaAttentionBackendEnum``'s members, by
+#: name): Jamba's Mamba layers (``MambaMixer``) are mamba1, Qwen3-Next's Gated DeltaNet layers
+#: gdn_attn; both declare the spec ``MambaBase.get_kv_cache_spec`` builds. Not mamba2 yet: from
+#: 0.32.0 ``MambaMixer2.get_kv_cache_spec`` adds a prefill checkpoint block
+#: (``num_prefill_checkpoint_blocks=1``, 0.32.0 mamba_mixer2.py:1098-1107)
+MAMBA_TYPES = ("mamba1", "gdn_attn")
 #: KV cache dtypes of a layer (``ModelConfig.dtype`` names; ``--kv-cache-dtype auto``)
 LAYER_DTYPES = ("float16", "bfloat16", "float32")
 SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
@@ -292,10 +299,26 @@ class Layer:
     # ring: the capacity of the layer's CircularBufferSpec, its own block size (a compressor's
     # or QSA's ring of the open token group; the other layers take --block-size)
     block_size: int | None = None
+    # mamba: the layer's state shapes (MambaBase.get_state_shape, e.g. a conv state and an SSM
+    # state; each in ``dtype``), its MambaSpec.mamba_type, and the engine's mamba_cache_mode
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    mamba_type: str | None = None
+    mamba_cache_mode: str | None = None
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "Layer":
         obj = _take(obj, path, {f.name for f in fields(cls)})
+        mamba = obj.get("kind") == "mamba"
+        if mamba:
+            for name in ("num_kv_heads", "head_size", "sliding_window", "attention_chunk_size",
+                         "block_size", "drafter"):
+                if name in obj:
+                    raise LayoutError(f"{path}.{name}", "not used by kind 'mamba' (its page is "
+                                      "its state shapes; its block size is the engine's)")
+        elif obj.get("kind") in LAYER_KINDS:
+            for name in ("shapes", "mamba_type", "mamba_cache_mode"):
+                if name in obj:
+                    raise LayoutError(f"{path}.{name}", f"not used by kind {obj['kind']!r}")
         layer = cls(
             kind=_choice(obj, "kind", path, LAYER_KINDS),
             count=_int(obj, "count", path, default=1, hi=256),
@@ -308,6 +331,10 @@ class Layer:
             drafter=_bool(obj, "drafter", path, False),
             block_size=_int(obj, "block_size", path, default=None, optional=True,
                             hi=MAX_BLOCK_SIZE),
+            shapes=_shapes(obj, path) if mamba else None,
+            mamba_type=_choice(obj, "mamba_type", path, MAMBA_TYPES) if mamba else None,
+            mamba_cache_mode=(_choice(obj, "mamba_cache_mode", path, MAMBA_CACHE_MODES, "align")
+                              if mamba else None),
         )
         needs = {"sliding_window": layer.kind in WINDOWED_KINDS,
                  "attention_chunk_size": layer.kind == "chunked_local",
@@ -323,8 +350,24 @@ class Layer:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name != "kind" and value != f.default:
-                out[f.name] = value
+                out[f.name] = [list(x) for x in value] if f.name == "shapes" else value
         return out
+
+
+def _shapes(obj: dict, path: str) -> tuple[tuple[int, ...], ...]:
+    """A Mamba layer's state shapes: 1 to 4 states, each 1 to 4 dimensions of 1 to 65536."""
+    where = f"{path}.shapes"
+    value = obj.get("shapes")
+    if value is None:
+        raise LayoutError(where, "required for kind 'mamba' (e.g. [[256, 3], [4, 32, 32]])")
+    ok = isinstance(value, list) and 1 <= len(value) <= 4 and all(
+        isinstance(s, list) and 1 <= len(s) <= 4 and all(
+            isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 65536 for d in s)
+        for s in value)
+    if not ok:
+        raise LayoutError(where, "expected 1 to 4 state shapes, each a list of 1 to 4 integers "
+                          f"from 1 to 65536, got {value!r}")
+    return tuple(tuple(s) for s in value)
 
 
 @dataclass(frozen=True)
@@ -448,12 +491,36 @@ class Layout:
                 raise LayoutError(f"{path}.layers", "a drafter layer needs engine.speculative")
             if all(x.drafter for x in self.layers):
                 raise LayoutError(f"{path}.layers", "a model needs at least one target layer")
+            self._check_mamba_layers(path)
             return      # the groups are the release's planner's, eagle-marked as it marks them
         if self.engine.block_size is not None:
             raise LayoutError(f"{path}.engine.block_size", "only with layout.layers (each "
                               "group names its own block size)")
         if all(g.drafter for g in self.groups):
             raise LayoutError(f"{path}.groups", "a layout needs at least one target group")
+
+    def _check_mamba_layers(self, path: str) -> None:
+        """A hybrid model's Mamba layers as vLLM sizes them: one state layout for the model
+        (``get_mamba_state_shape_from_config``), one ``cache_config.mamba_cache_mode`` for the
+        engine, which ``MambaModelConfig.verify_and_update_config`` makes "align" under prefix
+        caching, and attention beside them (an attention-free model's Mamba block is
+        ``max_model_len``, not in the layer language)."""
+        mamba = [(i, x) for i, x in enumerate(self.layers) if x.kind == "mamba"]
+        if not mamba:
+            return
+        i, first = mamba[0]
+        for j, x in mamba[1:]:
+            for name in ("shapes", "dtype", "mamba_type", "mamba_cache_mode"):
+                if getattr(x, name) != getattr(first, name):
+                    raise LayoutError(f"{path}.layers[{j}].{name}", f"a model's Mamba layers "
+                                      f"share one {name} (layers[{i}] has "
+                                      f"{getattr(first, name)!r})")
+        if first.mamba_cache_mode == "none" and self.engine.enable_prefix_caching:
+            raise LayoutError(f"{path}.layers[{i}].mamba_cache_mode", "none with prefix caching: "
+                              "vLLM makes it align (MambaModelConfig.verify_and_update_config)")
+        if all(x.kind == "mamba" or x.drafter for x in self.layers):
+            raise LayoutError(f"{path}.layers", "Mamba layers need attention layers beside them "
+                              "(a hybrid model)")
 
     @property
     def planned(self) -> bool:

@@ -77,6 +77,10 @@ _RING = Layer(kind="ring", num_kv_heads=1, head_size=1024, dtype="float32", bloc
 #: page divides no power of two)
 _RING_WIDTHS = (1024, 1000)
 _MLA_KINDS = ("mla", "sliding_window_mla")
+#: kinds a witness declares layers of: not Mamba, whose group's block size is what the platform's
+#: hybrid alignment makes of the model's state and attention pages (``Platform.
+#: _align_hybrid_block_size``), not a flag a witness can set
+_WITNESS_KINDS = tuple(k for k in LAYER_KINDS if k != "mamba")
 
 
 def witness_models(layout: Layout) -> tuple[list[Layout], bool, str]:
@@ -89,9 +93,12 @@ def witness_models(layout: Layout) -> tuple[list[Layout], bool, str]:
     the specs first appear, ``_get_kv_cache_groups_uniform_page_size``). ``([], False, why)``
     where the layer language cannot say what the groups do."""
     groups = layout.groups
-    other = sorted({g.kind for g in groups} - set(LAYER_KINDS))
+    other = sorted({g.kind for g in groups} - set(_WITNESS_KINDS))
     if other:
-        return [], False, f"no layers of kind {', '.join(other)} in the layer language"
+        return [], False, (f"no witness layers of kind {', '.join(other)} (a Mamba group's "
+                           "block size is the platform's alignment of the model's pages)"
+                           if other == ["mamba"] else
+                           f"no layers of kind {', '.join(other)} in the layer language")
     if any(g.extra_retained_tokens for g in groups):
         return [], False, "extra_retained_tokens is a group's knob, not a layer's"
     if any(g.kind == "chunked_local" for g in groups) and len({g.kind for g in groups}) > 1:

@@ -45,7 +45,21 @@ def layers_case(layers, requests=LOAD, **engine) -> Case:
 # --- the layout language (no release needed) ---------------------------------------------
 
 @pytest.mark.parametrize("layers, field", [
-    ([{"kind": "mamba"}], "layout.layers[0].kind"),
+    ([{"kind": "cross_attention"}], "layout.layers[0].kind"),
+    ([{"kind": "mamba"}, {"kind": "full"}], "layout.layers[0].shapes"),
+    ([{"kind": "mamba", "shapes": [[4, 0]], "mamba_type": "mamba1"}, {"kind": "full"}],
+     "layout.layers[0].shapes"),
+    ([{"kind": "mamba", "shapes": [[4, 3]]}, {"kind": "full"}], "layout.layers[0].mamba_type"),
+    ([{"kind": "mamba", "shapes": [[4, 3]], "mamba_type": "mamba1", "head_size": 64},
+      {"kind": "full"}], "layout.layers[0].head_size"),
+    ([{"kind": "full", "shapes": [[4, 3]]}], "layout.layers[0].shapes"),
+    # under prefix caching vLLM makes the mode align (MambaModelConfig.verify_and_update_config)
+    ([{"kind": "mamba", "shapes": [[4, 3]], "mamba_type": "mamba1", "mamba_cache_mode": "none"},
+      {"kind": "full"}], "layout.layers[0].mamba_cache_mode"),
+    # one state layout a model (get_mamba_state_shape_from_config)
+    ([{"kind": "mamba", "shapes": [[4, 3]], "mamba_type": "mamba1"}, {"kind": "full"},
+      {"kind": "mamba", "shapes": [[4, 4]], "mamba_type": "mamba1"}], "layout.layers[2].shapes"),
+    ([{"kind": "mamba", "shapes": [[4, 3]], "mamba_type": "mamba1"}], "layout.layers"),
     ([{"kind": "sliding_window"}], "layout.layers[0].sliding_window"),
     ([{"kind": "full", "attention_chunk_size": 8}], "layout.layers[0].attention_chunk_size"),
     ([{"kind": "full", "dtype": "int4"}], "layout.layers[0].dtype"),
@@ -366,3 +380,72 @@ def test_a_deepseek_v4_family_plans_three_groups(pool, version):
     assert res.agree, res.summary()
     crashed = [f["function"] for f in res.real["findings"] if f.get("kind") == "crash"]
     assert crashed == (["build_offloading_config"] if version == "0.30.0" else [])
+
+
+# --- hybrid Mamba models: the platform's block-size alignment ---------------------------------
+
+#: Qwen3-Next style layers in another proportion: a temporal state of (4, 32, 64) (conv state
+#: 256 x 3): 1,536 + 16,384 = 17,920 bytes beside attention of 512 bytes a token
+_WIDE_GDN = [{"kind": "mamba", "count": 3, "mamba_type": "gdn_attn",
+              "shapes": [[256, 3], [4, 32, 64]]},
+             {"kind": "full", "num_kv_heads": 2, "head_size": 64}]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("layers, groups", [
+    (FAMILIES["qwen3-next"][0], [("mamba", 32, 1)] * 3 + [("full", 32, 1)]),
+    (FAMILIES["jamba"][0], [("mamba", 16, 1)] * 7 + [("full", 16, 1)]),
+    (_WIDE_GDN, [("mamba", 48, 1)] * 3 + [("full", 48, 1)]),
+])
+def test_a_hybrid_mamba_model_gets_the_block_size_the_platform_aligns(pool, version, layers,
+                                                                        groups):
+    """``Platform._align_hybrid_block_size`` (``platforms/interface.py``, 0.30.0:778-960,
+    0.33.0:940-1135), align mode, FlashAttention (``get_supported_kernel_block_sizes``:
+    ``[MultipleOf(16)]``, so the kernel alignment is ``max(16, --block-size 16) = 16``; 0.33.0
+    also takes the lcm with the Mamba layers' prefill checkpoint alignment, none here, and with
+    every backend's smallest kernel block, 16 again):
+
+    - attention page a token: ``FullAttentionSpec(block_size=1, ...)``: K and V, ``2 * heads *
+      head_size * dtype bytes``: Qwen3-Next style 2 * 2 * 64 * 2 = 512; Jamba style (8 heads of
+      128) 2 * 8 * 128 * 2 = 4,096.
+    - Mamba page: the states' bytes: (256*3 + 4*32*32) * 2 = 9,728; Jamba (512*3 + 512*16) * 2
+      = 19,456; the wide GDN state (256*3 + 4*32*64) * 2 = 17,920.
+    - ``attn_block_size = 16 * cdiv(mamba_page, 16 * attn_page_1)``: 16 * cdiv(9728, 8192) = 32;
+      16 * cdiv(19456, 65536) = 16; 16 * cdiv(17920, 8192) = 48; ``block_size`` is raised to it
+      and ``mamba_block_size = block_size`` (align); the Mamba page is padded to the attention
+      page (16 KiB, 64 KiB, 24 KiB), so every layer's page is one size and the planner makes a
+      group of each layer (``_get_kv_cache_groups_uniform_page_size``: groups of the smallest
+      kind's layer count, 1), Mamba layers first as the model declares them.
+
+    The family's ``groups`` (which sizes its GPU pool) is that count."""
+    case = layers_case(layers, requests=LOAD[:1], num_gpu_blocks=8 * len(groups) + 8)
+    planned, out = plan(case, version, pool)
+    assert out["status"] == "ok", out
+    assert [(g.kind, g.block_size, g.layers) for g in planned.layout.groups] == groups
+    assert all(g.mamba_cache_mode == "align" for g in planned.layout.groups if g.kind == "mamba")
+    for family, (fam_layers, _, n) in FAMILIES.items():
+        if fam_layers == layers:
+            assert n == len(groups), family
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("family, seeds", [("qwen3-next", (0, 1, 7, 11)),
+                                           ("jamba", (2, 3, 5))])
+def test_hybrid_mamba_families_agree_with_the_model(pool, version, family, seeds):
+    """The families' cases run step by step on the release, Mamba align groups at the aligned
+    block size, and agree with the model."""
+    for seed in seeds:
+        res = lockstep(family_case(seed, family), version, pool)
+        assert res.agree, (seed, res.summary())
+        assert res.real["counters"]["steps"] > 0 and res.real["findings"] == []
+
+
+def test_a_witness_leaves_mamba_groups_unchecked():
+    """A Mamba group's block size is the platform's alignment of the model's pages, which no
+    witness model sets: a layout of groups with one stays unchecked."""
+    from simsched.planning import witness_models
+    layout = Layout.from_json({"groups": [
+        {"kind": "full", "block_size": 16},
+        {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}]})
+    models, complete, why = witness_models(layout)
+    assert models == [] and not complete and "mamba" in why

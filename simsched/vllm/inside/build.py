@@ -269,6 +269,8 @@ class ConfigBuilder:
             if not hasattr(sc, "async_scheduling"):
                 raise Unsupported("async_scheduling: SchedulerConfig has no async_scheduling")
             sc.async_scheduling = True
+        if any(x.kind == "mamba" for x in layout.layers):
+            self.planner.align_hybrid(layout, vc)
         if layout.layers and hasattr(sc, "disable_hybrid_kv_cache_manager"):
             # VllmConfig.__post_init__ on a GPU platform, the OffloadingConnector being
             # SupportsHMA (0.25.1-0.33.0): the hybrid KV cache manager is on, but for a model
@@ -423,24 +425,157 @@ class Planner:
         self.takes_global_groups = "global_kv_cache_groups" in inspect.signature(
             module.get_kv_cache_configs).parameters
 
-    def layer_specs(self, layout: Layout) -> dict[str, Any]:
+    def layer_specs(self, layout: Layout, cache_config=None) -> dict[str, Any]:
         """One spec per layer, named as a model's layers are; the drafter's layers after the
         target's, as the drafter model registers them after the target model."""
         block_size = layout.engine.block_size or 16
+        if any(x.kind == "mamba" for x in layout.layers):
+            # the hybrid model's block size, as the platform aligned it (ConfigBuilder.vllm_config)
+            cache_config = cache_config or self.builder.vllm_config(layout).cache_config
+            block_size = cache_config.block_size
+        # MambaBase.get_kv_cache_spec: vllm_config.num_speculative_tokens (0.25.1-0.28.0:
+        # speculative_config's) under speculative decoding
+        spec_blocks = getattr(layout, "num_speculative_blocks", 0)
         layers = [x for x in layout.layers if not x.drafter] + [
             x for x in layout.layers if x.drafter]
         specs: dict[str, Any] = {}
         for layer in layers:
             prefix = "drafter.layers" if layer.drafter else "model.layers"
             for _ in range(layer.count):
-                specs[f"{prefix}.{len(specs)}.attn"] = self.spec(layer, block_size)
+                specs[f"{prefix}.{len(specs)}.attn"] = self.spec(layer, block_size, cache_config,
+                                                                 spec_blocks)
         return specs
 
-    def spec(self, layer, block_size: int) -> Any:
+    def mamba_spec(self, layer, cache_config, num_speculative_blocks: int) -> Any:
+        """A Mamba layer's spec as ``MambaBase.get_kv_cache_spec`` builds it
+        (``model_executor/layers/mamba/abstract.py``; 0.25.1:44-60, 0.28.0:63-79, 0.30.0:67-86,
+        0.33.0:72-91): the layer's state shapes and dtypes, ``cache_config.mamba_block_size``
+        and ``mamba_page_size_padded`` as the platform's hybrid alignment left them, its
+        ``mamba_type``, the engine's ``mamba_cache_mode``, and a state block per speculative
+        token."""
+        b = self.builder
+        names = b.spec_fields["mamba"]
+        dtype = self.DTYPES[layer.dtype]
+        kw: dict[str, Any] = {"shapes": tuple(layer.shapes),
+                              "dtypes": tuple(dtype for _ in layer.shapes),
+                              "block_size": cache_config.mamba_block_size,
+                              "page_size_padded": cache_config.mamba_page_size_padded,
+                              "mamba_type": self.mamba_type(layer.mamba_type)}
+        if "mamba_cache_mode" in names:
+            kw["mamba_cache_mode"] = cache_config.mamba_cache_mode
+        if num_speculative_blocks:
+            kw["num_speculative_blocks"] = num_speculative_blocks
+        return b.spec_classes["mamba"](**kw)
+
+    @staticmethod
+    def mamba_type(name: str) -> Any:
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        try:
+            return MambaAttentionBackendEnum[name.upper()]
+        except KeyError:
+            raise Unsupported(f"mamba_type {name!r}: this release's "
+                              "MambaAttentionBackendEnum has no such member") from None
+
+    def attention_model_config(self, layer) -> Any:
+        """A ``ModelConfig`` of a model whose attention layers are ``layer`` (its KV heads,
+        head size and dtype in the model's ``config.json``): the platform sizes the attention
+        page from ``model_config.get_num_kv_heads`` / ``get_head_size`` / ``dtype``. One a
+        worker per shape."""
+        key = (layer.num_kv_heads, layer.head_size, layer.dtype)
+        cache = self.__dict__.setdefault("_model_configs", {})
+        if key not in cache:
+            from vllm.config import ModelConfig
+            cfg = dict(TINY_LLAMA, num_key_value_heads=layer.num_kv_heads,
+                       num_attention_heads=layer.num_kv_heads * 2, head_dim=layer.head_size,
+                       hidden_size=layer.num_kv_heads * 2 * layer.head_size,
+                       torch_dtype=layer.dtype)
+            path = Path(self.builder.model_dir).parent / (
+                "simsched-tiny-llama-%d-%d-%s" % key)
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "config.json").write_text(json.dumps(cfg, indent=1))
+            cache[key] = ModelConfig(model=str(path), skip_tokenizer_init=True,
+                                     dtype=layer.dtype, max_model_len=1 << 20)
+        return cache[key]
+
+    def align_hybrid(self, layout: Layout, vc) -> None:
+        """``vc.cache_config`` (a copy) as a GPU deployment of this hybrid model has it: the
+        engine's ``mamba_cache_mode``, then the release's own
+        ``Platform._align_hybrid_block_size`` (``platforms/interface.py``; run by
+        ``update_block_size_for_backend`` for a hybrid model at executor start-up, every
+        release 0.25.1-0.33.0): it raises ``block_size`` until an attention page holds a Mamba
+        state page (to a multiple of the backend's smallest kernel block), sets
+        ``mamba_block_size`` (align: ``block_size``) and ``mamba_page_size_padded`` (the
+        attention page). Stubbed, as a CPU worker has neither: the model class
+        (``ModelRegistry.resolve_model_cls``: a class giving the Mamba layers' shapes and
+        dtypes) and the layers' attention backends (FlashAttention, a GPU deployment's
+        default, imported on CPU; 0.32.0+ asks the model's layers for them,
+        ``_find_non_ssm_backends``)."""
+        mamba = next(x for x in layout.layers if x.kind == "mamba")
+        attention = [x for x in layout.layers if x.kind != "mamba" and not x.drafter]
+        if any(x.kind in ("mla", "sliding_window_mla") for x in attention):
+            raise Unsupported("Mamba layers beside MLA: the alignment sizes an MLA model's "
+                              "attention page from its model config, which the worker lacks")
+        cc = vc.cache_config
+        for name in ("mamba_block_size", "mamba_page_size_padded"):
+            if not hasattr(cc, name):
+                raise Unsupported(f"Mamba layers: CacheConfig has no {name}")
+        if not hasattr(cc, "mamba_cache_mode"):
+            if mamba.mamba_cache_mode != "none":
+                raise Unsupported("mamba_cache_mode: CacheConfig has no mamba_cache_mode")
+        else:
+            cc.mamba_cache_mode = mamba.mamba_cache_mode
+        try:
+            from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+        except Exception as e:   # noqa: BLE001
+            raise Unsupported(f"Mamba layers: FlashAttentionBackend does not import on CPU "
+                              f"({type(e).__name__}: {e})") from None
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.platforms.interface import Platform
+
+        dtype = self.DTYPES[mamba.dtype]
+        shapes = tuple(mamba.shapes)
+
+        class HybridModel:
+            """The hybrid model class the registry resolves (``IsHybrid``)."""
+            @classmethod
+            def get_mamba_state_shape_from_config(cls, vllm_config):
+                return shapes
+
+            @classmethod
+            def get_mamba_state_dtype_from_config(cls, vllm_config):
+                return tuple(dtype for _ in shapes)
+
+        class GpuPlatform(Platform):
+            @classmethod
+            def _find_non_ssm_backends(cls, vllm_config):
+                return [FlashAttentionBackend]
+
+            @classmethod
+            def _find_non_ssm_backend(cls, vllm_config):
+                return FlashAttentionBackend
+
+        align = vc.model_config
+        vc.model_config = self.attention_model_config(attention[0])
+        ModelRegistry.resolve_model_cls = lambda *a, **k: (HybridModel, "HybridModel")
+        try:
+            GpuPlatform._align_hybrid_block_size(vc, FlashAttentionBackend)
+        finally:
+            del ModelRegistry.resolve_model_cls
+            vc.model_config = align
+        if cc.mamba_block_size is None:
+            # "none" mode: MambaModelConfig.verify_and_update_config makes the Mamba block
+            # max_model_len (a state a request), the case's, which this config does not have yet
+            raise Unsupported("mamba_cache_mode none: a Mamba block of max_model_len tokens is "
+                              "not planned here yet")
+
+    def spec(self, layer, block_size: int, cache_config=None, num_speculative_blocks: int = 0
+             ) -> Any:
         b = self.builder
         cls = b.spec_classes.get(layer.kind)
         if cls is None:
             raise Unsupported(f"kind {layer.kind!r}: this release has no {KINDS[layer.kind]}")
+        if layer.kind == "mamba":
+            return self.mamba_spec(layer, cache_config, num_speculative_blocks)
         mla = layer.kind in ("mla", "sliding_window_mla")
         kw: dict[str, Any] = {"block_size": block_size, "dtype": self.DTYPES[layer.dtype],
                               # MLA caches one latent vector per token, shared by the heads
@@ -471,7 +606,7 @@ class Planner:
             # (resolve_kv_cache_layout); a value set beforehand is honoured as it is. The
             # scheduler never reads it: the legacy default NHD's
             cc.kv_cache_layout = "LBNHC"
-        specs = [self.layer_specs(layout)]
+        specs = [self.layer_specs(layout, cc)]
         memory = [1 << 50]          # the planner replaces it by the override's blocks
         try:
             if self.takes_global_groups:
