@@ -449,3 +449,35 @@ def test_a_witness_leaves_mamba_groups_unchecked():
         {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}]})
     models, complete, why = witness_models(layout)
     assert models == [] and not complete and "mamba" in why
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("family, blocks", [("qwen3-next", 28), ("jamba", 50)])
+def test_a_hybrid_mamba_family_loads_a_prefix_back_from_the_cpu_tier(pool, version, family,
+                                                                      blocks):
+    """a's 100-token prompt is stored (its full blocks, and each Mamba group's state at the last
+    full block), c's 500 tokens push it out of a pool of ``blocks`` blocks (the attention
+    group's 16 blocks of 32 tokens or 32 of 16, and the Mamba groups' state blocks), and b, a's
+    prompt again, loads it back: one load, and the model agrees step by step."""
+    case = Case.from_json({"layout": {"layers": FAMILIES[family][0],
+                                      "engine": {"num_gpu_blocks": blocks}},
+                           "requests": LOAD, "timing": {"max_num_batched_tokens": 64}})
+    res = lockstep(case, version, pool)
+    assert res.agree, res.summary()
+    assert res.real["counters"]["loads"] == 1, res.summary()
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "jamba"])
+def test_the_campaign_draws_the_hybrid_mamba_families(family):
+    """``fuzz.strategies.planned_cases`` draws every family by name: a search over its draws
+    finds a case of each hybrid Mamba family, with its layers and a pool of at least 24 blocks
+    a group it plans."""
+    from hypothesis import HealthCheck, find, settings
+
+    from fuzz.strategies import planned_cases
+    from simsched.families import family_of
+
+    case = find(planned_cases(), lambda c: family_of(c.layout) == family,
+                settings=settings(max_examples=2000, database=None,
+                                  suppress_health_check=list(HealthCheck)))
+    assert case.layout.engine.num_gpu_blocks >= 24 * FAMILIES[family][2]
