@@ -153,7 +153,10 @@ def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
     for at most ``seconds`` (each try may run real releases step by step)."""
     stop = time.monotonic() + seconds
     def candidates(c: Case):
-        groups = c.layout.groups
+        # a layout of layers is a model as a deployment declares it, its groups the planner's:
+        # it stays whole (a group dropped or a flag reset would pair the layers with groups no
+        # planner builds from them), and only the workload shrinks
+        groups = () if c.layout.layers else c.layout.groups
         for i in range(len(groups)):
             if len(groups) > 1:
                 rest = groups[:i] + groups[i + 1:]
@@ -172,7 +175,7 @@ def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
                 plain = replace(r, skip_reading_prefix_cache=False)
                 yield replace(c, requests=c.requests[:i] + (plain,) + c.requests[i + 1:])
         default = Engine()
-        for f in fields(Engine):
+        for f in fields(Engine) if not c.layout.layers else ():
             if getattr(c.layout.engine, f.name) != getattr(default, f.name):
                 yield replace(c, layout=c.layout.with_engine(**{f.name: getattr(default, f.name)}))
         if c.timing != Timing():

@@ -308,3 +308,33 @@ def test_an_interrupt_while_a_finding_is_written_leaves_its_folder_whole(tmp_pat
         folder = tmp_path / "repros" / f["id"]
         assert {p.name for p in folder.iterdir()} >= {"case.json", "test_repro.py", "README.md",
                                                       "finding.json"}
+
+
+def test_the_shrinker_keeps_a_model_s_layers_whole():
+    """A planned layout of layers pairs the model's layers with the groups a release's planner
+    built from them: the shrinker drops requests but neither a planned group nor an engine flag
+    (the DeepSeek V4 family at --block-size 16 is a model whose pages the planner cannot unify,
+    and its groups without the ring are no planner's), whatever the finding's check says."""
+    from dataclasses import replace
+
+    from fuzz.campaign import simplify
+    from simsched.families import family_case
+    from simsched.layout import Group, Layout
+
+    case = family_case(5, "deepseek-v4")
+    planned = [Group(kind="mla", block_size=64, layers=4),
+               Group(kind="sliding_window_mla", block_size=64, layers=4, sliding_window=64),
+               Group(kind="ring", block_size=8, layers=4)]
+    case = replace(case, layout=replace(case.layout, groups=tuple(planned)))
+    tried = []
+
+    def still_shows(cand):
+        tried.append(cand)
+        return "shown"
+    shrunk, _ = simplify(case, still_shows, "shown", seconds=5)
+    assert tried and all(c.layout == case.layout for c in tried)
+    assert shrunk.layout == case.layout and len(shrunk.requests) == 1
+    # a layout of groups written by hand still loses groups and flags
+    hand = replace(case, layout=Layout(groups=tuple(planned), engine=case.layout.engine))
+    shrunk, _ = simplify(hand, still_shows, "shown", seconds=5)
+    assert len(shrunk.layout.groups) == 1 and shrunk.layout.engine.block_size is None

@@ -47,7 +47,9 @@ def test_boot_assert_found_on_030_not_033(campaign):
     assert boot["range"] == "0.30.0: present since 0.30.0 (oldest run), fixed in 0.33.0"
     assert boot["kind"] == "crash" and boot["function"] == "build_offloading_config"
     assert boot["file"] == "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
-    assert boot["groups"] <= 2
+    # shrunk to at most two groups, or found on a model family (DeepSeek V4 style: its three
+    # planned groups stay whole), which a deployment of that model reaches
+    assert boot["groups"] <= 2 or boot["deployment"].startswith("reached: the "), boot
     assert "every-group" in boot["profiles_affected"]
     assert "prefix-cacheable" not in boot["profiles_affected"]
 
