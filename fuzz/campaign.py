@@ -837,7 +837,7 @@ class Campaign:
                       f", {self.steps / max(el, 1e-9):,.0f} model steps/s, "
                       f"{real / max(el, 1e-9):,.0f} real steps/s, "
                       f"{len(self.findings) + len(self.prior)} findings, families "
-                      f"{len(self.families)}/7, kinds {kinds}/8, knobs {knobs}"
+                      f"{len(self.families)}, kinds {kinds}/8, knobs {knobs}"
                       + (f", {self.arcs} vLLM arcs" if self.collect_coverage else ""))
 
     def load_prior(self) -> None:

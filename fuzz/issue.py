@@ -63,6 +63,12 @@ def environment(data: dict) -> str:
 
 
 def family(layout: Layout) -> str:
+    if layout.layers:       # a model as its layers: the groups are the release planner's
+        layers = " + ".join(f"{x.count} {x.kind}" + (" (drafter)" if x.drafter else "")
+                            for x in layout.layers)
+        name = family_of(layout).removeprefix("layers:")
+        return (f"a model of {layers} layers" + (f" (the {name} family of simsched.families)"
+                                                 if name != "other" else ""))
     name = family_of(layout)
     if name == "deepseek_v4" and any(g.kind == "ring" for g in layout.groups):
         return "DeepSeek V4 (MLA + sliding-window MLA groups, and its compression ring)"

@@ -481,3 +481,14 @@ def test_the_campaign_draws_the_hybrid_mamba_families(family):
                 settings=settings(max_examples=2000, database=None,
                                   suppress_health_check=list(HealthCheck)))
     assert case.layout.engine.num_gpu_blocks >= 24 * FAMILIES[family][2]
+
+
+def test_an_issue_text_names_the_model_of_a_layout_of_layers():
+    """ISSUE.md's "A deployment of ...": a layout of layers is a model of those layers (and its
+    family's name), never "no common model family"."""
+    from fuzz.issue import family
+
+    assert family(family_case(1, "mla+ring").layout) == (
+        "a model of 4 mla + 4 ring layers (the mla+ring family of simsched.families)")
+    other = Layout.from_json({"layers": [{"kind": "full", "count": 3}]})
+    assert family(other) == "a model of 3 full layers"
