@@ -129,13 +129,15 @@ def short_name(data: dict) -> str:
 
 # --- the file ------------------------------------------------------------------------------
 
-def _spec(group) -> str:
+def _spec(group, num_speculative_blocks: int = 0) -> str:
     cls, extra = SPECS[group.kind]
     args = [f"block_size={group.block_size}"] + [f"{f}={getattr(group, f)}" for f in extra]
     if group.kind == "mamba":
         args.append("shapes=((4, 8),), dtypes=(torch.float16,)")
         if group.mamba_cache_mode != "none":
             args.append(f"mamba_cache_mode={group.mamba_cache_mode!r}")
+        if num_speculative_blocks:      # as build.ConfigBuilder.make_spec
+            args.append(f"num_speculative_blocks={num_speculative_blocks}")
     else:
         args.append("**ATTN")
     return f"kvi.{cls}({', '.join(args)})"
@@ -296,7 +298,8 @@ def render(case: Case, data: dict) -> str:
     supported(case, data)
     extra, bpc = _extra_config(case)
     eng, timing = case.layout.engine, case.timing
-    groups = ",\n          ".join(_wrap(f"({_spec(g)}, {g.layers})", 10)
+    groups = ",\n          ".join(_wrap(f"({_spec(g, case.layout.num_speculative_blocks)}, "
+                                         f"{g.layers})", 10)
                                    for g in case.layout.groups)
     cache = _wrap(", ".join(f"{k}={v!r}" for k, v in _cache_fields(case).items()), 33)
     return TEMPLATE.format(

@@ -318,23 +318,27 @@ def connector_window_tokens(group: Group, profile: Profile) -> int:
 
 
 def max_blocks_per_request(group: Group, model_len: int, in_flight: int, dcp: int,
-                           encoder_tokens: int) -> int:
+                           encoder_tokens: int, num_speculative_blocks: int = 0) -> int:
     """``KVCacheSpec.max_memory_usage_bytes`` in blocks: what one request of ``model_len`` tokens
     can hold of the group at once. Full attention (MLA, drafters): a block per ``block_size``
     tokens; sliding window: the window and the in-flight tokens, plus one block for a window not
     starting on a block boundary; chunked local: a chunk and the in-flight tokens (both never
     more than ``model_len``, ``max_admission_blocks_per_request``); Mamba: one state block, two
-    in align mode (the running state and the previous one); a ring: its one block; cross
-    attention: the encoder input (``max_num_encoder_input_tokens``: ``max_num_batched_tokens``,
-    as ``SchedulerConfig`` sets it). Only full attention counts a request's tokens per DCP rank
-    (``FullAttentionSpec.max_memory_usage_bytes``: ``cdiv(max_model_len, dcp_world_size)``);
-    the other specs count blocks of their own ``block_size`` whatever DCP (cross attention,
-    sliding window, chunked local: ``v1/kv_cache_interface.py``, every release)."""
+    in align mode (the running state and the previous one), and the spec's
+    ``num_speculative_blocks`` (``MambaSpec.max_memory_usage_bytes``: ``1 +`` or ``2 +
+    num_speculative_blocks`` pages, kv_cache_interface.py 0.25.1:688-697, 0.30.0:1034-1045,
+    0.33.0:1135-1141; 0.29.0+ adds ``num_prefill_checkpoint_blocks``, 0 here); a ring: its one
+    block; cross attention: the encoder input (``max_num_encoder_input_tokens``:
+    ``max_num_batched_tokens``, as ``SchedulerConfig`` sets it). Only full attention counts a
+    request's tokens per DCP rank (``FullAttentionSpec.max_memory_usage_bytes``:
+    ``cdiv(max_model_len, dcp_world_size)``); the other specs count blocks of their own
+    ``block_size`` whatever DCP (cross attention, sliding window, chunked local:
+    ``v1/kv_cache_interface.py``, every release)."""
     bs = group.block_size * dcp if group.kind in ("full", "mla") else group.block_size
     if group.kind == "ring":
         return 1
     if group.kind == "mamba":
-        return 2 if group.mamba_cache_mode == "align" else 1
+        return (2 if group.mamba_cache_mode == "align" else 1) + num_speculative_blocks
     if group.kind in ("sliding_window", "sliding_window_mla"):
         retained = (group.sliding_window or 1) - 1 + group.extra_retained_tokens
         return -(-min(retained + in_flight, model_len) // bs) + 1
@@ -350,7 +354,8 @@ def kv_cache_blocks_needed(case, model_len: int) -> int:
     eng = case.layout.engine
     in_flight = case.timing.max_num_batched_tokens * (2 if eng.async_scheduling else 1)
     return sum(max_blocks_per_request(g, model_len, in_flight, eng.dcp_size,
-                                      case.timing.max_num_batched_tokens)
+                                      case.timing.max_num_batched_tokens,
+                                      case.layout.num_speculative_blocks)
                for g in case.layout.groups)
 
 

@@ -552,6 +552,19 @@ class Layout:
         return any(g.kind == "mamba" for g in self.groups) and any(
             g.kind != "mamba" and not g.drafter for g in self.groups)
 
+    @property
+    def num_speculative_blocks(self) -> int:
+        """``MambaSpec.num_speculative_blocks`` of the layout's Mamba groups: the number of
+        speculative tokens under speculative decoding, 0 without, as every release's
+        ``MambaBase.get_kv_cache_spec`` sets it (``model_executor/layers/mamba/abstract.py``:
+        0.25.1:55-59 and 0.28.0:74-78 ``speculative_config.num_speculative_tokens``; 0.30.0:81-85
+        and 0.33.0:86-90 ``vllm_config.num_speculative_tokens``, but 0 under
+        ``cache_config.use_kda_recoverssm`` (0.29.0-0.31.0) or ``use_replayssm`` (0.32.0+), both
+        off by default). The state blocks the Mamba manager keeps after the running state for
+        the drafts' states."""
+        spec = self.engine.speculative
+        return spec.num_tokens if spec is not None else 0
+
     def with_engine(self, **changes: Any) -> "Layout":
         return replace(self, engine=replace(self.engine, **changes))
 

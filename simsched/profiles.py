@@ -213,10 +213,12 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             offload_dcp_all_groups=True, hybrid_dcp_error=True, hash_unit_all_groups=True,
             config_function="__init__", window_function="get_sliding_window_size_in_blocks",
             retention_default=retention_absent,
+            # mamba_skip_lags_spec_blocks: MambaManager.remove_skipped_blocks frees on
+            # num_speculative_blocks fewer computed tokens (0.25.1 only)
             extra={**_BEFORE_0_29, "mamba_boundary_stores": False, "eagle_tail_hole": True,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
                    "align_budget_assert": True, "window_frees_on_processed": False,
-                   "partial_hash_hits": "none"}),
+                   "partial_hash_hits": "none", "mamba_skip_lags_spec_blocks": True}),
     Profile("legacy-dcp-all",
             "0.29.0's rules, with DCP scaling every group's offload block, Mamba back-off by "
             "block size and no chunked-local window",

@@ -217,6 +217,118 @@ def test_mamba_align_cached_states_are_offered_to_the_connector():
     assert kv.take_offers() == []
 
 
+# --- Mamba speculative state blocks (MambaSpec.num_speculative_blocks) -----------------------
+# Expectations traced by hand through MambaManager.get_num_blocks_to_allocate and
+# allocate_new_blocks (vllm/v1/core/single_type_kv_cache_manager.py, 0.30.0:1713-1933; 0.25.1
+# and 0.33.0 alike for these steps: no partial hits, no prefill checkpoint blocks).
+
+def spec_mgr(groups, spec_blocks, n=64, lags=False):
+    return KVCacheManager(groups, [g.block_size for g in groups], n, 16,
+                          num_speculative_blocks=spec_blocks, mamba_skip_lags=lags)
+
+
+def test_mamba_align_first_allocation_adds_the_speculative_blocks():
+    """num_required_blocks = cdiv(48, 16) + 2 = 5; a request not allocated yet needs 1 + 2
+    blocks (get_num_blocks_to_allocate); allocate_new_blocks pads nulls up to index
+    num_required_blocks - 2 - 1 = 2 and appends 3 new blocks: the running state at index 2,
+    the speculative blocks after it (the release's run: g1=0,0,5,6,7 beside g0=1,2,3,4)."""
+    kv = spec_mgr([Group("full", 16), MAMBA], 2)
+    r = req(48, groups=2)
+    assert kv.admission_blocks(r, 0, 0, 48, True) == 3 + 3
+    nb = kv.allocate_slots(r, 48)
+    assert nb[1][:2] == [NULL, NULL] and len(nb[1]) == 5 and NULL not in nb[1][2:]
+    assert kv.pool.get_num_free_blocks() == 63 - 6
+
+
+def test_mamba_align_speculative_blocks_move_to_the_end():
+    """A 32-token chunk: [0, a, s1, s2]. The next chunk to 96 tokens: num_required_blocks = 6 +
+    2 = 8, the running state's index 5 (num_skipped_blocks); nulls up to index 5, then the
+    speculative blocks below it (indices 2 and 3) move to the end (_relocate_speculative_block),
+    and one new block: [0, a, 0, 0, 0, s1, s2, n]. vLLM reports req_blocks[prev_block_len:], the
+    moved blocks included: [0, s1, s2, n]. An allocated request needs one block
+    (get_num_blocks_to_allocate)."""
+    kv = spec_mgr([MAMBA], 2)
+    r = req(200)
+    first = kv.allocate_slots(r, 32)[0]
+    a, s1, s2 = first[1:]
+    assert first[0] == NULL
+    r.num_computed = 32
+    assert kv.admission_blocks(r, 0, 32, 96, False) == 1
+    nb = kv.allocate_slots(r, 64)[0]
+    n = nb[-1]
+    assert nb == [NULL, s1, s2, n] and n not in first
+    assert r.tables[0] == [NULL, a, NULL, NULL, NULL, s1, s2, n]
+    # the next step (96 + 3 tokens): the state at 32 (a) is out of reach and freed, unhashed,
+    # to the head of the free queue, where the table's new block comes from; the running state
+    # (s1) and the speculative blocks stay
+    r.num_computed = 96
+    kv.allocate_slots(r, 3)
+    assert r.tables[0] == [NULL] * 5 + [s1, s2, n, a]
+
+
+def test_mamba_align_decode_takes_a_block_only_when_the_running_block_moves():
+    """Decode with 1 + 2 tokens a step from 48: num_required_blocks = cdiv(51, 16) + 2 = 6, one
+    block more than the prefill's 5; the speculative blocks are not below the running state's
+    index 3, nothing moves. Then up to 63 tokens nothing is added (6 blocks hold them), and
+    at 63 + 3 = 66 the table grows again (7 blocks)."""
+    kv = spec_mgr([MAMBA], 2)
+    r = req(200)
+    kv.allocate_slots(r, 48)
+    table = list(r.tables[0])
+    r.num_computed = 48
+    nb = kv.allocate_slots(r, 3)[0]
+    assert len(nb) == 1 and r.tables[0] == table + nb
+    for c in (51, 54, 57, 60):
+        r.num_computed = c
+        assert kv.allocate_slots(r, 3) == [[]]
+    r.num_computed = 63
+    assert len(kv.allocate_slots(r, 3)[0]) == 1 and len(r.tables[0]) == 7
+
+
+def test_a_load_allocates_the_speculative_blocks_after_every_group_s_loaded_blocks():
+    """allocate_slots of a load (the connector's 64 tokens, nothing to compute):
+    allocate_new_computed_blocks gives each group its blocks of the loaded tokens (Mamba: nulls
+    and the state block at 64) before allocate_new_blocks adds the Mamba group's 2 speculative
+    blocks: with the Mamba group first, its speculative blocks come after the full group's."""
+    kv = spec_mgr([MAMBA, Group("full", 16)], 2)
+    r = req(100, groups=2)
+    assert kv.admission_blocks(r, 0, 64, 64, False) == 3 + 4
+    nb = kv.allocate_slots(r, 0, computed=64)
+    free = list(range(1, 8))                    # the free queue's head, in order
+    assert nb[0] == [NULL, NULL, NULL, free[0], free[5], free[6]]
+    assert nb[1] == free[1:5]
+
+
+def test_mamba_none_mode_allocates_the_speculative_blocks_as_tokens():
+    """mamba_cache_mode "none": get_num_blocks_to_allocate and allocate_new_blocks count
+    num_tokens + block_size * num_speculative_blocks; the base rule frees the blocks below
+    num_computed_tokens - 1."""
+    kv = spec_mgr([Group("mamba", 16, mamba_cache_mode="none")], 2)
+    r = req(100)
+    assert kv.admission_blocks(r, 0, 0, 40, False) == 3 + 2
+    assert len(kv.allocate_slots(r, 40)[0]) == 5
+    r.num_computed = 40
+    kv.allocate_slots(r, 1)
+    assert r.tables[0][:2] == [NULL, NULL] and len(r.tables[0]) == 5
+
+
+def test_0251_frees_mamba_states_on_fewer_computed_tokens():
+    """0.25.1's MambaManager.remove_skipped_blocks (0.25.1:1156) frees on num_computed_tokens -
+    num_speculative_blocks. A 32-token chunk, then 1 + 2 tokens of which one is kept (33
+    computed): 0.26.0 on frees the state at 32 (get_num_skipped_tokens(33) = 32: blocks [0,
+    2)), 0.25.1 counts 31 computed tokens (30 skipped: block 0 only) and keeps it."""
+    for lags in (True, False):
+        kv = spec_mgr([MAMBA], 2, lags=lags)
+        r = req(200)
+        kv.allocate_slots(r, 32)
+        state_32 = r.tables[0][1]
+        r.num_computed = 32
+        kv.allocate_slots(r, 3)
+        r.num_computed = 33
+        kv.allocate_slots(r, 3)
+        assert (r.tables[0][1] == state_32) == lags
+
+
 def test_hit_blocks_out_of_reach_of_the_loaded_tokens_are_not_touched():
     """save_new_computed_blocks: the blocks skipped at local + external computed tokens are
     replaced by nulls without being touched, so an evictable hit block keeps its place in the

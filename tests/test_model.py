@@ -237,8 +237,9 @@ def test_eagle_with_align_mamba_hits_at_a_state_block(profile, asserts):
     assert r.counters["finished"] == 2
     # a's first chunk stops a block before the last whole one (EAGLE backs the last cacheable
     # position off a block) and its state block sits at the chunk's end, not past the
-    # lookahead slots (as 0.30.0 and 0.33.0 do in lockstep)
-    assert r.trace[2:4] == ["sched a 48", "alloc a g0=1,2,3,4 g1=0,0,5"], r.trace[:6]
+    # lookahead slots, followed by the spec's 2 speculative state blocks (the line of 0.30.0's
+    # and 0.33.0's real runs)
+    assert r.trace[2:4] == ["sched a 48", "alloc a g0=1,2,3,4 g1=0,0,5,6,7"], r.trace[:6]
 
 
 # --- vLLM's start-up check of the KV cache pool (issue 17, item 6.5) -------------------------
@@ -278,6 +279,23 @@ def test_startup_check_counts_each_group_as_its_spec_does(groups, blocks):
         c = mk(groups, TOO_LONG, num_gpu_blocks=pool, timing={"max_num_batched_tokens": 32})
         assert (check_enough_kv_cache_memory(c, PROFILES["every-group"]) is not None) \
             == refused, (pool, groups)
+
+
+@pytest.mark.parametrize("mode, engine, blocks", [
+    ("align", {}, 2 + 3),
+    ("none", {"enable_prefix_caching": False}, 1 + 3),
+])
+def test_startup_check_counts_the_mamba_speculative_blocks(mode, engine, blocks):
+    """MambaSpec.max_memory_usage_bytes: (2 + num_speculative_blocks) pages in align mode,
+    (1 + num_speculative_blocks) otherwise (v1/kv_cache_interface.py, 0.30.0:1034-1045); MTP
+    with 3 drafts gives the Mamba spec 3 speculative blocks (MambaBase.get_kv_cache_spec)."""
+    from simsched.geometry import check_enough_kv_cache_memory
+    groups = [{"kind": "mamba", "block_size": 16, "mamba_cache_mode": mode}]
+    for pool, refused in ((blocks, True), (blocks + 1, False)):
+        c = mk(groups, TOO_LONG, num_gpu_blocks=pool,
+               speculative={"method": "mtp", "num_tokens": 3}, **engine)
+        assert (check_enough_kv_cache_memory(c, PROFILES["every-group"]) is not None) \
+            == refused, (pool, mode)
 
 
 def test_lockstep_reports_a_refusal_as_not_run():

@@ -180,6 +180,19 @@ def test_generated_file_is_short_plain_and_lint_clean(tmp_path, case, finding, n
     assert lines[0].startswith('"""[Bug][KV offloading]: ')
 
 
+def test_a_mamba_spec_under_speculative_decoding_has_its_speculative_blocks(tmp_path):
+    """As the harness builds it (build.ConfigBuilder.make_spec) and a deployment's
+    MambaBase.get_kv_cache_spec does: num_speculative_blocks = the drafts of the case."""
+    case = {**TAIL, "layout": {**TAIL["layout"], "engine": {
+        **TAIL["layout"]["engine"], "speculative": {"method": "mtp", "num_tokens": 2}}}}
+    path = _render(tmp_path, case, TAIL_FINDING)
+    text = path.read_text()
+    assert text.count("num_speculative_blocks=2") == 1
+    assert max(len(line) for line in text.splitlines()) <= 100
+    plain = _render(tmp_path, TAIL, TAIL_FINDING).read_text()
+    assert "num_speculative_blocks" not in plain
+
+
 def test_asserts_stripped_case_is_run_with_python_O(tmp_path):
     case = dict(RING, asserts=False)
     finding = dict(RING_FINDING, asserts=False, exception="ValueError",

@@ -25,17 +25,21 @@ class KVCacheManager:
 
     def __init__(self, groups, block_sizes: list[int], num_blocks: int, align: int,
                  enable_prefix_caching: bool = True, max_in_flight_tokens: int | None = None,
-                 mamba_tail_recache: int = 0, retention_interval: int | None = None):
+                 mamba_tail_recache: int = 0, retention_interval: int | None = None,
+                 num_speculative_blocks: int = 0, mamba_skip_lags: bool = False):
         """``max_in_flight_tokens``: ``VllmConfig.max_in_flight_tokens`` (max_num_batched_tokens
         times the concurrent batches), the admission cap of the recycling specs; None: no cap.
-        ``mamba_tail_recache``: see ``MambaManager.tail_recache``."""
+        ``mamba_tail_recache``: see ``MambaManager.tail_recache``. ``num_speculative_blocks``:
+        the Mamba specs' (``Layout.num_speculative_blocks``); ``mamba_skip_lags``: see
+        ``MambaManager.skip_lags_speculative_blocks``."""
         self.pool = BlockPool(num_blocks)
         self.config = PrefixCacheConfig(align, retention_interval)
         # _pending_boundary_state_offloads of every Mamba manager, in the order they were cached
         self.offers: list[tuple[str, int, int, int]] = []
         self.managers: list[SingleTypeKVCacheManager] = [
             make_manager(i, g, bs, enable_prefix_caching, self.pool, self.config,
-                         max_in_flight_tokens, self.offers, mamba_tail_recache)
+                         max_in_flight_tokens, self.offers, mamba_tail_recache,
+                         num_speculative_blocks, mamba_skip_lags)
             for i, (g, bs) in enumerate(zip(groups, block_sizes))]
         self.max_model_len: int = 0         # set by the model (0: no cap)
         # a Mamba group without align mode disables GPU prefix hits altogether
@@ -288,11 +292,22 @@ class KVCacheManager:
         plan = [m.new_block_counts(req, c, main, total) for m in self.managers]
         if sum(n for _, n in plan) > self.pool.get_num_free_blocks() - reserved:
             return None
-        out: list[list[int]] = []
-        for m, (nulls, n) in zip(self.managers, plan):
-            new = [NULL] * nulls + self.pool.get_new_blocks(n) if n else [NULL] * nulls
-            req.tables[m.gid].extend(new)
-            out.append(new)
+        pool = self.pool
+        out: list[list[int]]
+        if num_new_tokens == 0:
+            # a load (the connector's tokens only): allocate_new_computed_blocks gives every
+            # group the blocks of the loaded tokens (allocate_external_computed_blocks) before
+            # allocate_new_blocks, which finds their slots there, but for a Mamba group's
+            # speculative blocks: those come after every group's loaded blocks
+            out = [m.allocate_external_computed_blocks(
+                       req, nulls, pool.get_new_blocks(n - m.num_speculative_blocks))
+                   for m, (nulls, n) in zip(self.managers, plan)]
+            for m, new in zip(self.managers, out):
+                new.extend(m.allocate_new_blocks(req, main, 0,
+                                                 pool.get_new_blocks(m.num_speculative_blocks)))
+        else:
+            out = [m.allocate_new_blocks(req, main, nulls, pool.get_new_blocks(n) if n else [])
+                   for m, (nulls, n) in zip(self.managers, plan)]
         if cache_upto is not None and self.cacheable:
             self.cache_blocks(req, cache_upto)
         req.quiet_until = self.quiet_bound(req)
@@ -316,7 +331,8 @@ class KVCacheManager:
                 if not have:
                     return -1
                 continue
-            bound = min(bound, have * bs - 1)              # ceil((c + 1) / bs) <= have
+            # ceil((c + 1) / bs) <= have, the speculative blocks past the slots
+            bound = min(bound, (have - m.num_speculative_blocks) * bs - 1)
             lead = 0                                       # the first real block
             while lead < have and table[lead] == NULL:
                 lead += 1

@@ -134,11 +134,17 @@ class Model:
         retention = retention_interval(layout, profile) if any(
             g.kind in ("sliding_window", "sliding_window_mla", "mamba")
             for g in layout.groups) else None
+        # MambaSpec.num_speculative_blocks; 0.25.1's remove_skipped_blocks lags by them, asked
+        # of the profile only when there are such blocks
+        spec_blocks = layout.num_speculative_blocks if any(
+            g.kind == "mamba" for g in layout.groups) else 0
+        skip_lags = spec_blocks > 0 and bool(profile.extra.get("mamba_skip_lags_spec_blocks"))
         self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
                                  geo.scheduler_block_size, layout.engine.enable_prefix_caching,
                                  max_in_flight_tokens=in_flight,
                                  mamba_tail_recache=geo.tokens_per_hash if tail_recache else 0,
-                                 retention_interval=retention)
+                                 retention_interval=retention,
+                                 num_speculative_blocks=spec_blocks, mamba_skip_lags=skip_lags)
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
         self.kv.config.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)

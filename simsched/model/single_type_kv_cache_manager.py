@@ -7,11 +7,13 @@ Each manager handles one KV cache group's blocks over the shared :class:`BlockPo
 * ``SlidingWindowManager`` and ``ChunkedLocalAttentionManager``: blocks out of reach
   (``get_num_skipped_tokens``) are freed and the null block takes their place;
 * ``MambaManager``: one running state; in ``align`` mode (``mamba_cache_mode == "align"``, no
-  speculative or prefill-checkpoint blocks) an allocation that reaches a new block puts null
-  blocks up to the last block and one new block there; the previous state is freed by the next
+  prefill-checkpoint blocks) an allocation that reaches a new block puts null blocks up to the
+  last block and one new block there; the previous state is freed by the next
   ``remove_skipped_blocks``; a state block full when cached is prefix-cached and offered to the
   connector with its boundary; a hit on a state cached in the same step waits for the next one
-  (``cached_blocks_this_step``);
+  (``cached_blocks_this_step``). Under speculative decoding the spec's
+  ``num_speculative_blocks`` state blocks for the drafts follow the running state in either
+  mode;
 * ``CircularBufferManager`` (a ring, ``CircularBufferSpec``): one block for the request's
   lifetime, never cached. (vLLM derives it from ``FullAttentionManager``; here it stands apart,
   so that no full-attention rule applies to it by inheritance.)
@@ -163,6 +165,9 @@ class SingleTypeKVCacheManager:
                             group.extra_retained_tokens)
         #: ``max_admission_blocks_per_request`` of the recycling specs; None: no cap
         self.admission_cap: int | None = None
+        #: blocks a request holds past its tokens' slots: ``MambaSpec.num_speculative_blocks``
+        #: (0 for every other spec)
+        self.num_speculative_blocks: int = 0
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens out of this group's reach: none by default."""
@@ -213,6 +218,22 @@ class SingleTypeKVCacheManager:
         nulls = max(min(self.get_num_skipped_tokens(num_computed) // self.block_size,
                         target) - have, 0)
         return nulls, target - have - nulls
+
+    def allocate_external_computed_blocks(self, req: Request, nulls: int,
+                                          blocks: list[int]) -> list[int]:
+        """``add_local_computed_blocks``' null padding for the blocks out of reach at the
+        computed tokens and ``allocate_external_computed_blocks``' blocks for the connector's
+        tokens: appended to the table, and returned."""
+        new = [NULL] * nulls + blocks if nulls else blocks
+        req.tables[self.gid].extend(new)
+        return new
+
+    def allocate_new_blocks(self, req: Request, num_tokens_main: int, nulls: int,
+                            blocks: list[int]) -> list[int]:
+        """``allocate_new_blocks``: the plan of :meth:`new_block_counts` (its null placeholders
+        and the new ``blocks``) appended to the table; returns what vLLM reports as the
+        request's new block IDs."""
+        return self.allocate_external_computed_blocks(req, nulls, blocks)
 
     def remove_skipped_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """``remove_skipped_blocks``: the blocks out of reach are freed, tail first, and the null
@@ -350,15 +371,34 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
 
 class MambaManager(SingleTypeKVCacheManager):
-    """``MambaManager``: one state per request; every earlier token is out of reach."""
+    """``MambaManager``: one state per request; every earlier token is out of reach.
+
+    Under speculative decoding the spec's ``num_speculative_blocks`` (``num_speculative_tokens``,
+    ``Layout.num_speculative_blocks``) state blocks for the drafts' states follow the request's
+    running state in either mode: "none" allocates that many blocks' worth of tokens more
+    (``num_tokens += block_size * num_speculative_blocks``), "align" keeps them as the table's
+    last blocks and moves them to its end when the running state moves past them
+    (``allocate_new_blocks``; vllm/v1/core/single_type_kv_cache_manager.py, 0.30.0:1809-1933,
+    alike in 0.25.1:1253-1327 and 0.33.0:1797-1923 for what the model plays)."""
 
     def __init__(self, gid: int, group, block_size: int, enable_prefix_caching: bool,
                  pool: BlockPool, config: PrefixCacheConfig,
-                 offers: list[tuple[str, int, int, int]], tail_recache: int = 0):
+                 offers: list[tuple[str, int, int, int]], tail_recache: int = 0,
+                 num_speculative_blocks: int = 0, skip_lags_speculative_blocks: bool = False):
         super().__init__(gid, group, block_size, enable_prefix_caching, pool, config)
         self.align: bool = group.mamba_cache_mode == "align"
+        self.num_speculative_blocks = num_speculative_blocks
+        # 0.25.1 (remove_skipped_blocks, 0.25.1:1156): "with async scheduling, the
+        # num_computed_tokens can contain draft tokens from the previous step that may or may
+        # not be rejected later [...] let's assume that all tokens are rejected": it frees on
+        # num_computed_tokens - num_speculative_blocks (blocks taken for tokens), in either
+        # mode; 0.26.0 frees on the processed tokens instead, with no such subtraction
+        self.skip_lags_speculative_blocks = skip_lags_speculative_blocks
         # _num_retired_blocks: per request, the blocks below it already nulled (align mode)
         self.num_retired_blocks: dict[str, int] = {}
+        # _allocated_block_reqs (align mode): the requests allocate_new_blocks has seen since
+        # they last got blocks; the others still need their speculative blocks
+        self.allocated: set[str] = set()
         # cached_blocks_this_step: keys of the state blocks cached in this step
         self.cached_blocks_this_step: set[Key] = set()
         # _pending_boundary_state_offloads: (rid, gid, block, boundary tokens) of every state
@@ -381,16 +421,23 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def get_num_blocks_to_allocate(self, req: Request, hit: int, total: int, num_tokens: int,
                                    capped: bool, lookahead: int) -> int:
-        """Align mode: a hit whose state block another request cached in this step cannot be
-        used yet (``num_gpu_blocks + 1``: never fits); else the blocks still missing, at most one
-        (the new running state; ``num_speculative_blocks`` is 0), plus the evictable hit block.
-        The EAGLE lookahead slots do not count (``num_tokens_main_model``)."""
+        """``MambaManager.get_num_blocks_to_allocate`` (0.30.0:1713-1807). "none" mode: the
+        tokens' blocks and ``num_speculative_blocks`` more. Align mode: a hit whose state block
+        another request cached in this step cannot be used yet (``num_gpu_blocks + 1``: never
+        fits); else ``num_required_blocks = cdiv(num_tokens_main_model, block_size) +
+        num_speculative_blocks`` less the hit's and the request's blocks, and when positive one
+        block (the new running state), plus the speculative blocks for a request
+        ``allocate_new_blocks`` has not seen (0.30.0:1797-1802; 0.25.1:1238-1246, 0.28.0:1529-
+        1540; 0.31.0+ caps the count there instead, min(count, cap), 0.31.0:1807-1811, which
+        comes to the same without partial hits and prefill checkpoints); plus the evictable
+        hit block. The EAGLE lookahead slots do not count (``num_tokens_main_model``)."""
         if not self.align:
-            return super().get_num_blocks_to_allocate(req, hit, total, num_tokens, capped,
-                                                      lookahead)
+            return super().get_num_blocks_to_allocate(
+                req, hit, total, num_tokens + self.block_size * self.num_speculative_blocks,
+                capped, lookahead)
         bs = self.block_size
         table = req.tables[self.gid]
-        n = -(-(num_tokens - lookahead) // bs) - len(table)
+        n = -(-(num_tokens - lookahead) // bs) + self.num_speculative_blocks - len(table)
         need = 0
         if not table and self.cacheable and hit:
             n -= hit // bs
@@ -399,26 +446,75 @@ class MambaManager(SingleTypeKVCacheManager):
                 return self.pool.num_blocks + 1
             if self.pool.ref[self.pool.get_cached_block(k)] == 0:
                 need += 1
-        return need + (1 if n > 0 else n)
+        if n > 0:
+            n = 1 if req.rid in self.allocated else 1 + self.num_speculative_blocks
+        return need + n
 
     def new_block_counts(self, req: Request, num_computed: int, num_tokens_main: int,
                          num_tokens: int) -> tuple[int, int]:
-        """Align mode (``allocate_new_blocks``): nulls up to the last block, one new block there
-        for the running state; no slots for lookahead tokens (they would break the block
-        alignment, and draft models have no Mamba layers)."""
+        """``allocate_new_blocks``' plan. "none" mode: slots for ``num_speculative_blocks``
+        blocks' worth of tokens more. Align mode: no slots for lookahead tokens (they would break
+        the block alignment, and draft models have no Mamba layers); ``num_required_blocks =
+        cdiv(num_tokens_main_model, block_size) + num_speculative_blocks``; when the table is
+        shorter, nulls up to ``num_required_blocks - num_speculative_blocks - 1`` (the running
+        state's block) and new blocks up to ``num_required_blocks``: one for a request already
+        allocated (its speculative blocks move up, :meth:`allocate_new_blocks`), one and the
+        speculative blocks for a new one."""
         if not self.align:
-            return super().new_block_counts(req, num_computed, num_tokens_main, num_tokens)
+            return super().new_block_counts(
+                req, num_computed, num_tokens_main,
+                num_tokens + self.block_size * self.num_speculative_blocks)
         have = len(req.tables[self.gid])
-        target = -(-num_tokens_main // self.block_size)
-        if target <= have:
+        required = -(-num_tokens_main // self.block_size) + self.num_speculative_blocks
+        if required <= have:
             return 0, 0
-        return target - 1 - have, 1
+        running = required - self.num_speculative_blocks - 1
+        if req.rid in self.allocated:
+            return max(running - have, 0), 1
+        return max(running - have, 0), required - max(have, running)
+
+    def allocate_new_blocks(self, req: Request, num_tokens_main: int, nulls: int,
+                            blocks: list[int]) -> list[int]:
+        """Align mode (0.30.0:1821-1933): the nulls up to the running state's block; for a
+        request already allocated, each of its speculative blocks (its last
+        ``num_speculative_blocks``) below that block is moved to the table's end, a null in its
+        place (``_relocate_speculative_block``, 0.30.0:1935-1944; 0.25.1:1309-1318 "reuse
+        previous speculative blocks in this step"), then the new blocks. Returns the table past
+        its former end (nulls and moved blocks included), as vLLM reports the request's new
+        block IDs. The request counts as allocated from then on (0.28.0+ also when nothing was
+        added; before, only a request that needs its speculative blocks is ever added later, so
+        the two agree)."""
+        if not self.align:
+            return super().allocate_new_blocks(req, num_tokens_main, nulls, blocks)
+        table = req.tables[self.gid]
+        prev = len(table)
+        allocated = req.rid in self.allocated
+        self.allocated.add(req.rid)
+        if not nulls and not blocks:
+            return []
+        table.extend([NULL] * nulls)
+        if allocated:
+            running = -(-num_tokens_main // self.block_size) - 1
+            for i in range(prev - self.num_speculative_blocks, prev):
+                if i >= running:
+                    break
+                table.append(table[i])
+                table[i] = NULL
+        new = table[prev:] + blocks
+        table.extend(blocks)
+        return new
 
     def remove_skipped_blocks(self, req: Request, num_computed_tokens: int) -> None:
-        """Align mode (``_remove_blocks_in_range``): prefill leaves null gaps between states;
-        every state block in ``[retired, n)`` is freed, tail first. (The running block of two
-        steps ago, ``last_state_block_idx``, lies in that range whenever its own rule would free
-        it.)"""
+        """Align mode (``_remove_blocks_in_range``, 0.30.0:1625-1644): prefill leaves null gaps
+        between states; every state block in ``[retired, n)`` is freed, tail first. (The running
+        block of two steps ago, ``last_state_block_idx``, lies in that range whenever its own
+        rule would free it, 0.30.0:1655-1674; before 0.30.0 the base rule stops at the first
+        null going down and that rule alone frees a state below a gap, which comes to the same:
+        every earlier state was freed by then.) The speculative blocks are always past ``n``:
+        the table holds ``cdiv(num_tokens_main_model, block_size)`` blocks before them. 0.25.1
+        frees on ``num_speculative_blocks`` fewer tokens (``skip_lags_speculative_blocks``)."""
+        if self.skip_lags_speculative_blocks:
+            num_computed_tokens = max(0, num_computed_tokens - self.num_speculative_blocks)
         if not self.align:
             super().remove_skipped_blocks(req, num_computed_tokens)
             return
@@ -475,7 +571,10 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.cached_blocks_this_step.add(k)
 
     def forget(self, req: Request) -> None:
+        """``pop_blocks_for_free`` (align mode): the request's retired blocks and its allocated
+        mark are dropped."""
         self.num_retired_blocks.pop(req.rid, None)
+        self.allocated.discard(req.rid)
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()
@@ -501,7 +600,8 @@ def make_manager(gid: int, group, block_size: int, enable_prefix_caching: bool,
                  pool: BlockPool, config: PrefixCacheConfig,
                  max_in_flight_tokens: int | None = None,
                  offers: list[tuple[str, int, int, int]] | None = None,
-                 mamba_tail_recache: int = 0) -> SingleTypeKVCacheManager:
+                 mamba_tail_recache: int = 0, num_speculative_blocks: int = 0,
+                 mamba_skip_lags: bool = False) -> SingleTypeKVCacheManager:
     """``get_manager_for_kv_cache_spec``: the manager of a group's spec kind."""
     kind = group.kind
     if kind in ("sliding_window", "sliding_window_mla"):
@@ -512,7 +612,8 @@ def make_manager(gid: int, group, block_size: int, enable_prefix_caching: bool,
                                             config, max_in_flight_tokens)
     if kind == "mamba":
         return MambaManager(gid, group, block_size, enable_prefix_caching, pool, config,
-                            offers if offers is not None else [], mamba_tail_recache)
+                            offers if offers is not None else [], mamba_tail_recache,
+                            num_speculative_blocks, mamba_skip_lags)
     if kind == "ring":
         return CircularBufferManager(gid, group, block_size, enable_prefix_caching, pool, config)
     return FullAttentionManager(gid, group, block_size, enable_prefix_caching, pool, config)

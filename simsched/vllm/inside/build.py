@@ -141,7 +141,7 @@ class ConfigBuilder:
         }
 
     # -- KV cache specs --------------------------------------------------------------------
-    def make_spec(self, group) -> Any:
+    def make_spec(self, group, num_speculative_blocks: int = 0) -> Any:
         cls = self.spec_classes.get(group.kind)
         if cls is None:
             raise Unsupported(f"kind {group.kind!r}: this release has no {group.spec_name}")
@@ -153,6 +153,10 @@ class ConfigBuilder:
                 kw["mamba_cache_mode"] = group.mamba_cache_mode
             elif group.mamba_cache_mode != "none":
                 raise Unsupported("mamba_cache_mode: MambaSpec has no mamba_cache_mode field")
+            if num_speculative_blocks:
+                # as MambaBase.get_kv_cache_spec sets it under speculative decoding
+                # (Layout.num_speculative_blocks)
+                kw["num_speculative_blocks"] = num_speculative_blocks
         else:
             kw.update(num_kv_heads=1, head_size=HEAD_SIZE, dtype=DTYPE)
             if group.kind in ("sliding_window", "sliding_window_mla"):
@@ -201,7 +205,7 @@ class ConfigBuilder:
         bytes_per_block = 0
         n = 0
         for g in layout.groups:
-            spec = self.make_spec(g)
+            spec = self.make_spec(g, layout.num_speculative_blocks)
             names = [f"model.layers.{n + i}.attn" for i in range(g.layers)]
             n += g.layers
             tensor_layers += names
