@@ -492,3 +492,19 @@ def test_an_issue_text_names_the_model_of_a_layout_of_layers():
         "a model of 4 mla + 4 ring layers (the mla+ring family of simsched.families)")
     other = Layout.from_json({"layers": [{"kind": "full", "count": 3}]})
     assert family(other) == "a model of 3 full layers"
+
+
+def test_the_planner_is_asked_for_groups_alone():
+    """Planning asks for the groups only: a crash of the offloading connector's own set-up
+    (0.29.0 on an MLA group of 128-token blocks with a 64-token offload block: an assert, and
+    with asserts stripped a ZeroDivisionError; what the case's run reports) is not a reason
+    the planner would not build them."""
+    from simsched.planning import REACHED, group_layout_reach
+
+    case = groups_case([{"kind": "mla", "block_size": 128}], offload_block_size=64)
+    with Releases.installed(["0.29.0"], timeout=120) as one:
+        assert group_layout_reach(case, "0.29.0", one) == (
+            REACHED, "0.29.0's planner builds these groups from layers 1xmla, --block-size 128")
+        res = lockstep(case, "0.29.0", one)
+    assert [(f["kind"], f["stage"]) for f in res.real["findings"]] == [("crash", "boot")], \
+        res.summary()

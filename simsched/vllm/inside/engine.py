@@ -293,8 +293,15 @@ class RealEngine:
         return self.plan_case(case)
 
     def plan_case(self, case: Case) -> dict:
+        """The planner's groups alone: the offloading connector's own configuration is built
+        when the case runs, where what it checks (or crashes on) is the run's outcome, not a
+        reason the planner would not build these groups."""
+        layout = case.layout
         try:
-            _, kvc = self.build(case)
+            if not layout.layers:
+                raise self.Unsupported("a layout of groups has no layers to plan")
+            vc = self.builder.vllm_config(layout)
+            kvc = self.builder.planner.plan(layout, self.checked_config(case, vc))
             groups = self.builder.planner.groups(kvc)
         except self.Unsupported as e:
             return {"status": "unsupported", "reason": str(e)}
