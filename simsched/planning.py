@@ -91,7 +91,8 @@ def witness_models(layout: Layout) -> tuple[list[Layout], bool, str]:
     every model of these layer kinds gets (one block size, no ring, no MLA beside other
     attention: page sizes then play no part, and the planner groups layers by spec in the order
     the specs first appear, ``_get_kv_cache_groups_uniform_page_size``). ``([], False, why)``
-    where the layer language cannot say what the groups do."""
+    where the layer language cannot say what the groups do; ``([], True, why)`` where no model
+    has such layers at all."""
     groups = layout.groups
     other = sorted({g.kind for g in groups} - set(_WITNESS_KINDS))
     if other:
@@ -111,7 +112,9 @@ def witness_models(layout: Layout) -> tuple[list[Layout], bool, str]:
     if len(sizes) > 1:
         return [], False, f"groups of several block sizes ({', '.join(map(str, sizes))})"
     if not sizes:
-        return [], False, "rings alone: a model has attention layers beside its rings"
+        # every ring in vLLM's models holds the open token group of attention layers beside it
+        # (DeepSeek V4.1's compressor, Qwen4-exp's QSA cache, GLM-5 Next, Step 5's CSA tail)
+        return [], True, "rings alone: no model has a ring without the attention layers it serves"
     engine = dataclasses.replace(layout.engine, block_size=sizes[0],
                                  # the pool is checked by the case's own run, not here
                                  num_gpu_blocks=1 << 20)
@@ -148,7 +151,7 @@ def group_layout_reach(case: Case, version: str, pool,
         return REACHED, "a layout of layers: its groups are the release's planner's"
     models, complete, why = witness_models(layout)
     if not models:
-        return UNCHECKED, why
+        return (SYNTHETIC if complete else UNCHECKED), why
 
     def shape(groups) -> list[dict]:
         return [{k: v for k, v in g.to_json().items() if k != "layers"} for g in groups]

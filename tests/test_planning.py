@@ -280,6 +280,9 @@ def test_the_release_s_planner_judges_a_layout_of_groups(pool, version):
     # a ring no witness builds is not judged: other widths than the ones tried might
     odd = groups_case([{"kind": "mla", "block_size": 64}, {"kind": "ring", "block_size": 132}])
     assert group_layout_reach(odd, version, pool)[0] == UNCHECKED
+    # a ring serves attention layers beside it: rings alone are no model's
+    lone = groups_case([{"kind": "ring", "block_size": 4}])
+    assert group_layout_reach(lone, version, pool)[0] == SYNTHETIC
     # what the layer language cannot say is not judged
     mixed = groups_case([FULL, dict(FULL, block_size=64)])
     assert group_layout_reach(mixed, version, pool) == (
