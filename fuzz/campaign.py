@@ -211,6 +211,9 @@ def knobs_of(case: Case) -> set[str]:
             | ({"requests.prompt.sampled"} if case.repeated_outputs() else set())
             | {"groups.extra_retained_tokens" for g in case.layout.groups
                if g.extra_retained_tokens}
+            # a Mamba group's speculative state blocks: a deployment's, whenever it drafts
+            | ({"groups.num_speculative_blocks"} if case.layout.num_speculative_blocks
+               and any(g.kind == "mamba" for g in case.layout.groups) else set())
             | {f"kind:{g.kind}" for g in case.layout.groups})
 
 

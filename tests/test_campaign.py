@@ -338,3 +338,22 @@ def test_the_shrinker_keeps_a_model_s_layers_whole():
     hand = replace(case, layout=Layout(groups=tuple(planned), engine=case.layout.engine))
     shrunk, _ = simplify(hand, still_shows, "shown", seconds=5)
     assert len(shrunk.layout.groups) == 1 and shrunk.layout.engine.block_size is None
+
+
+def test_the_knobs_coverage_counts_a_mamba_group_s_speculative_blocks():
+    """A Mamba group under speculative decoding has its speculative state blocks (the knob
+    issue 20 names ``groups[i].num_speculative_blocks``, set as every deployment sets it): the
+    coverage counts it there, and not without drafts or without a Mamba group."""
+    from simsched.case import Case
+    from fuzz.campaign import knobs_of
+
+    def case(groups, speculative=None):
+        engine = {"speculative": speculative} if speculative else {}
+        return Case.from_json({"layout": {"groups": groups, "engine": engine},
+                               "requests": [{"id": "a", "prompt": [[1, 32]]}]})
+    mamba = [{"kind": "full", "block_size": 16},
+             {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}]
+    mtp = {"method": "mtp", "num_tokens": 2}
+    assert "groups.num_speculative_blocks" in knobs_of(case(mamba, mtp))
+    assert "groups.num_speculative_blocks" not in knobs_of(case(mamba))
+    assert "groups.num_speculative_blocks" not in knobs_of(case(mamba[:1], mtp))
