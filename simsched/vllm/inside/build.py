@@ -20,6 +20,7 @@ import importlib
 import inspect
 import json
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -389,14 +390,23 @@ def _raised_in(exc: BaseException, function: str) -> bool:
     return False
 
 
+def innermost_vllm_frame(exc: BaseException, vllm_dir: str) -> traceback.FrameSummary | None:
+    """The innermost frame of ``exc``'s traceback in vLLM's own code (``vllm_dir``): the
+    function that raised, or refused."""
+    prefix = vllm_dir + os.sep
+    inner = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if os.path.abspath(frame.filename).startswith(prefix):
+            inner = frame
+    return inner
+
+
 def _refusal(exc: BaseException) -> str:
     """A planner's refusal in one line: the exception, the vLLM function that raised it, and its
     message."""
-    tb, function = exc.__traceback__, "?"
-    while tb is not None:
-        if "/vllm/" in tb.tb_frame.f_code.co_filename:
-            function = tb.tb_frame.f_code.co_name
-        tb = tb.tb_next
+    vllm_dir = os.path.dirname(os.path.abspath(importlib.import_module("vllm").__file__))
+    inner = innermost_vllm_frame(exc, vllm_dir)
+    function = inner.name if inner is not None else "?"
     return f"{type(exc).__name__} in {function}: {' '.join(str(exc).split())}"
 
 

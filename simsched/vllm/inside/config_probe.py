@@ -22,13 +22,12 @@ from __future__ import annotations
 import collections
 import inspect
 import os
-import traceback
 from typing import Any
 
 from simsched.case import segment_tokens
 from simsched.layout import Layout, LayoutError
 
-from .build import ConfigBuilder, Unsupported
+from .build import ConfigBuilder, Unsupported, innermost_vllm_frame
 
 MESSAGE_LIMIT = 300
 
@@ -94,12 +93,7 @@ class ConfigProbe:
 
     # ---------------------------------------------------------------------------------------
     def error(self, stage: str, exc: BaseException) -> dict:
-        frames = traceback.extract_tb(exc.__traceback__)
-        inner = None
-        prefix = self.vllm_dir + os.sep
-        for fr in frames:
-            if os.path.abspath(fr.filename).startswith(prefix):
-                inner = fr
+        inner = innermost_vllm_frame(exc, self.vllm_dir)
         out = {"status": "error", "stage": stage, "exception": type(exc).__name__,
                "function": None, "file": None, "line": None, "message": _first_line(exc)}
         if inner is not None:
