@@ -458,3 +458,39 @@ def expected_lookup_hit(num_local: int, num_tokens: int, groups: list[HitGroup],
     if hit < max([g.tokens_per_chunk for g in groups], default=0):   # less-than-a-chunk
         return 0
     return hit
+
+
+# --- INV-8 beside jobs that never complete (timing.jobs, latency null) ---------------------
+
+def held_back(rid: str, running: bool, defers_on_hung: bool,
+              hung: list[tuple[int, bool, str]]) -> str | None:
+    """How jobs that never complete (``hung``: job ID, is a store, its request) hold request
+    ``rid`` back, in vLLM's terms, or None: ``load``, its own load (it waits for remote KVs
+    until ``finished_recving``, which never comes); ``lookup``, its last lookup deferred on one
+    of them (``defers_on_hung``: the connector defers while the request has transfer jobs, and
+    on a chunk whose store is in flight or that is being loaded); ``blocks``, it waits for
+    admission while a load that never completes holds its request's GPU blocks (allocated
+    before the load, freed only once it finishes, also when that request is aborted:
+    ``delay_free_blocks``)."""
+    if any(not is_store and owner == rid for _, is_store, owner in hung):
+        return "load"
+    if defers_on_hung:
+        return "lookup"
+    if not running and any(not is_store for _, is_store, _ in hung):
+        return "blocks"
+    return None
+
+
+def check_hung_end(step: int, stall: int, hung: list[tuple[int, bool, str]],
+                   held: list[tuple[str, str | None]]) -> InvariantViolation | None:
+    """Nothing has moved for ``stall`` steps with only jobs that never complete in flight: the
+    run may stop there when every unfinished request is held back by them (``held``: request,
+    :func:`held_back`'s answer); one that is not is stuck for another reason (INV-8)."""
+    free = [rid for rid, how in held if how is None]
+    if not free:
+        return None
+    names = ", ".join(f"{'store' if is_store else 'load'} {jid}"
+                      for jid, is_store, _ in sorted(hung))
+    return InvariantViolation("INV-8", step, f"no progress for {stall} steps with only jobs "
+                              f"that never complete in flight ({names}); stuck and not held "
+                              f"back by them: {free[:5]}")

@@ -1149,34 +1149,16 @@ class Model:
     def _end_hung(self, step: int) -> None:
         """Nothing has moved for ``STALL_STEPS`` steps and only jobs that never complete are in
         flight: the run stops (``RunEnded``) when every unfinished request is held back by
-        them (:meth:`held_back`), else one is stuck for another reason (INV-8)."""
-        hung = self._hung_jobs()
-        held = [(r.rid, self.held_back(r, hung)) for r in self.reqs.values() if not r.finished]
-        free = [rid for rid, how in held if how is None]
-        if free:
-            names = ", ".join(f"{'store' if j.is_store else 'load'} {j.jid}" for j in hung)
-            raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} steps "
-                                         f"with only jobs that never complete in flight "
-                                         f"({names}); stuck and not held back by them: "
-                                         f"{free[:5]}")
-        self._emit(fmt_hung_end([(j.jid, j.is_store) for j in hung], held))
+        them (``inv.held_back``), else one is stuck for another reason (INV-8)."""
+        jobs = self._hung_jobs()
+        hung = [(j.jid, j.is_store, j.rid) for j in jobs]
+        held = [(r.rid, inv.held_back(r.rid, r.status == RUNNING,
+                                      r.rid in self.deferred_lookups and self.defers_on(r, jobs),
+                                      hung))
+                for r in self.reqs.values() if not r.finished]
+        self._violation(inv.check_hung_end(step, self.stall, hung, held))
+        self._emit(fmt_hung_end([(jid, is_store) for jid, is_store, _ in hung], held))
         raise RunEnded()
-
-    def held_back(self, req: Request, hung: list[Job]) -> str | None:
-        """How a job that never completes holds ``req`` back, in vLLM's terms, or None:
-        ``load``, its own load (the request waits for remote KVs until ``finished_recving``,
-        which never comes); ``lookup``, its last lookup deferred on one (:meth:`defers_on`);
-        ``blocks``, it waits for admission while a load that never completes holds its
-        request's GPU blocks (allocated before the load, freed once it finishes, also when that
-        request is aborted: delay_free_blocks)."""
-        rid = req.rid
-        if any(not j.is_store and j.rid == rid for j in hung):
-            return "load"
-        if rid in self.deferred_lookups and self.defers_on(req, hung):
-            return "lookup"
-        if any(not j.is_store for j in hung) and req.status != RUNNING:
-            return "blocks"
-        return None
 
     def defers_on(self, req: Request, hung: list[Job]) -> bool:
         """A deferred lookup of ``req`` waits on one of ``hung``: its own (the connector defers

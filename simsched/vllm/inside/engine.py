@@ -1254,35 +1254,16 @@ class _Run:
         flight (the release's engine would step on forever: ``Scheduler.has_requests`` holds
         while the connector has jobs, ``has_pending_push_work``). The run stops with
         ``end waiting on ...`` when every unfinished request is held back by them
-        (:meth:`_held_back`); one that is not is stuck for another reason (INV-8)."""
-        hung = self._hung()
-        held = [(rid, self._held_back(rid, hung)) for rid in self.reqs if rid not in self.finished]
-        free = [rid for rid, how in held if how is None]
-        if free:
-            names = ", ".join(f"{'store' if j.is_store else 'load'} {j.jid}"
-                              for j in sorted(hung, key=attrgetter("jid")))
-            raise inv.InvariantViolation("INV-8", self.step_no, f"no progress for {self.stall} "
-                                         f"steps with only jobs that never complete in flight "
-                                         f"({names}); stuck and not held back by them: "
-                                         f"{free[:5]}")
-        raise _Ended(fmt_hung_end([(j.jid, j.is_store) for j in hung], held))
-
-    def _held_back(self, rid: str, hung: list[_Job]) -> str | None:
-        """How a job that never completes holds request ``rid`` back, in vLLM's terms, or None:
-        ``load``, its own load: it waits for remote KVs until ``finished_recving``, which never
-        comes; ``lookup``, its last lookup deferred (the connector's
-        ``get_num_new_matched_tokens`` returns None only while a transfer it could wait for is
-        in flight: :meth:`_defers_on_hung`); ``blocks``, it waits for admission while a load
-        that never completes holds its request's GPU blocks (allocated before the load, freed
-        only once it finishes, also when that request is aborted: delay_free_blocks)."""
-        if any(not j.is_store and j.rid == rid for j in hung):
-            return "load"
-        if rid in self.deferred and self._defers_on_hung(rid):
-            return "lookup"
-        if any(not j.is_store for j in hung) and \
-                self.reqs[rid].status != self.eng.RequestStatus.RUNNING:
-            return "blocks"
-        return None
+        (``inv.held_back``); one that is not is stuck for another reason (INV-8)."""
+        hung = [(j.jid, j.is_store, j.rid) for j in self._hung()]
+        running = self.eng.RequestStatus.RUNNING
+        held = [(rid, inv.held_back(rid, self.reqs[rid].status == running,
+                                    rid in self.deferred and self._defers_on_hung(rid), hung))
+                for rid in self.reqs if rid not in self.finished]
+        v = inv.check_hung_end(self.step_no, self.stall, hung, held)
+        if v is not None:
+            raise v
+        raise _Ended(fmt_hung_end([(jid, is_store) for jid, is_store, _ in hung], held))
 
     def _defers_on_hung(self, rid: str) -> bool:
         """A deferred lookup of ``rid`` waits on a job that never completes: one of its own
