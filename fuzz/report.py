@@ -296,7 +296,7 @@ def write(out: Path, data: dict, plots: bool = False) -> None:
     drawn, error = None, None
     if plots:
         try:
-            from simsched.plots import write_report_plots
+            from simsched.plots.campaigns import write_report_plots
             drawn = write_report_plots(data, out)
         except Exception as e:   # noqa: BLE001 - the report itself must still be written
             error = f"{type(e).__name__}: {e}"

@@ -1,5 +1,5 @@
 """The notebooks run top to bottom (nbclient, a temp copy each) and draw their figures; the plot
-helpers they call (simsched/plots.py) work headless. Notebooks 01 and 03 run the real releases:
+helpers they call (simsched/plots/) work headless. Notebooks 01 and 03 run the real releases:
 without them they fail, never skip. Committed notebooks carry no outputs."""
 
 from __future__ import annotations
