@@ -23,9 +23,9 @@ from pathlib import Path
 #: through a :class:`~simsched.profiles.RecordingProfile`, whose attribute reads a compiled class
 #: would not let it see.
 COMPILED = ("case", "geometry", "invariants", "layout", "shadow", "trace",
-            "model/block_pool", "model/cpu_manager", "model/events", "model/kv_cache_manager",
-            "model/offloading_scheduler", "model/request", "model/scheduler",
-            "model/single_type_kv_cache_manager")
+            "model/async_scheduler", "model/block_pool", "model/cpu_manager", "model/events",
+            "model/kv_cache_manager", "model/offloading_scheduler", "model/request", "model/run",
+            "model/scheduler", "model/single_type_kv_cache_manager")
 
 
 class PureSource(importlib.abc.MetaPathFinder):

@@ -47,7 +47,7 @@ def src():
     sys.meta_path.insert(0, finder)
     try:
         mods = {m: importlib.import_module(f"simsched.model.{m}")
-                for m in ("block_pool", "cpu_manager", "offloading_scheduler", "scheduler")}
+                for m in ("block_pool", "cpu_manager", "offloading_scheduler", "scheduler", "run")}
     finally:
         sys.meta_path.remove(finder)
         for n in names:
@@ -57,7 +57,7 @@ def src():
             parent, _, child = n.rpartition(".")
             setattr(sys.modules[parent], child, mod)
     assert all(m.__file__.endswith(".py") for m in mods.values())
-    return SimpleNamespace(run_case=mods["scheduler"].run_case,
+    return SimpleNamespace(run_case=mods["run"].run_case,
                            offload=mods["offloading_scheduler"], **mods)
 
 

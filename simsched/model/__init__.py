@@ -15,14 +15,24 @@ module                             mirrors (``vllm/...``)
 ``cpu_manager``                    ``v1/kv_offload/cpu/manager.py`` and its LRU policies
 ``scheduler``                      ``v1/core/sched/scheduler.py`` (``Scheduler.schedule``,
                                    ``update_from_output``) and the model runner's writes
+``async_scheduler``                ``v1/core/sched/async_scheduler.py`` (``AsyncScheduler``) and
+                                   the engine core's batch queue
+                                   (``EngineCore.step_with_batch_queue``)
+``run``                            no vLLM module: ``run_case`` runs a case (the engine's start-up
+                                   checks, then the model) and returns its ``RunResult``
 =================================  =============================================================
 
 The content shadow, the invariants and the trace (``simsched.shadow``, ``simsched.invariants``,
 ``simsched.trace``) are shared with the real runs and sit beside this package.
 """
 
-__all__ = ["MAX_STEPS", "STALL_STEPS", "Model", "RunResult", "cli_run", "collector_paused",
-           "crash_finding", "resolve_profile", "run_case"]
+import importlib
+
+#: the model's public names, by the module that holds them
+_MODULE_OF = {"MAX_STEPS": "scheduler", "STALL_STEPS": "scheduler", "Model": "scheduler",
+              "RunResult": "run", "cli_run": "run", "collector_paused": "run",
+              "crash_finding": "run", "resolve_profile": "run", "run_case": "run"}
+__all__ = list(_MODULE_OF)
 
 
 def unmodelled_knobs(layout) -> list[str]:
@@ -36,9 +46,9 @@ def unmodelled_knobs(layout) -> list[str]:
 
 
 def __getattr__(name: str):
-    """The scheduler's public names, imported on first use: the modules the oracles share
+    """The model's public names, imported on first use: the modules the oracles share
     (``block_pool``, ``request``) import without the whole model."""
-    if name in __all__:
-        from simsched.model import scheduler
-        return getattr(scheduler, name)
+    if name in _MODULE_OF:
+        module = importlib.import_module(f"simsched.model.{_MODULE_OF[name]}")
+        return getattr(module, name)
     raise AttributeError(f"module 'simsched.model' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The discrete-event model of vLLM's scheduler with the OffloadingConnector: ``run_case``.
+"""The discrete-event model of vLLM's scheduler with the OffloadingConnector: ``Model``.
 
 One scheduler step (a ``STEP`` event at time t) does what ``Scheduler.schedule()`` plus the
 connector's ``build_connector_meta`` plus the model runner do:
@@ -19,33 +19,40 @@ connector's ``build_connector_meta`` plus the model runner do:
 
 Invariants (``simsched.invariants``) are checked where they can be decided; the first finding
 (a crash or an invariant violation) stops the run.
+
+Size: ``Model`` mirrors vLLM's ``Scheduler`` (``v1/core/sched/scheduler.py``, 3,783 lines in
+0.33.0, of which ``schedule()`` alone is about 1,090) method for method: ``schedule`` with its
+running and waiting loops, ``_mamba_block_aligned_split``, ``_preempt_request``,
+``finish_requests`` and ``_free_request``, ``_update_waiting_for_remote_kv``,
+``_request_remaining_blocks`` and ``update_from_output``, which here sits in ``execute_model``
+beside the model runner's writes into the content shadow, both acting on the same scheduled
+requests in the same order. These methods share one state (the queues, the in-flight prefills,
+the drafts, the step's fences) as vLLM's share the scheduler's ``self``: parting them across
+modules would split what vLLM keeps in one class, each part reaching into the other's state.
+What vLLM keeps in other modules is in other modules here too: ``AsyncScheduler`` and the engine
+core's batch queue in :mod:`simsched.model.async_scheduler`, the KV cache manager, the connector
+and the CPU tier in theirs, and running a case (the start-up checks, the run, its result) in
+:mod:`simsched.model.run`.
 """
 
 from __future__ import annotations
 
-import gc
 import math
-import sys
-from collections import deque
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Final, Iterator
+from typing import Final
 
 from simsched import invariants as inv
-from simsched.case import VOCAB, Case, RequestSpec, load_case, sampled_token
-from simsched.layout import LayoutError
-from simsched.geometry import (SINGLE_TYPE_MANAGER_PY, cache_block_size,
-                               check_enough_kv_cache_memory, derive, effective_block_size,
-                               max_model_len, partial_hash_hits, validate_block_size)
+from simsched.case import VOCAB, Case, RequestSpec, sampled_token
+from simsched.geometry import (SINGLE_TYPE_MANAGER_PY, cache_block_size, derive,
+                               effective_block_size, max_model_len, partial_hash_hits)
 from simsched.model import events as ev
+from simsched.model.async_scheduler import AsyncRun
 from simsched.model.block_pool import NULL
 from simsched.model.kv_cache_manager import KVCacheManager
 from simsched.model.offloading_scheduler import Job, ModelCrash, OffloadingConnectorScheduler
 from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_FOR_LOAD, Request
 from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
                                                          CircularBufferManager)
-from simsched.profiles import (DEFAULT_PROFILE, EAGLE_METHODS, PROFILES, ConfigError, Profile,
-                               retention_interval)
+from simsched.profiles import EAGLE_METHODS, Profile, retention_interval
 from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, fmt_hung_end, fmt_hung_flush, fmt_job, header
 
@@ -56,34 +63,6 @@ MAX_STEPS: Final = 100_000
 Sched = tuple[Request, int, list[list[int]]]
 Scheduled = Request | Sched
 STALL_STEPS: Final = 8
-
-
-def resolve_profile(profile: Profile | str | None) -> Profile:
-    if isinstance(profile, Profile):
-        return profile
-    name = profile or DEFAULT_PROFILE
-    if name in PROFILES:
-        return PROFILES[name]
-    raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
-
-
-@dataclass
-class RunResult:
-    profile: str
-    trace: list[str] = field(default_factory=list)
-    findings: list[dict] = field(default_factory=list)
-    counters: dict = field(default_factory=dict)
-    # why the engine refused to start (check_enough_kv_cache_memory): the case did not run
-    refused: str | None = None
-    # why the run stopped short of the case's end without a finding (a failed transfer)
-    unsupported: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.findings
-
-    def trace_text(self) -> str:
-        return "\n".join(self.trace) + "\n"
 
 
 class TransferFailed(Exception):
@@ -465,6 +444,26 @@ class Model:
         self._emit(f"failed {jid} {kind}")
         raise TransferFailed(jid, kind)
 
+    def transfers_done(self, jids: list[int]) -> bool:
+        """The jobs a batch's output reports done, in order (async scheduling: ``AsyncRun``).
+        If one of them is a failing job of the case's faults, the worker raised before it
+        reported any: none completes, the step ends with its check and then the run stops
+        (``after_step``), and the answer is False."""
+        failing = [jid for jid in jids if jid in self.failing]
+        if failing:
+            self.failed_job = failing[0]
+            return False
+        jobs = self.off.jobs
+        for jid in jids:
+            job = jobs.get(jid)
+            if job is None:
+                continue
+            if job.is_store:
+                self.store_done(jid)
+            else:
+                self.load_done(jid)
+        return True
+
     def load_done(self, jid: int) -> None:
         job = self.off.jobs[jid]
         req = self.reqs[job.rid]
@@ -534,7 +533,11 @@ class Model:
     def _step(self, _data) -> None:
         self.step_scheduled = False
         if self.async_ is not None:
-            self.async_.call()
+            # EngineCore.step_with_batch_queue; a load completing in it asks for no step at t
+            self.step_scheduled = True
+            self.async_.call(self.q.now)
+            self.step_scheduled = False
+            self.after_step(self.step_no)
             return
         if not self.has_requests() and self.off.quiet():
             # EngineCore idles (has_work): no request, and the transfers that completed before
@@ -1184,310 +1187,3 @@ class Model:
             raise inv.InvariantViolation("INV-8", self.step_no, f"{self.unfinished} requests "
                                          "never finished")
 
-
-class _Batch:
-    """One scheduled batch in the engine's batch queue, until its output is processed."""
-
-    __slots__ = ("sched", "tokens", "jobs", "executed")
-
-    def __init__(self, sched: list, executed: bool):
-        self.sched = sched          # [(request, tokens scheduled)]
-        self.tokens: list = []      # [(request, sampled token)]: the worker's sampled tokens
-        self.jobs: list[int] = []   # transfer jobs the worker reports done in this output
-        self.executed = executed
-
-
-class AsyncRun:
-    """Async scheduling (``SchedulerConfig.async_scheduling``): ``EngineCore.
-    step_with_batch_queue`` with a batch queue of depth 2 (``max_concurrent_batches``) over the
-    ``AsyncScheduler``. Each engine step (a ``STEP`` event, :meth:`call`) schedules a batch
-    while there is something to schedule and, once two batches are in flight (or nothing more
-    can be scheduled), processes the output of the oldest one (``update_from_output``): the
-    scheduler sees a step's sampled tokens and transfer completions only after it has
-    scheduled the next step.
-
-    Scheduler rules it adds (vLLM's ``AsyncScheduler`` and ``Scheduler``):
-
-    * ``num_output_placeholders`` (``ph``): a request scheduled past its prefill gets one
-      (``_update_after_schedule``) and is scheduled again for ``num_tokens + ph -
-      num_computed`` tokens before its token is known; it is skipped when its last token is
-      in flight (``num_computed + 2 - ph >= num_prompt + max_tokens``);
-    * ``allocate_slots`` caches only blocks of known tokens; the rest are cached when the
-      tokens arrive, up to ``num_computed - num_in_flight_tokens``
-      (``update_from_output``; 0.30.0's ``AsyncScheduler._update_request_with_output`` says
-      ``num_computed - num_output_placeholders``, the same count without speculative tokens);
-    * blocks out of a window are freed on the processed tokens, ``num_computed -
-      num_in_flight_tokens`` (``allocate_slots`` and ``_connector_finished`` call
-      ``remove_skipped_blocks`` on that basis), the blocks to add still count every computed
-      token;
-    * ``defer_block_free`` (set with more than one concurrent batch and a connector that can
-      be a KV consumer, as the OffloadingConnector's ``kv_both``): the freed blocks of a request
-      scheduled in a batch still in flight return to the pool when that batch's output is
-      processed (``_free_request_blocks``, ``deferred_frees``, in reverse allocation order).
-      From 0.30.0 such a request is never a preemption victim (``_request_blocks_can_be_freed``
-      in the preemption loop): no in-flight output ever becomes stale. 0.25.1-0.29.0
-      (``preempt_in_flight``) preempt it all the same; the output of its batch is still
-      delivered (appended, stop checked, 0.29.0's ``num_stale_output_tokens`` not dropped as the
-      OffloadingConnector's ``requires_kv_delivery`` is False) but caches no block, and the
-      preempted request cannot resume before it, as it is preempted in a step that schedules no
-      waiting request.
-
-    The worker reports a transfer job in the output of the first step executed at or after
-    ``due - 1`` (``due`` = creation + latency; a flushed job in the step that flushes it), as
-    the harness's worker does (:mod:`simsched.vllm.inside.engine`)."""
-
-    DEPTH = 2
-
-    def __init__(self, model: "Model"):
-        self.m = model
-        self.queue: deque[_Batch] = deque()
-        self.ph: dict[str, int] = {}          # num_output_placeholders
-        self.in_flight: dict[str, int] = {}   # num_in_flight_tokens
-        self.last_seq: dict[str, int] = {}    # Request.last_sched_seq
-        self.sched_seq = 0                    # Scheduler.sched_step_seq
-        self.processed_seq = 0                # Scheduler.processed_step_seq
-        self.deferred: deque = deque()        # (fence, blocks in allocation order)
-        self.due: dict[int, int] = {}         # job ID -> due time
-        self.batch: _Batch | None = None
-        # 0.25.1-0.29.0: no _request_blocks_can_be_freed check in Scheduler.schedule's
-        # preemption loop (0.30.0+), a request whose batch is in flight can be preempted
-        self.preempt_in_flight: bool = model.profile.extra.get("preempt_in_flight", False)
-        self.window_frees_on_processed: bool = model.profile.extra.get(
-            "window_frees_on_processed", True)
-
-    def has_requests(self) -> bool:
-        return self.m.has_requests()
-
-    def busy(self) -> bool:
-        """The engine steps again: something to schedule, a job pending, a batch in flight."""
-        return self.has_requests() or not self.m.off.quiet() or bool(self.queue)
-
-    def processed(self, req: Request) -> int:
-        """``num_computed_tokens - num_in_flight_tokens``: the tokens of batches whose output is
-        processed, the basis on which blocks out of a window are freed (``allocate_slots``,
-        ``_connector_finished``: "in-flight steps' attention windows still read blocks below
-        the optimistic boundary"). 0.25.1 has no ``num_in_flight_tokens``: both free them on
-        ``num_computed_tokens``, in-flight tokens included."""
-        if not self.window_frees_on_processed:
-            return req.num_computed
-        return max(0, req.num_computed - self.in_flight.get(req.rid, 0))
-
-    def can_free(self, req: Request) -> bool:
-        return self.last_seq.get(req.rid, 0) <= self.processed_seq
-
-    def defer_free(self, req: Request) -> None:
-        self.m.kv.forget(req)
-        blocks = [b for table in req.tables for b in table if b != NULL]
-        for table in req.tables:
-            table.clear()
-        req.quiet_until = -1
-        req.num_cached_blocks = [0] * len(req.tables)
-        if blocks:
-            self.deferred.append((self.sched_seq, blocks))
-
-    def held(self) -> list:
-        """The deferred blocks as holders for the pool check."""
-        return [_Held(blocks) for _, blocks in self.deferred]
-
-    def after_schedule(self, sched_reqs: list) -> None:
-        """``_update_after_schedule`` (num_computed itself advances when the batch executes).
-        (No quiet decodes with async scheduling: every entry is a ``Sched`` tuple.)"""
-        self.batch = _Batch([(req, n) for req, n, _ in sched_reqs], bool(sched_reqs))
-        if sched_reqs:
-            self.sched_seq += 1
-        ph, in_flight, seq = self.ph, self.in_flight, self.sched_seq
-        for req, n, _ in sched_reqs:
-            rid = req.rid
-            in_flight[rid] = in_flight.get(rid, 0) + n
-            self.last_seq[rid] = seq
-            if req.num_computed + n >= len(req.tokens) + ph.get(rid, 0):   # not a prefill chunk
-                ph[rid] = ph.get(rid, 0) + 1
-
-    def call(self) -> None:
-        m = self.m
-        t = m.q.now
-        queue = self.queue
-        m.step_scheduled = True      # a load completing in here asks for no step at t
-        if self.has_requests() or not m.off.quiet():
-            sched_reqs, stores = m.schedule(t)
-            batch = self.batch
-            assert batch is not None                 # (m.schedule's after_schedule made it)
-            queue.appendleft(batch)
-            if len(queue) < self.DEPTH and (batch.executed or self.has_requests()):
-                self._execute(batch, t, sched_reqs, stores)
-            elif queue[-1] is batch:
-                queue.pop()
-                self._execute(batch, t, sched_reqs, stores)
-                self._apply(batch)
-            else:
-                self._apply(queue.pop())
-                self._execute(batch, t, sched_reqs, stores)
-        elif queue:
-            self._apply(queue.pop())
-        m.step_scheduled = False
-        m.after_step(m.step_no)
-
-    def _execute(self, batch: _Batch, t: int, sched_reqs: list, stores: list) -> None:
-        m = self.m
-        m.execute_model(t, m.step_no, sched_reqs, stores)
-        due = self.due
-        batch.jobs = sorted([j for j, d in due.items() if d <= t + 1])
-        for j in batch.jobs:
-            del due[j]
-
-    def _apply(self, batch: _Batch) -> None:
-        """``update_from_output``: deferred frees, sampled tokens (stops), then the connector's
-        output (loads through ``finished_recving``, store and load jobs completed)."""
-        m = self.m
-        pool = m.kv.pool
-        if batch.executed:
-            self.processed_seq += 1
-            deferred = self.deferred
-            while deferred and deferred[0][0] <= self.processed_seq:
-                pool.free_blocks(reversed(deferred.popleft()[1]))
-        in_flight, ph = self.in_flight, self.ph
-        for req, n in batch.sched:
-            in_flight[req.rid] -= n
-        for req, tok in batch.tokens:
-            if req.finished:
-                continue            # aborted while the batch was in flight
-            running = req.status == RUNNING
-            req.append_tokens([tok])
-            ph[req.rid] -= 1
-            if running:
-                m.kv.cache_blocks(req, req.num_computed - in_flight[req.rid])
-            if len(req.tokens) >= req.max_tokens:
-                m.finish_request(req)
-        failing = [jid for jid in batch.jobs if jid in m.failing]
-        if failing:
-            # the worker raised before it reported any job of the batch: the step ends with
-            # its check, then the run stops (after_step)
-            m.failed_job = failing[0]
-            return
-        jobs = m.off.jobs
-        for jid in batch.jobs:
-            job = jobs.get(jid)
-            if job is None:
-                continue
-            if job.is_store:
-                m.store_done(jid)
-            else:
-                m.load_done(jid)
-        m.progress = m.progress or batch.executed or bool(batch.jobs)
-
-
-class _Held:
-    __slots__ = ("tables",)
-
-    def __init__(self, blocks: list[int]):
-        self.tables = [blocks]
-
-
-def crash_finding(e: ConfigError, step: int | None) -> dict:
-    out = {"kind": "crash", "exception": e.exception, "function": e.function, "file": e.file,
-           "stage": e.stage, "message": e.message, "step": step,
-           "caller": getattr(e, "caller", "") or None}
-    return out
-
-
-def run_case(case: Case, profile: Profile | str | None = None, *, checks: str = "full",
-             trace: bool = True, observed_walks: dict[int, list] | None = None) -> RunResult:
-    """Run ``case`` under ``profile`` (a name from ``PROFILES`` or a Profile).
-
-    ``checks="full"`` checks every invariant (INV-1/2 walk the pool every step); ``"fast"``
-    skips the O(pool) walk and the INV-9 oracle. ``trace=False`` keeps no trace lines.
-    ``observed_walks``: job ID -> the order a release's run walked the job's key set in, the
-    one order vLLM leaves unspecified (``cpu_manager.walk_order``), for a run compared with it.
-
-    The run pauses the cyclic garbage collector (:func:`collector_paused`).
-    """
-    with collector_paused():
-        return _run_case(case, profile, checks, trace, observed_walks)
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused, and resumed on exit if it was on, around a run: a
-    run leaves no cyclic garbage (``Model.release`` breaks the model's own cycles; see
-    ``tests/test_model.py::test_run_leaves_no_cyclic_garbage``), so the collector's automatic
-    passes, one every few hundred container allocations, walked the run's live objects and
-    freed nothing. Reference counting frees everything the run drops, as before."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _run_case(case: Case, profile: Profile | str | None, checks: str, trace: bool,
-              observed_walks: dict[int, list] | None = None) -> RunResult:
-    if not case.layout.planned:
-        raise LayoutError("layout.groups", "a layout of layers runs once a release's planner "
-                          "built its groups (simsched.planning.plan)")
-    prof = resolve_profile(profile)
-    result = RunResult(profile=prof.name)
-    # the engine checks its KV cache pool (get_kv_cache_configs), then the block size
-    # (validate_block_size), before it builds the scheduler
-    refusal = check_enough_kv_cache_memory(case, prof) or validate_block_size(case, prof)
-    if refusal is not None:
-        result.refused = refusal
-        result.trace = [header(prof.name, case.asserts), f"refused at start-up: {refusal}"]
-        result.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0}
-        return result
-    try:
-        model = Model(case, prof, checks=checks, trace=trace, observed_walks=observed_walks)
-    except ConfigError as e:
-        result.trace = [header(prof.name, case.asserts),
-                        f"crash {e.exception} {e.function} {e.stage}"]
-        result.findings.append(crash_finding(e, None))
-        result.counters = {"steps": 0, "stores": 0, "loads": 0, "preemptions": 0}
-        return result
-    try:
-        model.run()
-    except ConfigError as e:
-        model.lines.append(f"crash {e.exception} {e.function} {e.stage}")
-        result.findings.append(crash_finding(e, model.step_no))
-        e.__traceback__ = None      # (see below)
-    except TransferFailed as e:
-        result.unsupported = str(e)
-        e.__traceback__ = None
-    except RunEnded as e:      # a job that never completes: the last line says so
-        e.__traceback__ = None
-    except inv.InvariantViolation as v:
-        model.lines.append(f"violation {v.inv_id} {v.detail}")
-        result.findings.append(v.to_json())
-        # the finding is kept as data: drop the traceback, whose frames hold the model and, where
-        # a check's result was raised (``raise v``), the exception itself (a cycle that only the
-        # cyclic collector would free)
-        v.__traceback__ = None
-    model.counters["cpu_evictions"] = model.off.tier.evictions
-    result.trace = model.lines
-    result.counters = model.counters
-    model.release()
-    return result
-
-
-def cli_run(case_path: str, profile: str | None = None, out=sys.stdout) -> int:
-    """``simsched run CASE.json``: print the trace; 0 when clean, 1 when a finding occurred."""
-    case = load_case(case_path)
-    result = run_case(case, profile)
-    out.write(result.trace_text())
-    if result.refused is not None:
-        return 0            # not run: no finding
-    if result.unsupported is not None:
-        out.write(f"UNSUPPORTED {result.unsupported}\n")
-        return 0
-    if result.findings:
-        f = result.findings[0]
-        if f["kind"] == "crash":
-            out.write(f"FINDING crash: {f['exception']} in {f['function']} (stage {f['stage']}, "
-                      f"step {f['step']}): {f['message']}\n")
-        else:
-            out.write(f"FINDING {f['inv_id']} at step {f['step']}: {f['detail']}\n")
-        return 1
-    c = result.counters
-    out.write(f"CLEAN steps={c['steps']} stores={c['stores']} loads={c['loads']} "
-              f"preemptions={c['preemptions']}\n")
-    return 0
