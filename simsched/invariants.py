@@ -101,7 +101,7 @@ def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolatio
 
 def check_store_job(step: int, job, geo) -> InvariantViolation | None:
     """INV-3: one key per chunk, each paired with its chunk's source blocks. ``job``: the
-    model's :class:`~simsched.model.offloading_scheduler.Job` or any job with ``items`` (the
+    model's :class:`~simsched.model.offloading_common.Job` or any job with ``items`` (the
     real-vLLM harness)."""
     per_group: dict[int, tuple[int, int]] = {}
     cfgs = {g.group_id: g for g in geo.groups}
@@ -145,7 +145,7 @@ def check_loaded(step: int, job, req, shadow, geo, tpbs: dict | None = None
                  ) -> InvariantViolation | None:
     """INV-5: after a load, its destination blocks hold the request's own tokens. ``tpbs``:
     tokens per block by group id, when the caller has them. ``job``: the model's
-    :class:`~simsched.model.offloading_scheduler.Job` or any job with ``items`` (the real-vLLM
+    :class:`~simsched.model.offloading_common.Job` or any job with ``items`` (the real-vLLM
     harness)."""
     if tpbs is None:
         tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}

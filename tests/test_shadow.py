@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from simsched import invariants as inv
 from simsched.model.block_pool import NULL
 from simsched.model.request import Request, key_ident, make_key
-from simsched.model.offloading_scheduler import Job
+from simsched.model.offloading_common import Job
 from simsched.shadow import Shadow
 
 UNIT = 4

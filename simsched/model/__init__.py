@@ -12,6 +12,7 @@ module                             mirrors (``vllm/...``)
 ``kv_cache_manager``               ``v1/core/kv_cache_manager.py``, ``kv_cache_coordinator.py``
 ``offloading_scheduler``           ``distributed/kv_transfer/kv_connector/v1/offloading/
                                    scheduler.py`` (``OffloadingConnectorScheduler``)
+``offloading_common``              ``.../offloading/common.py`` (``TransferJob``: ``Job``)
 ``cpu_manager``                    ``v1/kv_offload/cpu/manager.py`` and its LRU policies
 ``scheduler``                      ``v1/core/sched/scheduler.py`` (``Scheduler.schedule``,
                                    ``update_from_output``) and the model runner's writes

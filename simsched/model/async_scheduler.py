@@ -17,7 +17,8 @@ from typing import Protocol
 
 from simsched.model.block_pool import NULL
 from simsched.model.kv_cache_manager import KVCacheManager
-from simsched.model.offloading_scheduler import Job, OffloadingConnectorScheduler
+from simsched.model.offloading_common import Job
+from simsched.model.offloading_scheduler import OffloadingConnectorScheduler
 from simsched.model.request import RUNNING, Request
 from simsched.profiles import Profile
 

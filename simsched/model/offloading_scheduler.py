@@ -12,6 +12,16 @@ An offload key is ``(group_id, block_hash)`` as in ``make_offload_key``, kept as
 (``request.make_key``, taken apart by ``key_group`` / ``key_ident``); every key also has a
 request-relative hash index (kept beside it) for traces. Where vLLM raises, the model raises
 :class:`ModelCrash` (a :class:`~simsched.geometry.ConfigError`) naming the vLLM function.
+
+Size: mirrors vLLM's ``offloading/scheduler.py`` (2,462 lines in 0.33.0) hook for hook: the
+lookup (``get_num_new_matched_tokens``, ``_lookup_complete_chunks``), the loads
+(``update_state_after_alloc``), the stores and their fences (``build_connector_meta``,
+``_build_store_jobs``, ``_reachable_store_block_mask``), the completions and
+``request_finished``. vLLM keeps the request state (``RequestOffloadState``,
+``RequestGroupState``) and ``OffloadingConnectorScheduler`` in that one module in every release
+from 0.25.1 to 0.33.0, and the hooks share the connector's tables of jobs, fences and request
+states; the one piece vLLM keeps apart, the transfer job (``TransferJob``,
+``offloading/common.py``), is apart here too: :mod:`simsched.model.offloading_common`.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from simsched.geometry import (Geometry, GroupGeometry, connector_window_tokens,
 from simsched.model.block_pool import NULL
 from simsched.model.cpu_manager import (HIT_PENDING, MISS, CPUOffloadingManager,
                                         RankedCPUManager)
+from simsched.model.offloading_common import Job
 from simsched.model.request import ABORTED, Key, Request, make_key
 from simsched.model.single_type_kv_cache_manager import window_reachable_blocks
 from simsched.profiles import SCHEDULER_PY, ConfigError, Profile, retention_interval
@@ -119,80 +130,6 @@ class RequestOffloadState:
         self.num_local = 0
         self.finished_signaled = False
         self.next_key_at = 0       # num_tokens below which update_offload_keys adds no key
-
-
-class Job:
-    """A transfer job. Its chunks, in order, are kept as parallel lists (no object per chunk):
-    chunk ``x`` is group ``gids[x]``'s chunk ``cidx[x]``, named by the key ``ckeys[x]`` made from
-    the request's block hash ``hidx[x]``; its blocks (a store's sources, a load's destinations)
-    are ``bids[bpos[x]:bpos[x + 1]]``, at the block indices ``bidx[bpos[x]:bpos[x + 1]]`` of the
-    request's table. :meth:`chunks` gives them as ``(group_id, chunk_idx, hash_idx, key,
-    [(block_index, block_id)])`` tuples. ``keys``: a load's, the list ``ckeys`` (which the tier
-    walks in the order it needs when the load completes); a store's, its chunks'
-    keys (``ckeys`` lists them, in chunk order, with ``contents``: the tier completes those). A
-    store's fences (``_block_id_to_pending_jobs``): ``fenced``, the blocks fenced at once (None
-    if none); ``deferred``, whether its other source blocks are fenced once its request finishes
-    (OffloadingConnectorScheduler._deferred lists them). ``cpu_chunks``: the CPU tier's chunks of
-    ``ckeys`` (``ChunkStatus``), in order, as the job was prepared (vLLM's store or load spec:
-    a chunk being written or read is not evicted), None if not known (looked up then)."""
-
-    __slots__ = ("jid", "rid", "is_store", "keys", "gids", "cidx", "hidx", "ckeys", "bpos",
-                 "bidx", "bids", "fenced", "deferred", "read", "contents", "done",
-                 "cpu_chunks", "unready")
-
-    def __init__(self, jid, rid, is_store, keys, fenced=None, deferred: bool = False):
-        self.jid, self.rid, self.is_store = jid, rid, is_store
-        self.keys = keys
-        self.gids: list[int] = []
-        self.cidx: list[int] = []
-        self.hidx: list[int] = []
-        self.ckeys: list = []           # the chunks' offload keys
-        self.bpos: list[int] = [0]
-        self.bidx: list[int] = []
-        self.bids: list = []            # the GPU block IDs, as the block tables hold them
-        self.fenced = fenced
-        self.deferred = deferred
-        self.read = False            # a store has read its source blocks
-        self.contents: list = []       # a store's chunk contents, in chunk order, once read
-        self.done = False
-        self.cpu_chunks: list | None = None
-        self.unready: list[int] = []    # a load's chunks not ready when it was prepared
-
-    def add_chunk(self, gid: int, c: int, hidx: int, key: Key, blocks) -> None:
-        """Append a chunk; ``blocks``: its ``(block_index, block_id)`` pairs."""
-        self.gids.append(gid)
-        self.cidx.append(c)
-        self.hidx.append(hidx)
-        self.ckeys.append(key)
-        for i, b in blocks:
-            self.bidx.append(i)
-            self.bids.append(b)
-        self.bpos.append(len(self.bids))
-
-    def chunk(self, x: int) -> tuple:
-        """Chunk ``x`` as ``(group_id, chunk_idx, hash_idx, key, [(block_index, block_id)])``."""
-        lo, hi = self.bpos[x], self.bpos[x + 1]
-        return (self.gids[x], self.cidx[x], self.hidx[x], self.ckeys[x],
-                list(zip(self.bidx[lo:hi], self.bids[lo:hi])))
-
-    def chunks(self) -> list[tuple]:
-        """Every chunk, as :meth:`chunk` gives it."""
-        return [self.chunk(x) for x in range(len(self.gids))]
-
-    @property
-    def items(self) -> list[tuple]:
-        """:meth:`chunks`: the shape of the real-vLLM harness's jobs, which the trace and the
-        named invariant checks read (built on demand)."""
-        return self.chunks()
-
-    def set_chunks(self, items) -> None:
-        """Replace the chunks by ``items``, tuples as :meth:`chunk` gives them (tests); their
-        CPU chunks are not known then."""
-        self.cpu_chunks = None
-        self.gids, self.cidx, self.hidx, self.ckeys = [], [], [], []
-        self.bpos, self.bidx, self.bids = [0], [], []
-        for gid, c, hidx, key, blocks in items:
-            self.add_chunk(gid, c, hidx, key, blocks)
 
 
 class OffloadingConnectorScheduler:

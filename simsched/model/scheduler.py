@@ -48,7 +48,8 @@ from simsched.model import events as ev
 from simsched.model.async_scheduler import AsyncRun
 from simsched.model.block_pool import NULL
 from simsched.model.kv_cache_manager import KVCacheManager
-from simsched.model.offloading_scheduler import Job, ModelCrash, OffloadingConnectorScheduler
+from simsched.model.offloading_common import Job
+from simsched.model.offloading_scheduler import ModelCrash, OffloadingConnectorScheduler
 from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_FOR_LOAD, Request
 from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
                                                          CircularBufferManager)

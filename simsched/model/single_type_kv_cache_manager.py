@@ -25,6 +25,15 @@ None) unless a window needs fewer blocks than a scheduler block holds; under a r
 only those a later request can reach at the replay boundaries or the shared-prefix junction (0),
 or also one checkpoint per interval. A block left out is never hashed: freed, it goes to the
 front of the free queue.
+
+Size: mirrors vLLM's ``v1/core/single_type_kv_cache_manager.py`` (2,730 lines in 0.33.0): the
+base manager and the kinds the model has, each overriding the hooks vLLM's overrides
+(``get_num_skipped_tokens``, ``get_num_blocks_to_allocate``, ``remove_skipped_blocks``,
+``reachable_block_mask``, ``new_step_starts``), with ``make_manager`` for vLLM's
+``get_manager_for_kv_cache_spec``; and the bodies of the sliding-window and Mamba
+``reachable_block_mask`` as functions (``window_reachable_blocks``, ``mamba_reachable_blocks``),
+which the connector's store mask calls too. A kind's rules read as overrides of the base class
+beside them, as in vLLM's one module: splitting it would part that class hierarchy.
 """
 
 from __future__ import annotations
