@@ -134,9 +134,9 @@ def model_trace(case, data: dict) -> list[str] | None:
 
 def vllm_test(folder: Path, finding, data: dict, verify: bool) -> list[str]:
     """Write the vLLM-only test of a ``bug`` finding; the README lines that say which test is
-    which and whether the vLLM-only one was verified (:func:`fuzz.vllm_repro.verify`)."""
+    which and whether the vLLM-only one was verified (:func:`fuzz.vllm_repro_verify.verify`)."""
     from fuzz import triage as tri
-    from fuzz import vllm_repro
+    from fuzz import vllm_repro, vllm_repro_verify
     lines = ["", "## Tests", "",
              "- `test_repro.py`: runs the case on simsched's harness of each installed release "
              "(guards simsched's own regressions; needs simsched)."]
@@ -154,7 +154,7 @@ def vllm_test(folder: Path, finding, data: dict, verify: bool) -> list[str]:
         return lines + [what + "; not verified (`simsched repro case.json` verifies it)."]
     from simsched.vllm.releases import installed, installed_derived
     releases = [r for r in installed() + installed_derived() if r.version in finding.installed]
-    verdict = vllm_repro.verify(path, data, releases)
+    verdict = vllm_repro_verify.verify(path, data, releases)
     _write(folder / "vllm_repro.json", json.dumps(verdict.to_json(), indent=1) + "\n")
     runs = ", ".join(f"{v} {r}" for v, r in verdict.results.items())
     state = "verified" if verdict.verified else f"**unverified**: {verdict.reason}"

@@ -94,7 +94,7 @@ def test_vllm_only_repro_of_the_campaign_fails_on_030_and_passes_on_033(campaign
     """The campaign writes the bug's vLLM-only test unverified (no --verify-repros); run
     through each release's plain environment from an empty folder it fails on 0.30.0 and
     passes on 0.33.0."""
-    from fuzz import vllm_repro
+    from fuzz import vllm_repro_verify
     from simsched.vllm.releases import installed
     out, data = campaign
     boot = boot_finding(data)
@@ -103,7 +103,7 @@ def test_vllm_only_repro_of_the_campaign_fails_on_030_and_passes_on_033(campaign
     assert [t.name for t in tests] == ["test_vllm_boot_assert_build_offloading_config.py"]
     assert "; not verified (" in (folder / "README.md").read_text()
     releases = [r for r in installed() if r.version in ("0.30.0", "0.33.0")]
-    verdict = vllm_repro.verify(tests[0], boot, releases)
+    verdict = vllm_repro_verify.verify(tests[0], boot, releases)
     assert verdict.results == {"0.30.0": "failed", "0.33.0": "passed"}, verdict.reason
     assert verdict.verified
 

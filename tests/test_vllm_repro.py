@@ -1,5 +1,6 @@
 """vLLM-only repros: the plain release environment (`simsched releases env`), the generated
-``test_vllm_*.py`` files (fuzz/vllm_repro.py) and their verification on real releases.
+``test_vllm_*.py`` files (fuzz/vllm_repro.py) and their verification on real releases
+(fuzz/vllm_repro_verify.py).
 
 The real checks need `simsched releases install` to have run; they FAIL when a release they
 name is missing."""
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz import vllm_repro
+from fuzz import vllm_repro, vllm_repro_verify
 from simsched.case import Case
 from simsched.lockstep import HANDMADE
 from simsched.vllm import releases as rel
@@ -224,17 +225,17 @@ def test_verify_wants_fail_where_affected_and_pass_where_clean(tmp_path, monkeyp
     runs = {"0.29.0": ("failed", "E   AssertionError: tokens_per_block=4"),
             "0.30.0": ("failed", "E   ValueError: something else"),
             "0.31.0": ("passed", "1 passed")}
-    monkeypatch.setattr(vllm_repro, "run_on", lambda path, r, asserts: runs[r.version])
+    monkeypatch.setattr(vllm_repro_verify, "run_on", lambda path, r, asserts: runs[r.version])
     rels = [InstalledRelease(v, tmp_path, tmp_path, "") for v in runs]
-    verdict = vllm_repro.verify(tmp_path / "t.py", RING_FINDING, rels)
+    verdict = vllm_repro_verify.verify(tmp_path / "t.py", RING_FINDING, rels)
     assert not verdict.verified
     assert verdict.results == {"0.29.0": "failed", "0.30.0": "failed otherwise",
                                "0.31.0": "passed"}
     assert verdict.reason.startswith("0.30.0: failed otherwise, expected failed")
     runs["0.30.0"] = ("failed", "E   AssertionError: tokens_per_block=4")
-    assert vllm_repro.verify(tmp_path / "t.py", RING_FINDING, rels).verified
+    assert vllm_repro_verify.verify(tmp_path / "t.py", RING_FINDING, rels).verified
     wider = dict(RING_FINDING, releases_clean=["0.31.0", "0.32.0"])
-    assert "not installed: 0.32.0" in vllm_repro.verify(tmp_path / "t.py", wider, rels).reason
+    assert "not installed: 0.32.0" in vllm_repro_verify.verify(tmp_path / "t.py", wider, rels).reason
 
 
 def test_repro_command_bad_input_is_a_one_line_error(tmp_path):
@@ -572,10 +573,10 @@ def test_load_within_max_load_tokens_passes(runs):
 
 
 def test_verify_runs_a_generated_invariant_file_from_an_empty_folder(tmp_path):
-    """fuzz.vllm_repro.verify end to end (each release's plain environment, an empty folder),
+    """fuzz.vllm_repro_verify.verify end to end (each release's plain environment, an empty folder),
     on the INV-10 file: it fails with its own message where present, passes where clean."""
     path = _render(tmp_path, TAIL, TAIL_FINDING)
-    verdict = vllm_repro.verify(path, TAIL_FINDING, [_installed(v) for v in ("0.30.0", "0.33.0")])
+    verdict = vllm_repro_verify.verify(path, TAIL_FINDING, [_installed(v) for v in ("0.30.0", "0.33.0")])
     assert verdict.results == {"0.30.0": "failed", "0.33.0": "passed"}, verdict.reason
     assert verdict.verified
 
