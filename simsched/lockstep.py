@@ -7,7 +7,7 @@
         res.agree, res.divergence, res.observations
 
 The release side runs in the release's worker (op ``run_case``,
-:mod:`simsched.vllm.inside.engine`): the real ``Scheduler`` and ``OffloadingConnector`` driven
+:mod:`simsched.vllm.inside.run`): the real ``Scheduler`` and ``OffloadingConnector`` driven
 through the case, emitting ``simsched-trace/1`` and checking the invariants on a content shadow
 of the real run. The model side is :func:`simsched.model.run_case` under
 ``profile_for_release(version)`` (a derived target: its base release's).

@@ -9,10 +9,11 @@ not an observation of vLLM: vLLM's own failures are outcomes inside ``result``).
 Ops: ``ping``, ``config_batch`` (``items``: list of ``{"layout", "num_tokens"}``),
 ``scheduler_construct`` (``layout``), ``plan`` (``case``: the KV cache groups the release's
 planner builds of a layout of layers), ``run_case`` (``case``, ``mutant``, ``step_cap``: see
-:mod:`simsched.vllm.inside.engine`), ``features``, ``coverage`` (``action``: ``take``, ``reset`` or
-``summary``; arc coverage of the offloading code, collected when the worker starts with
-``SIMSCHED_COVERAGE=1``, see :mod:`simsched.vllm.inside.coverage`), ``exit``; and ``sleep`` (``seconds``), a
-test-only op that exists only when the worker runs with ``SIMSCHED_WORKER_TEST_OPS=1``.
+:mod:`simsched.vllm.inside.engine` and :mod:`simsched.vllm.inside.run`), ``features``,
+``coverage`` (``action``: ``take``, ``reset`` or ``summary``; arc coverage of the offloading
+code, collected when the worker starts with ``SIMSCHED_COVERAGE=1``, see
+:mod:`simsched.vllm.inside.coverage`), ``exit``; and ``sleep`` (``seconds``), a test-only op
+that exists only when the worker runs with ``SIMSCHED_WORKER_TEST_OPS=1``.
 """
 
 from __future__ import annotations

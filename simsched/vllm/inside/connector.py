@@ -1,0 +1,80 @@
+"""The seam between a run and the KV connector it drives: what the harness reads of a
+connector, and hands to it, in the connector's own terms. One implementation today,
+:class:`simsched.vllm.inside.offloading.OffloadingConnectorDriver`; a driver of another
+connector (``SimpleCPUOffloadConnector``, a ``MultiConnector`` of several, tiered offloading)
+implements the same methods beside it, and the run, the offloading worker, the hit oracle and
+the model runner take it as they take this one.
+
+Items: a job's chunks as the content shadow judges them, per chunk ``(group_id, chunk_idx,
+hash_idx, key, [(block_index, block_id), ...])``, ``key`` the model's content key
+(:func:`simsched.model.request.make_key`) of the chunk's last token."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+
+class ScheduledJobs(NamedTuple):
+    """The jobs one ``SchedulerOutput`` hands the worker: job ID -> the connector's job of the
+    loads and the stores, the job IDs to flush (the worker waits for them before the step
+    runs), and the metadata that carried them."""
+
+    meta: Any
+    loads: dict
+    stores: dict
+    flush: set
+
+
+class ConnectorDriver(Protocol):
+    # -- read at boot, from the connector's scheduler side -------------------------------------
+    #: per offloaded KV cache group: ``group_id``, ``tokens_per_block``, ``tokens_per_chunk``,
+    #: ``cow_source`` (stores of one boundary block whose index the job names)
+    groups: list
+    group_by_id: dict
+    #: ``tokens_per_hash`` and ``groups``, as the invariants' checks take them
+    geometry: Any
+    tph: int
+    blocks_per_chunk: int
+    #: the connector stores partial tails (one block per group at a boundary inside a chunk)
+    partial_tails: bool
+    #: per-request cap name (``max_offload_tokens``, ``max_load_tokens``) -> the connector
+    #: honours it
+    caps_supported: dict[str, bool]
+
+    def drafter_groups(self, case) -> set[int]:
+        """The groups the connector treats as EAGLE drafter groups (INV-9's eagle-tail rule)."""
+
+    # -- lookups ------------------------------------------------------------------------------
+    def observe_lookups(self, observer) -> None:
+        """Hand every answered ``get_num_new_matched_tokens`` to ``observer(request,
+        num_computed_tokens, answer, max_num_new_tokens)``."""
+
+    def stop_observing(self) -> None: ...
+
+    def reads_load_cap(self, rid: str) -> bool:
+        """The connector bounds this request's loads by its ``max_load_tokens``."""
+
+    def tier_holds(self, request, block_hash, gid: int) -> bool:
+        """The offload tier still holds the chunk ending at ``block_hash`` of group ``gid``."""
+
+    # -- the jobs of a step -------------------------------------------------------------------
+    def has_jobs(self) -> bool:
+        """The connector has jobs it has not been told are done."""
+
+    def scheduled_jobs(self, out) -> ScheduledJobs:
+        """The jobs in ``SchedulerOutput.kv_connector_metadata``."""
+
+    def job_items(self, jid: int, tjob, is_store: bool, requests) -> tuple[list, list | None]:
+        """The job's items, and its keys in the order the connector completes them (or
+        None)."""
+
+    def job_slots(self, tjob, is_store: bool):
+        """The offload tier's slots the job writes or reads, one per item, or None."""
+
+    # -- their completion ---------------------------------------------------------------------
+    def connector_output(self, completed_jobs: list[int], finished_recving: set[str]):
+        """The ``KVConnectorOutput`` of a model runner output reporting these jobs and these
+        requests' loads done, or None."""
+
+    def worker_refusal(self, vc, kvc, meta, jid: int) -> str | None:
+        """Job ``jid`` fails on the connector's own worker side: what it raised, or None."""
