@@ -26,6 +26,9 @@ KINDS: dict[str, str] = {
 }
 #: Kinds whose attention reaches back only a bounded number of tokens.
 WINDOWED_KINDS = ("sliding_window", "sliding_window_mla")
+#: Kinds whose manager frees the blocks out of reach and puts the null block in their place
+#: (``remove_skipped_blocks``; a hit pads them with it): the only tables with null blocks.
+SKIPPING_KINDS = ("sliding_window", "sliding_window_mla", "chunked_local", "mamba")
 #: Kinds whose block size is scaled by decode context parallelism (attention specs).
 DCP_SHARDED_KINDS = tuple(k for k in KINDS if k != "mamba")
 #: Kinds vLLM's KV cache manager refuses under decode context parallelism (``dcp_size`` > 1),

@@ -30,6 +30,7 @@ from typing import Any
 
 from simsched.geometry import (Geometry, GroupGeometry, connector_window_tokens,
                                offload_key_indices)
+from simsched.layout import SKIPPING_KINDS
 from simsched.model.block_pool import NULL
 from simsched.model.cpu_manager import (HIT_PENDING, MISS, CPUOffloadingManager,
                                         RankedCPUManager)
@@ -206,8 +207,10 @@ class OffloadingConnectorScheduler:
         # RequestOffloadState.storable_chunks clamps to the keyed chunks (0.30.0+)
         self.keyed_chunk_clamp = profile.keyed_chunk_clamp
         self.finish_clamp = profile.extra.get("finish_store_clamp", profile.keyed_chunk_clamp)
-        # 0.25.1: an EAGLE group's trailing chunk of each store is skipped for good
-        self.eagle_tail_hole: bool = profile.extra.get("eagle_tail_hole", False)
+        # 0.25.1: an EAGLE group's trailing chunk of each store is skipped for good (asked of
+        # the profile only for a layout with a drafter group)
+        self.eagle_tail_hole: bool = any(cfg.drafter for cfg in self.cfgs) and bool(
+            profile.extra.get("eagle_tail_hole", False))
         self.observer = None     # set by the model: gets (event, payload) callbacks
         self.prompt_only = layout.engine.offload_prompt_only if layout is not None else True
         # 0.30.0+ (the releases with retention plumbing, ``profile.retention_check``): a sliding
@@ -221,8 +224,11 @@ class OffloadingConnectorScheduler:
         self.restart_store_idx = profile.extra.get("restart_store_idx", False)
         # 0.33.0's _build_store_jobs skips a chunk with a reachable null block, not only one
         # whose last block is null ("A reachable null block would leave part of the chunk
-        # unwritten")
-        self.skip_null_chunks: bool = profile.extra.get("store_skip_null_chunks", False)
+        # unwritten"). Only the managers that skip blocks (sliding window, chunked local, Mamba)
+        # put null blocks in a table: the profile is asked only for a layout with one
+        self.skip_null_chunks: bool = layout is not None and any(
+            g.kind in SKIPPING_KINDS for g in layout.groups) and bool(
+            profile.extra.get("store_skip_null_chunks", False))
         # 0.33.0's update_state_after_alloc records every block of an admitted request, in every
         # group (also groups not offloaded, GPU hits included) as allocated in this batch, with or
         # without a load: a pending store fencing one of them is flushed

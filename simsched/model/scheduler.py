@@ -144,18 +144,19 @@ class Model:
         if any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in layout.groups):
             self.mamba_split_bs = cache_block_size(layout)
         # the last block-aligned position whose state can be cached: floor(num_tokens) up to
-        # 0.31.0, get_mamba_prefill_checkpoint_position (floor(num_tokens - 1)) from 0.32.0
-        self.mamba_split_below = profile.extra.get("mamba_checkpoint_below", False)
-        # up to 0.26.0 no sub-block prefill chunk for a block wider than the budget
-        self.mamba_wide_block_skip = profile.extra.get("align_budget_assert", False)
+        # 0.31.0, get_mamba_prefill_checkpoint_position (floor(num_tokens - 1)) from 0.32.0;
+        # and up to 0.26.0 no sub-block prefill chunk for a block wider than the budget. The
+        # profile is asked only where prefill chunks are cut so (an align-mode Mamba group)
+        self.mamba_split_below = bool(self.mamba_split_bs) and bool(
+            profile.extra.get("mamba_checkpoint_below", False))
+        self.mamba_wide_block_skip = bool(self.mamba_split_bs) and bool(
+            profile.extra.get("align_budget_assert", False))
         # Scheduler.mamba_partial_cache_hit (0.26.0+): a hash unit below the scheduler block and
         # fine-grained hash hits on: a prefill chunk also stops at the prompt's last hash
         # boundary, the only step end that registers its partial-tail Mamba state (_mamba_tail)
         self.mamba_tail_unit = geo.tokens_per_hash if (
             self.mamba_split_bs and self.kv.config.partial_hash_hits
             and geo.tokens_per_hash < geo.scheduler_block_size) else 0
-        # 0.30.0+: under EAGLE's block drop that boundary is one hash unit lower
-        self.mamba_tail_eagle_shift = profile.extra.get("mamba_tail_eagle_shift", True)
         spec = layout.engine.speculative
         self.num_spec = spec.num_tokens if spec is not None else 0
         # VllmConfig.num_lookahead_tokens: EAGLE-style drafters write KV past the scheduled
@@ -173,14 +174,22 @@ class Model:
         # Scheduler.schedule pads a new one-token decode from the waiting queue also when it
         # resumes after a prefix hit (num_computed_tokens > 0), not only beside running
         # requests (0.30.0+; 0.25.1-0.29.0: scheduled_running_reqs and not prefill_scheduled)
-        self.spec_pad_after_hit: bool = profile.extra.get("spec_pad_after_hit", True)
+        # (asked of the profile only when the engine drafts)
+        self.spec_pad_after_hit: bool = spec is not None and bool(
+            profile.extra.get("spec_pad_after_hit", True))
         self.padded: set[str] = set()
-        self.kv.config.eagle_drop = bool(self.lookahead)
-        # the sparse-retention masks' EAGLE boundaries (KVCacheManager._reachable_mask)
-        self.kv.config.eagle_replay_pair = profile.extra.get("eagle_replay_pair", True)
-        self.kv.config.eagle_junction_below = profile.extra.get("eagle_junction_below", False)
-        self.kv.config.eagle_margin = (len(layout.groups) > 1
-                                and profile.extra.get("eagle_hit_margin", False))
+        self.kv.config.eagle_drop = eagle = bool(self.lookahead)
+        # what EAGLE's block drop changes, asked of the profile only under EAGLE-style drafting:
+        # the sparse-retention masks' EAGLE boundaries (KVCacheManager._reachable_mask), the
+        # coordinator's hit margin, and (0.30.0+) the Mamba tail boundary one hash unit lower
+        self.kv.config.eagle_replay_pair = eagle and bool(
+            profile.extra.get("eagle_replay_pair", True))
+        self.kv.config.eagle_junction_below = eagle and bool(
+            profile.extra.get("eagle_junction_below", False))
+        self.kv.config.eagle_margin = (eagle and len(layout.groups) > 1
+                                       and bool(profile.extra.get("eagle_hit_margin", False)))
+        self.mamba_tail_eagle_shift = eagle and bool(self.mamba_tail_unit) and bool(
+            profile.extra.get("mamba_tail_eagle_shift", True))
         # ChunkedLocalAttentionManager.find_longest_cache_hit asserts drop_eagle_block is False
         # ("Hybrid KV cache is not supported for eagle + chunked local attention.", every
         # release): with EAGLE and no drafter group every group is an EAGLE group
@@ -202,8 +211,10 @@ class Model:
         # in-flight reservation holds that step too (_request_remaining_blocks)
         self.spec_step_blocks = 0
         self.spec_step_slots = 0
-        self.spec_step_by_block = profile.extra.get("spec_step_blocks_by_scheduler_block", False)
+        self.spec_step_by_block = False
         if spec is not None and profile.extra.get("kv_holding_waiting", False):
+            self.spec_step_by_block = bool(
+                profile.extra.get("spec_step_blocks_by_scheduler_block", False))
             self.spec_step_slots = slots = 1 + spec.num_tokens + self.lookahead
             if self.spec_step_by_block:                 # 0.31.0
                 self.spec_step_blocks = -(-slots // geo.scheduler_block_size)
