@@ -1,9 +1,10 @@
 """The inline checks a vLLM-only repro file carries for an invariant finding
 (:mod:`fuzz.vllm_repro`): what the release harness checks at each step of a real Scheduler
-(``engine._Run``: INV-3 store keys, INV-6 writes under a pending store, INV-8 reloads and stalls,
-INV-9 lookups, INV-10 caps), written out as lines of the file's step loop and helpers. Each check
-is a function of the file's parts so far (:data:`CHECKS`, by the test's short name) returning the
-parts it adds; :data:`MARKS` are the words its failure says, which verification looks for.
+(``simsched/vllm/inside/``: INV-3 store keys, INV-6 writes under a pending store, INV-8 reloads
+and stalls, INV-9 lookups, INV-10 caps), written out as lines of the file's step loop and
+helpers. Each check is a function of the file's parts so far (:data:`CHECKS`, by the test's
+short name) returning the parts it adds; :data:`MARKS` are the words its failure says, which
+verification looks for.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ MAX_LOADS_UNSCHEDULED = 2
 
 
 def _check_reloads(parts: dict) -> dict:
-    """INV-8 on loads (``engine._Run._check_reloads``): a request loaded again and again
+    """INV-8 on loads (``liveness.Liveness.check_reloads``): a request loaded again and again
     between two steps that schedule it."""
     return {"before_loop": parts["before_loop"]
             + "    loads_unscheduled = {}  # request -> its loads since it ran\n",
@@ -32,7 +33,7 @@ def _check_reloads(parts: dict) -> dict:
 
 
 def _check_stall(parts: dict) -> dict:
-    """INV-8 liveness (``engine._Run._stall``): no token scheduled for more than
+    """INV-8 liveness (``liveness.Liveness.check``): no token scheduled for more than
     ``STALL_STEPS`` steps while no transfer is in flight and no request is still to come."""
     return {"before_loop": parts["before_loop"]
             + "    idle = 0  # steps scheduling nothing, no transfer in flight, none to come\n",
@@ -46,7 +47,7 @@ def _check_stall(parts: dict) -> dict:
 
 
 def _check_lookups(parts: dict) -> dict:
-    """INV-9 (``engine._Run._check_lookup``, ``invariants.expected_lookup_hit``): every
+    """INV-9 (``hit_oracle.HitOracle._check``, ``invariants.expected_lookup_hit``): every
     lookup finds at least what the CPU tier holds ready."""
     return {"offload_import": "from vllm.v1.kv_offload.base import make_offload_key\n",
             "helpers": LOOKUP_HELPERS,
@@ -54,9 +55,10 @@ def _check_lookups(parts: dict) -> dict:
 
 
 def _check_caps(parts: dict, load: bool) -> dict:
-    """INV-10 (``engine._Run._check_caps``, ``invariants.check_store_cap``/``check_load_cap``):
-    a store job's keys end within its request's ``max_offload_tokens``; a load job's keys span
-    at most its ``max_load_tokens`` (the caps as the release parses ``kv_transfer_params``).
+    """INV-10 (``offload_worker.OffloadWorker._check_caps``,
+    ``invariants.check_store_cap``/``check_load_cap``): a store job's keys end within its
+    request's ``max_offload_tokens``; a load job's keys span at most its ``max_load_tokens``
+    (the caps as the release parses ``kv_transfer_params``).
     The key of block hash i names the prompt's tokens [0, (i + 1) * hash_block_size)."""
     cap = "max_load_tokens" if load else "max_offload_tokens"
     span = "span" if load else "ends[-1]"
@@ -105,7 +107,7 @@ def _check_pairs(parts: dict) -> dict:
 
 
 def _check_writes(parts: dict, case: Case) -> dict:
-    """INV-6 (``engine._Run._schedule_execute``, ``shadow.write_computed``): no block a store
+    """INV-6 (``model_runner.ModelRunner._forward``, ``shadow.write_computed``): no block a store
     job still reads (created at an earlier step, neither flushed nor reported done) is written
     by a step's forward: a request's blocks holding the tokens it computes, a ring group's
     first block at every step."""

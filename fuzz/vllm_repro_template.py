@@ -1,7 +1,7 @@
 """The fixed text of a vLLM-only repro file (:mod:`fuzz.vllm_repro` fills it in): the
 ``Scheduler`` with the ``OffloadingConnector`` and its real CPU offloading manager, built over a
 tiny Llama ``VllmConfig`` as the release harness builds them (``simsched/vllm/inside/build.py``,
-``engine.RealEngine.boot``), and a worker stand-in that plays the case's steps (``engine._Run._go``):
+``engine.RealEngine.boot``), and a worker stand-in that plays the case's steps (``run.Run._go``):
 the tokens it samples, the drafts it proposes and accepts under speculative decoding, and each
 store and load job reported done after its latency.
 """
