@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fuzz.campaign import REAL_SHARE, Campaign  # noqa: E402
+from fuzz.campaign import Campaign  # noqa: E402
+from fuzz.evaluate import REAL_SHARE  # noqa: E402
 from simsched.replay import observe  # noqa: E402
 from simsched.targets import Releases  # noqa: E402
 from simsched.vllm.inside.mutants import MUTANTS  # noqa: E402  (imports no vLLM)

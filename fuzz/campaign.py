@@ -1,22 +1,19 @@
 """A time-boxed fuzz campaign: generate cases, run them on every target, shrink each new cause.
 
-One campaign round is one hypothesis run. The test body runs a case (:meth:`Campaign.evaluate`):
-
-* the model under every behaviour profile, every step: the fast pre-screen;
-* every release's config chain (boot and the first ``update_offload_keys``);
-* the **real Scheduler, step by step**, of the releases the pre-screen points at (the model
-  under the release's profile shows something, or the release's config differs from the
-  model's), and of the newest release on a steady share of all cases whatever the model says
-  (:data:`REAL_SHARE`), so that bugs the model does not foresee are still found.
+One campaign round is one hypothesis run. The test body runs a case on the model under every
+behaviour profile (the fast pre-screen), every release's config chain, and the real Scheduler,
+step by step, of the releases the pre-screen points at and of the newest release on a steady
+share of all cases (:meth:`Campaign.evaluate`, :mod:`fuzz.evaluate`).
 
 Each observation is triaged (:mod:`fuzz.triage`): a class (bug, validation, model-gap,
 proposal, predicted, tool-error) and a cluster key, the cause it stands for. While no cause is
 being hunted, a cluster the campaign has not seen makes the body fail and hypothesis shrinks the
 case; while shrinking, the body fails only when the hunted cluster still shows on the same
 targets (and, for a crash, the same profiles' config stage shows it: see
-:meth:`Campaign.fingerprint`). Each shrunk finding is then run step by step on every installed
-release and every profile (so ``releases_clean`` means: ran every step there, nothing showed),
-written to disk at once (case, pytest repro, report) and becomes known; a known cluster seen
+:meth:`Campaign.fingerprint`; :mod:`fuzz.shrink`). Each shrunk finding is then run step by step
+on every installed release and every profile (so ``releases_clean`` means: ran every step there,
+nothing showed; :mod:`fuzz.clustering`), written to disk at once (case, pytest repro, report:
+:mod:`fuzz.finding`, :mod:`fuzz.repro`, :mod:`fuzz.report`) and becomes known; a known cluster seen
 again on another layout is a variant of it. A tool error (simsched itself raised) is never a
 finding: its case is saved under ``tool-errors/`` and ``simsched fuzz`` exits non-zero.
 
@@ -30,7 +27,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 from unittest import mock
@@ -39,19 +35,20 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings, tar
 from hypothesis.errors import Flaky
 from hypothesis.internal.conjecture import engine as hypothesis_engine
 
+from fuzz import clustering
 from fuzz import report as report_mod
 from fuzz import repro as repro_mod
 from fuzz import triage as tri
 from fuzz.database import open_database
+from fuzz.evaluate import REAL_SHARE, CampaignError, Evaluator
+from fuzz.finding import MAX_VARIANTS, Finding, finding_id, finding_keys, load_findings, present_on
+from fuzz.shrink import SHRINK_SECONDS, Hunt, simplify
 from fuzz.strategies import cases, edge_scores, family_of, planned_cases
-from simsched.case import Case, Timing
-from simsched.invariants import INV_OPS
-from simsched.layout import Engine, Layout, LayoutError, deployment_refusal
-from simsched.outcome import Observation, Signature, crash_signature, describe
-from simsched.planning import REACHED, SYNTHETIC, deployment_reach, group_layout_reach, plan
-from simsched.profiles import PROFILES
-from simsched.replay import observe
-from simsched.targets import ModelTarget, Releases, ReleaseTarget
+from fuzz.triage import Seen
+from simsched.case import Case
+from simsched.outcome import Observation, Signature
+from simsched.planning import plan
+from simsched.targets import Releases
 
 TARGET_CHOICES = "all, config, lockstep, model, releases, or a release such as 0.30.0"
 
@@ -62,140 +59,9 @@ TARGET_CHOICES = "all, config, lockstep, model, releases, or a release such as 0
 STEER_CHOICES = ("target", "coverage", "both", "none")
 DEFAULT_STEER = "target"
 
-#: the share of generated cases run step by step on the newest release whatever the pre-screen
-#: says (BENCHMARKS.md, "The real side in the main campaign", measures the choice)
-REAL_SHARE = 0.25
-
 #: every fourth round draws model families as their layers, planned by a release (issue 20:
 #: the layouts real deployments of those models get)
 LAYERS_EVERY = 4
-
-#: how the releases run each case: ``screen`` (the pre-screen and the share, the default),
-#: ``every`` (every case step by step on every release), ``none`` (the config chain only)
-STEP_MODES = ("screen", "every", "none")
-
-
-class CampaignError(Exception):
-    pass
-
-
-@dataclass
-class Finding:
-    id: str
-    key: tuple                     # the cluster key (fuzz.triage): one cause
-    klass: str                     # bug, validation, model-gap, proposal, predicted
-    signature: Signature
-    case: Case
-    present_on: tuple[str, ...]    # the campaign's targets showing it when found
-    fingerprint: tuple[str, ...]   # the profiles whose config stage shows it (a shrink guard)
-    first_target: str
-    outcome: dict
-    found_after_s: float
-    examples_before: int
-    releases_affected: list[str] = field(default_factory=list)
-    releases_clean: list[str] = field(default_factory=list)
-    profiles_affected: list[str] = field(default_factory=list)
-    releases_not_run: dict = field(default_factory=dict)  # release -> why it did not run
-    releases_other: dict = field(default_factory=dict)    # release -> what it shows instead
-    releases_refused: dict = field(default_factory=dict)  # release -> its clean refusal
-    outcomes: dict = field(default_factory=dict)     # target -> outcome of the shrunk case
-    aliases: list[tuple] = field(default_factory=list)   # keys of the same cause (asserts twins)
-    variants: list[dict] = field(default_factory=list)   # other cases showing it, unshrunk
-    installed: tuple[str, ...] = ()
-    cluster: str = ""              # the cluster it joins; default: its own key's
-    deployment: str = ""           # how a deployment reaches it; default: planning.deployment_reach
-
-    def to_json(self) -> dict:
-        o = self.outcome
-        step = o.get("step") if o.get("stage") not in tri.START_UP_STAGES else None
-        return {
-            "id": self.id, "class": self.klass,
-            "cluster": self.cluster or tri.cluster_name(self.key),
-            "cluster_key": _as_list(self.key), "aliases": [_as_list(a) for a in self.aliases],
-            "signature": str(self.signature), "kind": self.signature.kind,
-            "exception": self.signature.exception or None,
-            "function": (self.signature.function if self.signature.kind == "crash" else None),
-            "field": (self.signature.function if self.signature.kind == "divergence" else None),
-            "invariant": self.signature.invariant or None,
-            "op": o.get("op") or INV_OPS.get(self.signature.invariant),
-            "file": o.get("file"), "line": o.get("line"), "source": o.get("source"),
-            "stage": o.get("stage"), "message": o.get("message") or o.get("detail"),
-            "first_bad_step": step,
-            "asserts": self.case.asserts,
-            "releases_affected": self.releases_affected, "releases_clean": self.releases_clean,
-            "releases_not_run": self.releases_not_run,
-            "releases_other": self.releases_other,
-            "releases_refused": self.releases_refused,
-            "range": tri.regressed_fixed(self.releases_affected, self.releases_clean,
-                                         list(self.installed), list(self.releases_refused)),
-            "profiles_affected": self.profiles_affected,
-            "present_on": list(self.present_on),
-            "fingerprint": list(self.fingerprint),
-            "first_target": self.first_target,
-            "layout": self.case.layout.describe(),
-            "deployment": self.deployment or deployment_reach(self.case.layout),
-            "case": f"repros/{self.id}/case.json",
-            "groups": len(self.case.layout.groups), "requests": len(self.case.requests),
-            "steps": o.get("steps", 1),
-            "variants": self.variants,
-            "found_after_s": round(self.found_after_s, 3),
-            "examples_before": self.examples_before,
-        }
-
-
-SHRINK_SECONDS = 10.0
-MAX_VARIANTS = 12
-
-
-def simplify(case: Case, still_shows, obs, seconds: float = SHRINK_SECONDS):
-    """What hypothesis's shrinker cannot do across layout families: drop whole groups, requests
-    and engine knobs, one at a time, keeping each change under which the finding still shows;
-    for at most ``seconds`` (each try may run real releases step by step)."""
-    stop = time.monotonic() + seconds
-    def candidates(c: Case):
-        # a layout of layers is a model as a deployment declares it, its groups the planner's:
-        # it stays whole (a group dropped or a flag reset would pair the layers with groups no
-        # planner builds from them), and only the workload shrinks
-        groups = () if c.layout.layers else c.layout.groups
-        for i in range(len(groups)):
-            if len(groups) > 1:
-                rest = groups[:i] + groups[i + 1:]
-                if not any(g.drafter for g in rest) or c.layout.engine.speculative is not None:
-                    yield replace(c, layout=replace(c.layout, groups=rest))
-        for i in range(1, len(c.requests)):
-            yield replace(c, requests=c.requests[:i] + c.requests[i + 1:])
-        for i in range(len(c.events)):
-            yield replace(c, events=c.events[:i] + c.events[i + 1:])
-        if c.faults:
-            yield replace(c, faults=())
-        if c.timing.jobs:
-            yield replace(c, timing=replace(c.timing, jobs=()))
-        for i, r in enumerate(c.requests):
-            if r.skip_reading_prefix_cache:
-                plain = replace(r, skip_reading_prefix_cache=False)
-                yield replace(c, requests=c.requests[:i] + (plain,) + c.requests[i + 1:])
-        default = Engine()
-        for f in fields(Engine) if not c.layout.layers else ():
-            if getattr(c.layout.engine, f.name) != getattr(default, f.name):
-                yield replace(c, layout=c.layout.with_engine(**{f.name: getattr(default, f.name)}))
-        if c.timing != Timing():
-            yield replace(c, timing=Timing())
-
-    improved = True
-    while improved:
-        improved = False
-        for cand in candidates(case):
-            if time.monotonic() > stop:
-                return case, obs
-            try:
-                Layout.from_json(cand.layout.to_json())   # still a valid layout
-            except LayoutError:
-                continue
-            found = still_shows(cand)
-            if found is not None:
-                case, obs, improved = cand, found, True
-                break
-    return case, obs
 
 
 def knobs_of(case: Case) -> set[str]:
@@ -215,46 +81,6 @@ def knobs_of(case: Case) -> set[str]:
             | ({"groups.num_speculative_blocks"} if case.layout.num_speculative_blocks
                and any(g.kind == "mamba" for g in case.layout.groups) else set())
             | {f"kind:{g.kind}" for g in case.layout.groups})
-
-
-def load_findings(out: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
-    """Every finding on disk (``repros/<id>/finding.json``, the durable record, written before
-    the report), and the files that could not be read (named, left in place, never deleted)."""
-    found, damaged = [], []
-    for path in sorted((Path(out) / "repros").glob("*/finding.json")):
-        try:
-            data = json.loads(path.read_text())
-            finding_keys(data)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            damaged.append((path, str(e)))
-            continue
-        found.append(data)
-    return found, damaged
-
-
-def present_on(targets) -> tuple[str, ...]:
-    """Where a finding shows: the releases if any, else the model profiles."""
-    releases = sorted({t for t in targets if not t.startswith("model:")})
-    return tuple(releases) if releases else tuple(sorted(set(targets)))
-
-
-def finding_id(key: tuple) -> str:
-    """A stable, readable id: the cluster's name."""
-    return tri.cluster_name(key)
-
-
-def _as_list(key: tuple) -> list:
-    """A cluster key as JSON holds it (its nested tuples as lists)."""
-    return [_as_list(v) if isinstance(v, tuple) else v for v in key]
-
-
-def _as_key(value) -> tuple:
-    return tuple(_as_key(v) if isinstance(v, list) else v for v in value)
-
-
-def finding_keys(data: dict) -> set[tuple]:
-    """The cluster keys a finding read from disk stands for (its own and its aliases')."""
-    return {_as_key(data["cluster_key"])} | {_as_key(a) for a in data.get("aliases", [])}
 
 
 def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str], str]:
@@ -281,16 +107,7 @@ def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str], st
     raise CampaignError(f"--target {target!r}: expected {TARGET_CHOICES}")
 
 
-@dataclass
-class Seen:
-    """One triaged observation of a case: the observation, its class and its cluster key."""
-
-    obs: Observation
-    klass: str
-    key: tuple
-
-
-class Campaign:
+class Campaign(Evaluator):
     def __init__(self, out: Path, releases: Releases, *, model: bool = True,
                  run_releases: list[str] | None = None, budget: float = 120.0, seed_: int = 0,
                  asserts: bool | None = True, progress: Callable[[str], None] | None = None,
@@ -303,19 +120,8 @@ class Campaign:
         # a bug's vLLM-only test is always written; running it on every installed release
         # (about 20 s a release) only when asked
         self.verify_repros = verify_repros
-        self.pool = releases
-        self.model_targets = [ModelTarget(p) for p in PROFILES.values()] if model else []
-        self.fingerprint_targets = [ModelTarget(p) for p in PROFILES.values()]
-        self.release_targets = [ReleaseTarget(v, releases) for v in (run_releases or [])]
-        # Each shrunk finding is replayed on every installed release, unless only the model runs.
-        self.all_release_targets = ([ReleaseTarget(v, releases) for v in releases.versions]
-                                    if run_releases else [])
-        self.steps_mode = steps or ("screen" if self.release_targets else "none")
-        if self.steps_mode not in STEP_MODES:
-            raise CampaignError(f"steps {self.steps_mode!r}: expected one of {STEP_MODES}")
-        self.newest = (max(self.release_targets, key=lambda t: tri._vkey(t.version))
-                       if self.release_targets else None)
-        self.real_share = real_share
+        super().__init__(releases, model=model, run_releases=run_releases, steps=steps,
+                         real_share=real_share)
         self.budget = budget
         self.seed = seed_
         self.asserts = asserts
@@ -344,9 +150,6 @@ class Campaign:
         self.stats_name = stats_name     # a worker process writes workers/<name>.json instead
         self.stop_when = stop_when       # ends the campaign early (benchmarks)
         self.interrupted = False
-        self.steps = 0                   # model steps
-        self.per_release: dict[str, dict] = {}   # version -> cases, real steps, seconds
-        self.model_s = 0.0               # seconds in the model under every profile
         self.findings: dict[tuple, Finding] = {}
         self.written: set[tuple] = set()   # keys whose folder write_repro finished
         self.prior: list[dict] = []
@@ -360,136 +163,6 @@ class Campaign:
         self.timeline: list[dict] = []
         self.started = 0.0
         self.warmup_s = 0.0
-        self._stepped_last: set[str] = set()
-        self._sampled_n = 0              # cases of the share so far (the older releases' turn)
-
-    # --- evaluating one case ---------------------------------------------------------------
-
-    def _release_stats(self, version: str) -> dict:
-        return self.per_release.setdefault(version, {
-            "config_cases": 0, "step_cases": 0, "real_steps": 0,
-            "config_seconds": 0.0, "step_seconds": 0.0})
-
-    def _account(self, outcomes: dict) -> None:
-        """Count a generated case: its model steps, and a config chain per release."""
-        for name, out in outcomes.items():
-            if name.startswith("model:"):
-                self.steps += out.get("steps", 0)
-        for t in self.release_targets:
-            self._release_stats(t.version)["config_cases"] += 1
-
-    def screen(self, case: Case, obs: list[Observation], outcomes: dict,
-               sampled: bool) -> list[ReleaseTarget]:
-        """The releases worth real steps for ``case``: where the model under the release's
-        profile shows something, or the release's config differs from the model's; and the
-        newest release on ``sampled`` cases. A release whose config chain already crashed or
-        cannot express the case boots no Scheduler worth stepping."""
-        if self.steps_mode == "none":
-            return []
-        if self.steps_mode == "every":
-            return list(self.release_targets)
-        shown_models = {o.target for o in obs if o.level == "model"}
-        shown_configs = {o.target for o in obs if o.level == "config"}
-        older = self._older_in_turn() if sampled else None
-        out = []
-        for t in self.release_targets:
-            if outcomes.get(t.name, {}).get("status") != "ok":
-                continue
-            if (f"model:{t.profile.name}" in shown_models or t.name in shown_configs
-                    or (sampled and t is self.newest) or t is older):
-                out.append(t)
-        return out
-
-    def _older_in_turn(self) -> ReleaseTarget | None:
-        """Every fourth case of the share also runs on one older release, in turn, so that
-        every release gets real steps the model did not ask for."""
-        self._sampled_n += 1
-        older = [t for t in self.release_targets if t is not self.newest]
-        if not older or self._sampled_n % 4:
-            return None
-        return older[(self._sampled_n // 4) % len(older)]
-
-    def evaluate(self, case: Case, sampled: bool = False) -> list[Seen]:
-        """Run ``case`` on the model and the releases as :meth:`screen` decides; triaged."""
-        outcomes: dict = {}
-        t0 = time.perf_counter()
-        obs = observe(case, self.model_targets, [], outcomes, steps=[])
-        self.model_s += time.perf_counter() - t0
-        for t in self.release_targets:
-            t0 = time.perf_counter()
-            obs += observe(case, [], [t], outcomes, steps=[])
-            self._release_stats(t.version)["config_seconds"] += time.perf_counter() - t0
-        stepped = self.screen(case, obs, outcomes, sampled)
-        self._stepped_last = {t.name for t in stepped}
-        obs += self._step(case, stepped, outcomes)
-        self._account(outcomes)
-        return self.triage(case, obs, outcomes)
-
-    def _step(self, case: Case, targets: list[ReleaseTarget], outcomes: dict,
-              traces: dict | None = None) -> list[Observation]:
-        """Run ``case`` step by step on each of ``targets``' real Scheduler, counted per
-        release (cases, real steps, seconds) whatever the phase: generating, shrinking,
-        replaying a finding."""
-        obs: list[Observation] = []
-        for t in targets:
-            t0 = time.perf_counter()
-            obs += observe(case, [], [t], outcomes, config=False, traces=traces)
-            st = self._release_stats(t.version)
-            st["step_seconds"] += time.perf_counter() - t0
-            st["step_cases"] += 1
-            out = outcomes.get(t.name) or {}
-            st["real_steps"] += out.get("steps", 0)
-        return obs
-
-    def triage(self, case: Case, obs: list[Observation], outcomes: dict) -> list[Seen]:
-        ran = {name: not out.get("findings") for name, out in outcomes.items()
-               if not name.startswith("model:") and out.get("status") == "ran"}
-        # a layout no engine builds (every release answers unsupported): what the model alone
-        # shows on it, under a release's profile or a fix proposal's, is no deployment's
-        undeployable = deployment_refusal(case.layout) is not None
-        seen = []
-        for o in obs:
-            if o.level == "model":
-                if undeployable:
-                    continue
-                t = tri.triage_model(o, ran, self.steps_mode != "none")
-            else:
-                t = tri.triage_release(o, case.layout, ran.get(o.target))
-            if t is not None:
-                seen.append(Seen(o, t.klass, t.key))
-        # with no real step to tell, a prediction is told apart by the profiles that make it
-        # (the release ranges the model predicts: on 0.30.0's profile the ring of PR #55037
-        # and a lone Mamba group under DCP fail the same check, on different older profiles)
-        shown: dict[str, list[str]] = {}
-        for s in seen:
-            if s.klass == tri.PREDICTED:
-                shown.setdefault(str(s.obs.signature), []).append(s.obs.target)
-        for s in seen:
-            if s.klass == tri.PREDICTED:
-                s.key = s.key + (tuple(sorted(shown[str(s.obs.signature)])),)
-        return tri.only_proposals(seen)
-
-    def fingerprint(self, case: Case, sig: Signature,
-                    outcomes: dict | None = None) -> tuple[str, ...]:
-        """The profiles whose config stage shows the crash ``sig`` on ``case`` (empty for findings
-        that are not configuration crashes): kept fixed while shrinking a crash.
-
-        Different bugs can raise from the same line of vLLM: on 0.30.0 the ring group of
-        upstream PR #55037 (present in 0.29.0-0.30.0) and a lone Mamba group under DCP (0.27.0-
-        0.30.0) fail the same assert of ``build_offloading_config``. They are one cluster (one
-        crash state), with the release ranges of its variants listed; the model's profiles tell
-        the variants apart, so a shrunk case does not slip from one variant to another
-        (hypothesis guards against slips only by the line a test fails at, which is the same).
-        Cheap: the config stage only, no step runs.
-        """
-        if sig.kind != "crash":
-            return ()
-        outcomes = outcomes or {}
-        return tuple(t.profile.name for t in self.fingerprint_targets
-                     if crash_signature(outcomes.get(t.name) or t.config(case)) == sig)
-
-    def same_bug(self, case: Case, hunt: "Hunt") -> bool:
-        return self.fingerprint(case, hunt.signature) == hunt.fingerprint
 
     # --- the rounds -----------------------------------------------------------------------
 
@@ -505,23 +178,6 @@ class Campaign:
         """Is the current example one of the share run on the newest release regardless?"""
         every = max(1, round(1 / self.real_share)) if self.real_share > 0 else 0
         return bool(every) and self.examples % every == 1 % every
-
-    def _hunt_targets(self, seen: list[Seen], key: tuple) -> tuple[list, list, list, set]:
-        """What to run while shrinking toward ``key``: the model targets, the releases' config
-        chains and step runs that showed it (a model prediction also needs the step runs of
-        its profile's releases, which tell a gap from a bug), and the targets that must still
-        show it."""
-        shown = {s.obs.target for s in seen if s.key == key}
-        levels = {(s.obs.target, s.obs.level) for s in seen if s.key == key}
-        models = [t for t in self.model_targets if t.name in shown]
-        configs = [t for t in self.release_targets if (t.name, "config") in levels]
-        # a cause the config chain already shows there needs no step run there to show it
-        step_names = {name for name, lvl in levels
-                      if lvl == "steps" and (name, "config") not in levels}
-        for m in models:
-            step_names |= {v for v in m.profile.releases if v in self._stepped_last}
-        steps = [t for t in self.release_targets if t.name in step_names]
-        return models, configs, steps, shown
 
     def _note_tool_error(self, case: Case, s: Seen) -> None:
         """simsched's own failure: the case saved under tool-errors/, never a finding."""
@@ -684,129 +340,6 @@ class Campaign:
                            installed=tuple(self.pool.versions))
         return None
 
-    def shrink_run(self, case: Case, hunt: "Hunt") -> list[Seen]:
-        outcomes: dict = {}
-        obs = observe(case, hunt.models, hunt.configs, outcomes, steps=[])
-        obs += self._step(case, hunt.steps, outcomes)
-        return self.triage(case, obs, outcomes)
-
-    def replay_everywhere(self, finding: Finding) -> None:
-        """Run a shrunk finding on every profile and, step by step, on every installed release;
-        fill in where its cause shows, where it ran clean, and where it could not run. A bug seen
-        with asserts stripped is run with asserts on too (and the other way round): what the
-        other mode shows on the same releases is the same cause (its aliases)."""
-        outcomes: dict = {}
-        obs = observe(finding.case, self.fingerprint_targets, self.all_release_targets, outcomes,
-                      steps=[])
-        obs += self._step(finding.case, self.all_release_targets, outcomes)
-        seen = self.triage(finding.case, obs, outcomes)
-        finding.outcomes = outcomes
-        classes = [s.klass for s in seen if s.key == finding.key]
-        if classes:   # every release and profile ran now: the class they say
-            finding.klass = min(classes, key=lambda k: (tri.CLASSES + (tri.TOOL_ERROR,)).index(k))
-        if finding.signature.kind == "crash" and finding.klass == tri.BUG:
-            finding.aliases = self._moved(finding, seen)
-        refusals = self._refusals(finding, seen)
-        finding.aliases = sorted(set(finding.aliases) | {s.key for s in refusals.values()},
-                                 key=repr)
-        keys = {finding.key, *finding.aliases}
-        hit = {s.obs.target for s in seen if s.key in keys}
-        finding.profiles_affected = [p for p in PROFILES if any(
-            o.target == f"model:{p}" and o.signature == finding.signature for o in obs)]
-        # a release where the case shows another crash or broken invariant is not clean:
-        # clean means it ran every step there and nothing showed
-        other = {s.obs.target: str(s.obs.signature) for s in seen
-                 if s.obs.level != "model" and s.key not in keys
-                 and s.klass in (tri.BUG, tri.VALIDATION)}
-        for t in self.all_release_targets:
-            outcome = outcomes[t.name]
-            if t.name in refusals:
-                sig = refusals[t.name].obs.signature
-                finding.releases_refused[t.name] = f"refuses it at start-up: {sig}"
-            elif t.name in hit:
-                finding.releases_affected.append(t.name)
-            elif t.name in other:
-                finding.releases_other[t.name] = f"shows {other[t.name]} instead"
-            elif outcome.get("status") == "ran":
-                finding.releases_clean.append(t.name)
-            else:
-                finding.releases_not_run[t.name] = describe(outcome)
-        if finding.klass == tri.BUG and finding.releases_affected:
-            finding.aliases = sorted(set(finding.aliases) | set(self._twins(finding)), key=repr)
-            self._judge_reach(finding)
-
-    def _judge_reach(self, finding: Finding) -> None:
-        """A bug on a layout of groups written by hand: each affected release's planner says
-        whether it builds those groups for some model (``planning.group_layout_reach``). Where
-        none does, no deployment reaches the state: the finding is ``synthetic``, with the
-        planner's answer as its reason."""
-        if finding.case.layout.layers:
-            return
-        by_version = {t.version: t for t in self.all_release_targets}
-        answers = {v: group_layout_reach(finding.case, v, by_version[v].pool)
-                   for v in finding.releases_affected if v in by_version}
-        reached = [why for how, why in answers.values() if how == REACHED]
-        if reached:
-            finding.deployment = f"reached: {reached[-1]}"
-        elif answers and all(how == SYNTHETIC for how, _ in answers.values()):
-            finding.klass = tri.SYNTHETIC
-            finding.deployment = f"synthetic: {list(answers.values())[-1][1]}"
-        elif answers:
-            finding.deployment = (f"written as groups, not checked against a planner: "
-                                  f"{list(answers.values())[-1][1]}")
-
-    @staticmethod
-    def _moved(finding: Finding, seen: list[Seen]) -> list[tuple]:
-        """The same crash where a release's code has it elsewhere: the shrunk case raises the
-        same exception on another release from the same function in another file or line
-        (0.33.0 moved ``get_sliding_window_size_in_chunks`` into ``offloading/config.py``), or
-        from the same statement in another function (0.25.1 keeps the offload checks in
-        ``OffloadingSpec.__init__``), or with the same message, its numbers aside (a check
-        rewritten with the same words), or at the same start-up stage (a check moved and
-        rewritten: 0.25.1's ``OffloadingSpec.__init__`` asserts ``offloaded_block_size %
-        gpu_block_size == 0`` where 0.26.0's ``build_offloading_config`` asserts
-        ``tokens_per_chunk % tokens_per_block == 0``; the shrunk case is the one configuration
-        both refuse). Another exception (an assert that became a ``ValueError``), statement,
-        function, message and stage is another finding."""
-        _, exc, _, function, source = finding.key
-        words = tri.message_words(finding.outcome.get("message"))
-        stage = finding.outcome.get("stage")
-        start_up = stage in tri.START_UP_STAGES
-        return sorted({s.key for s in seen if s.klass == tri.BUG and s.obs.level != "model"
-                       and s.key[0] == "crash" and s.key != finding.key and s.key[1] == exc
-                       and (s.key[3] == function or s.key[4] == source
-                            or (words and tri.message_words(s.obs.outcome.get("message"))
-                                == words)
-                            or (start_up and s.obs.outcome.get("stage") == stage))},
-                      key=repr)
-
-    @staticmethod
-    def _refusals(finding: Finding, seen: list[Seen]) -> dict[str, Seen]:
-        """Releases that refuse a start-up crash's shrunk case with a clean error: one cause
-        with the crash, its fix where they come after it (the offload block smaller than the
-        GPU block: 0.25.1-0.29.0 assert in ``build_offloading_config``, 0.30.0 raises a
-        ``ValueError`` saying which block size to use; a lone ring group: 0.29.0-0.30.0 assert
-        in ``get_sliding_window_size_in_chunks``, 0.31.0 finds no eligible cache group), and
-        where they come before it, the check the crash replaced (the range says "regressed
-        in")."""
-        if (finding.klass != tri.BUG or finding.signature.kind != "crash"
-                or finding.outcome.get("stage") not in tri.START_UP_STAGES):
-            return {}
-        return {s.obs.target: s for s in seen
-                if s.obs.level != "model" and s.klass == tri.VALIDATION}
-
-    def _twins(self, finding: Finding) -> list[tuple]:
-        """The bug keys the case shows in the other asserts mode on the affected releases: one
-        cause, seen once as the assert that guards against it and once as what breaks where
-        ``python -O`` strips that assert (a ring group offloaded: 0.29.0's boot assert with
-        asserts on, its one block stored under a prefix key without them)."""
-        other = replace(finding.case, asserts=not finding.case.asserts)
-        targets = [t for t in self.all_release_targets if t.name in finding.releases_affected]
-        outcomes: dict = {}
-        seen = self.triage(other, self._step(other, targets, outcomes), outcomes)
-        return sorted({s.key for s in seen if s.klass == tri.BUG and s.key != finding.key},
-                      key=repr)
-
     def _sample(self) -> None:
         """Record (seconds, examples, findings) about every second; past 400 samples, every
         other one is dropped and the interval doubles, so an overnight run keeps a short list."""
@@ -900,7 +433,7 @@ class Campaign:
         return self.write_report(final=True)
 
     def _record(self, finding: Finding) -> None:
-        self.replay_everywhere(finding)
+        clustering.replay_everywhere(self, finding)
         # an alias already found on its own (the crash as an older release raises it, the other
         # asserts mode): this finding is a variant of that cluster
         for data in [f.to_json() for f in self.findings.values()] + self.prior:
@@ -974,38 +507,3 @@ class Campaign:
         else:
             report_mod.write_worker_stats(self.out, self.stats_name, data)
         return data
-
-
-@dataclass
-class Hunt:
-    """The cause a round shrinks toward, and what must run to see it."""
-
-    key: tuple
-    klass: str
-    signature: Signature
-    fingerprint: tuple[str, ...]
-    models: list
-    configs: list
-    steps: list
-    shown: frozenset       # the targets that must still show it
-
-    def matches(self, key: tuple) -> bool:
-        """``key`` stands for the hunted cause: the same key; or, for an invariant, the same ID
-        and operation on fewer group kinds. An invariant's key names the layout's kinds where
-        the run names no group it broke in (a stall), so a shrink that drops a group whose
-        kind does not matter changes the key: a Mamba block wider than the budget stalls
-        0.25.1-0.26.0 alone as beside a full-attention group, one cause."""
-        if key == self.key:
-            return True
-        return (key[0] == self.key[0] == "invariant" and key[1:3] == self.key[1:3]
-                and set(key[3].split("+")) < set(self.key[3].split("+")))
-
-    def showing(self, seen: list[Seen]) -> Seen | None:
-        """The observation of the hunted cause, if every target that must still show it does."""
-        hits = [s for s in seen if self.matches(s.key)]
-        if not self.shown <= {s.obs.target for s in hits}:
-            return None
-        return next((s for s in hits if s.key == self.key), hits[0])
-
-    def still_shown(self, seen: list[Seen]) -> bool:
-        return self.showing(seen) is not None

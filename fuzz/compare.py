@@ -45,7 +45,7 @@ from hypothesis.errors import Flaky
 from hypothesis.internal.conjecture import engine as hypothesis_engine
 
 from fuzz import triage as tri
-from fuzz.campaign import simplify
+from fuzz.shrink import simplify
 from fuzz.strategies import cases
 from simsched.case import Case
 from simsched.lockstep import HANDMADE, diff_traces

@@ -206,47 +206,49 @@ def repro_case(case, folder: Path | None = None, out: Path = Path("."), *, shrin
                progress=lambda s: None) -> Path:
     """``simsched repro``: run ``case`` step by step on every installed release (or
     ``releases``) and the model's profiles, take the first ``bug`` cluster it shows, shrink
-    the case toward it unless ``shrink`` is false (:func:`fuzz.campaign.simplify`, as a
+    the case toward it unless ``shrink`` is false (:func:`fuzz.shrink.simplify`, as a
     campaign finishes its shrinking), replay the result everywhere and write its folder
     (default ``out/repros/<id>/``) with its vLLM-only test verified."""
-    from fuzz import campaign as cmp
+    from fuzz import clustering
     from fuzz import triage as tri
+    from fuzz.evaluate import CampaignError, Evaluator
+    from fuzz.finding import Finding, finding_id, present_on
+    from fuzz.shrink import Hunt, simplify
     from simsched.targets import Releases
     with Releases.installed(releases, timeout=timeout) as pool:
         if not pool.versions:
-            raise cmp.CampaignError("no vLLM release installed: run `simsched releases install`")
-        camp = cmp.Campaign(Path(out), pool, run_releases=list(pool.versions), steps="every",
-                            asserts=case.asserts, progress=progress)
-        seen = camp.evaluate(case)
+            raise CampaignError("no vLLM release installed: run `simsched releases install`")
+        ev = Evaluator(pool, run_releases=list(pool.versions), steps="every")
+        seen = ev.evaluate(case)
         bugs = sorted((s for s in seen if s.klass == tri.BUG), key=lambda s: repr(s.key))
         if not bugs:
             shown = sorted({f"{s.klass} {tri.cluster_name(s.key)}" for s in seen})
-            raise cmp.CampaignError(f"{case.layout.describe()}: no bug on vLLM "
-                                    f"{', '.join(pool.versions)}"
-                                    + (f" (shows {'; '.join(shown)})" if shown else ""))
+            raise CampaignError(f"{case.layout.describe()}: no bug on vLLM "
+                                f"{', '.join(pool.versions)}"
+                                + (f" (shows {'; '.join(shown)})" if shown else ""))
         first = bugs[0]
-        models, configs, steps, shown = camp._hunt_targets(seen, first.key)
-        hunt = cmp.Hunt(first.key, first.klass, first.obs.signature,
-                        camp.fingerprint(case, first.obs.signature), models, configs, steps,
-                        frozenset(shown))
+        models, configs, steps, shown = ev._hunt_targets(seen, first.key)
+        hunt = Hunt(first.key, first.klass, first.obs.signature,
+                    ev.fingerprint(case, first.obs.signature), models, configs, steps,
+                    frozenset(shown))
         if shrink:
             progress(f"{tri.cluster_name(hunt.key)} on {', '.join(sorted(shown))}; shrinking")
 
             def still_shows(cand):
-                if not camp.same_bug(cand, hunt):
+                if not ev.same_bug(cand, hunt):
                     return None
-                seen = camp.shrink_run(cand, hunt)
+                seen = ev.shrink_run(cand, hunt)
                 return next(s for s in seen if s.key == hunt.key) \
                     if hunt.still_shown(seen) else None
 
-            case, first = cmp.simplify(case, still_shows, first)
-        finding = cmp.Finding(
-            id=cmp.finding_id(hunt.key), key=hunt.key, klass=hunt.klass,
-            signature=first.obs.signature, case=case, present_on=cmp.present_on(hunt.shown),
+            case, first = simplify(case, still_shows, first)
+        finding = Finding(
+            id=finding_id(hunt.key), key=hunt.key, klass=hunt.klass,
+            signature=first.obs.signature, case=case, present_on=present_on(hunt.shown),
             fingerprint=hunt.fingerprint, first_target=first.obs.target,
             outcome=first.obs.outcome, found_after_s=0.0, examples_before=0,
             installed=tuple(pool.versions))
         progress(f"replaying {case.layout.describe()} on every release")
-        camp.replay_everywhere(finding)
+        clustering.replay_everywhere(ev, finding)
     progress(f"writing and verifying the vLLM-only test on {', '.join(finding.installed)}")
     return write_repro(out, finding, folder, verify=True)

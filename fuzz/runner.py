@@ -33,7 +33,7 @@ class FuzzOptions:
     workers: int = 1
     db: str | None = None
     steer: str = "target"     # see fuzz.campaign.STEER_CHOICES
-    real_share: float | None = None   # see fuzz.campaign.REAL_SHARE
+    real_share: float | None = None   # see fuzz.evaluate.REAL_SHARE
     verify_repros: bool = False   # run each bug's vLLM-only test on every release (minutes)
 
 
@@ -75,7 +75,9 @@ def _child(opts: FuzzOptions, index: int) -> None:
 
 def fuzz(opts: FuzzOptions) -> dict:
     """Run ``simsched fuzz``; returns the report."""
-    from fuzz.campaign import STEER_CHOICES, CampaignError, load_findings, parse_target
+    from fuzz.campaign import STEER_CHOICES, parse_target
+    from fuzz.evaluate import CampaignError
+    from fuzz.finding import load_findings
     from fuzz.database import open_database
     from fuzz.report import merge
     from simsched.targets import Releases

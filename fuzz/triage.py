@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from simsched.invariants import INV_OPS
 from simsched.layout import Layout
 from simsched.model import unmodelled_knobs
+from simsched.outcome import Observation
 from simsched.profiles import PROFILES
 from simsched.vllm.releases import is_release
 
@@ -71,6 +72,15 @@ class Triage:
     @property
     def cluster(self) -> str:
         return cluster_name(self.key)
+
+
+@dataclass
+class Seen:
+    """One triaged observation of a case: the observation, its class and its cluster key."""
+
+    obs: Observation
+    klass: str
+    key: tuple
 
 
 def group_kinds(layout: Layout) -> str:

@@ -130,7 +130,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_fuzz(args) -> int:
-    from fuzz.campaign import CampaignError
+    from fuzz.evaluate import CampaignError
     from fuzz.database import DatabaseError
     from fuzz.runner import FuzzOptions, fuzz
     opts = FuzzOptions(out=args.out, budget=args.budget, seed=args.seed, target=args.target,

@@ -5,7 +5,9 @@ import re
 
 import pytest
 
-from fuzz.campaign import Campaign, CampaignError, Hunt, parse_target
+from fuzz.campaign import Campaign, parse_target
+from fuzz.evaluate import CampaignError
+from fuzz.shrink import Hunt
 from simsched.case import load_case
 from simsched.targets import Releases
 
@@ -317,7 +319,7 @@ def test_the_shrinker_keeps_a_model_s_layers_whole():
     and its groups without the ring are no planner's), whatever the finding's check says."""
     from dataclasses import replace
 
-    from fuzz.campaign import simplify
+    from fuzz.shrink import simplify
     from simsched.families import family_case
     from simsched.layout import Group, Layout
 

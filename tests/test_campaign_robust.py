@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.campaign import load_findings
+from fuzz.finding import load_findings
 
 
 def fuzz_cmd(out, budget, *extra):

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.campaign import Campaign, Finding
+from fuzz import clustering
+from fuzz.campaign import Campaign
+from fuzz.finding import Finding
 from simsched.case import Case
 from simsched.targets import Releases
 
@@ -34,7 +36,7 @@ def _campaign(installed: list[str], run_on: str, asserts: bool = True):
 def _first_bug(c: Campaign, case: Case, release: str) -> tuple:
     """The case's first bug on ``release``'s real run, and a finding made of it."""
     outcomes: dict = {}
-    seen = c.triage(case, c._step(case, c.release_targets, outcomes), outcomes)
+    seen = c.triage(case, c.run_steps(case, c.release_targets, outcomes), outcomes)
     bug = next(s for s in seen if s.klass == "bug")
     return bug, Finding(id=release, key=bug.key, klass="bug", signature=bug.obs.signature,
                         case=case, present_on=(release,), fingerprint=(), first_target=release,
@@ -46,7 +48,7 @@ def test_an_invariant_without_asserts_joins_the_assert_that_guards_it():
     with _campaign(["0.30.0"], "0.30.0", asserts=False) as c:
         bug, f = _first_bug(c, case, "0.30.0")
         assert bug.key[0] == "invariant", bug.key          # asserts stripped: no crash
-        c.replay_everywhere(f)
+        clustering.replay_everywhere(c, f)
         assert f.releases_affected == ["0.30.0"]
         crashes = [a for a in f.aliases if a[0] == "crash"]
         assert [(a[1], a[3]) for a in crashes] == [
@@ -55,7 +57,7 @@ def test_an_invariant_without_asserts_joins_the_assert_that_guards_it():
         on = replace(case, asserts=True)
         crash, g = _first_bug(c, on, "0.30.0")
         assert crash.key == crashes[0]
-        c.replay_everywhere(g)
+        clustering.replay_everywhere(c, g)
         assert g.releases_affected == ["0.30.0"] and bug.key in g.aliases, g.aliases
 
 
@@ -77,7 +79,7 @@ def test_a_start_up_assert_moved_rewritten_and_fixed_is_one_cluster():
         bug, f = _first_bug(c, case, "0.26.0")
         assert bug.key[1:4] == ("AssertionError", "distributed/kv_transfer/kv_connector/v1/"
                                 "offloading/config.py", "build_offloading_config"), bug.key
-        c.replay_everywhere(f)
+        clustering.replay_everywhere(c, f)
         assert f.releases_affected == ["0.25.1", "0.26.0"], (f.releases_affected,
                                                              f.releases_other)
         # (besides the ZeroDivisionError both raise in CPUOffloadingSpec with asserts stripped)
@@ -103,7 +105,7 @@ WIDE_MAMBA_STALL = {"layout": {"groups": [{"kind": "full", "block_size": 96},
 
 
 def test_an_invariant_shrinks_onto_fewer_group_kinds():
-    from fuzz.campaign import Hunt, simplify
+    from fuzz.shrink import Hunt, simplify
     case = Case.from_json(WIDE_MAMBA_STALL)
     with _campaign(["0.26.0"], "0.26.0", asserts=False) as c:
         bug, _ = _first_bug(c, case, "0.26.0")

@@ -298,20 +298,21 @@ def test_a_bug_on_a_layout_no_planner_builds_is_synthetic(pool, version, tmp_pat
     lists it apart from the bugs; where one does, it stays a bug that says how it is reached."""
     from types import SimpleNamespace
 
+    from fuzz import clustering
     from fuzz import triage as tri
-    from fuzz.campaign import Campaign
+    from fuzz.evaluate import Evaluator
     from fuzz.report import markdown, summary
 
-    camp = Campaign(tmp_path, pool, model=False, run_releases=[version], budget=1.0, seed_=0)
+    ev = Evaluator(pool, model=False, run_releases=[version])
     synthetic = SimpleNamespace(case=groups_case([FULL, SW, FULL]), klass=tri.BUG,
                                 releases_affected=[version], deployment="")
-    camp._judge_reach(synthetic)
+    clustering.judge_reach(synthetic, ev.all_release_targets)
     assert synthetic.klass == tri.SYNTHETIC
     assert synthetic.deployment.startswith(f"synthetic: {version}'s planner builds full/16 + "
                                            "full/16 + sliding_window/16(w=128)")
     reached = SimpleNamespace(case=groups_case([FULL, FULL, SW]), klass=tri.BUG,
                               releases_affected=[version], deployment="")
-    camp._judge_reach(reached)
+    clustering.judge_reach(reached, ev.all_release_targets)
     assert reached.klass == tri.BUG and reached.deployment.startswith("reached: ")
 
     def finding(fid, klass):

@@ -114,7 +114,7 @@ def test_model_observations():
 
 
 def test_a_proposal_that_a_release_shows_too_is_no_proposal():
-    from fuzz.campaign import Seen
+    from fuzz.triage import Seen
     prop = Seen(model_obs("fix-assert-only"), tri.PROPOSAL, ("proposal", "fix-assert-only"))
     real = Seen(Observation(Signature("invariant", invariant="INV-4"), "0.30.0", {}, "steps"),
                 tri.BUG, ("invariant", "INV-4", "store", "ring"))

@@ -283,7 +283,7 @@ def test_write_repro_writes_an_issue_for_a_bug(tmp_path):
     """ISSUE.md of the livelock (a bug): vLLM's title, the family and flags, the steps in
     words, the layout caveat, the vLLM-only test inline; not for another class."""
     from fuzz import repro
-    from fuzz.campaign import Finding
+    from fuzz.finding import Finding
     from simsched.outcome import Signature
     case = Case.from_json(LIVELOCK)
     finding = Finding(
