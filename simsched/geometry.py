@@ -78,13 +78,13 @@ def partial_hash_hits(layout: Layout, profile: Profile, tokens_per_hash: int) ->
     Mamba managers) or have blocks of the hash unit; before 0.28.0 any group will do, and DCP
     turns it off. 0.25.1 has none. ``profile.extra["partial_hash_hits"]``: "none",
     "no-dcp-any-group" (0.26.0-0.27.1), "no-dcp" (0.28.0-0.29.0), absent: 0.30.0's rule."""
-    rule = profile.extra.get("partial_hash_hits", "dcp")
     dcp = layout.engine.dcp_size
-    if rule == "none" or (dcp > 1 and rule != "dcp"):
-        return False
     if not any(g.kind == "mamba" and g.mamba_cache_mode == "align"
                and (g.block_size > tokens_per_hash or (dcp > 1 and g.block_size == tokens_per_hash))
                for g in layout.groups):
+        return False
+    rule = profile.extra.get("partial_hash_hits", "dcp")
+    if rule == "none" or (dcp > 1 and rule != "dcp"):
         return False
     return rule == "no-dcp-any-group" or all(
         g.kind in ("full", "mla", "mamba") or effective_block_size(g, dcp) == tokens_per_hash
@@ -381,8 +381,9 @@ def validate_block_size(case, profile: "Profile") -> str | None:
     chunk must reach a block boundary there. An assert: ``python -O`` strips it. Returns the
     refusal as vLLM words it, None when the engine starts."""
     groups = case.layout.groups
-    if not (case.asserts and profile.extra.get("align_budget_assert", False)
-            and any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in groups)):
+    if not (case.asserts
+            and any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in groups)
+            and profile.extra.get("align_budget_assert", False)):
         return None
     block_size = min(g.block_size for g in groups)
     budget = case.timing.max_num_batched_tokens
