@@ -209,16 +209,16 @@ def cmd_repro(args) -> int:
 
 
 def cmd_releases(args) -> int:
-    from simsched.vllm import releases
+    from simsched.vllm import release_cli
     if args.action == "install":
-        return releases.cli_install(args.versions)
+        return release_cli.cli_install(args.versions)
     if args.action == "env":
-        return releases.cli_env(args.version)
+        return release_cli.cli_env(args.version)
     if args.action == "add":
-        return releases.cli_add(args.name, args.base, args.patch, args.tree)
+        return release_cli.cli_add(args.name, args.base, args.patch, args.tree)
     if args.action == "remove":
-        return releases.cli_remove(args.name)
-    return releases.cli_list()
+        return release_cli.cli_remove(args.name)
+    return release_cli.cli_list()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from simsched.vllm import installer as inst
+from simsched.vllm import release_cli
 from simsched.vllm import releases as rel
 from simsched.vllm.releases import InstalledRelease, Release, ReleaseError
 
@@ -20,7 +22,7 @@ def fake_home(tmp_path: Path, closure: Path) -> Path:
     bin_dir = home / "base" / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "python").symlink_to(sys.executable)
-    marker = {"closure_sha256": rel.sha256_of(closure), "torch": "fake"}
+    marker = {"closure_sha256": inst.sha256_of(closure), "torch": "fake"}
     (home / "base" / rel.BASE_MARKER).write_text(json.dumps(marker))
     return home
 
@@ -28,7 +30,7 @@ def fake_home(tmp_path: Path, closure: Path) -> Path:
 def fake_release(home: Path, version: str, closure: Path, sha: str = "ab" * 32) -> Path:
     path = home / "releases" / version
     path.mkdir(parents=True)
-    marker = {"version": version, "wheel_sha256": sha, "closure_sha256": rel.sha256_of(closure)}
+    marker = {"version": version, "wheel_sha256": sha, "closure_sha256": inst.sha256_of(closure)}
     (path / rel.RELEASE_MARKER).write_text(json.dumps(marker))
     return path
 
@@ -76,7 +78,7 @@ def test_closure_is_pinned_and_hashed_without_triton():
 
 def test_unknown_release(tmp_path):
     with pytest.raises(ReleaseError, match=r"unknown vLLM release '0.99.0'; known: 0.25.1, 0.26.0"):
-        rel.install(["0.99.0"], home=tmp_path / "home", progress=lambda _: None)
+        inst.install(["0.99.0"], home=tmp_path / "home", progress=lambda _: None)
     assert not (tmp_path / "home").exists()  # rejected before touching anything
     with pytest.raises(ReleaseError, match="unknown vLLM release '0.99.0'"):
         rel.resolve("0.99.0", home=tmp_path / "home")
@@ -87,7 +89,7 @@ def test_hash_mismatch_rejected_before_install(tmp_path, closure):
     table = {"9.9.9": Release("9.9.9", "vllm-9.9.9-py3-none-any.whl", "0" * 64)}
     download = CountingDownloader(b"tampered")
     with pytest.raises(ReleaseError, match="9.9.9: sha256 mismatch .* expected 0{64}, got "):
-        rel.install(["9.9.9"], home=home, progress=lambda _: None, releases=table,
+        inst.install(["9.9.9"], home=home, progress=lambda _: None, releases=table,
                     download=download, closure=closure)
     assert download.calls == ["9.9.9"]
     assert not any((home / "downloads").iterdir())  # the bad file is gone
@@ -106,7 +108,7 @@ def test_verified_download_is_reused(tmp_path, closure):
     (home / "downloads" / "vllm-9.9.9-py3-none-any.whl").write_bytes(payload)
     download = CountingDownloader(payload)
     with pytest.raises(ReleaseError, match="9.9.9: pip install"):
-        rel.install(["9.9.9"], home=home, progress=lambda _: None, releases=table,
+        inst.install(["9.9.9"], home=home, progress=lambda _: None, releases=table,
                     download=download, closure=closure)
     assert download.calls == []
     assert list((home / "releases").iterdir()) == []
@@ -116,7 +118,7 @@ def test_second_install_does_not_download(tmp_path, closure):
     home = fake_home(tmp_path, closure)
     fake_release(home, "0.30.0", closure, sha=rel.KNOWN_RELEASES["0.30.0"].sha256)
     download, lines = CountingDownloader(), []
-    got = rel.install(["0.30.0"], home=home, progress=lines.append, download=download,
+    got = inst.install(["0.30.0"], home=home, progress=lines.append, download=download,
                       closure=closure)
     assert download.calls == []
     assert lines == ["[1/1] vllm 0.30.0: already installed"]
@@ -128,7 +130,7 @@ def test_leftovers_of_a_killed_install_are_removed(tmp_path, closure):
     fake_release(home, "0.30.0", closure, sha=rel.KNOWN_RELEASES["0.30.0"].sha256)
     half = home / "releases" / ".tmp-0.33.0-xyz"
     (half / "vllm").mkdir(parents=True)
-    rel.install(["0.30.0"], home=home, progress=lambda _: None, download=CountingDownloader(),
+    inst.install(["0.30.0"], home=home, progress=lambda _: None, download=CountingDownloader(),
                 closure=closure)
     assert not half.exists()
 
@@ -176,10 +178,10 @@ def test_worker_env(tmp_path, closure):
 def test_cli_errors_are_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SIMSCHED_HOME", str(tmp_path / "home"))
     assert rel.simsched_home() == tmp_path / "home"
-    assert rel.cli_install(["0.99.0"]) == 2
+    assert release_cli.cli_install(["0.99.0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("simsched: error: unknown vLLM release '0.99.0'") and err.count("\n") == 1
-    assert rel.cli_list() == 0
+    assert release_cli.cli_list() == 0
     assert "vllm 0.30.0" in capsys.readouterr().out
 
 
@@ -205,7 +207,7 @@ def test_real_release_imports_in_worker(version, monkeypatch):
 
 def test_changed_closure_makes_base_stale(tmp_path, closure):
     home = fake_home(tmp_path, closure)
-    assert rel.base_ready(home, closure)
+    assert inst.base_ready(home, closure)
     closure.write_text("# fake closure, one more pin\n")
-    assert not rel.base_ready(home, closure)
-    assert not rel.base_ready(tmp_path / "empty", closure)
+    assert not inst.base_ready(home, closure)
+    assert not inst.base_ready(tmp_path / "empty", closure)

@@ -17,6 +17,7 @@ import pytest
 from fuzz import vllm_repro, vllm_repro_verify
 from simsched.case import Case
 from simsched.lockstep import HANDMADE
+from simsched.vllm import installer as inst
 from simsched.vllm import releases as rel
 from simsched.vllm.releases import InstalledRelease, ReleaseError
 
@@ -76,12 +77,12 @@ def test_changed_closure_updates_the_base_in_place(tmp_path, monkeypatch):
     closure = tmp_path / "closure.txt"
     closure.write_text("# one more pin\n")
     calls = []
-    monkeypatch.setattr(rel, "_run", lambda cmd, what, **kw: calls.append(cmd) or "2.13.0+cpu\n")
-    rel._ensure_base(home, closure, lambda msg: None)
+    monkeypatch.setattr(inst, "_run", lambda cmd, what, **kw: calls.append(cmd) or "2.13.0+cpu\n")
+    inst._ensure_base(home, closure, lambda msg: None)
     assert (home / "base" / "keep").exists()
     assert not any("venv" in cmd for cmd in calls)
     assert any(cmd[1:4] == ["-m", "pip", "install"] and str(closure) in cmd for cmd in calls)
-    assert rel.base_ready(home, closure)
+    assert inst.base_ready(home, closure)
 
 
 def test_release_env_runs_vllm_and_pytest_but_not_simsched(tmp_path):
@@ -235,7 +236,8 @@ def test_verify_wants_fail_where_affected_and_pass_where_clean(tmp_path, monkeyp
     runs["0.30.0"] = ("failed", "E   AssertionError: tokens_per_block=4")
     assert vllm_repro_verify.verify(tmp_path / "t.py", RING_FINDING, rels).verified
     wider = dict(RING_FINDING, releases_clean=["0.31.0", "0.32.0"])
-    assert "not installed: 0.32.0" in vllm_repro_verify.verify(tmp_path / "t.py", wider, rels).reason
+    verdict = vllm_repro_verify.verify(tmp_path / "t.py", wider, rels)
+    assert "not installed: 0.32.0" in verdict.reason
 
 
 def test_repro_command_bad_input_is_a_one_line_error(tmp_path):
@@ -576,7 +578,8 @@ def test_verify_runs_a_generated_invariant_file_from_an_empty_folder(tmp_path):
     """fuzz.vllm_repro_verify.verify end to end (each release's plain environment, an empty folder),
     on the INV-10 file: it fails with its own message where present, passes where clean."""
     path = _render(tmp_path, TAIL, TAIL_FINDING)
-    verdict = vllm_repro_verify.verify(path, TAIL_FINDING, [_installed(v) for v in ("0.30.0", "0.33.0")])
+    verdict = vllm_repro_verify.verify(path, TAIL_FINDING,
+                                       [_installed(v) for v in ("0.30.0", "0.33.0")])
     assert verdict.results == {"0.30.0": "failed", "0.33.0": "passed"}, verdict.reason
     assert verdict.verified
 

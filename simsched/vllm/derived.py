@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from simsched.vllm import installer
 from simsched.vllm import releases as rel
 from simsched.vllm import unidiff
 from simsched.vllm.releases import InstalledRelease, ReleaseError
@@ -126,7 +127,7 @@ def _build(name: str, base: InstalledRelease, home: Path, source: dict,
         _drop_bytecode(tmp, changed)
         progress(f"{name}: {len(changed)} file(s) over vllm {base.version}; smoke import...")
         try:
-            got = rel._smoke_import(tmp, base.python, base.version, expect=False)
+            got = installer._smoke_import(tmp, base.python, base.version, expect=False)
         except ReleaseError as e:
             raise ReleaseError(f"{name}: {str(e).replace(f'vLLM {base.version}: ', '')}") \
                 from None
@@ -157,14 +158,15 @@ def add(name: str, base: str, *, patch: str | Path | None = None,
     home = rel._home(home)
     if (patch is None) == (tree is None):
         raise ReleaseError("give exactly one of --patch FILE and --tree PATH")
-    with rel._install_lock(home):
+    with installer._install_lock(home):
         _check_name(name, home)
         release = _base_release(base, home)
         if patch is not None:
             path = Path(patch).expanduser().resolve()
             if not path.is_file():
                 raise ReleaseError(f"--patch {patch}: no such file")
-            source = {"kind": "patch", "patch": str(path), "patch_sha256": rel.sha256_of(path)}
+            source = {"kind": "patch", "patch": str(path),
+                      "patch_sha256": installer.sha256_of(path)}
         else:
             root = Path(tree).expanduser().resolve()   # type: ignore[arg-type]
             source = {"kind": "tree", "tree": str(root), "tree_sha256": tree_digest(root)}
@@ -182,7 +184,7 @@ def refresh(target: InstalledRelease, home: Path | str | None = None,
     digest = tree_digest(root)
     if digest == marker.get("tree_sha256"):
         return False
-    with rel._install_lock(home):
+    with installer._install_lock(home):
         progress(f"{target.version}: {root} changed since it was added; re-reading it")
         _build(target.version, _base_release(marker["base"], home), home,
                {"kind": "tree", "tree": str(root), "tree_sha256": digest}, progress)
@@ -191,7 +193,7 @@ def refresh(target: InstalledRelease, home: Path | str | None = None,
 
 def remove(name: str, home: Path | str | None = None) -> None:
     home = rel._home(home)
-    with rel._install_lock(home):
+    with installer._install_lock(home):
         path = rel._derived_dir(home) / name
         if not NAME_RE.match(name) or not path.is_dir():
             pinned = " (a pinned release: its files are " \
