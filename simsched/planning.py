@@ -3,7 +3,7 @@
 A case may describe the model as its attention layers (``layout.layers``) instead of its KV
 cache groups. Which groups a deployment gets, and whether its engine starts at all, is the
 release's planner's answer (``get_kv_cache_configs``, run inside the release worker by
-``simsched.vllm.inside.build.Planner``), and it differs between releases. :func:`plan` asks
+``simsched.vllm.inside.planner.Planner``), and it differs between releases. :func:`plan` asks
 the release and gives the case back with those groups, which the model and the release then
 both run; the release harness plans again and checks that it builds the same groups.
 """

@@ -27,7 +27,8 @@ from typing import Any
 from simsched.case import segment_tokens
 from simsched.layout import Layout, LayoutError
 
-from .build import ConfigBuilder, Unsupported, innermost_vllm_frame
+from .build import ConfigBuilder
+from .refusal import Unsupported, innermost_vllm_frame
 
 MESSAGE_LIMIT = 300
 
