@@ -80,7 +80,10 @@ def knobs_of(case: Case) -> set[str]:
             # a Mamba group's speculative state blocks: a deployment's, whenever it drafts
             | ({"groups.num_speculative_blocks"} if case.layout.num_speculative_blocks
                and any(g.kind == "mamba" for g in case.layout.groups) else set())
-            | {f"kind:{g.kind}" for g in case.layout.groups})
+            | {f"kind:{g.kind}" for g in case.layout.groups}
+            # the connector path (simsched.connectors): which connector, which tiers
+            | {f"connector:{case.layout.engine.connector.describe()}"}
+            | {f"tier:{t.kind}" for t in case.layout.engine.secondary_tiers})
 
 
 def parse_target(target: str, installed: list[str]) -> tuple[bool, list[str], str]:
@@ -485,6 +488,8 @@ class Campaign(Evaluator):
             "per_release": {v: {k: round(x, 3) for k, x in st.items()}
                             for v, st in sorted(self.per_release.items(),
                                                 key=lambda kv: tri._vkey(kv[0]))},
+            # real step runs and steps per connector path (simsched.connectors)
+            "per_path": dict(sorted(self.per_path.items())),
             "seconds": {"model": round(self.model_s, 3), "shrinking": round(self.shrinking_s, 3),
                         **{v: round(st["config_seconds"] + st["step_seconds"], 3)
                            for v, st in self.per_release.items()}},

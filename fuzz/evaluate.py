@@ -20,6 +20,7 @@ from fuzz.shrink import Hunt
 from fuzz.triage import Seen
 from simsched.case import Case
 from simsched.layout import deployment_refusal
+from simsched.model import unmodelled_path
 from simsched.outcome import Observation, Signature, crash_signature
 from simsched.profiles import PROFILES
 from simsched.replay import observe
@@ -32,6 +33,13 @@ REAL_SHARE = 0.25
 #: how the releases run each case: ``screen`` (the pre-screen and the share, the default),
 #: ``every`` (every case step by step on every release), ``none`` (the config chain only)
 STEP_MODES = ("screen", "every", "none")
+
+
+def connector_path(layout) -> str:
+    """The connector path a case runs on, as the report counts real steps on each: the
+    connector, and its secondary tiers."""
+    engine = layout.engine
+    return "+".join([engine.connector.describe()] + [t.kind for t in engine.secondary_tiers])
 
 
 class CampaignError(Exception):
@@ -60,6 +68,8 @@ class Evaluator:
         self.steps = 0                   # model steps
         self.per_release: dict[str, dict] = {}   # version -> cases, real steps, seconds
         self.model_s = 0.0               # seconds in the model under every profile
+        # connector path (simsched.connectors) -> step runs and real steps on it
+        self.per_path: dict[str, dict[str, int]] = {}
         self._stepped_last: set[str] = set()
         self._sampled_n = 0              # cases of the share so far (the older releases' turn)
 
@@ -88,10 +98,14 @@ class Evaluator:
             return list(self.release_targets)
         shown_models = {o.target for o in obs if o.level == "model"}
         shown_configs = {o.target for o in obs if o.level == "config"}
+        real_only = unmodelled_path(case.layout) is not None
+        # a connector path the model does not mirror has no model or config chain to point at
+        # releases: every such case runs on the newest release, and in turn on an older one
+        sampled = sampled or real_only
         older = self._older_in_turn() if sampled else None
         out = []
         for t in self.release_targets:
-            if outcomes.get(t.name, {}).get("status") != "ok":
+            if not real_only and outcomes.get(t.name, {}).get("status") != "ok":
                 continue
             if (f"model:{t.profile.name}" in shown_models or t.name in shown_configs
                     or (sampled and t is self.newest) or t is older):
@@ -137,6 +151,10 @@ class Evaluator:
             st["step_cases"] += 1
             out = outcomes.get(t.name) or {}
             st["real_steps"] += out.get("steps", 0)
+            path = self.per_path.setdefault(connector_path(case.layout),
+                                            {"step_cases": 0, "real_steps": 0})
+            path["step_cases"] += 1
+            path["real_steps"] += out.get("steps", 0)
         return obs
 
     def triage(self, case: Case, obs: list[Observation], outcomes: dict) -> list[Seen]:

@@ -95,6 +95,9 @@ def summary(data: dict) -> dict:
             "cases_per_release": {v: st.get("step_cases", 0) for v, st in per_release.items()},
             "real_steps_per_release": {v: st.get("real_steps", 0)
                                        for v, st in per_release.items()},
+            # the connector paths (simsched.connectors) the real runs spent steps on
+            "real_steps_per_path": {p: st.get("real_steps", 0)
+                                    for p, st in data.get("per_path", {}).items()},
             "seconds": data.get("seconds", {})}
 
 
@@ -193,6 +196,12 @@ def markdown(data: dict, plots: list[tuple[str, str]] | None = None,
         lines += [f"| {v} | {st['config_cases']} | {st['config_seconds']} | {st['step_cases']} | "
                   f"{st['real_steps']:,} | {st['step_seconds']} |"
                   for v, st in data["per_release"].items()]
+        if data.get("per_path"):
+            lines += ["", "Real runs per connector path (a path other than `offloading` is "
+                      "checked on the real run alone):", "",
+                      "| connector path | cases run step by step | real steps |", "|---|---|---|"]
+            lines += [f"| {p} | {st['step_cases']} | {st['real_steps']:,} |"
+                      for p, st in data["per_path"].items()]
         secs = data.get("seconds", {})
         lines += ["", f"Seconds in the model (every profile): {secs.get('model', 0)}; shrinking "
                   f"and recording findings: {secs.get('shrinking', 0)}."]

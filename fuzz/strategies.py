@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from simsched.case import (FAULT_KINDS, Case, CaseEvent, JobTiming, RequestSpec, Timing,
                            TransferFault, sampled_segment)
+from simsched.connectors import MULTI_CHILDREN, Connector, SecondaryTier
 from simsched.families import FAMILIES as FAMILY_LAYERS
 from simsched.families import family_of as layers_family_of
 from simsched.layout import (KINDS, RETENTION_UNSET, Engine, Group, Layout, RetentionUnset,
@@ -268,8 +269,30 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
     # rarely, a transfer that fails (every release's worker stops there: the run is cut short)
     faults = ((TransferFault(kind=draw(_pick(FAULT_KINDS)), job=draw(_pick((0, 1, 2)))),)
               if draw(_ints(0, 19)) == 19 else ())
+    layout, requests = _connector_path(draw, layout, requests)
     return Case(layout=layout, requests=requests, timing=timing, asserts=flag, events=events,
                 faults=faults)
+
+
+def _connector_path(draw, layout: Layout, requests: tuple[RequestSpec, ...]
+                    ) -> tuple[Layout, tuple[RequestSpec, ...]]:
+    """Now and then another of vLLM's offloading paths (:mod:`simsched.connectors`; drawn
+    last, as above): ``SimpleCPUOffloadConnector`` (eager or lazy), a ``MultiConnector`` of the
+    ``OffloadingConnector`` and NIXL with some requests pulled from a prefill instance, or
+    tiered offloading with a file-system tier behind the CPU tier."""
+    path = draw(_ints(0, 19))
+    if path < 17:
+        return layout, requests
+    if path == 17:
+        connector = Connector("simple_cpu", lazy_offload=draw(_pick((False, True))))
+        return layout.with_engine(connector=connector), requests
+    if path == 18:
+        order = draw(_pick((MULTI_CHILDREN, MULTI_CHILDREN[::-1])))
+        requests = tuple([dataclasses.replace(r, remote_prefill=draw(_pick((1, 2, 4))))
+                          if draw(_ints(0, 1)) else r for r in requests])
+        return layout.with_engine(connector=Connector("multi", order=order)), requests
+    tier = SecondaryTier("fs", io_latency=draw(_pick((1, 2, 4))))
+    return layout.with_engine(secondary_tiers=(tier,)), requests
 
 
 @st.composite

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
-from simsched.layout import Layout, LayoutError, _bool, _choice, _int, _take
+from simsched.fields import LayoutError, boolean, choice, integer, take
+from simsched.layout import Layout
 
 CASE_FORMAT = "simsched-case/1"
 VOCAB: Final = 32000
@@ -76,6 +77,10 @@ class RequestSpec:
     # SamplingParams.skip_reading_prefix_cache: the request reads no prefix cache, GPU or CPU
     # (its blocks are still cached and offloaded)
     skip_reading_prefix_cache: bool = False
+    # a P/D request (a ``multi`` connector, simsched.connectors): its prompt's KV is pulled from
+    # a prefill instance through NIXL (kv_transfer_params do_remote_prefill) and lands this many
+    # steps after the step that admits it (the NIXL worker's finished_recving); None: local
+    remote_prefill: int | None = None
 
     @property
     def withdrawn(self) -> bool:
@@ -101,7 +106,7 @@ class RequestSpec:
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "RequestSpec":
-        obj = _take(obj, path, {f.name for f in fields(cls)})
+        obj = take(obj, path, {f.name for f in fields(cls)})
         rid = obj.get("id")
         if not isinstance(rid, str) or not rid:
             raise LayoutError(f"{path}.id", "a non-empty string is required")
@@ -127,14 +132,16 @@ class RequestSpec:
         return cls(
             id=rid,
             prompt=tuple(segments),
-            arrival=_int(obj, "arrival", path, default=0, lo=0),
-            decode=_int(obj, "decode", path, default=1, lo=1, hi=1 << 16),
-            abort_at=_int(obj, "abort_at", path, default=None, optional=True, lo=0),
-            max_load_tokens=_int(obj, "max_load_tokens", path, default=None, optional=True, lo=0),
-            max_offload_tokens=_int(obj, "max_offload_tokens", path, default=None, optional=True,
+            arrival=integer(obj, "arrival", path, default=0, lo=0),
+            decode=integer(obj, "decode", path, default=1, lo=1, hi=1 << 16),
+            abort_at=integer(obj, "abort_at", path, default=None, optional=True, lo=0),
+            max_load_tokens=integer(obj, "max_load_tokens", path, default=None, optional=True, lo=0),
+            max_offload_tokens=integer(obj, "max_offload_tokens", path, default=None, optional=True,
                                     lo=0),
             accept=accept,
-            skip_reading_prefix_cache=_bool(obj, "skip_reading_prefix_cache", path, False),
+            skip_reading_prefix_cache=boolean(obj, "skip_reading_prefix_cache", path, False),
+            remote_prefill=integer(obj, "remote_prefill", path, default=None, optional=True,
+                                   hi=1024),
         )
 
     def to_json(self) -> dict:
@@ -158,7 +165,7 @@ class JobTiming:
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "JobTiming":
-        obj = _take(obj, path, {"store", "load", "latency"})
+        obj = take(obj, path, {"store", "load", "latency"})
         kinds = [k for k in ("store", "load") if k in obj]
         if len(kinds) != 1:
             raise LayoutError(path, "exactly one of store or load (the job's index) is required")
@@ -169,7 +176,7 @@ class JobTiming:
                 raise LayoutError(f"{path}.latency", "an integer 0 to 1000, or null (never "
                                   f"completes), is required, got "
                                   f"{'nothing' if latency is ... else repr(latency)}")
-        return cls(kind=kinds[0], index=_int(obj, kinds[0], path, lo=0), latency=latency)
+        return cls(kind=kinds[0], index=integer(obj, kinds[0], path, lo=0), latency=latency)
 
     def to_json(self) -> dict:
         return {self.kind: self.index, "latency": self.latency}
@@ -195,15 +202,15 @@ class Timing:
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "timing") -> "Timing":
-        obj = _take(obj, path, {f.name for f in fields(cls)})
+        obj = take(obj, path, {f.name for f in fields(cls)})
         jobs = obj.get("jobs", [])
         if not isinstance(jobs, list):
             raise LayoutError(f"{path}.jobs", "expected a list of {store | load, latency}")
         return cls(
-            store_latency=_int(obj, "store_latency", path, default=1, lo=0, hi=1000),
-            load_latency=_int(obj, "load_latency", path, default=1, lo=0, hi=1000),
-            max_num_batched_tokens=_int(obj, "max_num_batched_tokens", path, default=2048),
-            max_num_seqs=_int(obj, "max_num_seqs", path, default=32, hi=4096),
+            store_latency=integer(obj, "store_latency", path, default=1, lo=0, hi=1000),
+            load_latency=integer(obj, "load_latency", path, default=1, lo=0, hi=1000),
+            max_num_batched_tokens=integer(obj, "max_num_batched_tokens", path, default=2048),
+            max_num_seqs=integer(obj, "max_num_seqs", path, default=32, hi=4096),
             jobs=_jobs(jobs, f"{path}.jobs"),
         )
 
@@ -245,8 +252,8 @@ class CaseEvent:
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "CaseEvent":
-        obj = _take(obj, path, {"step", "do"})
-        return cls(step=_int(obj, "step", path, lo=0), do=_choice(obj, "do", path, EVENT_KINDS))
+        obj = take(obj, path, {"step", "do"})
+        return cls(step=integer(obj, "step", path, lo=0), do=choice(obj, "do", path, EVENT_KINDS))
 
     def to_json(self) -> dict:
         return {"step": self.step, "do": self.do}
@@ -272,8 +279,8 @@ class TransferFault:
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "TransferFault":
-        obj = _take(obj, path, {"job", "kind"})
-        return cls(kind=_choice(obj, "kind", path, FAULT_KINDS), job=_int(obj, "job", path, lo=0))
+        obj = take(obj, path, {"job", "kind"})
+        return cls(kind=choice(obj, "kind", path, FAULT_KINDS), job=integer(obj, "job", path, lo=0))
 
     def to_json(self) -> dict:
         return {"job": self.job, "kind": self.kind}
@@ -298,7 +305,7 @@ class Case:
 
     @classmethod
     def from_json(cls, obj: Any) -> "Case":
-        obj = _take(obj, "", {"format", "layout", "requests", "timing", "seed", "asserts",
+        obj = take(obj, "", {"format", "layout", "requests", "timing", "seed", "asserts",
                               "events", "faults"})
         fmt = obj.get("format", CASE_FORMAT)
         if fmt != CASE_FORMAT:
@@ -309,8 +316,13 @@ class Case:
         requests = obj.get("requests", [])
         if not isinstance(requests, list):
             raise LayoutError("requests", "expected a list of requests")
-        seed = _int(obj, "seed", "", default=0, lo=0, hi=(1 << 63) - 1)
+        seed = integer(obj, "seed", "", default=0, lo=0, hi=(1 << 63) - 1)
         parsed = _resolve_sampled(requests, seed)
+        remote = next((i for i, r in enumerate(parsed) if r.remote_prefill is not None), None)
+        if remote is not None and layout.engine.connector.kind != "multi":
+            raise LayoutError(f"requests[{remote}].remote_prefill", "a request pulled from a "
+                              "prefill instance arrives through NIXL: engine.connector must be "
+                              "a multi connector")
         events = obj.get("events", [])
         if not isinstance(events, list):
             raise LayoutError("events", "expected a list of events")
@@ -325,7 +337,7 @@ class Case:
         return cls(layout=layout, requests=parsed,
                    timing=Timing.from_json(obj.get("timing", {})),
                    seed=seed,
-                   asserts=_bool(obj, "asserts", "", True),
+                   asserts=boolean(obj, "asserts", "", True),
                    events=tuple(CaseEvent.from_json(e, f"events[{i}]")
                                 for i, e in enumerate(events)),
                    faults=parsed_faults)
@@ -376,13 +388,13 @@ def _resolve_sampled(requests: list, seed: int) -> tuple[RequestSpec, ...]:
                     segments.append(seg)
                     continue
                 where = f"{path}.prompt[{k}]"
-                seg = _take(seg, where, {"sampled", "length"})
+                seg = take(seg, where, {"sampled", "length"})
                 rid = seg.get("sampled")
                 if rid not in index:
                     raise LayoutError(f"{where}.sampled", f"the id of an earlier request is "
                                       f"required, got {rid!r}")
                 earlier = parsed[index[rid]]
-                n = _int(seg, "length", where, default=earlier.decode, lo=1, hi=earlier.decode)
+                n = integer(seg, "length", where, default=earlier.decode, lo=1, hi=earlier.decode)
                 segments.append(list(sampled_segment(seed, index[rid], earlier.prompt_len, n)))
             raw = dict(raw, prompt=segments)
         spec = RequestSpec.from_json(raw, path)

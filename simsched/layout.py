@@ -10,8 +10,11 @@ observing vLLM's own error is the point of the tool.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
+
+from simsched.connectors import Connector, SecondaryTier, secondary_tiers_from_json
+from simsched.fields import MAX_TOKENS, LayoutError, boolean, choice, integer, take
 
 #: Group kinds and what each one is in vLLM (``vllm/v1/kv_cache_interface.py``).
 KINDS: dict[str, str] = {
@@ -118,41 +121,6 @@ LAYER_DTYPES = ("float16", "bfloat16", "float32")
 SPEC_METHODS = ("eagle", "eagle3", "mtp", "ngram")
 
 MAX_BLOCK_SIZE = 1 << 16
-MAX_TOKENS = 1 << 24
-
-
-class LayoutError(ValueError):
-    """An impossible layout or case: ``field`` names where, the message says why."""
-
-    def __init__(self, field_path: str, reason: str):
-        self.field = field_path
-        self.reason = reason
-        super().__init__(f"{field_path}: {reason}")
-
-
-def _take(obj: Any, path: str, allowed: set[str]) -> dict:
-    if not isinstance(obj, dict):
-        raise LayoutError(path or "<top>", f"expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise LayoutError(f"{path}.{unknown[0]}" if path else unknown[0],
-                          f"unknown field (allowed: {', '.join(sorted(allowed))})")
-    return obj
-
-
-def _int(obj: dict, key: str, path: str, *, default: Any = ..., lo: int = 1,
-         hi: int = MAX_TOKENS, optional: bool = False) -> Any:
-    where = f"{path}.{key}" if path else key
-    if key not in obj or (optional and obj[key] is None):
-        if default is ...:
-            raise LayoutError(where, "required")
-        return default
-    value = obj[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LayoutError(where, f"expected an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise LayoutError(where, f"must be between {lo} and {hi}, got {value}")
-    return value
 
 
 class RetentionUnset:
@@ -183,25 +151,6 @@ def _retention(obj: dict, path: str) -> int | None | RetentionUnset:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise LayoutError(f"{path}.retention_interval",
                           f"expected an integer >= 0, \"dense\" or null, got {value!r}")
-    return value
-
-
-def _bool(obj: dict, key: str, path: str, default: bool) -> bool:
-    value = obj.get(key, default)
-    if not isinstance(value, bool):
-        raise LayoutError(f"{path}.{key}" if path else key, f"expected true or false, got {value!r}")
-    return value
-
-
-def _choice(obj: dict, key: str, path: str, choices: tuple[str, ...], default: Any = ...) -> Any:
-    where = f"{path}.{key}" if path else key
-    if key not in obj:
-        if default is ...:
-            raise LayoutError(where, f"required (one of {', '.join(choices)})")
-        return default
-    value = obj[key]
-    if value not in choices:
-        raise LayoutError(where, f"must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 
@@ -236,19 +185,19 @@ class Group:
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "Group":
         allowed = {f.name for f in fields(cls)}
-        obj = _take(obj, path, allowed)
-        kind = _choice(obj, "kind", path, tuple(KINDS))
+        obj = take(obj, path, allowed)
+        kind = choice(obj, "kind", path, tuple(KINDS))
         group = cls(
             kind=kind,
-            block_size=_int(obj, "block_size", path, hi=MAX_BLOCK_SIZE),
-            layers=_int(obj, "layers", path, default=1, hi=1024),
-            sliding_window=_int(obj, "sliding_window", path, default=None, optional=True),
-            attention_chunk_size=_int(obj, "attention_chunk_size", path, default=None,
+            block_size=integer(obj, "block_size", path, hi=MAX_BLOCK_SIZE),
+            layers=integer(obj, "layers", path, default=1, hi=1024),
+            sliding_window=integer(obj, "sliding_window", path, default=None, optional=True),
+            attention_chunk_size=integer(obj, "attention_chunk_size", path, default=None,
                                       optional=True),
-            mamba_cache_mode=(_choice(obj, "mamba_cache_mode", path, MAMBA_CACHE_MODES, "none")
+            mamba_cache_mode=(choice(obj, "mamba_cache_mode", path, MAMBA_CACHE_MODES, "none")
                               if kind == "mamba" else obj.get("mamba_cache_mode")),
-            drafter=_bool(obj, "drafter", path, False),
-            extra_retained_tokens=_int(obj, "extra_retained_tokens", path, default=0, lo=0,
+            drafter=boolean(obj, "drafter", path, False),
+            extra_retained_tokens=integer(obj, "extra_retained_tokens", path, default=0, lo=0,
                                        hi=1 << 16),
         )
         group._check(path)
@@ -310,7 +259,7 @@ class Layer:
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> "Layer":
-        obj = _take(obj, path, {f.name for f in fields(cls)})
+        obj = take(obj, path, {f.name for f in fields(cls)})
         mamba = obj.get("kind") == "mamba"
         if mamba:
             for name in ("num_kv_heads", "head_size", "sliding_window", "attention_chunk_size",
@@ -323,20 +272,20 @@ class Layer:
                 if name in obj:
                     raise LayoutError(f"{path}.{name}", f"not used by kind {obj['kind']!r}")
         layer = cls(
-            kind=_choice(obj, "kind", path, LAYER_KINDS),
-            count=_int(obj, "count", path, default=1, hi=256),
-            num_kv_heads=_int(obj, "num_kv_heads", path, default=8, hi=256),
-            head_size=_int(obj, "head_size", path, default=128, hi=1024),
-            dtype=_choice(obj, "dtype", path, LAYER_DTYPES, "bfloat16"),
-            sliding_window=_int(obj, "sliding_window", path, default=None, optional=True),
-            attention_chunk_size=_int(obj, "attention_chunk_size", path, default=None,
+            kind=choice(obj, "kind", path, LAYER_KINDS),
+            count=integer(obj, "count", path, default=1, hi=256),
+            num_kv_heads=integer(obj, "num_kv_heads", path, default=8, hi=256),
+            head_size=integer(obj, "head_size", path, default=128, hi=1024),
+            dtype=choice(obj, "dtype", path, LAYER_DTYPES, "bfloat16"),
+            sliding_window=integer(obj, "sliding_window", path, default=None, optional=True),
+            attention_chunk_size=integer(obj, "attention_chunk_size", path, default=None,
                                       optional=True),
-            drafter=_bool(obj, "drafter", path, False),
-            block_size=_int(obj, "block_size", path, default=None, optional=True,
+            drafter=boolean(obj, "drafter", path, False),
+            block_size=integer(obj, "block_size", path, default=None, optional=True,
                             hi=MAX_BLOCK_SIZE),
             shapes=_shapes(obj, path) if mamba else None,
-            mamba_type=_choice(obj, "mamba_type", path, MAMBA_TYPES) if mamba else None,
-            mamba_cache_mode=(_choice(obj, "mamba_cache_mode", path, MAMBA_CACHE_MODES, "align")
+            mamba_type=choice(obj, "mamba_type", path, MAMBA_TYPES) if mamba else None,
+            mamba_cache_mode=(choice(obj, "mamba_cache_mode", path, MAMBA_CACHE_MODES, "align")
                               if mamba else None),
         )
         needs = {"sliding_window": layer.kind in WINDOWED_KINDS,
@@ -408,43 +357,54 @@ class Engine:
     # cache_config.block_size (--block-size) of a layout of layers; a layout of groups names
     # each group's block size instead
     block_size: int | None = None
+    # the KV connector and its tiers (simsched.connectors): the OffloadingConnector with a CPU
+    # tier by default
+    connector: Connector = field(default_factory=Connector)
+    secondary_tiers: tuple[SecondaryTier, ...] = ()
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "engine") -> "Engine":
-        obj = _take(obj, path, {f.name for f in fields(cls)})
+        obj = take(obj, path, {f.name for f in fields(cls)})
         spec = obj.get("speculative")
         if spec is not None:
             spath = f"{path}.speculative"
-            spec = _take(spec, spath, {"method", "num_tokens"})
-            spec = Speculative(method=_choice(spec, "method", spath, SPEC_METHODS),
-                               num_tokens=_int(spec, "num_tokens", spath, hi=16))
+            spec = take(spec, spath, {"method", "num_tokens"})
+            spec = Speculative(method=choice(spec, "method", spath, SPEC_METHODS),
+                               num_tokens=integer(spec, "num_tokens", spath, hi=16))
+        connector = (Connector.from_json(obj["connector"], f"{path}.connector")
+                     if "connector" in obj else Connector())
         return cls(
-            blocks_per_chunk=_int(obj, "blocks_per_chunk", path, default=None, optional=True,
+            blocks_per_chunk=integer(obj, "blocks_per_chunk", path, default=None, optional=True,
                                   hi=4096),
-            offload_block_size=_int(obj, "offload_block_size", path, default=None, optional=True,
+            offload_block_size=integer(obj, "offload_block_size", path, default=None, optional=True,
                                     hi=MAX_TOKENS),
-            prefix_match_unit=_int(obj, "prefix_match_unit", path, default=None, optional=True,
+            prefix_match_unit=integer(obj, "prefix_match_unit", path, default=None, optional=True,
                                    hi=MAX_BLOCK_SIZE),
-            enable_prefix_caching=_bool(obj, "enable_prefix_caching", path, True),
-            dcp_size=_int(obj, "dcp_size", path, default=1, hi=64),
+            enable_prefix_caching=boolean(obj, "enable_prefix_caching", path, True),
+            dcp_size=integer(obj, "dcp_size", path, default=1, hi=64),
             speculative=spec,
-            async_scheduling=_bool(obj, "async_scheduling", path, False),
+            async_scheduling=boolean(obj, "async_scheduling", path, False),
             retention_interval=_retention(obj, path),
-            num_gpu_blocks=_int(obj, "num_gpu_blocks", path, default=1024, lo=2, hi=1 << 20),
-            cpu_chunks=_int(obj, "cpu_chunks", path, default=256, lo=1, hi=1 << 20),
-            offload_prompt_only=_bool(obj, "offload_prompt_only", path, True),
-            eviction_policy=_choice(obj, "eviction_policy", path, EVICTION_POLICIES, "lru"),
-            block_size=_int(obj, "block_size", path, default=None, optional=True,
+            num_gpu_blocks=integer(obj, "num_gpu_blocks", path, default=1024, lo=2, hi=1 << 20),
+            cpu_chunks=integer(obj, "cpu_chunks", path, default=256, lo=1, hi=1 << 20),
+            offload_prompt_only=boolean(obj, "offload_prompt_only", path, True),
+            eviction_policy=choice(obj, "eviction_policy", path, EVICTION_POLICIES, "lru"),
+            block_size=integer(obj, "block_size", path, default=None, optional=True,
                             hi=MAX_BLOCK_SIZE),
+            connector=connector,
+            secondary_tiers=secondary_tiers_from_json(obj, path, connector),
         )
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value != f.default:
-                if isinstance(value, Speculative):
+            default = f.default_factory() if f.default is MISSING else f.default
+            if value != default:
+                if isinstance(value, (Speculative, Connector)):
                     value = value.to_json()
+                elif f.name == "secondary_tiers":
+                    value = [t.to_json() for t in value]
                 elif f.name == "retention_interval" and value is None:
                     value = "dense"
                 out[f.name] = value
@@ -465,7 +425,7 @@ class Layout:
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "layout") -> "Layout":
-        obj = _take(obj, path, {"groups", "engine", "layers"})
+        obj = take(obj, path, {"groups", "engine", "layers"})
         layers = obj.get("layers")
         if layers is not None and (not isinstance(layers, list) or not layers):
             raise LayoutError(f"{path}.layers", "a non-empty list of layers is expected")
@@ -580,5 +540,11 @@ class Layout:
                      (g.mamba_cache_mode if g.kind == "mamba" else None))
             parts.append(f"{g.kind}/{g.block_size}" + (f"(w={extra})" if extra else "")
                          + ("[drafter]" if g.drafter else ""))
-        knobs = " ".join(f"{k}={v}" for k, v in self.engine.to_json().items())
+        values = dict(self.engine.to_json())
+        if "connector" in values:
+            values["connector"] = self.engine.connector.describe()
+        if "secondary_tiers" in values:
+            values["secondary_tiers"] = "+".join(f"{t.kind}(io={t.io_latency})"
+                                                 for t in self.engine.secondary_tiers)
+        knobs = " ".join(f"{k}={v}" for k, v in values.items())
         return " + ".join(parts) + (f" | {knobs}" if knobs else "")

@@ -17,6 +17,7 @@ says why the case could not run (``unsupported``, ``refused``, ``worker``, ``inv
 from __future__ import annotations
 
 from simsched.case import Case
+from simsched.model import unmodelled_path
 from simsched.outcome import (Observation, Signature, crash_signature, describe, diff_config,
                               finding_signature)
 from simsched.targets import ModelTarget, ReleaseTarget, SharedModelRuns
@@ -105,6 +106,10 @@ def observe(case: Case, models: list[ModelTarget], releases: list[ReleaseTarget]
     """
     outcomes = {} if outcomes is None else outcomes
     predicted: dict[str, dict] = {}
+    if unmodelled_path(case.layout) is not None:
+        # a connector path the model does not mirror: the real run's own checks are all there
+        # is (the config chain is the OffloadingConnector's, the model's prediction of it too)
+        models, config = [], False
     obs = _observe_models(case, models, outcomes, predicted)
     if config:
         obs += _observe_configs(case, releases, outcomes, predicted)

@@ -36,6 +36,19 @@ _MODULE_OF = {"MAX_STEPS": "scheduler", "STALL_STEPS": "scheduler", "Model": "sc
 __all__ = list(_MODULE_OF)
 
 
+def unmodelled_path(layout) -> str | None:
+    """The connector path of ``layout`` the model does not mirror (``simsched.connectors``), or
+    None: the model is the ``OffloadingConnector`` with a CPU tier alone. A case on another path
+    is checked on the real run alone, by the invariants that need no model (the content shadow,
+    the fences, liveness, the hit oracle): no model run, no lockstep comparison."""
+    engine = layout.engine
+    if engine.connector.kind != "offloading":
+        return f"engine.connector={engine.connector.describe()}"
+    if engine.secondary_tiers:
+        return "engine.secondary_tiers=" + "+".join(t.kind for t in engine.secondary_tiers)
+    return None
+
+
 def unmodelled_knobs(layout) -> list[str]:
     """The knobs ``layout`` sets that the model does not mirror: the model runs as if they had
     their default, and a step where a release differs from it on such a case is the model's gap,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from simsched.layout import Layout, RetentionUnset, cache_block_size, deployment_refusal
+from simsched.model import unmodelled_path
 
 from .planner import Planner
 from .refusal import Refused, Unsupported
@@ -190,9 +191,19 @@ class ConfigBuilder:
         else:
             kvc = self.kv_cache_config(layout)
             vc = self.vllm_config(layout)
-        self.offloading(layout, vc, kvc)
+        self.kv_transfer(layout, vc, kvc)
         self.retention(layout, vc, kvc)
         return vc, kvc
+
+    def kv_transfer(self, layout: Layout, vc, kvc) -> None:
+        """The case's KV connector (``engine.connector``, ``engine.secondary_tiers``:
+        :mod:`simsched.connectors`) as a deployment configures it."""
+        eng = layout.engine
+        if eng.connector.kind == "offloading" and not eng.secondary_tiers:
+            self.offloading(layout, vc, kvc)
+            return
+        raise Unsupported(f"{unmodelled_path(layout)}: the harness does not drive this "
+                          "connector path yet")
 
     def kv_cache_config(self, layout: Layout) -> Any:
         """A layout of groups' ``KVCacheConfig``, built by hand: one tensor shared by every

@@ -1,0 +1,93 @@
+"""The case format's connector paths (``engine.connector``, ``engine.secondary_tiers``,
+``requests[].remote_prefill``: :mod:`simsched.connectors`): parsed, validated with an error
+that names the field, written back unchanged; and what the model does not mirror is named."""
+
+import pytest
+
+from simsched.case import Case
+from simsched.layout import Layout, LayoutError
+from simsched.model import unmodelled_path
+
+FULL = [{"kind": "full", "block_size": 16}]
+
+
+def _layout(**engine) -> Layout:
+    return Layout.from_json({"groups": FULL, "engine": engine})
+
+
+@pytest.mark.parametrize("engine", [
+    {"connector": {"kind": "simple_cpu", "lazy_offload": True}},
+    {"connector": {"kind": "simple_cpu", "lazy_offload": False}},
+    {"connector": {"kind": "multi", "order": ["nixl", "offloading"]}},
+    {"secondary_tiers": [{"kind": "fs", "io_latency": 2}]},
+])
+def test_a_connector_path_is_written_back_as_given(engine):
+    layout = _layout(**engine)
+    assert layout.to_json()["engine"] == {k: v for k, v in engine.items()}
+    assert Layout.from_json(layout.to_json()) == layout
+
+
+def test_the_default_path_is_not_written():
+    """A case of the OffloadingConnector alone reads and writes as before the connector knob
+    existed: the same JSON, so the same case IDs and corpus entries."""
+    layout = Layout.from_json({"groups": FULL})
+    assert "engine" not in layout.to_json()
+    assert _layout(connector={"kind": "offloading"}) == layout
+
+
+@pytest.mark.parametrize("engine, field", [
+    ({"connector": {"kind": "lmcache"}}, "layout.engine.connector.kind"),
+    ({"connector": {"kind": "offloading", "lazy_offload": True}},
+     "layout.engine.connector.lazy_offload"),
+    ({"connector": {"kind": "simple_cpu", "order": ["offloading", "nixl"]}},
+     "layout.engine.connector.order"),
+    ({"connector": {"kind": "multi", "order": ["offloading", "offloading"]}},
+     "layout.engine.connector.order"),
+    ({"connector": {"kind": "multi"}, "secondary_tiers": [{"kind": "fs"}]},
+     "layout.engine.secondary_tiers"),
+    ({"secondary_tiers": [{"kind": "s3"}]}, "layout.engine.secondary_tiers[0].kind"),
+    ({"secondary_tiers": [{"kind": "fs", "io_latency": 0}]},
+     "layout.engine.secondary_tiers[0].io_latency"),
+])
+def test_a_bad_connector_field_is_named(engine, field):
+    with pytest.raises(LayoutError) as e:
+        _layout(**engine)
+    assert e.value.field == field
+
+
+def test_a_remote_prefill_needs_the_multi_connector():
+    requests = [{"id": "p", "prompt": [[0, 64]], "remote_prefill": 2}]
+    case = Case.from_json({"layout": {"groups": FULL,
+                                      "engine": {"connector": {"kind": "multi"}}},
+                           "requests": requests})
+    assert case.requests[0].remote_prefill == 2
+    assert Case.from_json(case.to_json()) == case
+    with pytest.raises(LayoutError) as e:
+        Case.from_json({"layout": {"groups": FULL}, "requests": requests})
+    assert e.value.field == "requests[0].remote_prefill"
+
+
+def test_the_model_names_the_paths_it_does_not_mirror():
+    assert unmodelled_path(Layout.from_json({"groups": FULL})) is None
+    assert unmodelled_path(_layout(eviction_policy="arc")) is None     # a knob, not a path
+    assert unmodelled_path(_layout(connector={"kind": "simple_cpu", "lazy_offload": True})) \
+        == "engine.connector=simple_cpu(lazy)"
+    assert unmodelled_path(_layout(connector={"kind": "multi"})) \
+        == "engine.connector=multi(offloading+nixl)"
+    assert unmodelled_path(_layout(secondary_tiers=[{"kind": "fs"}])) \
+        == "engine.secondary_tiers=fs"
+
+
+def test_a_case_on_an_unmodelled_path_runs_no_model():
+    """The model mirrors the OffloadingConnector alone: on another path it runs nothing (no
+    model finding, no config chain of the wrong connector), and the release's step run is the
+    whole check (here: no release given, so nothing at all)."""
+    from simsched.profiles import PROFILES
+    from simsched.replay import observe
+    from simsched.targets import ModelTarget
+    case = Case.from_json({"layout": {"groups": FULL,
+                                      "engine": {"connector": {"kind": "simple_cpu"}}},
+                           "requests": [{"id": "a", "prompt": [[0, 64]]}]})
+    outcomes: dict = {}
+    obs = observe(case, [ModelTarget(p) for p in PROFILES.values()], [], outcomes)
+    assert obs == [] and outcomes == {}
