@@ -26,7 +26,7 @@ class BareRun:
     def go(self) -> dict:
         eng, case = self.eng, self.case
         vc, kvc, sched, sbs, tph = eng.boot(case)
-        self.sched, self.driver = sched, eng.connector_driver(sched, tph)
+        self.sched, self.driver = sched, eng.connector_driver(sched, tph, case)
         hasher = eng.probe.hasher(vc, tph)
         self.reqs = {}
         for i, spec in enumerate(case.requests):

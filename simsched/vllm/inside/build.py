@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import json
 import os
 from pathlib import Path
@@ -198,12 +199,12 @@ class ConfigBuilder:
     def kv_transfer(self, layout: Layout, vc, kvc) -> None:
         """The case's KV connector (``engine.connector``, ``engine.secondary_tiers``:
         :mod:`simsched.connectors`) as a deployment configures it."""
-        eng = layout.engine
-        if eng.connector.kind == "offloading" and not eng.secondary_tiers:
+        module = path_module(layout)
+        if module is None:
             self.offloading(layout, vc, kvc)
-            return
-        raise Unsupported(f"{unmodelled_path(layout)}: the harness does not drive this "
-                          "connector path yet")
+        else:
+            module.kv_transfer(self, layout, vc, kvc)
+
 
     def kv_cache_config(self, layout: Layout) -> Any:
         """A layout of groups' ``KVCacheConfig``, built by hand: one tensor shared by every
@@ -407,3 +408,22 @@ class ConfigBuilder:
         object.__setattr__(obj, "method", spec.method)
         object.__setattr__(obj, "num_speculative_tokens", spec.num_tokens)
         return obj
+
+
+def path_module(layout: Layout):
+    """The harness's module of the case's connector path (:mod:`simsched.connectors`), which
+    builds its ``kv_transfer_config`` (``kv_transfer(builder, layout, vc, kvc)``) and drives it
+    (``driver(sched, tph, case)``, a :class:`~simsched.vllm.inside.connector.ConnectorDriver`):
+    ``simple_cpu``, ``multi``, ``tiering`` (an ``OffloadingConnector`` with secondary tiers);
+    None for the ``OffloadingConnector`` alone (:mod:`~simsched.vllm.inside.offloading`)."""
+    engine = layout.engine
+    name = "tiering" if engine.secondary_tiers else engine.connector.kind
+    if name == "offloading":
+        return None
+    try:
+        return importlib.import_module(f"simsched.vllm.inside.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"simsched.vllm.inside.{name}":
+            raise
+        raise Unsupported(f"{unmodelled_path(layout)}: the harness does not drive this "
+                          "connector path yet") from None

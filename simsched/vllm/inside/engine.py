@@ -23,6 +23,7 @@ from simsched.geometry import max_model_len
 from simsched.layout import Layout, LayoutError
 from simsched.vllm.inside import startup
 from simsched.vllm.inside.bare_run import BareRun
+from simsched.vllm.inside.build import path_module
 from simsched.vllm.inside.offloading import OffloadingConnectorDriver
 from simsched.vllm.inside.run import Run
 
@@ -109,11 +110,16 @@ class RealEngine:
                                f"layout has {len(case.layout.groups)}")
         return vc, kvc, sched, sbs, tph
 
-    def connector_driver(self, sched, tph: int) -> OffloadingConnectorDriver:
+    def connector_driver(self, sched, tph: int, case: Case):
         """The driver of the booted scheduler's KV connector
-        (:mod:`~simsched.vllm.inside.connector`): the ``OffloadingConnector`` the case's
-        ``kv_transfer_config`` names (:mod:`~simsched.vllm.inside.build`)."""
-        return OffloadingConnectorDriver(sched, tph)
+        (:mod:`~simsched.vllm.inside.connector`), the one the case's ``kv_transfer_config``
+        names (:meth:`~simsched.vllm.inside.build.ConfigBuilder.kv_transfer`): the
+        ``OffloadingConnector``'s, or that of the case's connector path, each in the module of
+        its name (:func:`~simsched.vllm.inside.build.path_module`)."""
+        module = path_module(case.layout)
+        if module is None:
+            return OffloadingConnectorDriver(sched, tph)
+        return module.driver(sched, tph, case)
 
     def boot_retention(self, case_json: dict) -> dict:
         """The retention interval each side of the booted engine reads (op ``boot_retention``):
@@ -121,7 +127,8 @@ class RealEngine:
         and the connector's scheduler config (0.30.0+); ``"absent"`` where the release has no
         such field. An unsupported case: ``{"unsupported": reason}``."""
         try:
-            vc, kvc, sched, _, tph = self.boot(Case.from_json(case_json))
+            case = Case.from_json(case_json)
+            vc, kvc, sched, _, tph = self.boot(case)
         except self.Unsupported as e:
             return {"unsupported": str(e)}
         sides = {"cache_config": vc.cache_config, "kv_cache_config": kvc}
@@ -129,7 +136,7 @@ class RealEngine:
         out = {side: getattr(obj, name, "absent") for side, obj in sides.items()}
         out["kv_cache_manager"] = getattr(sched.kv_cache_manager.coordinator,
                                           "retention_interval", "absent")
-        out["connector"] = getattr(self.connector_driver(sched, tph).config,
+        out["connector"] = getattr(self.connector_driver(sched, tph, case).config,
                                    "retention_interval", "absent")
         return out
 

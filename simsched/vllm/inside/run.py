@@ -187,7 +187,7 @@ class Run:
         eng, case = self.eng, self.case
         vc, kvc, sched, sbs, tph = self.call("boot", eng.boot, case)
         self.sched, self.tph, self.vc, self.kvc = sched, tph, vc, kvc
-        driver = self.driver = eng.connector_driver(sched, tph)
+        driver = self.driver = eng.connector_driver(sched, tph, case)
         layout = case.layout
         mgrs = sched.kv_cache_manager.coordinator.single_type_managers
         block_sizes = [int(m.block_size) for m in mgrs]
