@@ -10,7 +10,7 @@ observing vLLM's own error is the point of the tool.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from simsched.connectors import Connector, SecondaryTier, secondary_tiers_from_json
@@ -397,10 +397,10 @@ class Engine:
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {}
+        defaults = Engine()
         for f in fields(self):
             value = getattr(self, f.name)
-            default = f.default_factory() if f.default is MISSING else f.default
-            if value != default:
+            if value != getattr(defaults, f.name):
                 if isinstance(value, (Speculative, Connector)):
                     value = value.to_json()
                 elif f.name == "secondary_tiers":
