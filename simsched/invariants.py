@@ -24,6 +24,8 @@ INVARIANTS = {
     "INV-4": "a stored chunk holds exactly the tokens its key names",
     "INV-5": "a load brings back exactly the tokens the request has at those positions",
     "INV-6": "no block reused while a transfer reads or writes it",
+    "INV-6b": "no store issued over, and no forward run on, a block whose external write (a "
+              "remote prefill pulled by another connector) has not landed",
     "INV-7": "a chunk is loaded only once its store completed",
     "INV-8": "every request finishes or is aborted (liveness once the tier is quiet)",
     "INV-9": "a fully stored, ready prefix is found by the next request sharing it",
@@ -35,7 +37,7 @@ INVARIANTS = {
 #: invariant + op + group kinds); a deferral that never ends (INV-8 on a lookup) says "lookup"
 INV_OPS = {
     "INV-1": "pool", "INV-2": "pool", "INV-3": "store", "INV-4": "store", "INV-5": "load",
-    "INV-6": "write", "INV-7": "load", "INV-8": "liveness", "INV-9": "lookup", "INV-10": "cap",
+    "INV-6": "write", "INV-6b": "unlanded", "INV-7": "load", "INV-8": "liveness", "INV-9": "lookup", "INV-10": "cap",
 }
 
 
@@ -166,6 +168,19 @@ def check_writes(step: int, written, pending_reads: dict, what: str) -> Invarian
             if b in pending_reads:
                 return InvariantViolation("INV-6", step, f"block {b} written by {what} while "
                                           f"store job {min(pending_reads[b])} still reads it")
+    return None
+
+
+def check_unlanded(step: int, blocks, unlanded: dict, what: str) -> InvariantViolation | None:
+    """INV-6b: ``what`` (a store job issued, a request's forward) uses none of ``blocks`` while
+    an external write into it has not landed (``unlanded``: block -> its writer, e.g. ``NIXL
+    recv of r3``). The KV there is not the request's yet: a store would keep whatever the block
+    held before under the request's keys, a forward would attend to it."""
+    if unlanded:
+        for b in blocks:
+            if b in unlanded:
+                return InvariantViolation("INV-6b", step, f"{what} uses block {b} before "
+                                          f"{unlanded[b]} has landed")
     return None
 
 

@@ -23,6 +23,10 @@ single spaces, lists comma-separated without spaces, groups written ``g<id>``)::
     end flush waits on <store|load> <job> (never completes)
                                               the worker must finish such a job before the step
                                               (flush): it waits forever, the run stops (last line)
+    recv <rid> g<id>=<b,...> ...              another connector's worker starts writing the
+                                              request's KV into these blocks (``multi``: the NIXL
+                                              pull of a remote prefill)
+    landed <rid>                              that write landed (finished_recving reports it)
     finish <rid> <finished|aborted>           a request finished
     check <ok|INV-n>                          invariants checked after the step
     crash <Exception> <function> <stage>      the scheduler raised (last line)

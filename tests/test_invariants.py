@@ -156,6 +156,18 @@ def test_inv6_holds_with_fences():
     assert any(line.startswith("flush") for line in r.trace)
 
 
+def test_inv6b_unlanded_block_used():
+    """INV-6b (real runs, the multi path): a store or a forward over a block another connector
+    is still writing; the real cases are tests/test_real_multi.py (mutant gate_open)."""
+    from simsched.invariants import check_unlanded
+    unlanded = {4: "NIXL recv of r"}
+    v = check_unlanded(3, [2, 4], unlanded, "store 1 of r")
+    assert v is not None and v.inv_id == "INV-6b" and v.op == "unlanded"
+    assert v.detail == "store 1 of r uses block 4 before NIXL recv of r has landed"
+    assert check_unlanded(3, [2, 5], unlanded, "store 1 of r") is None
+    assert check_unlanded(3, [4], {}, "the forward of r") is None
+
+
 def test_inv7_load_of_pending_chunk(monkeypatch, src):
     # the connector's lookup sees every chunk in the tier as ready (pending ones too)
     lookup = src.offload.OffloadingConnectorScheduler._lookup_complete_chunks

@@ -13,10 +13,13 @@ from simsched.model.request import Request as IdentRequest
 
 class CaseRequests:
     """``call(stage, fn, *args)``: the run's wrapper of a call into vLLM (its exception a
-    crash of ``stage``)."""
+    crash of ``stage``); ``transfer_params(spec)``: what the connector adds to a request's
+    ``kv_transfer_params`` (the driver's ``kv_transfer_params``)."""
 
-    def __init__(self, eng, case: Case, sched, hasher, unit: int, call):
+    def __init__(self, eng, case: Case, sched, hasher, unit: int, call,
+                 transfer_params=lambda spec: {}):
         self.eng, self.case, self.sched = eng, case, sched
+        self.transfer_params = transfer_params
         self.hasher, self.unit, self.call = hasher, unit, call
         self.reqs: dict[str, Any] = {}            # rid -> vllm Request
         self.ident: dict[str, IdentRequest] = {}  # rid -> token identity tracker
@@ -34,6 +37,7 @@ class CaseRequests:
             ktp["max_load_tokens"] = spec.max_load_tokens
         if spec.max_offload_tokens is not None:
             ktp["max_offload_tokens"] = spec.max_offload_tokens
+        ktp.update(self.transfer_params(spec))
         if ktp:
             params["extra_args"] = {"kv_transfer_params": ktp}
         if spec.skip_reading_prefix_cache:

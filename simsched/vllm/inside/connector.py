@@ -25,6 +25,17 @@ class ScheduledJobs(NamedTuple):
     flush: set
 
 
+class ExternalWrite(NamedTuple):
+    """KV another connector writes into a request's GPU blocks (a P/D decode instance's NIXL
+    pull of a remote prefill): per KV cache group the block IDs its metadata names, and when
+    the write lands (the step whose output reports the request in ``finished_recving``)."""
+
+    rid: str
+    blocks: list
+    due: int
+    who: str
+
+
 class ConnectorDriver(Protocol):
     # -- read at boot, from the connector's scheduler side -------------------------------------
     #: per offloaded KV cache group: ``group_id``, ``tokens_per_block``, ``tokens_per_chunk``,
@@ -43,6 +54,10 @@ class ConnectorDriver(Protocol):
 
     def drafter_groups(self, case) -> set[int]:
         """The groups the connector treats as EAGLE drafter groups (INV-9's eagle-tail rule)."""
+
+    def kv_transfer_params(self, spec) -> dict:
+        """What the case's request adds to its ``kv_transfer_params`` for this connector (a
+        P/D request: ``do_remote_prefill`` and the ``remote_*`` keys), else ``{}``."""
 
     # -- lookups ------------------------------------------------------------------------------
     def observe_lookups(self, observer) -> None:
@@ -70,6 +85,11 @@ class ConnectorDriver(Protocol):
 
     def job_slots(self, tjob, is_store: bool):
         """The offload tier's slots the job writes or reads, one per item, or None."""
+
+    def external_writes(self, out, t: int) -> list[ExternalWrite]:
+        """The writes into GPU blocks another connector's worker starts with this
+        ``SchedulerOutput`` (scheduled at ``t``), none for a connector that has no such
+        worker."""
 
     # -- their completion ---------------------------------------------------------------------
     def connector_output(self, completed_jobs: list[int], finished_recving: set[str]):

@@ -38,7 +38,20 @@ lost_completion          the first store completion the worker reports is never 
 touch_double_ref         ``BlockPool.touch`` (a GPU prefix hit taking its blocks)    INV-1
                          counts every block twice: freed once, it never returns to the
                          free queue
+recv_swallowed           ``MultiConnector.get_transfer_results``: a child's          INV-8
+                         ``finished_recving`` replaces the others' (the last child
+                         wins): a request loaded by another child stays in
+                         ``WAITING_FOR_REMOTE_KVS``
+gate_open                a ``WAITING_FOR_REMOTE_KVS`` request promoted without its   INV-6b
+                         ``finished_recving`` (``Scheduler``): forward and store
+                         over blocks NIXL has not written yet
+no_alloc_track           0.33.0's fix of vLLM #46951 reverted: the offloading        INV-6
+                         scheduler ignores the blocks another child allocates
+                         (``update_state_after_alloc`` with 0 tokens), so a pending
+                         store over them is not flushed before NIXL writes them
 =======================  ==========================================================  ==========
+
+The last three are of the ``multi`` connector path (:mod:`simsched.vllm.inside.multi`).
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from __future__ import annotations
 from typing import Callable
 
 _SCHED = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+_MULTI = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 
 
 def _mod():
@@ -349,6 +363,61 @@ def touch_double_ref():
     return _patch(cls, "touch", make)
 
 
+def recv_swallowed():
+    """``MultiConnector.get_transfer_results`` (0.30.0 ``multi_connector.py:339-357``): each
+    child's ``finished_recving`` replaces the union instead of joining it."""
+    import importlib
+    cls = importlib.import_module(_MULTI).MultiConnector
+    results_cls = importlib.import_module(
+        "vllm.distributed.kv_transfer.kv_connector.v1.base").KVConnectorTransferResults
+
+    def make(orig):
+        def get_transfer_results(self, finished_req_ids):
+            results = results_cls()
+            for connector in self._connectors:
+                child = connector.get_transfer_results(finished_req_ids)
+                results.finished_recving = set(child.finished_recving)        # MUTANT
+                results.failed_recving.update(child.failed_recving)
+                results.finished_sending.update(child.finished_sending)
+            return results
+        return get_transfer_results
+    return _patch(cls, "get_transfer_results", make)
+
+
+def gate_open():
+    """The Scheduler promotes a ``WAITING_FOR_REMOTE_KVS`` request before its
+    ``finished_recving`` (0.30.0 ``_try_promote_blocked_waiting_request``, 0.33.0
+    ``_handle_blocked_waiting_request``: the gate is ``finished_recving_kv_req_ids``)."""
+    import importlib
+    sched = importlib.import_module("vllm.v1.core.sched.scheduler")
+    cls = sched.Scheduler
+    name = next(n for n in ("_handle_blocked_waiting_request",
+                            "_try_promote_blocked_waiting_request") if n in cls.__dict__)
+
+    def make(orig):
+        def promote(self, request, *args, **kw):
+            if request.status == sched.RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(request.request_id)     # MUTANT
+            return orig(self, request, *args, **kw)
+        return promote
+    return _patch(cls, name, make)
+
+
+def no_alloc_track():
+    """0.33.0's ``update_state_after_alloc`` records the blocks of every allocation, also one
+    another connector serves (``num_external_tokens == 0``), so that ``build_connector_meta``
+    flushes a pending store over them (the fix of vLLM #46951): reverted, it returns first."""
+    cls = _mod().OffloadingConnectorScheduler
+
+    def make(orig):
+        def update_state_after_alloc(self, request, blocks, num_external_tokens, *a, **kw):
+            if num_external_tokens == 0:
+                return                                                       # MUTANT
+            return orig(self, request, blocks, num_external_tokens, *a, **kw)
+        return update_state_after_alloc
+    return _patch(cls, "update_state_after_alloc", make)
+
+
 MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "store_shift_chunk": store_shift_chunk,
     "drop_fence": drop_fence,
@@ -365,6 +434,9 @@ MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "lookup_first_chunk_only": lookup_first_chunk_only,
     "lookup_defer_forever": lookup_defer_forever,
     "lookup_refuse_window": lookup_refuse_window,
+    "recv_swallowed": recv_swallowed,
+    "gate_open": gate_open,
+    "no_alloc_track": no_alloc_track,
 }
 
 

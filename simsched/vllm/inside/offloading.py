@@ -61,13 +61,15 @@ class OffloadingConnectorDriver:
     (as the invariants' checks take it); ``blocks_per_chunk``; ``partial_tails``;
     ``caps_supported``: per cap name whether the release parses it."""
 
-    def __init__(self, sched, tph: int):
+    def __init__(self, sched, tph: int, connector=None):
         import vllm.distributed.kv_transfer.kv_connector.v1.offloading.common as common
         from vllm.v1.outputs import KVConnectorOutput
         self.KVConnectorOutput = KVConnectorOutput
         self.WorkerMeta = getattr(common, "OffloadingWorkerMetadata", None)
         self.sched, self.tph = sched, tph
-        cs = getattr(sched.connector, "connector_scheduler", None)
+        # connector: the OffloadingConnector, the scheduler's own or a MultiConnector's child
+        self.connector = sched.connector if connector is None else connector
+        cs = getattr(self.connector, "connector_scheduler", None)
         if cs is None:
             raise RuntimeError("harness: no OffloadingConnectorScheduler on the scheduler")
         self.cs = cs
@@ -143,6 +145,10 @@ class OffloadingConnectorDriver:
         if not marked and case.layout.engine.speculative is not None and flagged == every:
             return every
         return marked
+
+    def kv_transfer_params(self, spec) -> dict:
+        """Nothing beyond the caps (:mod:`~simsched.vllm.inside.case_requests` adds them)."""
+        return {}
 
     # -- lookups ---------------------------------------------------------------------------
     def observe_lookups(self, observer) -> None:
@@ -318,6 +324,10 @@ class OffloadingConnectorDriver:
             start = end // gcfg.tokens_per_block
         return (gid, end // gcfg.tokens_per_chunk, hidx, make_key(gid, ident.ident_at(end)),
                 [(start, b) for b in blocks[:1]])
+
+    def external_writes(self, out, t: int) -> list:
+        """None: the OffloadingConnector alone has no other connector writing GPU blocks."""
+        return []
 
     # -- their completion ------------------------------------------------------------------
     def connector_output(self, completed_jobs: list[int], finished_recving: set[str]):

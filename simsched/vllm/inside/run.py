@@ -43,6 +43,7 @@ from simsched.trace import fmt_alloc, header
 from simsched.vllm.inside.case_requests import CaseRequests
 from simsched.vllm.inside.connector import ConnectorDriver
 from simsched.vllm.inside.cpu_tier import CpuTier
+from simsched.vllm.inside.external_kv import ExternalKV
 from simsched.vllm.inside.hit_oracle import HitOracle
 from simsched.vllm.inside.liveness import Liveness
 from simsched.vllm.inside.model_runner import ModelRunner
@@ -196,7 +197,8 @@ class Run:
                               for g, bs in zip(layout.groups, block_sizes)]
         self.shadow = Shadow(layout.engine.num_gpu_blocks, driver.blocks_per_chunk)
         self.requests = CaseRequests(eng, case, sched, eng.probe.hasher(vc, tph),
-                                     math.gcd(tph, *block_sizes), self.call)
+                                     math.gcd(tph, *block_sizes), self.call,
+                                     driver.kv_transfer_params)
         self.tails = PartialTails(driver.partial_tails, tph, driver.group_by_id)
         self.worker = OffloadWorker(self, driver, CpuTier(), self.tails, self.walks)
         self.oracle = HitOracle(case, self.requests, driver, self.worker.hung,
@@ -207,6 +209,8 @@ class Run:
         num_spec = (spec.num_tokens if spec is not None and not layout.engine.async_scheduling
                     else 0)
         self.runner = ModelRunner(self, self.tails, self.worker.pending_reads, num_spec)
+        # KV another connector writes into GPU blocks (a remote prefill pulled through NIXL)
+        self.external = ExternalKV(self, driver, self.worker.pending_reads)
         self.liveness = Liveness(self.requests, self.worker, self.oracle,
                                  eng.RequestStatus.RUNNING, self.step_cap)
         # every lookup the connector answers is checked (INV-9, deferrals)
@@ -222,14 +226,15 @@ class Run:
         # VllmConfig.max_concurrent_batches), else 1 (EngineCore.step)
         depth = 2 if self.case.layout.engine.async_scheduling else 1
         queue: deque = deque()
-        while self.unfinished > 0 or sched.has_requests() or self.worker.live() or queue:
+        while (self.unfinished > 0 or sched.has_requests() or self.worker.live() or queue
+               or self.external.live()):
             # completions are delivered in update_from_output; arrivals and aborts at t
             self._arrive(work, t)
             if (self.unfinished <= 0 and not sched.has_requests() and not self.worker.live()
                     and not queue):
                 break
             if (not sched.has_requests() and not self.driver.has_jobs()
-                    and not self.worker.live()):
+                    and not self.worker.live() and not self.external.live()):
                 t = self._idle(work, t, queue)
                 continue
             batch = self._schedule_execute(t)
@@ -237,12 +242,14 @@ class Run:
             if len(queue) < depth and (batch.executed or sched.has_requests()):
                 # the batch queue is not full: schedule the next batch before collecting this one
                 self._check_step()
-                self.liveness.check(self.step_no, self.counters["steps"], batch.executed,
-                                    work.to_come(), self.unfinished)
+                self.liveness.check(self.step_no, self.counters["steps"],
+                                    batch.executed or self.external.live(), work.to_come(),
+                                    self.unfinished)
                 t += 1
                 continue
             progress, done = self._update(queue.pop())
-            self._end_call(progress or batch.executed, done, work.to_come())
+            self._end_call(progress or batch.executed or self.external.live(), done,
+                           work.to_come())
             t += 1
 
     def _arrive(self, work: _Workload, t: int) -> None:
@@ -332,21 +339,25 @@ class Run:
         new_ids = self._scheduled_blocks(out, before)
         self._preempted(out)
         worker, sj = self.worker, self.driver.scheduled_jobs(out)
+        self.external.started(out, t, self.emit)
         worker.new_loads(step, t, sj, self.counters["loads"], self.emit)
         self.counters["loads"] += len(sj.loads)
         scheduled = dict(out.num_scheduled_tokens)
         self._trace_scheduled(scheduled, new_ids)
         new_stores = worker.new_stores(step, t, sj, self.counters["stores"], self.emit)
         self.counters["stores"] += len(sj.stores)
+        self.external.check_stores(step, new_stores)
         worker.flush(step, t, sj.flush, self.emit)
         self.tails.apply_block_copies(out, self.shadow)
+        self.external.check_forward(step, scheduled)
         # execute: write what the forward pass computes; sample
         sampled = self.runner.execute(step, out, scheduled, before)
         worker.pin_unread(new_stores)
         # completions reported by this step's worker output
         done = worker.complete_due(step, t)
+        landed = self.external.land_due(step, t, self.emit)
         return SimpleNamespace(out=out, order=list(scheduled), sampled=sampled, done=done,
-                               executed=bool(scheduled))
+                               landed=landed, executed=bool(scheduled))
 
     def _schedule(self):
         """``Scheduler.schedule()``, then what the lookups it made were found to break."""
@@ -395,14 +406,14 @@ class Run:
         """``update_from_output`` with the worker output of ``batch``: sampled tokens and the
         connector's output (the driver's: which jobs completed, which requests' loads)."""
         done, order = batch.done, batch.order
-        recving = {job.rid for job in done if not job.is_store}
+        recving = {job.rid for job in done if not job.is_store} | batch.landed
         kvo = self.driver.connector_output([job.jid for job in done], recving)
         mro = self.runner.output(order, batch.sampled, kvo)
         self.call("update_from_output", self.sched.update_from_output, batch.out, mro)
         self.liveness.check_reloads(self.step_no, order, done)
         self.oracle.told(done, self.step_no)    # now the scheduler knows
         self.runner.propose_drafts(batch.out, order)
-        return bool(order) or bool(done), done
+        return bool(order) or bool(done) or bool(batch.landed), done
 
 
 def _vllm_version() -> str:
