@@ -1,0 +1,222 @@
+"""The ``multi`` connector path on real vLLM (issue 21): a P/D decode instance that receives
+prefills through NIXL while it offloads to CPU, ``MultiConnector[OffloadingConnector,
+NixlConnector]`` on the real v1 Scheduler, its workers played
+(:mod:`simsched.vllm.inside.multi`, :mod:`simsched.vllm.inside.external_kv`), on 0.30.0 and
+0.33.0. Real-vLLM tests FAIL (never skip) when a release is missing.
+
+Each test names what it would miss if the harness did not drive the path: the NIXL pull and its
+landing (the request parks in ``WAITING_FOR_REMOTE_KVS`` until the union ``finished_recving``
+names it), the content it writes (the store of the received blocks is judged by INV-4 on what
+the landing wrote), the ``MultiKVConnectorWorkerMetadata`` routing (the offloading child's
+completions reach it, or its stores never complete and the later lookup defers forever)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from fuzz.strategies import cases
+from simsched.case import Case
+from simsched.connectors import Connector
+from simsched.lockstep import lockstep
+from simsched.targets import Releases
+
+RELEASES = ["0.30.0", "0.33.0"]
+
+
+def _case(requests: list, blocks: int, order=("offloading", "nixl"), store: int = 4) -> Case:
+    return Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16}],
+                   "engine": {"num_gpu_blocks": blocks, "cpu_chunks": 64,
+                              "connector": {"kind": "multi", "order": list(order)}}},
+        "timing": {"store_latency": store, "load_latency": 2},
+        "requests": requests})
+
+
+#: R's 64-token prompt is pulled through NIXL (lands 2 steps after its admission); the
+#: OffloadingConnector stores R's received blocks; D (160 tokens, 11 blocks of a pool of 11)
+#: evicts them from the GPU prefix cache; C (R's 64 tokens + 16) loads R's chunks from CPU
+BASIC = [{"id": "R", "prompt": [[1, 64]], "decode": 3, "remote_prefill": 2},
+         {"id": "D", "prompt": [[2, 160]], "arrival": 8},
+         {"id": "C", "prompt": [[1, 64], [3, 16]], "arrival": 12, "decode": 2}]
+#: vLLM #46951: A's store (4 steps) is pending when A finishes; R, pulled through NIXL, gets
+#: A's freed blocks (a pool of 5); NIXL lands before A's store reads them
+STALE = [{"id": "A", "prompt": [[4, 64]]},
+         {"id": "R", "prompt": [[5, 64]], "arrival": 1, "decode": 2, "remote_prefill": 2},
+         {"id": "A2", "prompt": [[4, 64], [6, 8]], "arrival": 8}]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Releases.installed(RELEASES, timeout=120) as p:
+        yield p
+
+
+def _run(pool, version: str, case: Case, mutant: str | None = None) -> dict:
+    real = lockstep(case, version, pool, mutant=mutant).real
+    assert real["status"] == "ok", real
+    return real
+
+
+def _after(trace: list[str], line: str) -> list[str]:
+    return trace[trace.index(line) + 1:]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("order", [("offloading", "nixl"), ("nixl", "offloading")])
+def test_received_blocks_are_offloaded_and_loaded_back(pool, version, order):
+    """R is served by NIXL, parked until its pull lands, promoted with N-1 tokens computed (its
+    last token recomputed: one token scheduled); the OffloadingConnector stores R's received
+    blocks in the promotion step (keys of R's own hashes), and C, sharing R's prefix, loads them
+    back from CPU. INV-4 judges the store by what the landing wrote in the shadow and INV-5 the
+    load: without the harness's write of the landed KV the store reads blocks never written."""
+    real = _run(pool, version, _case(BASIC, 12, order))
+    trace = real["trace"]
+    assert real["findings"] == [], trace
+    assert "recv R g0=1,2,3,4" in trace, trace
+    # parked: nothing of R is scheduled before its KV lands
+    assert not any(x.startswith("sched R") for x in trace[:trace.index("landed R")]), trace
+    promoted = _after(trace, "landed R")
+    sched_r = next(x for x in promoted if x.startswith("sched R"))
+    assert sched_r == "sched R 1", trace
+    store = next(x for x in promoted if x.startswith("store ") and " R " in x)
+    assert store.endswith("R g0:0=1 g0:1=2 g0:2=3 g0:3=4"), store
+    jid = store.split()[1]
+    assert f"done {jid} store" in trace
+    load = next(x for x in trace if x.startswith("load ") and " C " in x)
+    assert "g0:3=" in load, load          # R's last received chunk, from CPU
+    assert f"done {load.split()[1]} load" in trace
+    assert real["counters"]["finished"] == 3
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_a_cpu_hit_routes_to_the_first_child(pool, version):
+    """R2 is a P/D request whose 64-token prefix is on CPU: in the order [offloading, nixl] the
+    OffloadingConnector serves it (NIXL only notifies: no pull, no recv line) and the decode
+    instance recomputes the suffix; in [nixl, offloading] NIXL pulls all of it."""
+    both = [BASIC[0], BASIC[1],
+            {"id": "R2", "prompt": [[1, 64], [7, 32]], "arrival": 12, "decode": 2,
+             "remote_prefill": 2}]
+    on = _run(pool, version, _case(both, 12, ("offloading", "nixl")))
+    no = _run(pool, version, _case(both, 12, ("nixl", "offloading")))
+    assert on["findings"] == [] and no["findings"] == [], (on["trace"], no["trace"])
+    assert not any(x.startswith("recv R2") for x in on["trace"])
+    assert any(x.startswith("load ") and " R2 " in x for x in on["trace"])
+    assert any(x.startswith("recv R2") for x in no["trace"])
+    assert not any(x.startswith("load ") and " R2 " in x for x in no["trace"])
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_aborted_while_receiving_keeps_its_blocks_until_the_landing(pool, version):
+    """R is aborted while NIXL pulls its KV: its blocks stay held until the late landing
+    (``delay_free_blocks``), F, admitted meanwhile, never gets one of them (INV-6b/INV-1), and
+    nothing of R is stored."""
+    reqs = [{"id": "R", "prompt": [[8, 64]], "decode": 2, "remote_prefill": 4, "abort_at": 1},
+            {"id": "F", "prompt": [[9, 64]], "arrival": 1, "decode": 2}]
+    real = _run(pool, version, _case(reqs, 6))
+    trace = real["trace"]
+    assert real["findings"] == [], trace
+    assert "finish R aborted" in trace and "landed R" in trace
+    assert not any(x.startswith("store ") and " R " in x for x in trace)
+    # F runs only after the landing frees R's blocks
+    assert trace.index("landed R") < next(i for i, x in enumerate(trace) if x.startswith("sched F"))
+
+
+def test_stale_store_46951_reproduces_on_0300_not_0330(pool):
+    """vLLM #46951 ("Offloading connector possibly offloading stale KV data",
+    https://github.com/vllm-project/vllm/issues/46951, open; fix PRs #46960 and #47046, after
+    #46865 gave non-chosen children the real blocks): ``OffloadingConnectorScheduler.
+    update_state_after_alloc`` returns on ``num_external_tokens == 0`` before it records the
+    blocks (0.30.0 ``offloading/scheduler.py:1076-1080``), so the blocks NIXL pulls into are
+    missing from ``_current_batch_allocated_block_ids`` and ``build_connector_meta`` does not
+    flush the pending store over them. 0.33.0 records them first (``:1351-1363``) and flushes
+    store 0 in R's admission step."""
+    case = _case(STALE, 6)
+    old = _run(pool, "0.30.0", case)
+    f = old["findings"]
+    assert [x["inv_id"] for x in f] == ["INV-6"], (
+        "vLLM #46951 on 0.30.0: a P/D decode instance with CPU offloading "
+        "(MultiConnector[OffloadingConnector, NixlConnector]) under GPU pool pressure gives a "
+        "just-finished request's blocks to a remote-prefill request while that request's CPU "
+        "store is in flight; the NIXL READ overwrites them before the store copies them, and "
+        f"the CPU tier keeps another prompt's KV under A's prefix: {old['trace']}")
+    assert f[0]["detail"] == ("block 4 written by NIXL recv of R while store job 0 still "
+                              "reads it"), f
+    assert "flush 0" not in old["trace"]
+    new = _run(pool, "0.33.0", case)
+    assert new["findings"] == [], new["trace"]
+    recv = new["trace"].index("recv R g0=5,4,3,2")
+    assert new["trace"][recv + 1] == "flush 0", new["trace"]
+    # A2 loads A's chunks, stored before R's KV landed: INV-5 judged them A's
+    assert any(x.startswith("load ") and " A2 " in x for x in new["trace"])
+
+
+# -- mutants of the path's real code, each caught by an invariant -----------------------------
+
+def test_gate_open_is_caught_by_inv_6b(pool):
+    """A WAITING_FOR_REMOTE_KVS request promoted before NIXL reports it: the store of its
+    blocks is issued over KV that has not landed (what PR #35092 / issue #34526 guarded)."""
+    real = _run(pool, "0.33.0", _case(BASIC, 12), mutant="gate_open")
+    f = real["findings"]
+    assert [x["inv_id"] for x in f] == ["INV-6b"], real["trace"]
+    assert "before NIXL recv of R has landed" in f[0]["detail"], f
+
+
+def test_recv_swallowed_is_caught_by_inv_8(pool):
+    """``get_transfer_results`` keeps the last child's ``finished_recving``: C's CPU load
+    (the offloading child's) is reported done, but NIXL's empty set replaces it, and C waits
+    in WAITING_FOR_REMOTE_KVS forever."""
+    real = _run(pool, "0.33.0", _case(BASIC, 12), mutant="recv_swallowed")
+    f = real["findings"]
+    assert [x["inv_id"] for x in f] == ["INV-8"], real["trace"]
+    assert "'C'" in f[0]["detail"], f
+
+
+def test_no_alloc_track_is_caught_by_inv_6(pool):
+    """0.33.0 with its #46951 fix reverted behaves as 0.30.0: INV-6 at the landing."""
+    real = _run(pool, "0.33.0", _case(STALE, 6), mutant="no_alloc_track")
+    assert [x["inv_id"] for x in real["findings"]] == ["INV-6"], real["trace"]
+
+
+# -- generated cases ---------------------------------------------------------------------------
+
+def _generated(n: int) -> list[Case]:
+    """``n`` cases the campaign's strategies draw, their connector forced to the multi path
+    (both orders), every other request pulled through NIXL (1, 2 or 4 steps)."""
+    drawn: dict[str, Case] = {}
+
+    @settings(max_examples=4 * n, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def draw(case):
+        drawn.setdefault(repr(case.to_json()), case)
+    draw()
+    out = []
+    for k, case in enumerate(list(drawn.values())[:n]):
+        order = ("offloading", "nixl") if k % 2 else ("nixl", "offloading")
+        reqs = tuple(dataclasses.replace(r, remote_prefill=(1, 2, 4)[(i + k) % 3])
+                     if i % 2 == 0 else r for i, r in enumerate(case.requests))
+        layout = case.layout.with_engine(connector=Connector("multi", order=order),
+                                         secondary_tiers=())
+        out.append(dataclasses.replace(case, layout=layout, requests=reqs))
+    return out
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_generated_multi_cases_run_step_by_step(pool, version):
+    """15 drawn cases of the path: none ends in an error of the harness; most run step by
+    step, and NIXL pulls land in them (``landed`` lines of the real trace)."""
+    ran, landed, outcomes = 0, 0, []
+    for case in _generated(15):
+        real = lockstep(case, version, pool).real
+        outcomes.append((real.get("status"), [f.get("inv_id") or f.get("exception")
+                                              for f in real.get("findings", [])]))
+        assert real.get("status") not in ("worker", "error"), real
+        assert not any(f.get("kind") == "harness" for f in real.get("findings", [])), real
+        if real.get("status") == "ok" and real["counters"]["steps"] > 0:
+            ran += 1
+            landed += sum(x.startswith("landed ") for x in real["trace"])
+    print(version, f"{ran} of 15 ran, {landed} pulls landed", outcomes)
+    assert ran >= 10 and landed >= 10, outcomes
