@@ -4,7 +4,7 @@ The file builds what the engine builds at start-up (a ``VllmConfig`` over a tiny
 ``config.json``, the ``KVCacheConfig`` of the case's groups, the ``Scheduler`` with the
 ``OffloadingConnector`` and its real CPU offloading manager) the way the release harness does
 (``simsched/vllm/inside/build.py``, ``engine.RealEngine.boot``), written out plainly, and a
-worker stand-in that plays the case's steps (``engine._Run._go``): sampled tokens, and each store
+worker stand-in that plays the case's steps (``run.Run._go``): sampled tokens, and each store
 and load job reported done ``store_latency`` / ``load_latency`` steps after it was scheduled.
 
 What it checks, by the finding's kind:
@@ -19,7 +19,7 @@ What it checks, by the finding's kind:
 * INV-8 on ``load`` (a request loaded again and again and never scheduled): inline, the loads
   of a request between two steps that schedule it, bounded as the harness bounds them;
 * INV-8 ``liveness``: no token scheduled for more than ``STALL_STEPS`` steps while no transfer
-  is in flight and no request is still to come (``engine._Run._stall``);
+  is in flight and no request is still to come (``liveness.Liveness.check``);
 * INV-9 (``lookup``): every answer of the connector's ``get_num_new_matched_tokens`` against the
   chunks the CPU manager holds ready (its own ``lookup``), the window each group needs, the last
   token and ``max_load_tokens`` where the release reads it (``invariants.expected_lookup_hit``,
@@ -326,7 +326,7 @@ def _wrap(text: str, indent: int, width: int = 96) -> str:
 def _optional(case: Case, data: dict) -> dict:
     """The parts of the test only some cases need: aborts (a request aborted before its
     arrival is never sent, ``RequestSpec.withdrawn``) and INV-8's check on loads
-    (``engine._Run._check_reloads``)."""
+    (``liveness.Liveness.check_reloads``)."""
     aborts = any(r.abort_at is not None for r in case.requests)
     parts = {"skip": " and rid not in withdrawn" if aborts else "",
              "request_imports": "Request, RequestStatus" if aborts else "Request",
@@ -360,7 +360,7 @@ def _optional(case: Case, data: dict) -> dict:
 
 
 def _speculative(case: Case, parts: dict) -> dict:
-    """Speculative decoding, sync scheduling (``engine._Run._propose_drafts`` and its
+    """Speculative decoding, sync scheduling (``model_runner.ModelRunner.propose_drafts`` and its
     verification): after each step the drafter proposes the tokens that follow each request's
     known ones; the worker accepts as many as the case's ``accept`` pattern says (else all)."""
     accept = {r.id: list(r.accept) for r in case.requests if r.accept is not None}
