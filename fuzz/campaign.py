@@ -489,7 +489,8 @@ class Campaign(Evaluator):
                             for v, st in sorted(self.per_release.items(),
                                                 key=lambda kv: tri._vkey(kv[0]))},
             # real step runs and steps per connector path (simsched.connectors)
-            "per_path": dict(sorted(self.per_path.items())),
+            "per_path": {p: {k: round(x, 3) for k, x in st.items()}
+                         for p, st in sorted(self.per_path.items())},
             "seconds": {"model": round(self.model_s, 3), "shrinking": round(self.shrinking_s, 3),
                         **{v: round(st["config_seconds"] + st["step_seconds"], 3)
                            for v, st in self.per_release.items()}},

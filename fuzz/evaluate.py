@@ -68,8 +68,8 @@ class Evaluator:
         self.steps = 0                   # model steps
         self.per_release: dict[str, dict] = {}   # version -> cases, real steps, seconds
         self.model_s = 0.0               # seconds in the model under every profile
-        # connector path (simsched.connectors) -> step runs and real steps on it
-        self.per_path: dict[str, dict[str, int]] = {}
+        # connector path (simsched.connectors) -> step runs, real steps and their seconds
+        self.per_path: dict[str, dict[str, float]] = {}
         self._stepped_last: set[str] = set()
         self._sampled_n = 0              # cases of the share so far (the older releases' turn)
 
@@ -152,9 +152,10 @@ class Evaluator:
             out = outcomes.get(t.name) or {}
             st["real_steps"] += out.get("steps", 0)
             path = self.per_path.setdefault(connector_path(case.layout),
-                                            {"step_cases": 0, "real_steps": 0})
+                                            {"step_cases": 0, "real_steps": 0, "seconds": 0.0})
             path["step_cases"] += 1
             path["real_steps"] += out.get("steps", 0)
+            path["seconds"] += time.perf_counter() - t0
         return obs
 
     def triage(self, case: Case, obs: list[Observation], outcomes: dict) -> list[Seen]:

@@ -199,8 +199,10 @@ def markdown(data: dict, plots: list[tuple[str, str]] | None = None,
         if data.get("per_path"):
             lines += ["", "Real runs per connector path (a path other than `offloading` is "
                       "checked on the real run alone):", "",
-                      "| connector path | cases run step by step | real steps |", "|---|---|---|"]
-            lines += [f"| {p} | {st['step_cases']} | {st['real_steps']:,} |"
+                      "| connector path | cases run step by step | real steps | seconds |",
+                      "|---|---|---|---|"]
+            lines += [f"| {p} | {st['step_cases']:.0f} | {st['real_steps']:,.0f} | "
+                      f"{st.get('seconds', 0)} |"
                       for p, st in data["per_path"].items()]
         secs = data.get("seconds", {})
         lines += ["", f"Seconds in the model (every profile): {secs.get('model', 0)}; shrinking "
