@@ -91,6 +91,10 @@ class ConnectorDriver(Protocol):
         ``SchedulerOutput`` (scheduled at ``t``), none for a connector that has no such
         worker."""
 
+    def held_blocks(self) -> dict:
+        """GPU block ID -> the references the connector holds on it itself (blocks it touched
+        for its transfers), holders for INV-1 beside the requests' tables."""
+
     # -- their completion ---------------------------------------------------------------------
     def connector_output(self, completed_jobs: list[int], finished_recving: set[str]):
         """The ``KVConnectorOutput`` of a model runner output reporting these jobs and these

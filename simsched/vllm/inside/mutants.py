@@ -49,9 +49,17 @@ no_alloc_track           0.33.0's fix of vLLM #46951 reverted: the offloading   
                          scheduler ignores the blocks another child allocates
                          (``update_state_after_alloc`` with 0 tokens), so a pending
                          store over them is not flushed before NIXL writes them
+simple_cpu_reversed      (simple_cpu) a store event's CPU blocks reversed: a block     INV-5
+                         lands in another CPU block than its hash's
+simple_hit_plus_block    (simple_cpu) the CPU hit over-claims one scheduler block:     INV-4
+                         never loaded, the block is stored with what it held before
+simple_unpinned_load     (simple_cpu) a load's CPU blocks not pinned: a store evicts   INV-7
+                         one while the load reads it
 =======================  ==========================================================  ==========
 
-The last three are of the ``multi`` connector path (:mod:`simsched.vllm.inside.multi`).
+``recv_swallowed``, ``gate_open`` and ``no_alloc_track`` are of the ``multi`` connector path
+(:mod:`simsched.vllm.inside.multi`), the ``simple_`` ones of the ``simple_cpu`` path
+(:mod:`simsched.vllm.inside.simple_cpu`).
 """
 
 from __future__ import annotations
@@ -418,6 +426,73 @@ def no_alloc_track():
     return _patch(cls, "update_state_after_alloc", make)
 
 
+# -- the simple_cpu connector path (SimpleCPUOffloadScheduler, vllm/v1/simple_kv_offload) -------
+_SIMPLE = "vllm.v1.simple_kv_offload.manager"
+
+
+def _simple():
+    import importlib
+    return importlib.import_module(_SIMPLE).SimpleCPUOffloadScheduler
+
+
+def simple_cpu_reversed():
+    """``build_connector_meta`` hands the worker the store event's CPU blocks in reverse order
+    (0.30.0 ``manager.py:547``): GPU block i lands in another CPU block than the one the
+    scheduler registers under i's hash."""
+    def make(orig):
+        def f(self, scheduler_output):
+            meta = orig(self, scheduler_output)
+            if len(meta.store_cpu_blocks) > 1:
+                meta.store_cpu_blocks = list(reversed(meta.store_cpu_blocks))
+            return meta
+        return f
+    return _patch(_simple(), "build_connector_meta", make)
+
+
+def simple_hit_plus_block():
+    """``get_num_new_matched_tokens`` claims one scheduler block more than the CPU pool
+    matched (0.30.0 ``manager.py:373``), where the request has room for it: the claimed block
+    is never loaded."""
+    def make(orig):
+        def f(self, request, num_computed_tokens):
+            n, is_async = orig(self, request, num_computed_tokens)
+            room = (request.num_tokens - 1 - num_computed_tokens) // self.block_size
+            if n and n + self.block_size <= room * self.block_size:
+                n += self.block_size
+            return n, is_async
+        return f
+    return _patch(_simple(), "get_num_new_matched_tokens", make)
+
+
+def simple_unpinned_load():
+    """The CPU blocks a load reads are not pinned while it is in flight:
+    ``update_state_after_alloc``'s touch (0.30.0 ``manager.py:473``) undone at once, and the
+    matching free in ``_cleanup_load_request`` skipped: LRU eviction hands them to a store."""
+    from dataclasses import replace
+    cls = _simple()
+
+    def make_alloc(orig):
+        def f(self, request, blocks, num_external_tokens):
+            orig(self, request, blocks, num_external_tokens)
+            st = self._reqs_to_load.get(request.request_id)
+            if st is not None and st.transfer_meta.cpu_block_ids:
+                self.cpu_block_pool.free_blocks(
+                    [self.cpu_block_pool.blocks[c] for c in st.transfer_meta.cpu_block_ids])
+                st._mutant_unpinned = True
+        return f
+
+    def make_cleanup(orig):
+        def f(self, req_id):
+            st = self._reqs_to_load.get(req_id) or self._abandoned_reqs_to_load.get(req_id)
+            if st is not None and getattr(st, "_mutant_unpinned", False):
+                st.transfer_meta = replace(st.transfer_meta, cpu_block_ids=[])
+            return orig(self, req_id)
+        return f
+    undo = [_patch(cls, "update_state_after_alloc", make_alloc),
+            _patch(cls, "_cleanup_load_request", make_cleanup)]
+    return lambda: [u() for u in reversed(undo)]
+
+
 MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "store_shift_chunk": store_shift_chunk,
     "drop_fence": drop_fence,
@@ -437,6 +512,9 @@ MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "recv_swallowed": recv_swallowed,
     "gate_open": gate_open,
     "no_alloc_track": no_alloc_track,
+    "simple_cpu_reversed": simple_cpu_reversed,
+    "simple_hit_plus_block": simple_hit_plus_block,
+    "simple_unpinned_load": simple_unpinned_load,
 }
 
 

@@ -329,6 +329,11 @@ class OffloadingConnectorDriver:
         """None: the OffloadingConnector alone has no other connector writing GPU blocks."""
         return []
 
+    def held_blocks(self) -> dict:
+        """None: the OffloadingConnector holds no GPU block itself (a finished request's
+        blocks stay the request's until its stores complete: ``request_finished``)."""
+        return {}
+
     # -- their completion ------------------------------------------------------------------
     def connector_output(self, completed_jobs: list[int], finished_recving: set[str]):
         """The ``KVConnectorOutput`` of a model runner output reporting these jobs done (the

@@ -25,12 +25,14 @@ def block_tables(sched, rid: str) -> list[list[int]]:
     return out
 
 
-def check_pool(sched, rids, step: int) -> None:
+def check_pool(sched, rids, step: int, held: Counter | None = None) -> None:
     """INV-1: every block's ``ref_cnt`` is the number of references its holders keep, and
     the free blocks are the rest of the pool; INV-2: a block two requests hold is a
-    prefix-cache block. ``rids``: every request sent to the scheduler."""
+    prefix-cache block. ``rids``: every request sent to the scheduler; ``held``: the
+    references the connector keeps itself (its driver's ``held_blocks``)."""
     pool = sched.kv_cache_manager.block_pool
     refs = _references(sched, rids)
+    refs.update(held or Counter())
     blocks = pool.blocks
     for b, n in refs.items():
         blk = blocks[b]

@@ -302,7 +302,8 @@ class Run:
 
     def _check_step(self) -> None:
         if self.checks == "full":
-            check_pool(self.sched, self.requests.reqs, self.step_no)
+            check_pool(self.sched, self.requests.reqs, self.step_no,
+                       self.driver.held_blocks())
         self.emit("check ok")
 
     def _end_call(self, progress: bool, done: list, future: bool = False) -> None:
