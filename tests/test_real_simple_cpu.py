@@ -1,0 +1,214 @@
+"""The ``simple_cpu`` connector path on real vLLM (issue 21): the ``SimpleCPUOffloadConnector``
+on the real v1 Scheduler, its worker played (:mod:`simsched.vllm.inside.simple_cpu`), on 0.30.0
+and 0.33.0. Real-vLLM tests FAIL (never skip) when a release is missing.
+
+Each test names what it would miss if the harness did not drive the path: the store events
+(eager: the step after the step that computed a block; lazy: only once the request freed its
+blocks), their completion through ``SimpleCPUOffloadWorkerMetadata`` (else the CPU pool never
+registers a block and B never hits), the content they move (B's load is judged by INV-5 on what
+A's store wrote into the CPU block: without the harness's write B's forward reads nothing)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from fuzz.strategies import cases
+from simsched.case import Case
+from simsched.connectors import Connector
+from simsched.lockstep import lockstep
+from simsched.targets import Releases
+
+RELEASES = ["0.30.0", "0.33.0"]
+
+
+def _case(requests: list, lazy: bool, blocks: int = 10, cpu: int = 16, load: int = 1,
+          mnbt: int = 2048, store: int = 1, events: list = ()) -> Case:
+    return Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16}],
+                   "engine": {"num_gpu_blocks": blocks, "cpu_chunks": cpu,
+                              "connector": {"kind": "simple_cpu", "lazy_offload": lazy}}},
+        "timing": {"store_latency": store, "load_latency": load,
+                   "max_num_batched_tokens": mnbt},
+        "requests": requests, "events": list(events)})
+
+
+#: A (80 tokens, 5 blocks) is offloaded; C (64 tokens) takes the GPU pool of 10 and evicts A's
+#: last block from the GPU prefix cache; B shares A's 80 tokens: GPU hit 64, CPU hit 16 (A's
+#: block 4, loaded back into B's block 4)
+BASIC = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
+         {"id": "C", "prompt": [[2, 64]], "arrival": 10, "decode": 2},
+         {"id": "B", "prompt": [[1, 80], [3, 16]], "arrival": 14, "decode": 3}]
+#: as BASIC, B with room for one more block than the CPU tier holds (simple_hit_plus_block)
+ROOM = [{"id": "A", "prompt": [[1, 80]], "decode": 2},
+        {"id": "C", "prompt": [[2, 144]], "arrival": 10, "decode": 2},
+        {"id": "B", "prompt": [[1, 80], [3, 48]], "arrival": 16, "decode": 2}]
+#: A's 5 blocks stored in a CPU tier of 7 (6 usable), the GPU prefix cache reset; B (A's 80
+#: tokens + 16) loads all 5 from CPU while E (96 tokens) stores into the full tier
+PRESSURE = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
+            {"id": "B", "prompt": [[1, 80], [3, 16]], "arrival": 11, "decode": 3},
+            {"id": "E", "prompt": [[4, 96]], "arrival": 11, "decode": 3}]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Releases.installed(RELEASES, timeout=120) as p:
+        yield p
+
+
+def _run(pool, version: str, case: Case, mutant: str | None = None) -> dict:
+    real = lockstep(case, version, pool, mutant=mutant).real
+    assert real["status"] == "ok", real
+    return real
+
+
+def _step_of(trace: list[str], i: int) -> int:
+    return int(next(x for x in reversed(trace[:i]) if x.startswith("step ")).split()[1])
+
+
+def _index(trace: list[str], prefix: str) -> int:
+    return next(i for i, x in enumerate(trace) if x.startswith(prefix))
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_eager_store_and_load_back(pool, version):
+    """Eager: A's 5 full prompt blocks are stored in the step after the step that computed
+    them (never the partial decode block), their completion reaches the CPU pool through
+    ``completed_store_events``; B (GPU hit 64) loads A's block 4 from CPU into its own block 4,
+    reported through ``finished_recving``, and its forward attends A's tokens (INV-5: without
+    the harness's write of the stored content the load brings back nothing)."""
+    real = _run(pool, version, _case(BASIC, lazy=False))
+    trace = real["trace"]
+    assert real["findings"] == [], trace
+    i = _index(trace, "store ")
+    assert trace[i] == "store 0 A g0:0=1 g0:1=2 g0:2=3 g0:3=4 g0:4=5", trace
+    assert _step_of(trace, i) == 1          # A's prompt computed at step 0
+    assert "done 0 store" in trace
+    j = _index(trace, "load ")
+    load = trace[j]
+    assert load.split()[2:] == ["B", "g0:4=5"], load
+    assert f"done {load.split()[1]} load" in trace
+    # B is scheduled only after its load is reported, with 80 tokens computed
+    assert _index(trace, "sched B") > trace.index(f"done {load.split()[1]} load")
+    assert "sched B 16" in trace
+    assert real["counters"]["finished"] == 3 and real["lookups"]["expected_hit"] >= 1, real
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_lazy_stores_only_freed_blocks(pool, version):
+    """Lazy: nothing of A is stored while A holds its blocks; the step after A finishes, the
+    free-queue walk stores A's five hashed blocks (and the engine keeps stepping for it:
+    ``has_pending_push_work``), and B loads block 4 back with A's content."""
+    real = _run(pool, version, _case(BASIC, lazy=True))
+    trace = real["trace"]
+    assert real["findings"] == [], trace
+    i = _index(trace, "store ")
+    assert i > trace.index("finish A finished"), trace
+    assert sorted(trace[i].split()[3:]) == ["g0:0=1", "g0:1=2", "g0:2=3", "g0:3=4", "g0:4=5"]
+    load = trace[_index(trace, "load ")]
+    assert load.split()[2:] == ["B", "g0:4=5"], load
+    assert real["counters"]["finished"] == 3
+
+
+def _generated(n: int) -> list[Case]:
+    """``n`` cases the campaign's strategies draw, their connector forced to the simple_cpu
+    path (eager and lazy in turn), no secondary tier, no P/D request."""
+    drawn: dict[str, Case] = {}
+
+    @settings(max_examples=4 * n, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def draw(case):
+        drawn.setdefault(repr(case.to_json()), case)
+    draw()
+    out = []
+    for k, case in enumerate(list(drawn.values())[:n]):
+        reqs = tuple(dataclasses.replace(r, remote_prefill=None) for r in case.requests)
+        layout = case.layout.with_engine(connector=Connector("simple_cpu", lazy_offload=k % 2 == 1),
+                                         secondary_tiers=())
+        out.append(dataclasses.replace(case, layout=layout, requests=reqs))
+    return out
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_generated_simple_cpu_cases_run_step_by_step(pool, version):
+    """15 drawn cases of the path: none ends in an error of the harness; most run step by
+    step, with stores (and loads) of the real connector."""
+    ran, stores, loads, outcomes = 0, 0, 0, []
+    for case in _generated(15):
+        real = lockstep(case, version, pool).real
+        outcomes.append((real.get("status"), [f.get("inv_id") or f.get("exception")
+                                              for f in real.get("findings", [])]))
+        assert real.get("status") not in ("worker", "error"), real
+        assert not any(f.get("kind") == "harness" for f in real.get("findings", [])), real
+        if real.get("status") == "ok" and real["counters"]["steps"] > 0:
+            ran += 1
+            stores += real["counters"]["stores"]
+            loads += real["counters"]["loads"]
+    print(version, f"{ran} of 15 ran, {stores} store jobs, {loads} load jobs", outcomes)
+    assert ran >= 8 and stores >= 8, outcomes
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_mutant_cpu_reversed_is_inv5(pool, version):
+    """``simple_cpu_reversed``: A's store event hands the worker its CPU blocks reversed; the
+    CPU pool registers A's block 4 under c5, which holds A's block 0: B's load brings back the
+    wrong tokens (INV-5). The same case is clean unmutated (test above)."""
+    real = _run(pool, version, _case(BASIC, lazy=False), "simple_cpu_reversed")
+    assert [f["inv_id"] for f in real["findings"]] == ["INV-5"], real["trace"]
+    assert "load 2 g0:4 block 5" in real["findings"][0]["detail"]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_mutant_hit_plus_block_is_caught(pool, version):
+    """``simple_hit_plus_block``: B's lookup claims one block more than the CPU tier holds; the
+    block is never loaded, and what B's store then reads of it is not B's tokens (INV-4)."""
+    case = _case(ROOM, lazy=False, blocks=12)
+    assert _run(pool, version, case)["findings"] == []
+    real = _run(pool, version, case, "simple_hit_plus_block")
+    assert [f["inv_id"] for f in real["findings"]] == ["INV-4"], real["trace"]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_mutant_unpinned_load_is_inv7(pool, version):
+    """``simple_unpinned_load``: B's load (4 steps) reads A's CPU blocks unpinned, after a GPU
+    prefix-cache reset; E's store into the full CPU tier (6 usable blocks) evicts one of them
+    while the load still reads it (INV-7). Unmutated, E's stores wait for free CPU blocks."""
+    case = _case(PRESSURE, lazy=False, blocks=16, cpu=7, load=4,
+                 events=[{"step": 10, "do": "reset_prefix_cache"}])
+    clean = _run(pool, version, case)
+    assert clean["findings"] == [] and clean["counters"]["loads"] == 1, clean["trace"]
+    real = _run(pool, version, case, "simple_unpinned_load")
+    assert [f["inv_id"] for f in real["findings"]] == ["INV-7"], real["trace"]
+
+
+#: one request of 128 tokens (8 blocks of a GPU pool of 10), a CPU tier of 5 blocks (4 usable)
+LIVELOCK = [{"id": "A", "prompt": [[1, 128]], "decode": 2}]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_lazy_offload_never_lets_the_engine_idle(pool, version):
+    """A real vLLM bug (0.30.0-0.33.0; 0.25.1-0.29.0 strand the last store instead): with
+    ``lazy_offload`` and a CPU tier smaller than the hashed blocks in the GPU free queue, the
+    engine never goes idle after its last request. ``Scheduler.has_requests()`` is true while a
+    store is pending (``has_pending_push_work`` -> ``has_pending_stores``, 0.30.0
+    ``scheduler.py:2681``, ``manager.py:1119-1125``); every ``schedule()`` runs the lazy walk
+    (``_prepare_lazy_store_specs``, ``manager.py:566-620``), which stores each hashed free GPU
+    block the CPU pool no longer holds, evicting another (LRU, ``get_new_blocks``): each step
+    makes the next pending store. The harness steps while ``has_requests()``, as
+    ``EngineCore.step`` does, and ends at its step cap: INV-8. Eager offload on the same case
+    goes idle. Not found reported upstream (issues searched 2026-12: none)."""
+    lazy = _run(pool, version, _case(LIVELOCK, lazy=True, cpu=5, mnbt=32, store=2))
+    found = [f["inv_id"] for f in lazy["findings"]]
+    assert found == ["INV-8"], (
+        f"vLLM {version}: a deployment with --kv-transfer-config '{{\"kv_connector\":"
+        "\"SimpleCPUOffloadConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
+        "{\"lazy_offload\":true}}' and a CPU budget (cpu_bytes_to_use, 8 GiB by default) "
+        "smaller than the GPU KV cache busy-loops once traffic has left more distinct blocks "
+        "in the GPU prefix cache than the tier holds: expected INV-8", lazy["trace"][-40:])
+    assert lazy["counters"]["finished"] == 1
+    assert lazy["counters"]["stores"] > 1000         # a store every few idle steps
+    eager = _run(pool, version, _case(LIVELOCK, lazy=False, cpu=5, mnbt=32, store=2))
+    assert eager["findings"] == [] and eager["counters"]["steps"] < 30, eager["trace"]
