@@ -31,6 +31,10 @@ INVARIANTS = {
     "INV-9": "a fully stored, ready prefix is found by the next request sharing it",
     "INV-10": "nothing stored beyond a request's max_offload_tokens, nothing loaded beyond its "
               "max_load_tokens",
+    "INV-T1": "a file a secondary tier writes for a key holds the bytes of the key's CPU slot "
+              "(tiered offloading, when the cascade completes)",
+    "INV-T2": "a CPU slot a promotion fills holds the bytes of its key's file (tiered "
+              "offloading, when the read completes)",
 }
 
 #: the first bad operation of each invariant, one word (the campaign clusters findings by
@@ -38,6 +42,7 @@ INVARIANTS = {
 INV_OPS = {
     "INV-1": "pool", "INV-2": "pool", "INV-3": "store", "INV-4": "store", "INV-5": "load",
     "INV-6": "write", "INV-6b": "unlanded", "INV-7": "load", "INV-8": "liveness", "INV-9": "lookup", "INV-10": "cap",
+    "INV-T1": "cascade", "INV-T2": "promote",
 }
 
 

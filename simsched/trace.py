@@ -14,6 +14,10 @@ single spaces, lists comma-separated without spaces, groups written ``g<id>``)::
     load <job> <rid> g<id>:<hash_idx>=<b,...> ...    a load job, same shape (destination blocks)
     flush <job,...>                           store jobs the worker must finish before this step
     done <job> <store|load>                   a job completed (reported by the worker)
+    tier <cascade|promote> <job> <n> checked  a secondary tier's job of n keys completed
+                                              before this step's schedule() (tiered
+                                              offloading: the harness runs the tier's I/O) and
+                                              its bytes were checked (INV-T1 / INV-T2)
     failed <job> <store|load>                 a job of the case's faults failed: the offloading
                                               worker raises, the run stops (last line)
     end waiting on <store|load> <job>[, ...] (never completes)[; held back: <rid>=<how>,...]

@@ -24,10 +24,13 @@ from simsched.targets import Releases
 RELEASES = ["0.30.0", "0.33.0"]
 
 
+FULL = [{"kind": "full", "block_size": 16}]
+
+
 def _case(requests: list, lazy: bool, blocks: int = 10, cpu: int = 16, load: int = 1,
-          mnbt: int = 2048, store: int = 1, events: list = ()) -> Case:
+          mnbt: int = 2048, store: int = 1, events: list = (), groups: list = FULL) -> Case:
     return Case.from_json({
-        "layout": {"groups": [{"kind": "full", "block_size": 16}],
+        "layout": {"groups": groups,
                    "engine": {"num_gpu_blocks": blocks, "cpu_chunks": cpu,
                               "connector": {"kind": "simple_cpu", "lazy_offload": lazy}}},
         "timing": {"store_latency": store, "load_latency": load,
@@ -212,3 +215,59 @@ def test_lazy_offload_never_lets_the_engine_idle(pool, version):
     assert lazy["counters"]["stores"] > 1000         # a store every few idle steps
     eager = _run(pool, version, _case(LIVELOCK, lazy=False, cpu=5, mnbt=32, store=2))
     assert eager["findings"] == [] and eager["counters"]["steps"] < 30, eager["trace"]
+
+
+RESET = [{"step": 10, "do": "reset_prefix_cache"}]
+#: A, then a GPU prefix-cache reset, then B sharing A's 80 tokens: all of B's hit is on CPU
+AFTER_RESET = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
+               {"id": "B", "prompt": [[1, 80], [3, 16]], "arrival": 11, "decode": 3}]
+HYBRID = [{"kind": "full", "block_size": 16},
+          {"kind": "sliding_window", "block_size": 16, "sliding_window": 32}]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_hybrid_hit_loads_the_window_tail(pool, version, lazy):
+    """Full + sliding window (32): the GPU hashes only the sliding-window blocks its sparse
+    retention keeps (A's blocks 2, 3 of 5), so only those reach the CPU tier; after a GPU reset
+    B's CPU hit is 64 tokens (full blocks 0-3 and window blocks 2, 3: 6 blocks loaded), and its
+    forward attends A's tokens through both groups (INV-5)."""
+    real = _run(pool, version, _case(AFTER_RESET, lazy, blocks=16, events=RESET,
+                                     groups=HYBRID))
+    trace = real["trace"]
+    assert real["findings"] == [], trace
+    stored = [x for line in trace if line.startswith("store ") and " A " in line
+              for x in line.split()[3:]]
+    assert {x.split("=")[0] for x in stored if x.startswith("g1:")} >= {"g1:2", "g1:3"}
+    assert not any(x.startswith(("g1:0=", "g1:1=")) for x in stored), stored
+    load = trace[_index(trace, "load ")].split()
+    assert load[2] == "B" and [x.split("=")[0] for x in load[3:]] == [
+        "g0:0", "g0:1", "g0:2", "g0:3", "g1:2", "g1:3"], load
+
+
+RING = [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}]
+
+
+def test_eager_offload_with_a_ring_group_crashes_0300_not_0330(pool):
+    """A real vLLM bug of 0.30.0 (fixed in 0.31.0 by the prefix-cacheable group filter,
+    ``manager.py`` 0.31.0:851): eager ``_select_eager_blocks_to_store`` visits every KV cache
+    group and resolves the block hashes of the ring group (block 4) against the hash block of 16
+    (``resolve_block_hashes``, 0.30.0 ``manager.py:842``): an AssertionError in the first
+    ``schedule()`` that has a request. A deployment gets there with SimpleCPUOffloadConnector
+    in eager mode (the default) on a model whose KV cache planner gives a ring group a block
+    smaller than the hash block (0.30.0's planner does for two full-attention layers of one
+    16-dim KV head beside a ring layer of capacity 4). 0.33.0 offloads the full-attention
+    group and B loads it back."""
+    case = _case(AFTER_RESET, lazy=False, blocks=16, events=RESET, groups=RING)
+    old = lockstep(case, "0.30.0", pool).real
+    crash = [(f.get("kind"), f.get("exception"), f.get("stage")) for f in old["findings"]]
+    assert crash == [("crash", "AssertionError", "schedule")], (
+        "vLLM 0.30.0: eager SimpleCPUOffloadConnector with a ring KV cache group of block 4 "
+        "under hash block 16 crashes the scheduler in the first schedule() of a request", old)
+    assert not any(x.startswith("store ") for x in old["trace"])
+    new = _run(pool, "0.33.0", case)
+    assert new["findings"] == [] and new["counters"]["loads"] == 1, new["trace"]
+    # lazy mode on 0.30.0 survives (the lazy walk has no per-group hash resolution)
+    lazy = _run(pool, "0.30.0", _case(AFTER_RESET, lazy=True, blocks=16, events=RESET,
+                                      groups=RING))
+    assert lazy["findings"] == [] and lazy["counters"]["loads"] == 1, lazy["trace"]

@@ -102,3 +102,20 @@ class ConnectorDriver(Protocol):
 
     def worker_refusal(self, vc, kvc, meta, jid: int) -> str | None:
         """Job ``jid`` fails on the connector's own worker side: what it raised, or None."""
+
+    # -- the offload tier's content, clock and lifetime -------------------------------------
+    #: steps a lookup may defer beyond the case's transfer latencies, waiting on the
+    #: connector's own work (the fs tier's probe and read: :mod:`simsched.vllm.inside.tiering`)
+    lookup_defer_steps: int
+
+    def cpu_tier(self):
+        """The worker's view of the CPU tier's content
+        (:class:`simsched.vllm.inside.cpu_tier.CpuTier`)."""
+
+    def before_schedule(self, step: int) -> list[str]:
+        """Called before every ``schedule()``: work the connector's tiers do outside the
+        worker's output (the fs tier's I/O) happens here, at a fixed point; the trace lines
+        of what completed."""
+
+    def close(self) -> None:
+        """The run ended (however): release what the connector holds outside the process."""

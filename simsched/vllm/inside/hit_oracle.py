@@ -43,7 +43,8 @@ class HitOracle:
         self.gpu_only_groups = len(driver.groups) < len(case.layout.groups)
         self.defer_bound = max([case.timing.store_latency, case.timing.load_latency]
                                + [j.latency for j in case.timing.jobs
-                                  if j.latency is not None]) + DEFER_MARGIN
+                                  if j.latency is not None]) + DEFER_MARGIN \
+            + driver.lookup_defer_steps
         self.reported: set = set()       # content keys whose store completion it was told
         self.key_done: dict = {}         # content key -> step of its last reported transfer
         self.req_done: dict[str, int] = {}   # rid -> step of its own last reported transfer

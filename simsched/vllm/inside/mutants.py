@@ -38,6 +38,12 @@ lost_completion          the first store completion the worker reports is never 
 touch_double_ref         ``BlockPool.touch`` (a GPU prefix hit taking its blocks)    INV-1
                          counts every block twice: freed once, it never returns to the
                          free queue
+early_ready              (tiering) a promotion marks its CPU slot ready when it      INV-5
+                         submits the fs read, before the bytes land
+cascade_wrong_chunk      (tiering) a cascade writes key i's file from key i + 1's    INV-T1
+                         CPU slot
+promote_wrong_slot       (tiering) a promotion reads key i's file into key i + 1's   INV-T2
+                         slot
 recv_swallowed           ``MultiConnector.get_transfer_results``: a child's          INV-8
                          ``finished_recving`` replaces the others' (the last child
                          wins): a request loaded by another child stays in
@@ -493,6 +499,124 @@ def simple_unpinned_load():
     return lambda: [u() for u in reversed(undo)]
 
 
+# -- tiered offloading (TieringOffloadingSpec with an fs tier: simsched.vllm.inside.tiering) ----
+def _rotate_chunks(job) -> None:
+    """A tier job's chunk ids shifted by one (key i paired with key i + 1's slot)."""
+    name = "chunk_ids" if hasattr(job, "chunk_ids") else "block_ids"    # 0.25.1: blocks
+    ids = [int(c) for c in getattr(job, name)]
+    if len(ids) > 1:
+        import numpy as np
+        setattr(job, name, np.array(ids[1:] + ids[:1], dtype=np.int64))
+
+
+def early_ready():
+    """``TieringOffloadingManager._flush_pending_promotions`` marks each promoted slot ready
+    (``primary_tier.complete_write``) as it submits the read (0.30.0
+    ``tiering/manager.py:470-493``): a load of the chunk reads the slot before the file's bytes
+    land (seen with ``io_latency`` >= 2)."""
+    import vllm.v1.kv_offload.tiering.manager as tm
+
+    def make(orig):
+        def _flush_pending_promotions(self):
+            pending = [e for by_req in self._pending_load_submissions.values()
+                       for e in by_req.values()]
+            orig(self)
+            for entry in pending:
+                self.primary_tier.complete_write(entry.keys, entry.req_context, True)
+        return _flush_pending_promotions
+    return _patch(tm.TieringOffloadingManager, "_flush_pending_promotions", make)
+
+
+def _fs_rotating(name: str):
+    import vllm.v1.kv_offload.tiering.fs.manager as fsm
+
+    def make(orig):
+        def submit(self, job, *args, **kw):
+            _rotate_chunks(job)
+            return orig(self, job, *args, **kw)
+        return submit
+    return _patch(fsm.FileSystemTierManager, name, make)
+
+
+def cascade_wrong_chunk():
+    """``FileSystemTierManager.submit_store`` writes key i's file from key i + 1's CPU slot
+    (0.30.0 ``fs/manager.py:217-230``)."""
+    return _fs_rotating("submit_store")
+
+
+def promote_wrong_slot():
+    """``FileSystemTierManager.submit_load`` reads key i's file into the slot allocated for key
+    i + 1 (0.30.0 ``fs/manager.py:232-269``)."""
+    return _fs_rotating("submit_load")
+
+
+# -- the simple_cpu connector path (SimpleCPUOffloadScheduler, vllm/v1/simple_kv_offload) -------
+_SIMPLE = "vllm.v1.simple_kv_offload.manager"
+
+
+def _simple():
+    import importlib
+    return importlib.import_module(_SIMPLE).SimpleCPUOffloadScheduler
+
+
+def simple_cpu_reversed():
+    """``build_connector_meta`` hands the worker the store event's CPU blocks in reverse order
+    (0.30.0 ``manager.py:547``): GPU block i lands in another CPU block than the one the
+    scheduler registers under i's hash."""
+    def make(orig):
+        def f(self, scheduler_output):
+            meta = orig(self, scheduler_output)
+            if len(meta.store_cpu_blocks) > 1:
+                meta.store_cpu_blocks = list(reversed(meta.store_cpu_blocks))
+            return meta
+        return f
+    return _patch(_simple(), "build_connector_meta", make)
+
+
+def simple_hit_plus_block():
+    """``get_num_new_matched_tokens`` claims one scheduler block more than the CPU pool
+    matched (0.30.0 ``manager.py:373``), where the request has room for it: the claimed block
+    is never loaded."""
+    def make(orig):
+        def f(self, request, num_computed_tokens):
+            n, is_async = orig(self, request, num_computed_tokens)
+            room = (request.num_tokens - 1 - num_computed_tokens) // self.block_size
+            if n and n + self.block_size <= room * self.block_size:
+                n += self.block_size
+            return n, is_async
+        return f
+    return _patch(_simple(), "get_num_new_matched_tokens", make)
+
+
+def simple_unpinned_load():
+    """The CPU blocks a load reads are not pinned while it is in flight:
+    ``update_state_after_alloc``'s touch (0.30.0 ``manager.py:473``) undone at once, and the
+    matching free in ``_cleanup_load_request`` skipped: LRU eviction hands them to a store."""
+    from dataclasses import replace
+    cls = _simple()
+
+    def make_alloc(orig):
+        def f(self, request, blocks, num_external_tokens):
+            orig(self, request, blocks, num_external_tokens)
+            st = self._reqs_to_load.get(request.request_id)
+            if st is not None and st.transfer_meta.cpu_block_ids:
+                self.cpu_block_pool.free_blocks(
+                    [self.cpu_block_pool.blocks[c] for c in st.transfer_meta.cpu_block_ids])
+                st._mutant_unpinned = True
+        return f
+
+    def make_cleanup(orig):
+        def f(self, req_id):
+            st = self._reqs_to_load.get(req_id) or self._abandoned_reqs_to_load.get(req_id)
+            if st is not None and getattr(st, "_mutant_unpinned", False):
+                st.transfer_meta = replace(st.transfer_meta, cpu_block_ids=[])
+            return orig(self, req_id)
+        return f
+    undo = [_patch(cls, "update_state_after_alloc", make_alloc),
+            _patch(cls, "_cleanup_load_request", make_cleanup)]
+    return lambda: [u() for u in reversed(undo)]
+
+
 MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "store_shift_chunk": store_shift_chunk,
     "drop_fence": drop_fence,
@@ -509,6 +633,9 @@ MUTANTS: dict[str, Callable[[], Callable[[], None]]] = {
     "lookup_first_chunk_only": lookup_first_chunk_only,
     "lookup_defer_forever": lookup_defer_forever,
     "lookup_refuse_window": lookup_refuse_window,
+    "early_ready": early_ready,
+    "cascade_wrong_chunk": cascade_wrong_chunk,
+    "promote_wrong_slot": promote_wrong_slot,
     "recv_swallowed": recv_swallowed,
     "gate_open": gate_open,
     "no_alloc_track": no_alloc_track,

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 from simsched.model.request import make_key
 from simsched.vllm.inside.connector import ScheduledJobs
+from simsched.vllm.inside.cpu_tier import CpuTier
 
 
 class ChunkIndex:
@@ -352,3 +353,18 @@ class OffloadingConnectorDriver:
         (:func:`simsched.vllm.inside.transfer_faults.worker_refusal`)."""
         from simsched.vllm.inside import transfer_faults
         return transfer_faults.worker_refusal(self.sched, vc, kvc, meta, jid)
+
+    # -- the CPU tier's content, clock and lifetime ----------------------------------------
+    #: the CPU tier's lookups defer only on the worker's jobs (the case's latencies)
+    lookup_defer_steps = 0
+
+    def cpu_tier(self) -> CpuTier:
+        """The CPU tier as the content shadow keeps it."""
+        return CpuTier()
+
+    def before_schedule(self, step: int) -> list[str]:
+        """Nothing: the CPU tier moves only through the worker's jobs."""
+        return []
+
+    def close(self) -> None:
+        """Nothing outside the process."""

@@ -42,7 +42,6 @@ from simsched.shadow import Shadow
 from simsched.trace import fmt_alloc, header
 from simsched.vllm.inside.case_requests import CaseRequests
 from simsched.vllm.inside.connector import ConnectorDriver
-from simsched.vllm.inside.cpu_tier import CpuTier
 from simsched.vllm.inside.external_kv import ExternalKV
 from simsched.vllm.inside.hit_oracle import HitOracle
 from simsched.vllm.inside.liveness import Liveness
@@ -153,9 +152,13 @@ class Run:
         except Ended as e:
             self.lines.append(e.line)
         finally:
-            # the observed lookup was this connector's own attribute: drop it
+            # the observed lookup was this connector's own attribute: drop it; what the
+            # connector holds outside the process goes, whatever the run ended in
             if self.driver is not None:
-                self.driver.stop_observing()
+                try:
+                    self.driver.stop_observing()
+                finally:
+                    self.driver.close()
 
     def _kinds_named(self, detail: str) -> str | None:
         """The kinds of the KV cache groups a violation names (``group 2``, ``g1:3``, or a
@@ -200,7 +203,7 @@ class Run:
                                      math.gcd(tph, *block_sizes), self.call,
                                      driver.kv_transfer_params)
         self.tails = PartialTails(driver.partial_tails, tph, driver.group_by_id)
-        self.worker = OffloadWorker(self, driver, CpuTier(), self.tails, self.walks)
+        self.worker = OffloadWorker(self, driver, driver.cpu_tier(), self.tails, self.walks)
         self.oracle = HitOracle(case, self.requests, driver, self.worker.hung,
                                 lambda: self.step_no, self.lookup_counts)
         # speculative decoding (sync scheduling): the worker proposes drafts after each
@@ -362,6 +365,8 @@ class Run:
 
     def _schedule(self):
         """``Scheduler.schedule()``, then what the lookups it made were found to break."""
+        for line in self.driver.before_schedule(self.step_no):
+            self.emit(line)
         try:
             out = self.call("schedule", self.sched.schedule)
         except Crash as c:
