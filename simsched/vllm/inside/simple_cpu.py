@@ -33,7 +33,14 @@ loaded); the CPU pool's refcounts (INV-1 covers the GPU pool only); world size >
 reports each event); a ``need_flush`` step completes the stores in flight but not the loads
 (their report waits for their latency, as without a flush); ``reset_prefix_cache
 (reset_connector=True)`` (the case format has no connector reset); the 0.25.1 launch points
-(copies in ``get_finished``)."""
+(copies in ``get_finished``); the stores 0.25.1-0.29.0 strand at idle (their keep-alive hook
+is misnamed, ``has_pending_transfers``): the run steps while a job is in flight, whatever
+``has_requests()`` says; the ring group's content after a CPU hit (only the full-attention
+groups are loaded; 0.30.0's eager mode crashes on a ring first).
+
+Findings on this path (``tests/test_real_simple_cpu.py``, ``docs/invariants.md``): lazy offload
+never lets the engine idle (0.30.0-0.33.0, INV-8 at the step cap), eager offload with a ring
+group crashes 0.30.0's ``schedule()``."""
 
 from __future__ import annotations
 
