@@ -211,6 +211,7 @@ def test_lazy_offload_never_lets_the_engine_idle(pool, version):
         "{\"lazy_offload\":true}}' and a CPU budget (cpu_bytes_to_use, 8 GiB by default) "
         "smaller than the GPU KV cache busy-loops once traffic has left more distinct blocks "
         "in the GPU prefix cache than the tier holds: expected INV-8", lazy["trace"][-40:])
+    assert "the engine never went idle" in lazy["findings"][0]["detail"]
     assert lazy["counters"]["finished"] == 1
     assert lazy["counters"]["stores"] > 1000         # a store every few idle steps
     eager = _run(pool, version, _case(LIVELOCK, lazy=False, cpu=5, mnbt=32, store=2))

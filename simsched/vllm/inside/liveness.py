@@ -63,6 +63,13 @@ class Liveness:
                 raise inv.InvariantViolation("INV-8", step, f"no progress for "
                                              f"{self.stall} steps with the tier quiet; "
                                              f"stuck: {stuck}")
+        if steps >= self.step_cap and unfinished <= 0:
+            # the engine steps while Scheduler.has_requests(), which counts the connector's
+            # pending work (has_pending_push_work): every step making more of it never idles
+            raise inv.InvariantViolation("INV-8", step, f"0 requests unfinished after "
+                                         f"{self.step_cap} steps: every request finished, the "
+                                         "engine never went idle (Scheduler.has_requests() "
+                                         "stays true)")
         if steps >= self.step_cap:
             raise inv.InvariantViolation("INV-8", step, f"{unfinished} requests "
                                          f"unfinished after {self.step_cap} steps")
