@@ -357,11 +357,16 @@ class TieringDriver:
             observer(request, num_computed_tokens, out, bound)
         self.base.observe_lookups(seen)
 
+    def _tier_jobs(self) -> dict:
+        """The tiering manager's jobs in flight, job id -> job (0.25.1: ``_transfer_jobs``)."""
+        jobs = getattr(self.mgr, "_jobs", None)
+        return self.mgr._transfer_jobs if jobs is None else jobs
+
     def _new_jobs(self) -> None:
         """The tier jobs submitted since the last step (promotions at ``on_schedule_end``,
         cascades at ``complete_store``), before any of them runs; INV-8 when a chunk is
         promoted again and again for a request still waiting."""
-        for jid, meta in sorted(self.mgr._jobs.items()):
+        for jid, meta in sorted(self._tier_jobs().items()):
             if jid in self.seen:
                 continue
             self.seen.add(jid)
@@ -416,7 +421,7 @@ class TieringDriver:
 
     def _io_done(self, tier_idx: int):
         def done(job_id: int, is_load: bool, ok: bool) -> None:
-            meta = self.mgr._jobs.get(job_id)
+            meta = self._tier_jobs().get(job_id)
             if meta is None or not ok:
                 return
             _, keys, _, _ = job_view(meta)
