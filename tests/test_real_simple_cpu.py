@@ -155,13 +155,29 @@ def test_generated_simple_cpu_cases_run_step_by_step(pool, version):
 
 
 @pytest.mark.parametrize("version", RELEASES)
-def test_mutant_cpu_reversed_is_inv5(pool, version):
-    """``simple_cpu_reversed``: A's store event hands the worker its CPU blocks reversed; the
-    CPU pool registers A's block 4 under c5, which holds A's block 0: B's load brings back the
-    wrong tokens (INV-5). The same case is clean unmutated (test above)."""
+def test_mutant_cpu_reversed_is_inv4(pool, version):
+    """``simple_cpu_reversed``: A's store event hands the worker its CPU blocks reversed; once
+    the manager processed the completion, the CPU pool has block 5 registered under A's block
+    4's hash while the worker wrote A's block 0 there (INV-4 on the CPU pool, in the next
+    step). The same case is clean unmutated (test above)."""
     real = _run(pool, version, _case(BASIC, lazy=False), "simple_cpu_reversed")
-    assert [f["inv_id"] for f in real["findings"]] == ["INV-5"], real["trace"]
-    assert "load 2 g0:4 block 5" in real["findings"][0]["detail"]
+    assert [f["inv_id"] for f in real["findings"]] == ["INV-4"], real["trace"]
+    assert real["findings"][0]["detail"].startswith("CPU block 5 registered under g0:4 of A")
+
+
+def test_mutant_cpu_reversed_is_caught_on_generated_cases(pool):
+    """The drawn cases above (clean on 0.33.0 unmutated, test above) with
+    ``simple_cpu_reversed``: INV-4 on the CPU pool fires on every case with a store event of
+    two blocks or more (6 of 15 when written)."""
+    caught, outcomes = 0, []
+    for case in _generated(15):
+        real = lockstep(case, "0.33.0", pool, mutant="simple_cpu_reversed").real
+        found = [f.get("inv_id") or f.get("exception") for f in real.get("findings", [])]
+        outcomes.append(found)
+        assert real.get("status") == "ok", real
+        caught += found == ["INV-4"]
+    print(f"simple_cpu_reversed caught on {caught} of 15", outcomes)
+    assert caught >= 4, outcomes
 
 
 @pytest.mark.parametrize("version", RELEASES)

@@ -55,7 +55,7 @@ no_alloc_track           0.33.0's fix of vLLM #46951 reverted: the offloading   
                          scheduler ignores the blocks another child allocates
                          (``update_state_after_alloc`` with 0 tokens), so a pending
                          store over them is not flushed before NIXL writes them
-simple_cpu_reversed      (simple_cpu) a store event's CPU blocks reversed: a block     INV-5
+simple_cpu_reversed      (simple_cpu) a store event's CPU blocks reversed: a block     INV-4
                          lands in another CPU block than its hash's
 simple_hit_plus_block    (simple_cpu) the CPU hit over-claims one scheduler block:     INV-4
                          never loaded, the block is stored with what it held before

@@ -25,7 +25,8 @@ holders for INV-1 (``held_blocks``).
 Checked on this path: INV-1/2 with the connector's pins, INV-3/4 (a stored block's content
 against the hash it is stored under, read when the store completes), INV-5 (a load writes what
 its CPU block holds: the last completed store there, whatever hash the CPU pool maps to it now),
-INV-6, INV-7 (a load of a CPU block no completed store wrote; a store into a CPU block a load
+INV-4 on the CPU pool (a CPU block the manager registered under a hash holds what the worker
+wrote there of that hash's block), INV-6, INV-7 (a load of a CPU block no completed store wrote; a store into a CPU block a load
 still reads), INV-8 (the engine idles with nothing pending, within the step cap), INV-9 (the
 hit is at least what the real CPU pool holds of the completed stores: ``tier_holds``).
 Not checked yet: INV-9's upper bound (a hit over-claiming is caught by INV-5 on the block never
@@ -47,6 +48,7 @@ from __future__ import annotations
 from collections import Counter
 from types import SimpleNamespace
 
+from simsched import invariants as inv
 from simsched.model.request import make_key
 from simsched.vllm.inside.connector import ScheduledJobs
 from simsched.vllm.inside.cpu_tier import CpuTier
@@ -102,6 +104,12 @@ class SimpleCPUDriver:
         self.store_jobs: dict[int, set[int]] = {}  # store event -> its jobs not done
         self.store_order: list[int] = []           # store events not yet reported, FIFO
         self.open_loads: set[int] = set()          # load jobs not done
+        # INV-4 on the CPU pool: CPU block -> the key of what the last completed store wrote
+        # there; the keys each store job writes; the run's requests; the step being scheduled
+        self.slot_key: dict[int, int] = {}
+        self.writes: dict[int, list] = {}
+        self.requests = None
+        self.step = -1
 
     # -- boot-time answers --------------------------------------------------------------------
     def drafter_groups(self, case) -> set[int]:
@@ -178,6 +186,8 @@ class SimpleCPUDriver:
         if meta is None:
             return ScheduledJobs(None, {}, {}, set())
         self._remember()
+        self.step += 1
+        self._check_registered()
         flush = set()
         if getattr(meta, "need_flush", False):
             # handle_preemptions (wrk 0.30.0:348-366): every event in flight synchronized
@@ -250,10 +260,31 @@ class SimpleCPUDriver:
     def job_items(self, jid: int, tjob, is_store: bool, requests) -> tuple[list, None]:
         """Per GPU block ``(group, block index, hash index, key, [(block index, block)])``,
         the key the model's of the prefix the block ends (of the request the job names)."""
+        self.requests = requests
         ident = requests.ident[tjob.req_id]
         items = [(gid, i, hidx, make_key(gid, ident.ident_at((hidx + 1) * self.tph)),
                   [(i, b)]) for gid, i, hidx, b in tjob.raw]
+        if is_store:
+            self.writes[jid] = [(c, it[3]) for c, it in zip(tjob.slots, items)]
         return items, None
+
+    def _check_registered(self) -> None:
+        """INV-4 on the CPU pool, once the manager processed a store's completion: a CPU block
+        registered under a hash (``_process_store_completion``, mgr 0.30.0:1024-1037) holds
+        the KV of that hash's prefix, i.e. the worker wrote there the block of that hash."""
+        blocks = self.mgr.cpu_block_pool.blocks
+        for c, key in self.slot_key.items():
+            bh = blocks[c].block_hash
+            at = bh is not None and self.hash_at.get(bytes(self.kcu.get_block_hash(bh)))
+            if not at:
+                continue
+            rid, hidx = at
+            gid = int(self.kcu.get_group_id(bh))
+            want = make_key(gid, self.requests.ident[rid].ident_at((hidx + 1) * self.tph))
+            if key != want:
+                raise inv.InvariantViolation(
+                    "INV-4", self.step, f"CPU block {c} registered under g{gid}:{hidx} of "
+                    f"{rid} holds what a store wrote of another prefix", "store")
 
     def job_slots(self, tjob, is_store: bool):
         """The CPU blocks the job writes or reads, one per item."""
@@ -271,6 +302,7 @@ class SimpleCPUDriver:
             is_store, ev = self.job_event.get(jid, (None, None))
             if is_store:
                 self.store_jobs.get(ev, set()).discard(jid)
+                self.slot_key.update(self.writes.pop(jid, ()))
             elif is_store is False:
                 self.open_loads.discard(jid)
         done = []
