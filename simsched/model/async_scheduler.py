@@ -96,7 +96,7 @@ class AsyncRun:
 
     The worker reports a transfer job in the output of the first step executed at or after
     ``due - 1`` (``due`` = creation + latency; a flushed job in the step that flushes it), as
-    the harness's worker does (:mod:`simsched.vllm.inside.engine`)."""
+    the harness's worker does (:mod:`simsched.vllm.inside.offload_worker`)."""
 
     DEPTH = 2
 
