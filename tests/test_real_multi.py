@@ -13,17 +13,20 @@ completions reach it, or its stores never complete and the later lookup defers f
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 
-from fuzz.strategies import cases
 from simsched.case import Case
 from simsched.connectors import Connector
 from simsched.lockstep import lockstep
 from simsched.targets import Releases
 
-RELEASES = ["0.30.0", "0.33.0"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_paths import (RELEASES, distinct_drawn_cases, run_checked,  # noqa: E402
+                        run_real as _run)
+
 
 
 def _case(requests: list, blocks: int, order=("offloading", "nixl"), store: int = 4) -> Case:
@@ -52,12 +55,6 @@ STALE = [{"id": "A", "prompt": [[4, 64]]},
 def pool():
     with Releases.installed(RELEASES, timeout=120) as p:
         yield p
-
-
-def _run(pool, version: str, case: Case, mutant: str | None = None) -> dict:
-    real = lockstep(case, version, pool, mutant=mutant).real
-    assert real["status"] == "ok", real
-    return real
 
 
 def _after(trace: list[str], line: str) -> list[str]:
@@ -185,16 +182,8 @@ def test_no_alloc_track_is_caught_by_inv_6(pool):
 def _generated(n: int) -> list[Case]:
     """``n`` cases the campaign's strategies draw, their connector forced to the multi path
     (both orders), every other request pulled through NIXL (1, 2 or 4 steps)."""
-    drawn: dict[str, Case] = {}
-
-    @settings(max_examples=4 * n, database=None, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(cases())
-    def draw(case):
-        drawn.setdefault(repr(case.to_json()), case)
-    draw()
     out = []
-    for k, case in enumerate(list(drawn.values())[:n]):
+    for k, case in enumerate(distinct_drawn_cases(n)):
         order = ("offloading", "nixl") if k % 2 else ("nixl", "offloading")
         reqs = tuple(dataclasses.replace(r, remote_prefill=(1, 2, 4)[(i + k) % 3])
                      if i % 2 == 0 else r for i, r in enumerate(case.requests))
@@ -210,11 +199,8 @@ def test_generated_multi_cases_run_step_by_step(pool, version):
     step, and NIXL pulls land in them (``landed`` lines of the real trace)."""
     ran, landed, outcomes = 0, 0, []
     for case in _generated(15):
-        real = lockstep(case, version, pool).real
-        outcomes.append((real.get("status"), [f.get("inv_id") or f.get("exception")
-                                              for f in real.get("findings", [])]))
-        assert real.get("status") not in ("worker", "error"), real
-        assert not any(f.get("kind") == "harness" for f in real.get("findings", [])), real
+        real, summary = run_checked(pool, version, case)
+        outcomes.append(summary)
         if real.get("status") == "ok" and real["counters"]["steps"] > 0:
             ran += 1
             landed += sum(x.startswith("landed ") for x in real["trace"])

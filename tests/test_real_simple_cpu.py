@@ -11,17 +11,20 @@ A's store wrote into the CPU block: without the harness's write B's forward read
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 
-from fuzz.strategies import cases
 from simsched.case import Case
 from simsched.connectors import Connector
 from simsched.lockstep import lockstep
 from simsched.targets import Releases
 
-RELEASES = ["0.30.0", "0.33.0"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_paths import (RELEASES, distinct_drawn_cases, run_checked,  # noqa: E402
+                        run_real as _run)
+
 
 
 FULL = [{"kind": "full", "block_size": 16}]
@@ -59,12 +62,6 @@ PRESSURE = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
 def pool():
     with Releases.installed(RELEASES, timeout=120) as p:
         yield p
-
-
-def _run(pool, version: str, case: Case, mutant: str | None = None) -> dict:
-    real = lockstep(case, version, pool, mutant=mutant).real
-    assert real["status"] == "ok", real
-    return real
 
 
 def _step_of(trace: list[str], i: int) -> int:
@@ -118,16 +115,8 @@ def test_lazy_stores_only_freed_blocks(pool, version):
 def _generated(n: int) -> list[Case]:
     """``n`` cases the campaign's strategies draw, their connector forced to the simple_cpu
     path (eager and lazy in turn), no secondary tier, no P/D request."""
-    drawn: dict[str, Case] = {}
-
-    @settings(max_examples=4 * n, database=None, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(cases())
-    def draw(case):
-        drawn.setdefault(repr(case.to_json()), case)
-    draw()
     out = []
-    for k, case in enumerate(list(drawn.values())[:n]):
+    for k, case in enumerate(distinct_drawn_cases(n)):
         reqs = tuple(dataclasses.replace(r, remote_prefill=None) for r in case.requests)
         layout = case.layout.with_engine(connector=Connector("simple_cpu", lazy_offload=k % 2 == 1),
                                          secondary_tiers=())
@@ -141,11 +130,8 @@ def test_generated_simple_cpu_cases_run_step_by_step(pool, version):
     step, with stores (and loads) of the real connector."""
     ran, stores, loads, outcomes = 0, 0, 0, []
     for case in _generated(15):
-        real = lockstep(case, version, pool).real
-        outcomes.append((real.get("status"), [f.get("inv_id") or f.get("exception")
-                                              for f in real.get("findings", [])]))
-        assert real.get("status") not in ("worker", "error"), real
-        assert not any(f.get("kind") == "harness" for f in real.get("findings", [])), real
+        real, summary = run_checked(pool, version, case)
+        outcomes.append(summary)
         if real.get("status") == "ok" and real["counters"]["steps"] > 0:
             ran += 1
             stores += real["counters"]["stores"]

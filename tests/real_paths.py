@@ -1,0 +1,43 @@
+"""What the tests of the connector paths the model does not mirror share
+(:mod:`simsched.connectors`): the releases they run on, and a real run that went to its end."""
+
+from simsched.lockstep import lockstep
+
+RELEASES = ["0.30.0", "0.33.0"]
+
+
+def run_real(pool, version: str, case, mutant: str | None = None) -> dict:
+    """``case`` on ``version``'s real Scheduler, step by step (checked on the real run alone):
+    its outcome, which must be a run to the end (``ok``), not a refusal or a harness error."""
+    real = lockstep(case, version, pool, mutant=mutant).real
+    assert real["status"] == "ok", real
+    return real
+
+
+def distinct_drawn_cases(n: int) -> list:
+    """The first ``n`` distinct cases of ``4 n`` the campaign's strategy draws (derandomized:
+    the same cases every run), for a test to force onto its connector path."""
+    from hypothesis import HealthCheck, given, settings
+
+    from fuzz.strategies import cases
+    drawn: dict[str, object] = {}
+
+    @settings(max_examples=4 * n, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def draw(case):
+        drawn.setdefault(repr(case.to_json()), case)
+    draw()
+    return list(drawn.values())[:n]
+
+
+def run_checked(pool, version: str, case) -> tuple[dict, tuple]:
+    """``case`` on ``version``, step by step, with no error of the harness (a failed worker, a
+    harness finding): its outcome, and ``(status, findings)`` for a test's message. A run that
+    stopped on vLLM's own refusal or finding is fine here."""
+    real = lockstep(case, version, pool).real
+    summary = (real.get("status"), [f.get("inv_id") or f.get("exception")
+                                    for f in real.get("findings", [])])
+    assert real.get("status") not in ("worker", "error"), real
+    assert not any(f.get("kind") == "harness" for f in real.get("findings", [])), real
+    return real, summary
