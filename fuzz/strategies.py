@@ -20,8 +20,10 @@ from simsched.case import (FAULT_KINDS, Case, CaseEvent, JobTiming, RequestSpec,
 from simsched.connectors import MULTI_CHILDREN, Connector, SecondaryTier
 from simsched.families import FAMILIES as FAMILY_LAYERS
 from simsched.families import family_of as layers_family_of
+from simsched.geometry import derive, kv_cache_blocks_needed, max_model_len
 from simsched.layout import (KINDS, RETENTION_UNSET, Engine, Group, Layout, RetentionUnset,
-                             Speculative, dcp_refusal)
+                             Speculative, cache_block_size, dcp_refusal)
+from simsched.profiles import ConfigError
 
 # Roundest first: hypothesis shrinks a sampled_from toward its first element.
 BLOCK_SIZES = (16, 4, 32, 64, 8, 1, 2, 128, 256, 12, 48, 96, 1152, 3, 5)
@@ -221,8 +223,10 @@ def _timing(draw) -> Timing:
 
 
 @st.composite
-def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = True) -> Case:
-    """A whole case: a layout, a workload and its transfer timings."""
+def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = True,
+          path: str | None = None) -> Case:
+    """A whole case: a layout, a workload and its transfer timings. ``path`` (one of
+    :data:`PATHS`) puts every case on that connector path; None draws the campaign's mix."""
     layout = _layout(draw, families)
     flag = draw(_pick((True, False))) if asserts is None else asserts
     requests = _workload(draw)
@@ -269,30 +273,100 @@ def cases(draw, families: tuple[str, ...] = FAMILIES, asserts: bool | None = Tru
     # rarely, a transfer that fails (every release's worker stops there: the run is cut short)
     faults = ((TransferFault(kind=draw(_pick(FAULT_KINDS)), job=draw(_pick((0, 1, 2)))),)
               if draw(_ints(0, 19)) == 19 else ())
-    layout, requests = _connector_path(draw, layout, requests)
+    layout, requests = _connector_path(draw, layout, requests, timing, path)
     return Case(layout=layout, requests=requests, timing=timing, asserts=flag, events=events,
                 faults=faults)
 
 
-def _connector_path(draw, layout: Layout, requests: tuple[RequestSpec, ...]
-                    ) -> tuple[Layout, tuple[RequestSpec, ...]]:
-    """Now and then another of vLLM's offloading paths (:mod:`simsched.connectors`; drawn
-    last, as above): ``SimpleCPUOffloadConnector`` (eager or lazy), a ``MultiConnector`` of the
+#: the connector paths :func:`cases` draws (:mod:`simsched.connectors`): the OffloadingConnector
+#: with a CPU tier (the model's), SimpleCPUOffloadConnector, a MultiConnector with NIXL, and
+#: tiered offloading with a file-system tier behind the CPU tier
+PATHS = ("offloading", "simple_cpu", "multi", "fs")
+
+
+def _connector_path(draw, layout: Layout, requests: tuple[RequestSpec, ...], timing: Timing,
+                    path: str | None) -> tuple[Layout, tuple[RequestSpec, ...]]:
+    """Now and then another of vLLM's offloading paths (drawn last, as above; ``path`` forces
+    one): ``SimpleCPUOffloadConnector`` (eager or lazy), a ``MultiConnector`` of the
     ``OffloadingConnector`` and NIXL with some requests pulled from a prefill instance, or
-    tiered offloading with a file-system tier behind the CPU tier."""
-    path = draw(_ints(0, 19))
-    if path < 17:
+    tiered offloading with a file-system tier behind the CPU tier. The SimpleCPU and fs paths
+    serve a prefix from their tier only once it has left the GPU pool (or the CPU tier): two
+    cases in three of them come back to a conversation after another user's request."""
+    if path is None:
+        drawn = draw(_ints(0, 19))
+        path = "offloading" if drawn < 17 else PATHS[drawn - 16]
+    if path == "offloading":
         return layout, requests
-    if path == 17:
-        connector = Connector("simple_cpu", lazy_offload=draw(_pick((False, True))))
-        return layout.with_engine(connector=connector), requests
-    if path == 18:
+    if path == "simple_cpu":
+        layout = layout.with_engine(connector=Connector(
+            "simple_cpu", lazy_offload=draw(_pick((False, True)))))
+    elif path == "multi":
         order = draw(_pick((MULTI_CHILDREN, MULTI_CHILDREN[::-1])))
         requests = tuple([dataclasses.replace(r, remote_prefill=draw(_pick((1, 2, 4))))
                           if draw(_ints(0, 1)) else r for r in requests])
         return layout.with_engine(connector=Connector("multi", order=order)), requests
-    tier = SecondaryTier("fs", io_latency=draw(_pick((1, 2, 4))))
-    return layout.with_engine(secondary_tiers=(tier,)), requests
+    else:
+        tier = SecondaryTier("fs", io_latency=draw(_pick((2, 1, 4))))
+        layout = layout.with_engine(secondary_tiers=(tier,))
+    if draw(_ints(0, 2)) < 2:    # the come-back first: the shrinker keeps the tier serving
+        layout, requests = _come_back(draw, layout, requests, timing)
+    return layout, requests
+
+
+def _come_back(draw, layout: Layout, requests: tuple[RequestSpec, ...], timing: Timing
+               ) -> tuple[Layout, tuple[RequestSpec, ...]]:
+    """A conversation's second turn after another user's request, appended to the workload:
+    A (a short prompt), then F (longer than anything else, so that the GPU pool, which holds F
+    and at most one block more, evicts A's cached blocks), then B (A's prompt and something
+    new). SimpleCPU's CPU pool holds every prompt's blocks (a drawn slack, now and then one
+    block too few): B loads A's from it. Tiered offloading's CPU tier holds F's chunks and a
+    slack of fewer than A's: F's store evicts A's chunks, and B's lookup promotes them from the
+    fs tier (a store larger than the whole tier would be dropped). Each request arrives once
+    the requests before it have finished, run one after another."""
+    n, mnbt = len(requests), timing.max_num_batched_tokens
+    chunk = _chunk_tokens(layout)
+    # A's prompt is whole chunks (blocks a tier keeps); B's new turn is up to two more, and a
+    # part of one (room for a block past its hit)
+    a_len = chunk * draw(_pick((2, 4, 1, 8)))
+    tail = chunk * draw(_pick((1, 2, 0))) + draw(_pick((16, 1)))
+    slack = draw(_pick((0, 1, 2, -1)))
+    f_len = (max(max(r.prompt_len + r.decode for r in requests), a_len + tail + 16)
+             + draw(_pick((16, 64, 0))))
+
+    def blocks(tokens: int) -> int:
+        return sum(1 if g.kind == "ring" else -(-tokens // g.block_size) for g in layout.groups)
+
+    if layout.engine.secondary_tiers:
+        cpu = -(-f_len // chunk) + max(slack, 0)
+    else:
+        cpu = sum(blocks(r.prompt_len) for r in requests) + blocks(a_len) + blocks(f_len) + slack
+
+    def steps(r: RequestSpec) -> int:
+        return -(-r.prompt_len // mnbt) + r.decode + timing.store_latency + 4
+
+    start = max(r.arrival for r in requests) + sum(steps(r) for r in requests)
+    a = RequestSpec(id=f"r{n}", prompt=((300, a_len),), arrival=start, decode=2)
+    f = RequestSpec(id=f"r{n + 1}", prompt=((301, f_len),), arrival=start + steps(a), decode=2)
+    b = RequestSpec(id=f"r{n + 2}", prompt=a.prompt + ((302, tail),),
+                    arrival=f.arrival + steps(f), decode=draw(_pick((4, 1, 16))))
+    requests += (a, f, b)
+    # the null block, F's (as vLLM's start-up check counts them) and a block or none of A's:
+    # F's allocation evicts the rest of them
+    case = Case(layout=layout, requests=requests, timing=timing)
+    pool = max(blocks(f_len + 2), kv_cache_blocks_needed(case, max_model_len(case))) + 1
+    return layout.with_engine(num_gpu_blocks=pool + draw(_pick((0, 1))),
+                              cpu_chunks=max(cpu, 1)), requests
+
+
+def _chunk_tokens(layout: Layout) -> int:
+    """The tokens of the OffloadingConnector's smallest chunk for ``layout`` (as the default
+    profile derives it: at least a scheduler block), or of the engine's block where no release
+    offloads it (refused at boot)."""
+    try:
+        geometry = derive(layout)
+    except ConfigError:
+        return cache_block_size(layout.groups)
+    return min(g.tokens_per_chunk for g in geometry.groups)
 
 
 @st.composite

@@ -14,17 +14,19 @@ def run_real(pool, version: str, case, mutant: str | None = None) -> dict:
     return real
 
 
-def distinct_drawn_cases(n: int) -> list:
+def distinct_drawn_cases(n: int, path: str | None = None, families: tuple | None = None
+                         ) -> list:
     """The first ``n`` distinct cases of ``4 n`` the campaign's strategy draws (derandomized:
-    the same cases every run), for a test to force onto its connector path."""
+    the same cases every run), on connector path ``path`` (``fuzz.strategies.PATHS``) or, with
+    None, the campaign's mix; of the layout ``families`` given, or of all."""
     from hypothesis import HealthCheck, given, settings
 
-    from fuzz.strategies import cases
+    from fuzz.strategies import FAMILIES, cases
     drawn: dict[str, object] = {}
 
     @settings(max_examples=4 * n, database=None, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
-    @given(cases())
+    @given(cases(families=families or FAMILIES, path=path))
     def draw(case):
         drawn.setdefault(repr(case.to_json()), case)
     draw()
@@ -41,3 +43,19 @@ def run_checked(pool, version: str, case) -> tuple[dict, tuple]:
     assert real.get("status") not in ("worker", "error"), real
     assert not any(f.get("kind") == "harness" for f in real.get("findings", [])), real
     return real, summary
+
+
+def mutant_catches(pool, version: str, cases: list, mutant: str, inv_id: str) -> tuple[int, list]:
+    """How many of ``cases`` ``mutant`` is caught on by ``inv_id`` alone, counting only those
+    that run clean to their end without the mutant (the invariant fires on the mutant, not on
+    vLLM's own finding): the count, and every case's findings for the test's message."""
+    caught, outcomes = 0, []
+    for case in cases:
+        real = lockstep(case, version, pool, mutant=mutant).real
+        found = [f.get("inv_id") or f.get("exception") for f in real.get("findings", [])]
+        outcomes.append(found)
+        assert real.get("status") not in ("worker", "error"), real
+        if found == [inv_id]:
+            clean = lockstep(case, version, pool).real
+            caught += clean.get("status") == "ok" and clean["findings"] == []
+    return caught, outcomes
