@@ -265,3 +265,51 @@ def test_eager_offload_with_a_ring_group_crashes_0300_not_0330(pool):
     lazy = _run(pool, "0.30.0", _case(AFTER_RESET, lazy=True, blocks=16, events=RESET,
                                       groups=RING))
     assert lazy["findings"] == [] and lazy["counters"]["loads"] == 1, lazy["trace"]
+
+
+#: a hash unit of 1 token (an MLA group of block 1) beside full attention of block 16: the GPU
+#: manager caches A's prompt tail (17 of 18 tokens, or 18 with a drafter) in the full group's
+#: block 1 under the hash boundary inside it (``_cache_partial_tail_block``, 0.26.0+)
+TAIL_GROUPS = [{"kind": "mla", "block_size": 1}, {"kind": "full", "block_size": 16}]
+TAIL = [{"id": "A", "prompt": [[1, 18]], "decode": 3},
+        {"id": "B", "prompt": [[1, 18], [2, 20]], "arrival": 12, "decode": 2}]
+
+
+def _tail_case(lazy: bool, drafter: bool) -> Case:
+    case = _case(TAIL, lazy, blocks=120, cpu=200, events=RESET, groups=TAIL_GROUPS)
+    if not drafter:
+        return case
+    d = case.to_json()
+    d["layout"]["groups"][1]["drafter"] = True
+    d["layout"]["engine"]["speculative"] = {"method": "mtp", "num_tokens": 2}
+    return Case.from_json(d)
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_lazy_walk_stores_a_partial_tail_checked_by_content(pool, version):
+    """The lazy walk stores every hashed GPU block of the free queue, A's partial tail too:
+    with an MTP drafter (whose lookup reads the whole prompt) the full group's block 1 under
+    the hash of A's 18 tokens. The harness names it by the block that holds the boundary and
+    judges it by content (INV-4 on the tokens up to the boundary), not as a complete block
+    (INV-3 "key of hash 17 paired with chunk 0" before it knew partial tails: a finding of the
+    harness, drawn by the campaign on a SimpleCPU + MTP layout)."""
+    real = _run(pool, version, _tail_case(lazy=True, drafter=True))
+    assert real["findings"] == [], real["trace"]
+    stored = [x for line in real["trace"] if line.startswith("store ") and " A " in line
+              for x in line.split()[3:]]
+    assert any(x.startswith("g1:17=") for x in stored), stored
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_eagle_block_drop_is_the_lookup_of_every_group(pool, version, lazy):
+    """With an MTP drafter, SimpleCPU's CPU coordinator is built with ``use_eagle``
+    (``use_eagle_block_drop()``): its lookup drops the volatile trailing block, so B, whose
+    shared prefix with A is one block of the full group after a GPU reset, finds no CPU hit.
+    That is vLLM's rule, not a miss: INV-9 excuses the eagle tail of every group the CPU
+    coordinator drops it in (it fired "ready chunks cover 16 tokens beyond the GPU hit of 0,
+    lookup found 0" while the driver named no drafter group). Without the drafter, B loads."""
+    real = _run(pool, version, _tail_case(lazy=lazy, drafter=True))
+    assert real["findings"] == [] and real["counters"]["loads"] == 0, real["trace"]
+    plain = _run(pool, version, _tail_case(lazy=lazy, drafter=False))
+    assert plain["findings"] == [] and plain["counters"]["loads"] == 1, plain["trace"]

@@ -23,12 +23,15 @@ never ``finished_sending``. The connector's own GPU pins (stores in flight, load
 holders for INV-1 (``held_blocks``).
 
 Checked on this path: INV-1/2 with the connector's pins, INV-3/4 (a stored block's content
-against the hash it is stored under, read when the store completes), INV-5 (a load writes what
+against the hash it is stored under, read when the store completes; a prompt's partial tail,
+cached under a hash boundary inside its block, by content alone:
+:mod:`~simsched.vllm.inside.partial_tails`), INV-5 (a load writes what
 its CPU block holds: the last completed store there, whatever hash the CPU pool maps to it now),
 INV-4 on the CPU pool (a CPU block the manager registered under a hash holds what the worker
 wrote there of that hash's block), INV-6, INV-7 (a load of a CPU block no completed store wrote; a store into a CPU block a load
 still reads), INV-8 (the engine idles with nothing pending, within the step cap), INV-9 (the
-hit is at least what the real CPU pool holds of the completed stores: ``tier_holds``).
+hit is at least what the real CPU pool holds of the completed stores, ``tier_holds``, less the
+eagle tail its coordinator drops with an EAGLE/MTP drafter: ``drafter_groups``).
 Not checked yet: INV-9's upper bound (a hit over-claiming is caught by INV-5 on the block never
 loaded); the CPU pool's refcounts (INV-1 covers the GPU pool only); world size > 1 (one worker
 reports each event); a ``need_flush`` step completes the stores in flight but not the loads
@@ -76,7 +79,9 @@ class SimpleCPUDriver:
     ``SimpleCPUOffloadConnector``: every KV cache group offloaded, one GPU block a chunk."""
 
     blocks_per_chunk = 1
-    partial_tails = False
+    # the lazy walk stores any hashed GPU block, also a prompt's partial tail (a hash boundary
+    # inside the block): INV-4 by content on such a block, not INV-3 (PartialTails)
+    partial_tails = True
     caps_supported = {"max_offload_tokens": False, "max_load_tokens": False}
     lookup_defer_steps = 0
 
@@ -113,8 +118,13 @@ class SimpleCPUDriver:
 
     # -- boot-time answers --------------------------------------------------------------------
     def drafter_groups(self, case) -> set[int]:
-        """None: the connector has no notion of drafter groups."""
-        return set()
+        """The groups whose CPU lookup drops the volatile trailing block of an EAGLE/MTP
+        drafter, for INV-9's eagle-tail rule: every group when the manager's CPU coordinator
+        was built with ``use_eagle`` (``spec_config.use_eagle_block_drop()``, 0.30.0
+        ``manager.py:186-193``; 0.25.1 builds it with ``use_eagle=False``), read from its
+        managers."""
+        managers = self.mgr.cpu_coordinator.single_type_managers
+        return {g for g, m in enumerate(managers) if getattr(m, "use_eagle", False)}
 
     def kv_transfer_params(self, spec) -> dict:
         return {}
@@ -216,7 +226,10 @@ class SimpleCPUDriver:
             rid, hidx = at
             tpb = self.group_by_id[gid].tokens_per_block
             part = per_rid.setdefault(rid, SimpleNamespace(req_id=rid, raw=[], slots=[]))
-            part.raw.append((gid, (hidx + 1) * self.tph // tpb - 1, hidx, int(g)))
+            # the block that ends the hash's prefix: a complete block, or the prompt's partial
+            # tail the GPU manager caches under a hash boundary inside it
+            # (``_cache_partial_tail_block``, 0.26.0+), which the lazy walk stores as it is
+            part.raw.append((gid, ((hidx + 1) * self.tph - 1) // tpb, hidx, int(g)))
             part.slots.append(int(c))
         jobs = {}
         for part in per_rid.values():
