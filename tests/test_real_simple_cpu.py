@@ -10,6 +10,7 @@ A's store wrote into the CPU block: without the harness's write B's forward read
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -313,3 +314,26 @@ def test_eagle_block_drop_is_the_lookup_of_every_group(pool, version, lazy):
     assert real["findings"] == [] and real["counters"]["loads"] == 0, real["trace"]
     plain = _run(pool, version, _tail_case(lazy=lazy, drafter=False))
     assert plain["findings"] == [] and plain["counters"]["loads"] == 1, plain["trace"]
+
+
+#: the campaign's shrunk case (a sliding window of 128 on blocks of 4, eager): r3's store is
+#: allocated CPU block 1, which held r0's block, in the step that schedules it
+STAMPED = [{"id": "r0", "prompt": [[0, 64]], "decode": 4},
+           {"id": "r2", "prompt": [[301, 84]], "arrival": 18, "decode": 2},
+           {"id": "r3", "prompt": [[300, 8], [302, 20]], "arrival": 26, "decode": 4}]
+
+
+def test_a_hash_stamped_at_allocation_is_registered_only_at_completion():
+    """0.25.1-0.29.0 stamp a stored block's hash on its CPU block when they allocate it and map
+    the hash (where a lookup finds it) only when the store completes. INV-4 on the CPU pool
+    judges a block once it is mapped: a campaign reported "CPU block 1 registered under g0:1
+    of r3 holds what a store wrote of another prefix" on this case for every release up to
+    0.29.0, the harness's own error (under ``python -O``: with asserts the manager refuses a
+    layout without full attention at start-up). The reversed mutant is still caught there, at the
+    completion of the store it reverses."""
+    case = dataclasses.replace(_case(STAMPED, lazy=False, blocks=64, cpu=39, groups=[
+        {"kind": "sliding_window", "block_size": 4, "sliding_window": 128}]), asserts=False)
+    with Releases.installed(["0.29.0"], timeout=120) as p:
+        assert _run(p, "0.29.0", case)["findings"] == []
+        real = _run(p, "0.29.0", _case(BASIC, lazy=False), "simple_cpu_reversed")
+        assert [f["inv_id"] for f in real["findings"]] == ["INV-4"], real["trace"]

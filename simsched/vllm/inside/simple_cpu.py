@@ -284,11 +284,17 @@ class SimpleCPUDriver:
     def _check_registered(self) -> None:
         """INV-4 on the CPU pool, once the manager processed a store's completion: a CPU block
         registered under a hash (``_process_store_completion``, mgr 0.30.0:1024-1037) holds
-        the KV of that hash's prefix, i.e. the worker wrote there the block of that hash."""
-        blocks = self.mgr.cpu_block_pool.blocks
+        the KV of that hash's prefix, i.e. the worker wrote there the block of that hash.
+        Registered: in the pool's hash map, where a lookup finds it; 0.25.1-0.29.0 stamp the
+        hash on the CPU block when they allocate it for a store (``_prepare_*_store_specs``,
+        mgr 0.29.0:637-642) and map it only at the store's completion."""
+        pool = self.mgr.cpu_block_pool
+        blocks, registered = pool.blocks, pool.cached_block_hash_to_block
         for c, key in self.slot_key.items():
             bh = blocks[c].block_hash
-            at = bh is not None and self.hash_at.get(bytes(self.kcu.get_block_hash(bh)))
+            if bh is None or not registered.contain(bh, c):
+                continue
+            at = self.hash_at.get(bytes(self.kcu.get_block_hash(bh)))
             if not at:
                 continue
             rid, hidx = at
