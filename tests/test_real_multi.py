@@ -177,6 +177,42 @@ def test_no_alloc_track_is_caught_by_inv_6(pool):
     assert [x["inv_id"] for x in real["findings"]] == ["INV-6"], real["trace"]
 
 
+#: the campaign's shrunk case: one chunked-local group (attention chunks of 64 tokens) and a
+#: 64-token prompt pulled through NIXL. Every block of the prompt lies before the attention
+#: chunk its next token opens, so the scheduler allocates none to pull into: R waits in
+#: WAITING_FOR_REMOTE_KVS for a pull with no blocks
+CHUNK_EDGE = {"layout": {"groups": [{"kind": "chunked_local", "block_size": 16,
+                                     "attention_chunk_size": 64}],
+                         "engine": {"connector": {"kind": "multi",
+                                                  "order": ["offloading", "nixl"]}}},
+              "requests": [{"id": "R", "prompt": [[0, 64]], "remote_prefill": 1}]}
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_a_pull_with_no_blocks_awaited_is_reported_done(pool, version):
+    """0.30.0+ flag such an entry of ``reqs_to_recv`` ``awaiting_kvs`` and the NIXL worker
+    reports it in ``finished_recving`` with no transfer (``pull_worker.py`` 0.30.0:450): R is
+    admitted and finishes. The harness once skipped every pull without blocks (a full local
+    hit only notifies the prefill instance), and a campaign reported R stuck (INV-8) on
+    0.28.0-0.33.0."""
+    real = _run(pool, version, Case.from_json(CHUNK_EDGE))
+    assert real["findings"] == [] and "finish R finished" in real["trace"], real["trace"]
+
+
+def test_a_pull_with_no_blocks_strands_its_request_on_0290():
+    """A real vLLM bug of 0.28.0-0.29.0, fixed in 0.30.0 (upstream PR vllm#56640, reopening
+    #54714, "[Bugfix][NIXL] Report a full prefix cache hit as finished"): the NIXL worker
+    takes the notify-only path for a pull with no local blocks and never reports it, so the
+    request parked in WAITING_FOR_REMOTE_KVS holds its place for the life of the process
+    (INV-8). Upstream met it through failed notifications; here a P/D decode instance of a
+    chunked-local-attention model gets there on any prompt that ends on an attention-chunk
+    boundary. 0.25.1-0.27.1 refuse the layout at start-up."""
+    with Releases.installed(["0.29.0"], timeout=120) as p:
+        real = _run(p, "0.29.0", Case.from_json(CHUNK_EDGE))
+    assert [f["inv_id"] for f in real["findings"]] == ["INV-8"], real["trace"]
+    assert "stuck: ['R']" in real["findings"][0]["detail"]
+
+
 # -- generated cases ---------------------------------------------------------------------------
 
 def _generated(n: int) -> list[Case]:

@@ -153,8 +153,11 @@ class MultiConnectorDriver:
         """NIXL's pulls the step starts: ``reqs_to_recv`` with local blocks (the request's
         unhashed blocks, per group, ``base_scheduler.py:455-501``); an entry without blocks
         only notifies the prefill instance (a full local hit, or another child served it,
-        ``pull_scheduler.py:150-178``). Each lands its request's ``remote_prefill`` steps
-        after this one."""
+        ``pull_scheduler.py:150-178``), unless it is ``awaiting_kvs`` (0.30.0+: the request
+        is parked in WAITING_FOR_REMOTE_KVS, its blocks all clipped away, as for a chunked
+        local prompt ending on an attention-chunk boundary), which the worker reports done
+        all the same (``pull_worker.py`` 0.30.0:74, 450; 0.28.0-0.29.0 have no such flag and do
+        not). Each lands its request's ``remote_prefill`` steps after this one."""
         meta = self._part(out, "nixl")
         pulls = []
         for rid, rm in (getattr(meta, "reqs_to_recv", None) or {}).items():
@@ -162,7 +165,7 @@ class MultiConnectorDriver:
             if groups and not isinstance(groups[0], (list, tuple)):
                 groups = [groups]
             groups = [[int(b) for b in g] for g in groups]
-            if not any(groups):
+            if not any(groups) and not getattr(rm, "awaiting_kvs", False):
                 continue
             spec = self.specs.get(rid)
             latency = spec.remote_prefill if spec and spec.remote_prefill else 1
