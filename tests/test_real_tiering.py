@@ -51,8 +51,10 @@ OVERSIZE = dict(cpu=4, a_len=96, fillers=4, gpu=16, batch=32)
 
 
 def _leftovers() -> list[str]:
-    return (glob.glob("/dev/shm/vllm_offload_simsched-tier-*")
-            + glob.glob(os.path.join(tempfile.gettempdir(), "simsched-tier-fs-*", "*")))
+    """What the runs of this process's worker pools left on disk (the names carry its pid)."""
+    pid = os.getpid()
+    return (glob.glob(f"/dev/shm/vllm_offload_simsched-tier-{pid}-*")
+            + glob.glob(os.path.join(tempfile.gettempdir(), f"simsched-tier-fs-{pid}-*", "*")))
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +203,30 @@ def test_mutants_are_caught_on_generated_cases(pool, mutant, inv_id, least):
     caught, outcomes = mutant_catches(pool, "0.33.0", _generated(60), mutant, inv_id)
     print(mutant, f"caught on {caught} of 60", outcomes)
     assert caught >= least, outcomes
+
+
+#: the campaign's shrunk case: MLA (block 64) beside a ring group, a CPU tier of 8 chunks; r6
+#: comes back to r4's 4 chunks after r5 took the CPU tier, and they are promoted one read at a
+#: time (2 steps each)
+ONE_AT_A_TIME = {"layout": {"groups": [{"kind": "mla", "block_size": 64},
+                                       {"kind": "ring", "block_size": 4}],
+                            "engine": {"num_gpu_blocks": 8, "cpu_chunks": 8,
+                                       "secondary_tiers": [{"kind": "fs", "io_latency": 2}]}},
+                 "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                              {"id": "r4", "prompt": [[300, 256]], "arrival": 28, "decode": 2},
+                              {"id": "r5", "prompt": [[301, 368]], "arrival": 36, "decode": 2},
+                              {"id": "r6", "prompt": [[300, 256], [302, 80]], "arrival": 44,
+                               "decode": 4}]}
+
+
+def test_promotions_in_flight_are_no_stall():
+    """r6's lookup waits nine steps and more on four promotions, each a read of 2 steps: the
+    fs tier is not quiet meanwhile (``TieringDriver.tier_io_live``), and r6 loads and
+    finishes. The stall check once counted those steps, and a campaign reported r6 stuck
+    (INV-8 "no progress for 9 steps with the tier quiet") on 0.31.0-0.33.0 (0.30.0 refuses
+    the layout at start-up)."""
+    with Releases.installed(["0.33.0"], timeout=120) as p:
+        real = _run(p, "0.33.0", Case.from_json(ONE_AT_A_TIME))
+    trace = real["trace"]
+    assert real["findings"] == [] and "finish r6 finished" in trace, real["findings"]
+    assert sum(x.startswith("tier promote ") for x in trace) == 4

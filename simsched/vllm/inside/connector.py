@@ -117,5 +117,9 @@ class ConnectorDriver(Protocol):
         worker's output (the fs tier's I/O) happens here, at a fixed point; the trace lines
         of what completed."""
 
+    def tier_io_live(self) -> bool:
+        """That work is in flight (a secondary tier's read or write queued): the tier is not
+        quiet, for INV-8's stall check."""
+
     def close(self) -> None:
         """The run ended (however): release what the connector holds outside the process."""

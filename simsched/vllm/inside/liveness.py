@@ -19,14 +19,15 @@ MAX_LOADS_UNSCHEDULED = 2
 
 
 class Liveness:
-    """``requests``, ``worker``, ``oracle``: the run's
+    """``requests``, ``worker``, ``oracle``, ``driver``: the run's
     :class:`~simsched.vllm.inside.case_requests.CaseRequests`,
-    :class:`~simsched.vllm.inside.offload_worker.OffloadWorker` and
-    :class:`~simsched.vllm.inside.hit_oracle.HitOracle`; ``running``: the release's
-    ``RequestStatus.RUNNING``."""
+    :class:`~simsched.vllm.inside.offload_worker.OffloadWorker`,
+    :class:`~simsched.vllm.inside.hit_oracle.HitOracle` and connector driver; ``running``:
+    the release's ``RequestStatus.RUNNING``."""
 
-    def __init__(self, requests, worker, oracle, running, step_cap: int):
+    def __init__(self, requests, worker, oracle, driver, running, step_cap: int):
         self.requests, self.worker, self.oracle = requests, worker, oracle
+        self.driver = driver
         self.running, self.step_cap = running, step_cap
         self.stall = 0                                # steps without progress
         self.loads_unscheduled: dict[str, int] = {}  # rid -> loads since it last ran
@@ -52,7 +53,7 @@ class Liveness:
               unfinished: int) -> None:
         """After a step (``steps`` of them so far): ``progress``, a token scheduled or a job
         reported; ``future``, a request still to arrive or be aborted."""
-        if progress or self.worker.live() or future:
+        if progress or self.worker.live() or self.driver.tier_io_live() or future:
             self.stall = 0
         else:
             self.stall += 1

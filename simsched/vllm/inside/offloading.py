@@ -362,6 +362,10 @@ class OffloadingConnectorDriver:
         """The CPU tier as the content shadow keeps it."""
         return CpuTier()
 
+    def tier_io_live(self) -> bool:
+        """No tier behind the CPU tier: its transfers are the worker's."""
+        return False
+
     def before_schedule(self, step: int) -> list[str]:
         """Nothing: the CPU tier moves only through the worker's jobs."""
         return []

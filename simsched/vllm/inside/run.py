@@ -214,7 +214,7 @@ class Run:
         self.runner = ModelRunner(self, self.tails, self.worker.pending_reads, num_spec)
         # KV another connector writes into GPU blocks (a remote prefill pulled through NIXL)
         self.external = ExternalKV(self, driver, self.worker.pending_reads)
-        self.liveness = Liveness(self.requests, self.worker, self.oracle,
+        self.liveness = Liveness(self.requests, self.worker, self.oracle, driver,
                                  eng.RequestStatus.RUNNING, self.step_cap)
         # every lookup the connector answers is checked (INV-9, deferrals)
         driver.observe_lookups(self.oracle.observe)

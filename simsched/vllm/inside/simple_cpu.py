@@ -136,6 +136,9 @@ class SimpleCPUDriver:
         """The CPU pool's blocks as the content shadow keeps them (slot = CPU block id)."""
         return CpuTier()
 
+    def tier_io_live(self) -> bool:
+        return False
+
     def before_schedule(self, step: int) -> list[str]:
         return []
 

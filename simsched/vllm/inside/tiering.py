@@ -67,7 +67,7 @@ _parent: list[str] = []
 
 def _root_parent() -> str:
     if not _parent:
-        _parent.append(tempfile.mkdtemp(prefix="simsched-tier-fs-"))
+        _parent.append(tempfile.mkdtemp(prefix=f"simsched-tier-fs-{os.getppid()}-"))
         atexit.register(_sweep, True)
     return _parent[0]
 
@@ -118,7 +118,9 @@ def kv_transfer(builder, layout, vc, kvc) -> None:
                                                // layout.groups[0].block_size)
     row = -(-builder.kv_bytes_per_block(kvc) * bpc // align) * align
     extra["cpu_bytes_to_use"] = row * layout.engine.cpu_chunks
-    engine_id = ENGINE_PREFIX + uuid.uuid4().hex[:16]
+    # named after the process that runs the worker pool too: its leftovers are told apart from
+    # those of another campaign or test run on the machine
+    engine_id = f"{ENGINE_PREFIX}{os.getppid()}-{uuid.uuid4().hex[:16]}"
     roots = [os.path.join(_root_parent(), f"{engine_id}-{i}")
              for i in range(len(layout.engine.secondary_tiers))]
     _issued[engine_id] = [shm_path(engine_id)] + roots
@@ -199,6 +201,12 @@ class FsIo:
                 self.done(state.job_id, is_load, bool(res[1]))
             n += 1
         return n
+
+    def busy(self) -> bool:
+        """A task is queued or a job not finished."""
+        pool = self.pool
+        with pool._condition:
+            return bool(pool._load_q or pool._store_q or self.first_seen)
 
     def answer_lookups(self) -> None:
         """Wait until the tier's lookup thread has answered every probe, applying the answers
@@ -393,6 +401,11 @@ class TieringDriver:
             "directory)", "lookup")
 
     # -- the I/O clock ----------------------------------------------------------------------
+    def tier_io_live(self) -> bool:
+        """A cascade or promotion of an fs tier is queued: a lookup waiting on a promotion of
+        several reads (one ``io_latency`` each) is no stall."""
+        return any(io.busy() for io in self.io)
+
     def before_schedule(self, step: int) -> list[str]:
         """Before ``schedule()`` of ``step``: the tier jobs submitted since, then the fs I/O
         due (its checks), then the lookup probes answered; the files' size bounded. The trace
