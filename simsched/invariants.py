@@ -439,7 +439,8 @@ def _loads_some(g: HitGroup, num_local: int, end: int) -> bool:
 
 
 def expected_lookup_hit(num_local: int, num_tokens: int, groups: list[HitGroup],
-                        max_load: int | None = None, bound: int | None = None) -> int:
+                        max_load: int | None = None, bound: int | None = None,
+                        align: int = 1) -> int:
     """INV-9's oracle on real runs: the tokens beyond the GPU hit (``num_local``) that a lookup
     must find: up to the largest ``end`` at which every offloaded group's reach
     (:func:`reach_chunks`) is ready, under the rules by which vLLM intends to load less:
@@ -453,15 +454,18 @@ def expected_lookup_hit(num_local: int, num_tokens: int, groups: list[HitGroup],
     * gpu-group-bound: a group the connector does not offload bounds the load to the prefix
       the GPU holds of it (OffloadingConnector._max_loadable_tokens: "nothing refills them
       beyond it"), passed only when such a group exists;
+    * hit-alignment: a connector whose lookup is a KV cache coordinator's (SimpleCPU's CPU
+      pool) ends a hit on a multiple of ``align`` tokens, its scheduler block (the least common
+      multiple of the groups' block sizes: ``find_longest_cache_hit``'s ``alignment_tokens``);
     * less-than-a-chunk: a hit of less than a whole chunk past the GPU hit is not loaded
       (_lookup_complete_chunks: "We can only load less than a chunk, so skip.");
     * nothing-stored: INV-9 asks that what is stored be served, so a hit loads at least one
       ready chunk (a reach empty in every group serves nothing)."""
     cap = num_tokens - 1                                    # last-token
-    whole = 1
+    whole = align                                           # hit-alignment
     if max_load is not None:                                # max-load-tokens
         cap = min(cap, num_local + max_load)
-        whole = max(g.tokens_per_chunk for g in groups) if groups else 1
+        whole = math.lcm(whole, max(g.tokens_per_chunk for g in groups) if groups else 1)
     if bound is not None:                                   # gpu-group-bound
         cap = min(cap, num_local + bound)
     ends = {cap} | {k * g.tokens_per_chunk for g in groups

@@ -34,6 +34,17 @@ def test_every_offloaded_group_must_be_ready():
     assert expected_lookup_hit(0, 84, [full([T] * 5), full([T, T, T, F, T])]) == 48
 
 
+def test_hit_alignment_rule():
+    # a coordinator's lookup (SimpleCPU's) ends on its scheduler block: blocks of 12 and 16
+    # ready up to 48 tokens hit 48 with an alignment of 48; ready up to 36 and 32, 32 without
+    # it and none with it
+    groups = [full([T] * 6, tpc=12), full([T] * 4, tpc=16)]
+    assert expected_lookup_hit(0, 80, groups, align=48) == 48
+    short = [full([T, T, T, F, F, F], tpc=12), full([T, T, F, F], tpc=16)]
+    assert expected_lookup_hit(0, 80, short) == 32
+    assert expected_lookup_hit(0, 80, short, align=48) == 0
+
+
 def test_last_token_rule():
     # the last token is always recomputed: a 64-token prompt hits 63 tokens at most (the
     # chunk holding token 62 is loaded; vLLM may load all 64 and recompute the last)

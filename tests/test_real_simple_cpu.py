@@ -337,3 +337,26 @@ def test_a_hash_stamped_at_allocation_is_registered_only_at_completion():
         assert _run(p, "0.29.0", case)["findings"] == []
         real = _run(p, "0.29.0", _case(BASIC, lazy=False), "simple_cpu_reversed")
         assert [f["inv_id"] for f in real["findings"]] == ["INV-4"], real["trace"]
+
+
+#: the campaign's shrunk case: blocks of 12 and of 16 (a drafter's) make a scheduler block of
+#: 48; r5 comes back to r3's 48 tokens
+ALIGNED = {"layout": {"groups": [{"kind": "full", "block_size": 12},
+                                 {"kind": "full", "block_size": 16, "drafter": True}],
+                      "engine": {"speculative": {"method": "eagle", "num_tokens": 1},
+                                 "connector": {"kind": "simple_cpu", "lazy_offload": False}}},
+           "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                        {"id": "r3", "prompt": [[300, 48]], "arrival": 21, "decode": 2},
+                        {"id": "r5", "prompt": [[300, 48], [302, 28]], "arrival": 37,
+                         "decode": 4}]}
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_a_cpu_hit_ends_on_the_scheduler_block(pool, version):
+    """SimpleCPU's lookup is its CPU coordinator's ``find_longest_cache_hit``, whose hits end
+    on the scheduler block (48 tokens here; the hash unit only with partial hash hits): r5's
+    48 shared tokens, less the EAGLE tail, are no hit. INV-9's oracle held the lookup to the
+    groups' blocks (a 32-token hit) until the driver named that alignment
+    (``hit_alignment``); a campaign reported it on every release."""
+    real = _run(pool, version, Case.from_json(ALIGNED))
+    assert real["findings"] == [] and real["counters"]["finished"] == 3, real["trace"]

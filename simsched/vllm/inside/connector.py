@@ -107,6 +107,8 @@ class ConnectorDriver(Protocol):
     #: steps a lookup may defer beyond the case's transfer latencies, waiting on the
     #: connector's own work (the fs tier's probe and read: :mod:`simsched.vllm.inside.tiering`)
     lookup_defer_steps: int
+    #: tokens a lookup's hit ends on a multiple of, beyond INV-9's chunk rules (1: none)
+    hit_alignment: int
 
     def cpu_tier(self):
         """The worker's view of the CPU tier's content

@@ -89,7 +89,8 @@ class HitOracle:
         # max-load-tokens: only where the release reads it (RequestOffloadState.max_load_tokens)
         max_load = spec.max_load_tokens if self.driver.reads_load_cap(rid) else None
         want = inv.expected_lookup_hit(num_local, int(request.num_tokens), groups, max_load,
-                                       bound if self.gpu_only_groups else None)
+                                       bound if self.gpu_only_groups else None,
+                                       self.driver.hit_alignment)
         if getattr(request, "skip_reading_prefix_cache", False):
             want = 0        # get_num_new_matched_tokens: such a request reads no prefix
         counts = self.counts

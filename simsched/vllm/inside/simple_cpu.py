@@ -102,6 +102,11 @@ class SimpleCPUDriver:
                        for g, m in enumerate(mgrs)]
         self.group_by_id = {g.group_id: g for g in self.groups}
         self.geometry = SimpleNamespace(tokens_per_hash=tph, groups=self.groups)
+        # the CPU coordinator's hits end on its scheduler block, or on the hash unit where it
+        # enables partial hash hits (0.30.0+: eager mode beside an align-mode Mamba group)
+        coord = self.mgr.cpu_coordinator
+        self.hit_alignment = (tph if getattr(coord, "enable_partial_hash_hits", False)
+                              else int(coord.scheduler_block_size))
         self.seen: dict[str, object] = {}        # rid -> vllm Request, every one scheduled
         self.hash_at: dict[bytes, tuple[str, int]] = {}   # block hash -> (rid, hash index)
         self.next_jid = 0
