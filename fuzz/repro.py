@@ -81,9 +81,11 @@ def title(data: dict) -> str:
             f" ({data['kind']})")
 
 
-def issue_text(data: dict, case_text: str, outcomes: dict, trace: list[str] | None = None) -> str:
+def issue_text(data: dict, case_text: str, outcomes: dict, trace: list[str] | None = None,
+               path: str | None = None) -> str:
     """The README of a repro: the text of an upstream bug report (``trace``: the model's step
-    trace up to the failure, under a profile that shows it)."""
+    trace up to the failure, under a profile that shows it; ``path``: the connector path the
+    model does not mirror, if the case is on one)."""
     lines = [title(data), "", f"**Layout:** `{data['layout']}`", ""]
     geo = next((o["geometry"] for o in outcomes.values()
                 if isinstance(o, dict) and o.get("status") == "ok"), None)
@@ -105,6 +107,10 @@ def issue_text(data: dict, case_text: str, outcomes: dict, trace: list[str] | No
               f"**Python asserts:** {'on' if data['asserts'] else 'stripped (python -O)'}", "",
               "## What each target does with this case", ""]
     lines += [f"- `{name}`: {describe(o)}" for name, o in outcomes.items()]
+    if path is not None:
+        lines += ["", f"The model does not mirror this connector path ({path}): the finding is "
+                  "the real run's own, checked alone; `simsched replay case.json "
+                  "--all-releases` shows each release's run."]
     if trace:
         lines += ["", "## Trace up to the failure (simsched model, "
                   f"{trace[0].split('profile=')[-1].split()[0] if trace else ''})", "", "```"]
@@ -118,10 +124,13 @@ def issue_text(data: dict, case_text: str, outcomes: dict, trace: list[str] | No
 
 def model_trace(case, data: dict) -> list[str] | None:
     """The model's trace of the case under the first profile that shows the finding, or under
-    the profile of the first affected release."""
+    the profile of the first affected release; None on a connector path the model does not
+    mirror (its trace would be the OffloadingConnector's, not the path's)."""
     from simsched.profiles import profile_for_release
     from simsched.vllm.releases import release_of
-    from simsched.model import run_case
+    from simsched.model import run_case, unmodelled_path
+    if unmodelled_path(case.layout) is not None:
+        return None
     names = data["profiles_affected"] or [profile_for_release(release_of(v)).name
                                            for v in data["releases_affected"][:1]]
     if not names:
@@ -175,7 +184,9 @@ def write_repro(out: Path, finding, folder: Path | None = None,
         affected=", ".join(data["releases_affected"]) or "none installed",
         clean=", ".join(data["releases_clean"]) or "none installed",
         path=f"repros/{finding.id}/test_repro.py"))
-    readme = issue_text(data, case_text, finding.outcomes, model_trace(finding.case, data))
+    from simsched.model import unmodelled_path
+    readme = issue_text(data, case_text, finding.outcomes, model_trace(finding.case, data),
+                        unmodelled_path(finding.case.layout))
     _write(folder / "README.md", readme + "\n".join(vllm_test(folder, finding, data, False))
            + "\n")
     write_issue(folder, finding, data)

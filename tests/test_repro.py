@@ -33,3 +33,22 @@ def test_invariant_title_names_the_invariant_and_what_it_says():
     assert title == ("# INV-8 broken: every request finishes or is aborted (liveness once the "
                      "tier is quiet) (invariant)")
     assert "None" not in title
+
+
+def test_a_case_the_model_does_not_mirror_shows_no_model_trace():
+    """A finding on another connector path is the real run's own: its README shows no trace
+    of the model (which would be the OffloadingConnector's) and says why."""
+    from fuzz.repro import model_trace
+    from simsched.case import Case
+    case = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}], "engine": {
+        "connector": {"kind": "multi", "order": ["offloading", "nixl"]}}},
+        "requests": [{"id": "R", "prompt": [[0, 64]], "remote_prefill": 1}]})
+    data = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.29.0"])
+    assert model_trace(case, data) is None
+    text = issue_text(data, CASE_TEXT, {}, None, "engine.connector=multi(offloading+nixl)")
+    assert "Trace up to the failure" not in text
+    assert "does not mirror this connector path (engine.connector=multi(offloading+nixl))" in text
+    # the default path keeps the model's trace
+    plain = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}]},
+                            "requests": [{"id": "R", "prompt": [[0, 64]]}]})
+    assert model_trace(plain, data)
