@@ -434,3 +434,32 @@ def test_a_request_aborted_before_it_arrives_is_never_sent():
     assert r.ok, r.findings
     assert "finish r2 aborted" in r.trace
     assert not [x for x in r.trace if x.startswith("sched r2")]
+
+
+#: a campaign's case whose load asks the CPU tier for a chunk it evicted meanwhile: vLLM 0.28.0
+#: and 0.29.0 crash in ``prepare_load`` (``assert chunk is not None``; under python -O, the
+#: AttributeError of the next line), and the model under the profile that mirrors them
+MISSING_CHUNK = {"layout": {"groups": [
+    {"kind": "sliding_window_mla", "block_size": 12, "sliding_window": 1,
+     "extra_retained_tokens": 15},
+    {"kind": "sliding_window_mla", "block_size": 8, "sliding_window": 1,
+     "extra_retained_tokens": 15}], "engine": {"num_gpu_blocks": 64, "cpu_chunks": 4}},
+    "requests": [{"id": "r0", "prompt": [[1, 128]], "decode": 64},
+                 {"id": "r1", "prompt": [[0, 64]], "arrival": 3, "decode": 16},
+                 {"id": "r2", "prompt": [[1, 128]], "arrival": 3, "decode": 16},
+                 {"id": "r3", "prompt": [[1, 128]], "arrival": 1, "decode": 64}],
+    "timing": {"store_latency": 0, "load_latency": 0, "max_num_batched_tokens": 256,
+               "max_num_seqs": 2},
+    "asserts": False, "events": [{"step": 12, "do": "reset_prefix_cache"}]}
+
+
+def test_a_load_of_a_chunk_the_tier_no_longer_holds_is_vllms_crash():
+    """The model predicts vLLM's crash, not one of its own (it raised KeyError, a tool error of
+    the campaign): AttributeError under python -O, AssertionError with asserts."""
+    res = run_case(Case.from_json(MISSING_CHUNK), "every-group-no-clamp")
+    assert [(f["exception"], f["function"]) for f in res.findings] == \
+        [("AttributeError", "prepare_load")], res.trace[-3:]
+    on = copy.deepcopy(MISSING_CHUNK)
+    on["asserts"] = True
+    res = run_case(Case.from_json(on), "every-group-no-clamp")
+    assert res.findings and res.findings[0]["function"] == "prepare_load", res.trace[-3:]

@@ -189,8 +189,14 @@ class CPUOffloadingManager:
         return chunks
 
     def prepare_load(self, keys: list, st=None) -> list[ChunkStatus]:
-        """A load pins its chunks: not evictable while they are read. Returns them."""
+        """A load pins its chunks: not evictable while they are read. Returns them. A key the
+        tier no longer holds fails vLLM's ``assert chunk is not None``; without asserts the
+        next line reads ``ref_cnt`` of None."""
         for k in keys:
+            if k not in self.chunks:
+                exc, msg = (("AssertionError", f"Chunk {k!r} not found in cache") if self.asserts
+                            else ("AttributeError", "'NoneType' object has no attribute 'ref_cnt'"))
+                raise ConfigError(exc, "prepare_load", CPU_MANAGER_PY, "load", msg)
             if self.chunks[k].ref_cnt == 0:
                 del self.evictable[k]
         return self._pin(keys)
