@@ -487,7 +487,7 @@ def expected_lookup_hit(num_local: int, num_tokens: int, groups: list[HitGroup],
 # --- INV-8 beside jobs that never complete (timing.jobs, latency null) ---------------------
 
 def held_back(rid: str, running: bool, defers_on_hung: bool,
-              hung: list[tuple[int, bool, str]]) -> str | None:
+              hung: list[tuple[int, bool, str]], stores_pin: bool = False) -> str | None:
     """How jobs that never complete (``hung``: job ID, is a store, its request) hold request
     ``rid`` back, in vLLM's terms, or None: ``load``, its own load (it waits for remote KVs
     until ``finished_recving``, which never comes); ``lookup``, its last lookup deferred on one
@@ -495,12 +495,13 @@ def held_back(rid: str, running: bool, defers_on_hung: bool,
     on a chunk whose store is in flight or that is being loaded); ``blocks``, it waits for
     admission while a load that never completes holds its request's GPU blocks (allocated
     before the load, freed only once it finishes, also when that request is aborted:
-    ``delay_free_blocks``)."""
+    ``delay_free_blocks``), or a store does where the connector pins the GPU blocks it reads
+    until the store completes (``stores_pin``: SimpleCPU's ``touch``, 0.30.0+)."""
     if any(not is_store and owner == rid for _, is_store, owner in hung):
         return "load"
     if defers_on_hung:
         return "lookup"
-    if not running and any(not is_store for _, is_store, _ in hung):
+    if not running and any(stores_pin or not is_store for _, is_store, _ in hung):
         return "blocks"
     return None
 

@@ -104,3 +104,11 @@ def test_the_vllm_only_repro_generator_refuses_it():
     with pytest.raises(NotGenerated, match=r"timing\.jobs"):
         supported(_case([{"store": 0, "latency": None}]),
                   {"kind": "invariant", "invariant": "INV-8", "op": "liveness"})
+
+
+def test_a_store_holds_blocks_only_where_the_connector_pins_them():
+    from simsched.invariants import held_back
+    hung = [(0, True, "A")]
+    assert held_back("B", False, False, hung) is None
+    assert held_back("B", False, False, hung, stores_pin=True) == "blocks"
+    assert held_back("B", True, False, hung, stores_pin=True) is None    # B runs: not waiting

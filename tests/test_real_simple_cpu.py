@@ -360,3 +360,26 @@ def test_a_cpu_hit_ends_on_the_scheduler_block(pool, version):
     (``hit_alignment``); a campaign reported it on every release."""
     real = _run(pool, version, Case.from_json(ALIGNED))
     assert real["findings"] == [] and real["counters"]["finished"] == 3, real["trace"]
+
+
+#: the campaign's shrunk case: r0's store never completes (``timing.jobs``) and pins r0's four
+#: blocks of a pool of 8; r5 needs five
+PINNED = {"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                     "engine": {"num_gpu_blocks": 8,
+                                "connector": {"kind": "simple_cpu", "lazy_offload": False}}},
+          "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                       {"id": "r5", "prompt": [[300, 32], [302, 32]], "arrival": 37,
+                        "decode": 4}],
+          "timing": {"jobs": [{"store": 0, "latency": None}]}}
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_a_store_that_never_completes_holds_its_pinned_blocks(pool, version):
+    """SimpleCPU pins the GPU blocks a store reads until it completes (``touch``): a store
+    that never completes holds them for good, and a request that needs them waits, held back
+    by it (``inv.held_back``'s ``stores_pin``), no finding. The rule once knew only loads to
+    hold blocks, and a campaign reported r5 "stuck and not held back" (INV-8) on
+    0.30.0-0.33.0."""
+    real = _run(pool, version, Case.from_json(PINNED))
+    assert real["findings"] == [], real["trace"][-3:]
+    assert real["trace"][-1] == "end waiting on store 0 (never completes); held back: r5=blocks"

@@ -83,8 +83,10 @@ class Liveness:
         (``inv.held_back``); one that is not is stuck for another reason (INV-8)."""
         hung = [(j.jid, j.is_store, j.rid) for j in self.worker.hung()]
         reqs = self.requests.reqs
+        # the connector's own GPU pins, with only these jobs in flight: theirs
+        pins = bool(self.driver.held_blocks())
         held = [(rid, inv.held_back(rid, reqs[rid].status == self.running,
-                                    self.oracle.waits_on_hung(rid), hung))
+                                    self.oracle.waits_on_hung(rid), hung, pins))
                 for rid in self.requests.unfinished()]
         v = inv.check_hung_end(step, self.stall, hung, held)
         if v is not None:
