@@ -383,3 +383,18 @@ def test_a_store_that_never_completes_holds_its_pinned_blocks(pool, version):
     real = _run(pool, version, Case.from_json(PINNED))
     assert real["findings"] == [], real["trace"][-3:]
     assert real["trace"][-1] == "end waiting on store 0 (never completes); held back: r5=blocks"
+
+
+def test_0290_idles_with_its_last_lazy_stores_in_flight():
+    """0.25.1-0.29.0 name SimpleCPU's keep-alive hook ``has_pending_transfers``, which no one
+    calls (``Scheduler.has_requests`` asks ``has_pending_push_work``, the base's False): once
+    the last request finishes the engine idles, its last lazy stores in flight and never
+    reported. The run ends there (``strands_at_idle``), as the engine does, where it once
+    stepped on to collect them and each step's lazy walk made the next store: INV-8 "the
+    engine never went idle" on 0.29.0, the harness's own (a campaign found it on a full + a
+    sliding-window group). 0.30.0+ override the hook and do loop (test above)."""
+    with Releases.installed(["0.29.0"], timeout=120) as p:
+        real = _run(p, "0.29.0", _case(LIVELOCK, lazy=True, cpu=5, mnbt=32, store=2))
+    assert real["findings"] == [], real["trace"][-3:]
+    assert real["trace"][-1].startswith("end idle with jobs in flight: store "), real["trace"][-3:]
+    assert real["counters"]["finished"] == 1 and real["counters"]["steps"] < 40

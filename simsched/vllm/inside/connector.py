@@ -109,6 +109,10 @@ class ConnectorDriver(Protocol):
     lookup_defer_steps: int
     #: tokens a lookup's hit ends on a multiple of, beyond INV-9's chunk rules (1: none)
     hit_alignment: int
+    #: the engine goes idle with the connector's transfers in flight (nothing makes
+    #: ``Scheduler.has_requests()`` true for them): once every request finished the run ends
+    #: there, its jobs stranded, instead of stepping on to collect them
+    strands_at_idle: bool
 
     def cpu_tier(self):
         """The worker's view of the CPU tier's content

@@ -251,6 +251,10 @@ class OffloadWorker:
         else)."""
         return any(not j.done and j.due is not None for j in self.jobs.values())
 
+    def in_flight(self) -> list[TransferJob]:
+        """The jobs not done, in job order."""
+        return sorted((j for j in self.jobs.values() if not j.done), key=lambda j: j.jid)
+
     def hung(self) -> list[TransferJob]:
         """The jobs in flight that never complete (``timing.jobs``, latency null)."""
         return [j for j in self.jobs.values() if j.due is None and not j.done]

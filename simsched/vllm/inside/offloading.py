@@ -358,6 +358,7 @@ class OffloadingConnectorDriver:
     #: the CPU tier's lookups defer only on the worker's jobs (the case's latencies)
     lookup_defer_steps = 0
     hit_alignment = 1       # the hit ends on chunks: INV-9's own rules
+    strands_at_idle = False  # the run steps on until its jobs are reported
 
     def cpu_tier(self) -> CpuTier:
         """The CPU tier as the content shadow keeps it."""

@@ -233,9 +233,13 @@ class Run:
                or self.external.live()):
             # completions are delivered in update_from_output; arrivals and aborts at t
             self._arrive(work, t)
-            if (self.unfinished <= 0 and not sched.has_requests() and not self.worker.live()
-                    and not queue):
-                break
+            if self.unfinished <= 0 and not sched.has_requests() and not queue:
+                if not self.worker.live():
+                    break
+                if self.driver.strands_at_idle:
+                    self.emit("end idle with jobs in flight: " + ", ".join(
+                        f"{j.kind} {j.jid}" for j in self.worker.in_flight()))
+                    break
             if (not sched.has_requests() and not self.driver.has_jobs()
                     and not self.worker.live() and not self.external.live()):
                 t = self._idle(work, t, queue)

@@ -37,10 +37,11 @@ loaded); the CPU pool's refcounts (INV-1 covers the GPU pool only); world size >
 reports each event); a ``need_flush`` step completes the stores in flight but not the loads
 (their report waits for their latency, as without a flush); ``reset_prefix_cache
 (reset_connector=True)`` (the case format has no connector reset); the 0.25.1 launch points
-(copies in ``get_finished``); the stores 0.25.1-0.29.0 strand at idle (their keep-alive hook
-is misnamed, ``has_pending_transfers``): the run steps while a job is in flight, whatever
-``has_requests()`` says; the ring group's content after a CPU hit (only the full-attention
-groups are loaded; 0.30.0's eager mode crashes on a ring first).
+(copies in ``get_finished``); between two requests of 0.25.1-0.29.0 the run steps while a job
+is in flight, where the engine idles (their keep-alive hook is misnamed,
+``has_pending_transfers``; after the last request the run ends idle with them, as the engine:
+``strands_at_idle``); the ring group's content after a CPU hit (only the full-attention groups
+are loaded; 0.30.0's eager mode crashes on a ring first).
 
 Findings on this path (``tests/test_real_simple_cpu.py``, ``docs/invariants.md``): lazy offload
 never lets the engine idle (0.30.0-0.33.0, INV-8 at the step cap), eager offload with a ring
@@ -105,6 +106,10 @@ class SimpleCPUDriver:
         # the CPU coordinator's hits end on its scheduler block, or on the hash unit where it
         # enables partial hash hits (0.30.0+: eager mode beside an align-mode Mamba group)
         coord = self.mgr.cpu_coordinator
+        # 0.25.1-0.29.0 name the connector's keep-alive hook has_pending_transfers, which no
+        # one calls: has_pending_push_work is the base's (False), and the engine idles with the
+        # last stores in flight (0.30.0+ override it: has_pending_stores)
+        self.strands_at_idle = "has_pending_push_work" not in vars(type(sched.connector))
         self.hit_alignment = (tph if getattr(coord, "enable_partial_hash_hits", False)
                               else int(coord.scheduler_block_size))
         self.seen: dict[str, object] = {}        # rid -> vllm Request, every one scheduled
