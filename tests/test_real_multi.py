@@ -231,32 +231,32 @@ def _generated(n: int) -> list[Case]:
 
 @pytest.mark.parametrize("version", RELEASES)
 def test_generated_multi_cases_run_step_by_step(pool, version):
-    """15 drawn cases of the path: none ends in an error of the harness; most run step by
+    """30 drawn cases of the path: none ends in an error of the harness; most run step by
     step, and NIXL pulls land in them (``landed`` lines of the real trace)."""
     ran, landed, outcomes = 0, 0, []
-    for case in _generated(15):
+    for case in _generated(30):
         real, summary = run_checked(pool, version, case)
         outcomes.append(summary)
         if real.get("status") == "ok" and real["counters"]["steps"] > 0:
             ran += 1
             landed += sum(x.startswith("landed ") for x in real["trace"])
-    print(version, f"{ran} of 15 ran, {landed} pulls landed", outcomes)
+    print(version, f"{ran} of 30 ran, {landed} pulls landed", outcomes)
     assert ran >= 8 and landed >= 8, outcomes
 
 
 @pytest.mark.parametrize("mutant, inv_id", [("gate_open", "INV-6b"), ("recv_swallowed", "INV-8")])
 def test_mutants_are_caught_on_generated_cases(pool, mutant, inv_id):
     """The drawn cases above (clean on 0.33.0 without a mutant: test above) with a mutant of
-    the path's real code patched in: its invariant fires on several of them (gate_open: 8 of
-    15 when written, every case whose pull takes 2 steps or more; recv_swallowed: 7, a
+    the path's real code patched in: its invariant fires on several of them (gate_open: 22 of
+    30 when written, every case whose pull takes 2 steps or more; recv_swallowed: 14, a
     request whose KV one child brings is swallowed by the other's empty set). no_alloc_track
     needs pool pressure and a store outlasting the pull: the handmade STALE case above."""
     caught, outcomes = 0, []
-    for case in _generated(15):
+    for case in _generated(30):
         real = lockstep(case, "0.33.0", pool, mutant=mutant).real
         found = [f.get("inv_id") or f.get("exception") for f in real.get("findings", [])]
         outcomes.append(found)
         assert real.get("status") == "ok", real
         caught += found == [inv_id]
-    print(mutant, f"caught on {caught} of 15", outcomes)
+    print(mutant, f"caught on {caught} of 30", outcomes)
     assert caught >= 5, outcomes

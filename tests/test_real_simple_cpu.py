@@ -195,7 +195,8 @@ def test_lazy_offload_never_lets_the_engine_idle(pool, version):
     (``_prepare_lazy_store_specs``, ``manager.py:566-620``), which stores each hashed free GPU
     block the CPU pool no longer holds, evicting another (LRU, ``get_new_blocks``): each step
     makes the next pending store. The harness steps while ``has_requests()``, as
-    ``EngineCore.step`` does, and ends at its step cap: INV-8. Eager offload on the same case
+    ``EngineCore.step`` does: INV-8 once it steps 100 steps after the last request finished
+    (``MAX_STEPS_AFTER_LAST``). Eager offload on the same case
     goes idle. Not found reported upstream (issues searched 2026-12: none)."""
     lazy = _run(pool, version, _case(LIVELOCK, lazy=True, cpu=5, mnbt=32, store=2))
     found = [f["inv_id"] for f in lazy["findings"]]
@@ -207,7 +208,7 @@ def test_lazy_offload_never_lets_the_engine_idle(pool, version):
         "in the GPU prefix cache than the tier holds: expected INV-8", lazy["trace"][-40:])
     assert "the engine never went idle" in lazy["findings"][0]["detail"]
     assert lazy["counters"]["finished"] == 1
-    assert lazy["counters"]["stores"] > 1000         # a store every few idle steps
+    assert lazy["counters"]["stores"] >= 50   # a store every idle step or two, 100 steps on
     eager = _run(pool, version, _case(LIVELOCK, lazy=False, cpu=5, mnbt=32, store=2))
     assert eager["findings"] == [] and eager["counters"]["steps"] < 30, eager["trace"]
 
