@@ -205,7 +205,6 @@ class ConfigBuilder:
         else:
             module.kv_transfer(self, layout, vc, kvc)
 
-
     def kv_cache_config(self, layout: Layout) -> Any:
         """A layout of groups' ``KVCacheConfig``, built by hand: one tensor shared by every
         layer, the groups in the layout's order."""

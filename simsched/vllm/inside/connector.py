@@ -129,3 +129,23 @@ class ConnectorDriver(Protocol):
 
     def close(self) -> None:
         """The run ended (however): release what the connector holds outside the process."""
+
+
+def observe_lookups(owner, observer) -> None:
+    """Every lookup ``owner`` answers (its ``get_num_new_matched_tokens``: the
+    OffloadingConnector's scheduler, SimpleCPU's manager) is handed to ``observer(request,
+    num_computed_tokens, answer, max_num_new_tokens)`` once answered: an attribute of this
+    run's own object, which :func:`stop_observing` drops."""
+    answer = owner.get_num_new_matched_tokens
+
+    def observed(request, num_computed_tokens, *args, **kw):
+        out = answer(request, num_computed_tokens, *args, **kw)
+        observer(request, num_computed_tokens, out,
+                 kw.get("max_num_new_tokens", args[0] if args else None))
+        return out
+
+    owner.get_num_new_matched_tokens = observed
+
+
+def stop_observing(owner) -> None:
+    vars(owner).pop("get_num_new_matched_tokens", None)

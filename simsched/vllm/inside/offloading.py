@@ -26,6 +26,7 @@ import importlib
 from types import SimpleNamespace
 
 from simsched.model.request import make_key
+from simsched.vllm.inside import connector as seam
 from simsched.vllm.inside.connector import ScheduledJobs
 from simsched.vllm.inside.cpu_tier import CpuTier
 
@@ -153,21 +154,12 @@ class OffloadingConnectorDriver:
 
     # -- lookups ---------------------------------------------------------------------------
     def observe_lookups(self, observer) -> None:
-        """Every lookup the connector answers (``get_num_new_matched_tokens``) is handed to
-        ``observer(request, num_computed_tokens, answer, max_num_new_tokens)`` once answered:
-        an attribute of this scheduler's own connector, which :meth:`stop_observing` drops."""
-        answer = self.cs.get_num_new_matched_tokens
-
-        def observed(request, num_computed_tokens, *args, **kw):
-            out = answer(request, num_computed_tokens, *args, **kw)
-            observer(request, num_computed_tokens, out,
-                     kw.get("max_num_new_tokens", args[0] if args else None))
-            return out
-
-        self.cs.get_num_new_matched_tokens = observed
+        """Every lookup the connector's scheduler answers, handed to ``observer``
+        (:func:`~simsched.vllm.inside.connector.observe_lookups`)."""
+        seam.observe_lookups(self.cs, observer)
 
     def stop_observing(self) -> None:
-        vars(self.cs).pop("get_num_new_matched_tokens", None)
+        seam.stop_observing(self.cs)
 
     def reads_load_cap(self, rid: str) -> bool:
         """The release reads the request's ``max_load_tokens``

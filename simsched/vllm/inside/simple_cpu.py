@@ -28,8 +28,8 @@ cached under a hash boundary inside its block, by content alone:
 :mod:`~simsched.vllm.inside.partial_tails`), INV-5 (a load writes what
 its CPU block holds: the last completed store there, whatever hash the CPU pool maps to it now),
 INV-4 on the CPU pool (a CPU block the manager registered under a hash holds what the worker
-wrote there of that hash's block), INV-6, INV-7 (a load of a CPU block no completed store wrote; a store into a CPU block a load
-still reads), INV-8 (the engine idles with nothing pending, within the step cap), INV-9 (the
+wrote there of that hash's block), INV-6, INV-7 (a load of a CPU block no completed store
+wrote; a store into a CPU block a load still reads), INV-8 (the engine idles with nothing pending, within the step cap), INV-9 (the
 hit is at least what the real CPU pool holds of the completed stores, ``tier_holds``, less the
 eagle tail its coordinator drops with an EAGLE/MTP drafter: ``drafter_groups``).
 Not checked yet: INV-9's upper bound (a hit over-claiming is caught by INV-5 on the block never
@@ -54,6 +54,7 @@ from types import SimpleNamespace
 
 from simsched import invariants as inv
 from simsched.model.request import make_key
+from simsched.vllm.inside import connector as seam
 from simsched.vllm.inside.connector import ScheduledJobs
 from simsched.vllm.inside.cpu_tier import CpuTier
 from simsched.vllm.inside.pool_checks import block_tables
@@ -163,19 +164,12 @@ class SimpleCPUDriver:
 
     # -- lookups ------------------------------------------------------------------------------
     def observe_lookups(self, observer) -> None:
-        """Every ``get_num_new_matched_tokens`` the manager answers (an attribute of this
-        run's own manager, dropped by :meth:`stop_observing`)."""
-        answer = self.mgr.get_num_new_matched_tokens
-
-        def observed(request, num_computed_tokens, *args, **kw):
-            out = answer(request, num_computed_tokens, *args, **kw)
-            observer(request, num_computed_tokens, out, None)
-            return out
-
-        self.mgr.get_num_new_matched_tokens = observed
+        """Every lookup the manager answers, handed to ``observer``
+        (:func:`~simsched.vllm.inside.connector.observe_lookups`)."""
+        seam.observe_lookups(self.mgr, observer)
 
     def stop_observing(self) -> None:
-        vars(self.mgr).pop("get_num_new_matched_tokens", None)
+        seam.stop_observing(self.mgr)
 
     def tier_holds(self, request, block_hash, gid: int) -> bool:
         """The CPU pool holds the block: its hash with the group registered (a completed
