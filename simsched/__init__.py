@@ -24,8 +24,8 @@ from pathlib import Path
 #: would not let it see.
 COMPILED = ("case", "geometry", "invariants", "layout", "shadow", "trace",
             "model/async_scheduler", "model/block_pool", "model/cpu_manager", "model/events",
-            "model/kv_cache_manager", "model/offloading_common", "model/offloading_scheduler",
-            "model/request", "model/run", "model/scheduler", "model/single_type_kv_cache_manager")
+            "model/kv_cache_manager", "model/multi_connector", "model/nixl_scheduler",
+            "model/offloading_common", "model/offloading_scheduler", "model/request", "model/run", "model/scheduler", "model/single_type_kv_cache_manager")
 
 
 class PureSource(importlib.abc.MetaPathFinder):

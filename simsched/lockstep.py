@@ -13,8 +13,9 @@ of the real run. The model side is :func:`simsched.model.run_case` under
 ``profile_for_release(version)`` (a derived target: its base release's).
 
 Comparison (:func:`diff_traces`) is per step: the trace is cut into segments at ``step`` lines and
-each segment is put in a canonical order (lines of one kind keep their order; ``finish``/``done``
-lines, whose order inside a step is an artefact of event priorities, are sorted, and so are
+each segment is put in a canonical order (lines of one kind keep their order;
+``finish``/``done``/``landed`` lines, whose order inside a step is an artefact of event
+priorities, are sorted, and so are
 ``preempt`` lines: the release side lists them in request-ID order, as
 ``SchedulerOutput.preempted_req_ids`` is a set and keeps no preemption order). ``crash`` lines
 compare on exception and function (not stage), ``violation`` lines on the invariant ID.
@@ -26,8 +27,8 @@ Findings (:func:`lockstep_observations`, :class:`simsched.replay.Observation`):
   when the worker died, ran out of memory or hung (the case is recorded, never lost);
 * ``invariant:INV-n`` broken by the real release (content shadow of the real run);
 * ``divergence:trace.<kind>`` where model and release first differ (``kind`` of the first
-  differing line: sched, alloc, preempt, store, load, flush, done, finish, crash, violation,
-  end);
+  differing line: sched, alloc, preempt, recv, load, store, flush, done, landed, finish,
+  crash, violation, end);
 * a crash inside the model's own code: ``crash:<Exception>:simsched.<function>`` on target
   ``model:<profile>``.
 """
@@ -47,8 +48,9 @@ DEFAULT_CASE_TIMEOUT = 120.0
 CONTEXT_STEPS = 3
 
 #: canonical order of line kinds inside a step segment
-_RANK = {"step": 0, "preempt": 1, "load": 2, "sched": 3, "alloc": 3, "store": 4, "flush": 5,
-         "check": 6, "violation": 6, "crash": 6, "finish": 7, "done": 7, "failed": 7}
+_RANK = {"step": 0, "preempt": 1, "recv": 2, "load": 3, "sched": 4, "alloc": 4, "store": 5,
+         "flush": 6, "check": 7, "violation": 7, "crash": 7, "finish": 8, "done": 8,
+         "failed": 8, "landed": 8}
 
 HINTS = {
     "sched": "scheduling: token budget, running-before-waiting order, prefill chunking, "
@@ -61,6 +63,11 @@ HINTS = {
              "(offload._build_store_jobs / scheduler._build_store_jobs)",
     "load": "load hit length: _lookup_complete_chunks, window reach, max_load_tokens; "
             "destination blocks in update_state_after_alloc",
+    "recv": "NIXL pulls (multi): which child serves a request (MultiConnector."
+            "get_num_new_matched_tokens), the unhashed blocks it pulls, clipped to windows "
+            "(model/nixl_scheduler.py, multi_connector.py)",
+    "landed": "a NIXL pull's landing: remote_prefill steps after the step that starts it "
+              "(Model.recv_done)",
     "flush": "fences: _block_id_to_pending_jobs / jobs_to_flush on re-allocated blocks or "
              "preemption",
     "done": "transfer completion timing (store/load latency, flushed jobs)",
@@ -110,13 +117,13 @@ def segments(trace: list[str]) -> list[list[str]]:
             if i == 0 or not (len(seg) == 2 and seg[1] == "check ok")]
 
 
-#: ranks of the line kinds sorted inside a step (preempt; finish and done)
-_SORTED_RANKS = (1, 7)
+#: ranks of the line kinds sorted inside a step (preempt; finish, done and landed)
+_SORTED_RANKS = (1, 8)
 
 
 def canonical(seg: list[str]) -> list[str]:
     lines = ["step" if x.startswith("step ") else _norm(x) for x in seg]
-    keyed = [(_RANK.get(_kind(x), 8), (x if _RANK.get(_kind(x)) in _SORTED_RANKS else ""), i, x)
+    keyed = [(_RANK.get(_kind(x), 9), (x if _RANK.get(_kind(x)) in _SORTED_RANKS else ""), i, x)
              for i, x in enumerate(lines)]
     keyed.sort()
     return [k[3] for k in keyed]
@@ -178,7 +185,7 @@ def diff_traces(model: list[str], real: list[str], context_steps: int = CONTEXT_
                     else "violation"
             elif ml is not None and rl is not None and _kind(ml) != _kind(rl):
                 # a line present on one side only: name the kind that is missing or extra
-                kind = min(_kind(ml), _kind(rl), key=lambda k: _RANK.get(k, 8))
+                kind = min(_kind(ml), _kind(rl), key=lambda k: _RANK.get(k, 9))
         ctx = [x for seg in ms[max(1, i - context_steps):i] for x in seg]
         ref = ms[i] if i < len(ms) else (rs[i] if i < len(rs) else [])
         step = int(ref[0].split()[1]) if ref and ref[0].startswith("step ") else -1

@@ -168,6 +168,10 @@ class Profile:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: Before 0.30.0 NIXL's scheduler does not tell its worker that a request is parked for a pull
+#: (``awaiting_kvs``, 0.30.0 ``pull_scheduler.py``): a pull left with no blocks is never reported
+_BEFORE_0_30 = {"nixl_awaiting_kvs": False}
+
 _EVERY_GROUP_NO_CLAMP = Profile(
     "every-group-no-clamp",
     "every group offloaded and asserted divisible by the hash unit; storable chunks not "
@@ -177,21 +181,23 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     retention_default=retention_dense_for_hybrid_eagle,
     extra={"spec_pad_after_hit": False, "eagle_replay_pair": False,
            "preempt_in_flight": True, "partial_hash_hits": "no-dcp",
-           "mamba_tail_eagle_shift": False})
+           "mamba_tail_eagle_shift": False, **_BEFORE_0_30})
 
 #: What 0.31.0 changed beyond the groups it offloads, and later releases keep: the scheduler's
 #: ``kv_holding_waiting`` queue, drained before ``waiting``, with the blocks of one spec decode
 #: step kept free for an async load (``Scheduler._spec_decode_step_blocks``); the connector's
-#: ``max_load_tokens``; and the CPU tier's LRU policy by recency ranks, not an evictable list.
+#: ``max_load_tokens``; the CPU tier's LRU policy by recency ranks, not an evictable list; and
+#: the scheduler's own answer for a request that skips reading the prefix cache: whatever the
+#: connector said, nothing to load (skip_reading_zeroes_hit, a deferred lookup included).
 #: (retained_widens_windows: get_sliding_window_size_in_chunks, load_window_size_in_chunks and
 #: the store mask count a sliding-window group's extra_retained_tokens)
 _SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "ranks",
-               "retained_widens_windows": True}
+               "retained_widens_windows": True, "skip_reading_zeroes_hit": True}
 
 #: Before 0.29.0 the start-up check of the KV cache pool counts the null block as usable
 #: (``get_kv_cache_configs`` checks the whole pool; 0.29.0 reserves the block the
 #: ``BlockPool`` holds back: geometry.check_enough_kv_cache_memory)
-_BEFORE_0_29 = {"startup_null_block": False}
+_BEFORE_0_29 = {"startup_null_block": False, **_BEFORE_0_30}
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,

@@ -71,6 +71,28 @@ class Shadow:
                 write(table[last - 1], gid, end, None)
         return written
 
+    def write_landed(self, ident, num_prompt: int, tables: list[list[int]],
+                     groups: list[tuple[int, bool]], blocks: list[list[int]]) -> list[int]:
+        """Another connector's pull landed: the KV a prefill instance computed for the request's
+        prompt (``num_prompt`` tokens, prefix identities ``ident.ident_at``) into ``blocks`` (per
+        group), each at its place in the request's table (``tables``): a complete block holds its
+        tokens' identity, the prompt's partial last block the prompt up to its end, a ring's
+        block (or a block not in the table) the whole prompt. Returns the blocks written."""
+        written: list[int] = []
+        for gid, group_blocks in enumerate(blocks):
+            bs, ring = groups[gid]
+            table = tables[gid] if gid < len(tables) else []
+            for b in group_blocks:
+                i = table.index(b) if b in table else None
+                if ring or i is None:
+                    end, who = num_prompt, None
+                else:
+                    end = min((i + 1) * bs, num_prompt)
+                    who = ident.ident_at(end) if end == (i + 1) * bs else None
+                self.gids[b], self.ends[b], self.idents[b] = gid, end, who
+                written.append(b)
+        return written
+
     def read_chunk(self, bids: list, lo: int, hi: int) -> tuple:
         """The content of a chunk read from the blocks ``bids[lo:hi]`` (flat, see the module)."""
         gids, ends, idents = self.gids, self.ends, self.idents

@@ -60,6 +60,11 @@ def fmt_job(job) -> str:
     return f"{kind} {job.jid} {job.rid} " + (" ".join(parts) if parts else "-")
 
 
+def fmt_recv(rid: str, per_group) -> str:
+    """``recv <rid> g<id>=<b,...> ...``: the blocks another connector's pull writes."""
+    return f"recv {rid} " + " ".join(f"g{g}={fmt_blocks(b)}" for g, b in enumerate(per_group))
+
+
 def header(profile: str, asserts: bool) -> str:
     return f"# {TRACE_FORMAT} profile={profile} asserts={'on' if asserts else 'off'}"
 

@@ -72,8 +72,11 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(_layout(eviction_policy="arc")) is None     # a knob, not a path
     assert unmodelled_path(_layout(connector={"kind": "simple_cpu", "lazy_offload": True})) \
         == "engine.connector=simple_cpu(lazy)"
-    assert unmodelled_path(_layout(connector={"kind": "multi"})) \
-        == "engine.connector=multi(offloading+nixl)"
+    assert unmodelled_path(_layout(connector={"kind": "multi"})) is None
+    mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16,
+                                                 "mamba_cache_mode": "align"}],
+                              "engine": {"connector": {"kind": "multi"}}})
+    assert unmodelled_path(mamba) == "engine.connector=multi(offloading+nixl) with a Mamba group"
     assert unmodelled_path(_layout(secondary_tiers=[{"kind": "fs"}])) \
         == "engine.secondary_tiers=fs"
 

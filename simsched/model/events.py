@@ -25,8 +25,11 @@ CASE_EVENT: Final = 7
 # a faulted job (Case.faults): scheduled with priority -1, before the other completions of its
 # time, which the worker never reports (it raises first)
 TRANSFER_FAILED: Final = 8
+# another connector's pull landed (a P/D request's NIXL recv, finished_recving): scheduled with
+# the priority of a load's completion, after the stores that complete at its time have read
+RECV_DONE: Final = 9
 KIND_NAMES = ("store_done", "load_done", "arrival", "abort", "step", "finish", "preempt",
-              "case_event", "transfer_failed")
+              "case_event", "transfer_failed", "recv_done")
 
 
 class EventQueue:

@@ -505,18 +505,20 @@ class OffloadingConnectorScheduler:
         return False
 
     def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
-                                 block_keys: list | None) -> Job | None:
+                                 block_keys: list | None, scheduled: bool = True) -> Job | None:
         """A load job for ``num_external`` tokens beyond the GPU hit; ``tables`` are the request's
         block tables (every KV cache group), ``block_keys[block]`` is the block hash a block
         carries (its GPU prefix-cache key, ``BlockPool.key``: a GPU prefix hit), None if none
-        (``is_cached``). Without a load the request is scheduled in this step."""
+        (``is_cached``). Without a load the request is scheduled in this step, unless another
+        connector loads it (``scheduled`` False: a ``MultiConnector``'s NIXL pull)."""
         marked: list[list[int]]         # the tables whose blocks this batch allocated
         if self.alloc_all_groups:
             # a request scheduled in this step: its new blocks are its whole tables, which
             # build_connector_meta (_update_req_states) marks for the offloaded groups before any
             # use of them; the other groups' blocks are marked here
             marked = ([tables[gid] for gid in self.other_gids]
-                      if num_external == 0 and self.other_gids is not None else tables)
+                      if num_external == 0 and scheduled and self.other_gids is not None
+                      else tables)
         elif num_external:
             # up to 0.32.0 a load's offloaded groups, every block of their tables
             marked = [tables[cfg.group_id] for cfg in self.cfgs]

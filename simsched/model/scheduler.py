@@ -48,6 +48,8 @@ from simsched.model import events as ev
 from simsched.model.async_scheduler import AsyncRun
 from simsched.model.block_pool import NULL
 from simsched.model.kv_cache_manager import KVCacheManager
+from simsched.model.multi_connector import MultiConnector
+from simsched.model.nixl_scheduler import NixlConnectorScheduler
 from simsched.model.offloading_common import Job
 from simsched.model.offloading_scheduler import ModelCrash, OffloadingConnectorScheduler
 from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_FOR_LOAD, Request
@@ -55,7 +57,7 @@ from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionMa
                                                          CircularBufferManager)
 from simsched.profiles import EAGLE_METHODS, Profile, retention_interval
 from simsched.shadow import Shadow
-from simsched.trace import fmt_alloc, fmt_hung_end, fmt_hung_flush, fmt_job, header
+from simsched.trace import fmt_alloc, fmt_hung_end, fmt_hung_flush, fmt_job, fmt_recv, header
 
 MAX_STEPS: Final = 100_000
 # a scheduled request: (request, tokens, new block IDs per group), or the request alone for a
@@ -133,6 +135,18 @@ class Model:
                                                 layout.engine.cpu_chunks,
                                                 layout.engine.enable_prefix_caching, layout,
                                                 observed_walks)
+        # a P/D decode instance (engine.connector "multi"): a MultiConnector of the offloading
+        # connector above and NIXL, whose pulls land as the harness plays NIXL's worker
+        self.nixl: NixlConnectorScheduler | None = None
+        self.multi: MultiConnector | None = None
+        if layout.engine.connector.kind == "multi":
+            self.nixl = NixlConnectorScheduler.for_layout(
+                layout, bool(profile.extra.get("nixl_awaiting_kvs", True)))
+            self.multi = MultiConnector(layout.engine.connector.order, self.off, self.nixl)
+        # NIXL pulls in flight: request ID -> the blocks it writes (per group); block -> the
+        # pull that has not landed in it (INV-6b)
+        self.pulls: dict[str, list[list[int]]] = {}
+        self.unlanded: dict[int, str] = {}
         self.shadow = Shadow(layout.engine.num_gpu_blocks, geo.blocks_per_chunk)
         # per group, what the shadow writes by: the block size, and whether it is a ring
         self.shadow_groups = [(m.block_size, isinstance(m, CircularBufferManager))
@@ -221,6 +235,10 @@ class Model:
             else:                                       # per non-Mamba group
                 self.spec_step_blocks = sum(-(-slots // bs) for g, bs in
                                             zip(layout.groups, sizes) if g.kind != "mamba")
+        # Scheduler.schedule (0.31.0+): a request that skips reading the prefix cache loads
+        # nothing, whatever the connector answered (up to 0.30.0 the OffloadingConnector itself
+        # looks nothing up for it, and NIXL still pulls)
+        self.skip_zeroes_hit = bool(profile.extra.get("skip_reading_zeroes_hit", False))
         self.timing = timing
         # async scheduling: the engine's batch queue of depth 2 (AsyncRun)
         self.async_ = AsyncRun(self) if layout.engine.async_scheduling else None
@@ -229,7 +247,7 @@ class Model:
                            ev.STORE_DONE: self.store_done, ev.LOAD_DONE: self.load_done,
                            ev.ABORT: self._abort, ev.FINISH: self.finish_request,
                            ev.PREEMPT: lambda data: None, ev.CASE_EVENT: self._case_event,
-                           ev.TRANSFER_FAILED: self.transfer_failed}
+                           ev.TRANSFER_FAILED: self.transfer_failed, ev.RECV_DONE: self.recv_done}
         self.tracing = trace
         self.lines: list[str] = [header(profile.name, case.asserts)]
         self.reqs: dict[str, Request] = {}
@@ -340,7 +358,7 @@ class Model:
         req = Request(spec.id, i, spec, proto.tokens, spec.prompt_len + spec.decode, self.unit,
                       len(self.case.layout.groups), proto, len(proto.ident))
         self.reqs[spec.id] = req
-        self.off.on_new_request(req)
+        (self.multi or self.off).on_new_request(req)
         self.waiting.append(req)
         self._schedule_step(self.q.now)
 
@@ -390,7 +408,7 @@ class Model:
             if self.async_ is not None:
                 computed = self.async_.processed(req)
         self.kv.remove_skipped_blocks(req, computed)
-        self.off.request_finished(req)
+        (self.multi or self.off).request_finished(req)
         if delay_free:
             # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
             # blocks (delay_free_blocks) until its load reports finished_recving;
@@ -514,6 +532,53 @@ class Model:
         self.loaded.add(req.rid)
         self._schedule_step(self.q.now)
 
+    def _start_pulls(self, t: int) -> None:
+        """NIXL's ``reqs_to_recv`` of the step: the worker starts each pull it reports (blocks
+        to write, or a request parked for it), which lands ``remote_prefill`` steps later
+        (``recv_done``); a pull of neither only notifies the prefill instance."""
+        assert self.nixl is not None
+        for recv in self.nixl.build_connector_meta():
+            if not recv.reported:
+                continue
+            who = f"NIXL recv of {recv.rid}"
+            self.pulls[recv.rid] = recv.blocks
+            for group in recv.blocks:
+                for b in group:
+                    self.unlanded[b] = who
+            self._emit(fmt_recv(recv.rid, recv.blocks))
+            spec = self.reqs[recv.rid].spec
+            self.q.schedule(t + (spec.remote_prefill or 1), ev.RECV_DONE, recv.rid,
+                            priority=ev.LOAD_DONE)
+
+    def recv_done(self, rid: str) -> None:
+        """NIXL's worker reports the pull of ``rid`` landed (``finished_recving``): the KV the
+        prefill instance computed for the prompt is in the pulled blocks, which no pending
+        store may still have to read (INV-6). Like a load's completion, the request stays
+        WAITING_FOR_REMOTE_KVS until the waiting loop reaches it (``_promote_loaded``)."""
+        blocks = self.pulls.pop(rid)
+        req = self.reqs[rid]
+        written = self.shadow.write_landed(req, req.num_prompt, req.tables, self.shadow_groups,
+                                           blocks)
+        for b in written:
+            self.unlanded.pop(b, None)
+        self._violation(self.pending_reads.check(self.step_no, written, "NIXL recv of", rid))
+        self._emit(f"landed {rid}")
+        self.progress = True
+        if req.finished:
+            # aborted while parked: the blocks were held until now (_free_request)
+            self.kv.free(self.delayed_free.pop(rid))
+            return
+        self.loaded.add(rid)
+        self._schedule_step(self.q.now)
+
+    def _check_forward_landed(self, step: int, sched_reqs: list[Scheduled]) -> None:
+        """INV-6b: no scheduled request attends to a block a NIXL pull has not landed in."""
+        for item in sched_reqs:
+            req = item if isinstance(item, Request) else item[0]
+            blocks = [b for table in req.tables for b in table]
+            self._violation(inv.check_unlanded(step, blocks, self.unlanded,
+                                               f"the forward of {req.rid}"))
+
     def _promote_loaded(self, req: Request) -> None:
         """``_update_waiting_for_remote_kv`` (from _try_promote_blocked_waiting_request /
         _handle_blocked_waiting_request, when the waiting loop reaches the request): only now are
@@ -551,7 +616,7 @@ class Model:
             self.step_scheduled = False
             self.after_step(self.step_no)
             return
-        if not self.has_requests() and self.off.quiet():
+        if not self.has_requests() and self.off.quiet() and not self.pulls:
             # EngineCore idles (has_work): no request, and the transfers that completed before
             # this step released the last finished one; the next arrival wakes it
             return
@@ -675,12 +740,17 @@ class Model:
         meta: tuple[list[Job], list[Job], set[int]] = off.build_connector_meta(
             scheduled, new_blocks, preempted, finished, kv.take_offers())
         stores, loads, flush = meta
+        if self.nixl is not None:
+            self._start_pulls(t)
         if stores:
             geo = self.geo
             for n, job in enumerate(stores, self.n_stores):
                 if tracing:
                     lines.append(fmt_job(job))
                 self._violation(inv.check_store_job(step, job, geo))
+                if self.unlanded:
+                    self._violation(inv.check_unlanded(step, job.bids, self.unlanded,
+                                                       f"store {job.jid} of {job.rid}"))
                 if self.case.fault("store", n) is not None:
                     self.failing[job.jid] = "store"
                 store_lat = self.timing.latency("store", n)
@@ -731,6 +801,8 @@ class Model:
         """The model runner: computed tokens written (the shadow), one token sampled per
         request whose prefill is complete; finished requests leave (``FINISH``)."""
         kv, shadow, fences = self.kv, self.shadow, self.pending_reads
+        if self.unlanded:
+            self._check_forward_landed(step, sched_reqs)
         gids, ends, idents = shadow.gids, shadow.ends, shadow.idents
         unit = self.unit
         seed = self.case.seed % VOCAB      # (see sampled_token)
@@ -944,7 +1016,7 @@ class Model:
     def _schedule_waiting(self, scheduled: dict[str, int], new_blocks: dict[str, list],
                           budget: int, sched_reqs: list[Scheduled]) -> int:
         """The waiting loop of ``Scheduler.schedule()``: returns the budget left."""
-        kv, off, t = self.kv, self.off, self.q.now
+        kv, off, multi, t = self.kv, self.off, self.multi, self.q.now
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
         pool, inflight = kv.pool, self.inflight
@@ -970,10 +1042,13 @@ class Model:
                 # Request.shared_prefix_boundary (_get_local_prefix_cache_hit), a reachable
                 # boundary of the sparse-retention masks (GPU caching, sliding-window stores)
                 req.shared_prefix_boundary = kv.junction
-                hit = off.get_num_new_matched_tokens(req, L)
+                hit = (multi or off).get_num_new_matched_tokens(req, L)
+                if self.skip_zeroes_hit and req.skip_reading_prefix_cache:
+                    hit = 0     # 0.31.0+: every connector's answer is set aside
                 if self.checks == "full":
+                    # (the hit oracle judges the offloading connector's own lookup)
                     self._violation(inv.check_hit(self.step_no, off, off.req_status[req.rid],
-                                                  hit))
+                                                  hit if multi is None else multi.offloading_hit))
                 if self.hangs:
                     if hit is None:
                         self.deferred_lookups.add(req.rid)
@@ -1016,14 +1091,17 @@ class Model:
                     kv.free(req)
                     break
                 # is_cached(block): the block's hash (BlockPool.key) or None
-                job = off.update_state_after_alloc(req, req.tables, ext, pool.key)
-                assert job is not None             # ext > 0: a load job
-                self._violation(inv.check_load_ready(self.step_no, off.tier, job))
-                if self.tracing:
-                    self._emit(fmt_job(job))
+                job = (multi or off).update_state_after_alloc(req, req.tables, ext, pool.key,
+                                                              scheduled=False)
                 req.status = WAITING_FOR_LOAD
                 req.load_target = L + ext
                 inflight[req.rid] = req
+                if job is None:     # NIXL pulls the tokens (multi): _start_pulls
+                    i += 1
+                    continue
+                self._violation(inv.check_load_ready(self.step_no, off.tier, job))
+                if self.tracing:
+                    self._emit(fmt_job(job))
                 # the load jobs created so far: this one's index (Timing.jobs)
                 load_lat = self.timing.latency("load", self.loads_created)
                 if self.case.fault("load", self.loads_created) is not None:
@@ -1063,7 +1141,9 @@ class Model:
                     kv.free(req)
                     req.num_computed = 0
                 break
-            if off.alloc_all_groups:
+            if multi is not None:
+                multi.update_state_after_alloc(req, req.tables, 0, pool.key)
+            elif off.alloc_all_groups:
                 off.update_state_after_alloc(req, req.tables, 0, None)
             del waiting[i]
             if i < self.n_held:
@@ -1135,7 +1215,7 @@ class Model:
         self._emit("check ok")
         if self.failed_job is not None:
             self.transfer_failed(self.failed_job)
-        quiet = self.off.quiet()
+        quiet = self.off.quiet() and not self.pulls
         # a job that never completes is no transfer to wait for (it only keeps the engine
         # stepping: the scheduler's has_requests holds while the connector has jobs)
         live = not quiet and (not self.hung

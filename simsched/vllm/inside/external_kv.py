@@ -18,13 +18,8 @@ what a store of such a block reads: the remote prefill's KV of the request's tok
 from __future__ import annotations
 
 from simsched import invariants as inv
+from simsched.trace import fmt_recv
 from simsched.vllm.inside.pool_checks import block_tables
-
-
-def fmt_recv(w) -> str:
-    """``recv <rid> g<id>=<b,...> ...``: the blocks another connector's pull writes."""
-    return f"recv {w.rid} " + " ".join(f"g{g}={','.join(map(str, b)) or '-'}"
-                                       for g, b in enumerate(w.blocks))
 
 
 class ExternalKV:
@@ -48,7 +43,7 @@ class ExternalKV:
             for blocks in w.blocks:
                 for b in blocks:
                     self.unlanded[b] = w.who
-            emit(fmt_recv(w))
+            emit(fmt_recv(w.rid, w.blocks))
 
     def check_stores(self, step: int, stores: list) -> None:
         """INV-6b on the step's new store jobs: none reads a block not landed yet."""
@@ -85,23 +80,8 @@ class ExternalKV:
         return landed
 
     def _write(self, w) -> list[int]:
-        """The request's prompt KV into the named blocks, each at its place in the request's
-        table (a complete block: its tokens' identity; the prompt's partial last block: up to
-        the prompt's end), as the forward would have written them."""
-        ident = self.requests.ident[w.rid]
-        n = int(self.requests.reqs[w.rid].num_prompt_tokens)
-        tables = block_tables(self.sched, w.rid)
-        sh, written = self.shadow, []
-        for gid, blocks in enumerate(w.blocks):
-            bs, ring = self.shadow_groups[gid]
-            table = tables[gid] if gid < len(tables) else []
-            for b in blocks:
-                i = table.index(b) if b in table else None
-                if ring or i is None:
-                    end, who = n, None
-                else:
-                    end = min((i + 1) * bs, n)
-                    who = ident.ident_at(end) if end == (i + 1) * bs else None
-                sh.gids[b], sh.ends[b], sh.idents[b] = gid, end, who
-                written.append(b)
-        return written
+        """The request's prompt KV into the named blocks (:meth:`Shadow.write_landed`), as the
+        forward would have written them."""
+        return self.shadow.write_landed(
+            self.requests.ident[w.rid], int(self.requests.reqs[w.rid].num_prompt_tokens),
+            block_tables(self.sched, w.rid), self.shadow_groups, w.blocks)
