@@ -25,6 +25,7 @@ from simsched.profiles import (CONFIG_PY, DEFAULT_PROFILE, EAGLE_METHODS, SCHEDU
                                retention_interval)
 
 KV_CACHE_UTILS_PY = "v1/core/kv_cache_utils.py"
+KV_CACHE_COORDINATOR_PY = "v1/core/kv_cache_coordinator.py"
 SINGLE_TYPE_MANAGER_PY = "v1/core/single_type_kv_cache_manager.py"
 
 
@@ -244,9 +245,36 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
                                   f"prefix_cache_retention_interval ({retention}) must be a "
                                   f"multiple of tokens_per_chunk ({g.tokens_per_chunk}).")
 
+    # the KV cache manager is built after the connector (Scheduler.__init__)
+    check_retention_interval(layout, profile, scheduler_block_size)
     return Geometry(scheduler_block_size=scheduler_block_size, tokens_per_hash=tokens_per_hash,
                     blocks_per_chunk=blocks_per_chunk, alignment_tokens=alignment,
                     groups=tuple(groups))
+
+
+def check_retention_interval(layout: Layout, profile: Profile, scheduler_block_size: int
+                             ) -> None:
+    """``KVCacheCoordinator.__init__``'s ``_validate_prefix_cache_retention_interval``: an
+    interval is refused on a model with no sliding-window or Mamba group, where it would have no
+    effect (0 is let through from 0.29.0), and must be a non-negative multiple of the scheduler
+    block size."""
+    retention = retention_interval(layout, profile)
+    if retention is None:
+        return
+    if not any(g.kind in ("sliding_window", "sliding_window_mla", "mamba")
+               for g in layout.groups):
+        if retention == 0 and profile.extra.get("retention_zero_allowed", True):
+            return
+        raise ConfigError("ValueError", "_validate_prefix_cache_retention_interval",
+                          KV_CACHE_COORDINATOR_PY, "boot",
+                          "prefix_cache_retention_interval is set but this model has no "
+                          "sliding-window or Mamba KV cache group")
+    if retention < 0 or retention % scheduler_block_size:
+        raise ConfigError("ValueError", "_validate_prefix_cache_retention_interval",
+                          KV_CACHE_COORDINATOR_PY, "boot",
+                          f"prefix_cache_retention_interval ({retention}) must be "
+                          "non-negative and a multiple of scheduler_block_size "
+                          f"({scheduler_block_size}).")
 
 
 def num_block_hashes(geometry: Geometry, num_tokens: int) -> int:

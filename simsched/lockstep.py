@@ -122,7 +122,13 @@ _SORTED_RANKS = (1, 8)
 
 
 def canonical(seg: list[str]) -> list[str]:
+    """``seg`` in canonical order. A step that ends the run on a broken invariant compares on
+    what the step scheduled and the invariant alone: the model finds a completion's violation
+    between steps (after the step's check and the completions before it), the harness inside
+    the step's worker output (before its check, the step's other completions unreported)."""
     lines = ["step" if x.startswith("step ") else _norm(x) for x in seg]
+    if any(x.startswith("violation ") for x in lines):
+        lines = [x for x in lines if _RANK.get(_kind(x), 9) < 7 or _kind(x) == "violation"]
     keyed = [(_RANK.get(_kind(x), 9), (x if _RANK.get(_kind(x)) in _SORTED_RANKS else ""), i, x)
              for i, x in enumerate(lines)]
     keyed.sort()

@@ -196,8 +196,10 @@ _SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "
 
 #: Before 0.29.0 the start-up check of the KV cache pool counts the null block as usable
 #: (``get_kv_cache_configs`` checks the whole pool; 0.29.0 reserves the block the
-#: ``BlockPool`` holds back: geometry.check_enough_kv_cache_memory)
-_BEFORE_0_29 = {"startup_null_block": False, **_BEFORE_0_30}
+#: ``BlockPool`` holds back: geometry.check_enough_kv_cache_memory), and a retention interval
+#: of 0 on a model with no sliding-window or Mamba group is refused like any other
+#: (geometry.check_retention_interval)
+_BEFORE_0_29 = {"startup_null_block": False, "retention_zero_allowed": False, **_BEFORE_0_30}
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,

@@ -20,7 +20,7 @@ import pytest
 
 from simsched.case import Case
 from simsched.connectors import Connector
-from simsched.lockstep import lockstep
+from simsched.lockstep import lockstep, stepped
 from simsched.targets import Releases
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -105,14 +105,17 @@ def test_a_cpu_hit_routes_to_the_first_child(pool, version):
     assert not any(x.startswith("load ") and " R2 " in x for x in no["trace"])
 
 
+#: R is aborted while NIXL pulls its KV; F arrives meanwhile, into a pool of 6
+ABORTED = [{"id": "R", "prompt": [[8, 64]], "decode": 2, "remote_prefill": 4, "abort_at": 1},
+           {"id": "F", "prompt": [[9, 64]], "arrival": 1, "decode": 2}]
+
+
 @pytest.mark.parametrize("version", RELEASES)
 def test_aborted_while_receiving_keeps_its_blocks_until_the_landing(pool, version):
     """R is aborted while NIXL pulls its KV: its blocks stay held until the late landing
     (``delay_free_blocks``), F, admitted meanwhile, never gets one of them (INV-6b/INV-1), and
     nothing of R is stored."""
-    reqs = [{"id": "R", "prompt": [[8, 64]], "decode": 2, "remote_prefill": 4, "abort_at": 1},
-            {"id": "F", "prompt": [[9, 64]], "arrival": 1, "decode": 2}]
-    real = _run(pool, version, _case(reqs, 6))
+    real = _run(pool, version, _case(ABORTED, 6))
     trace = real["trace"]
     assert real["findings"] == [], trace
     assert "finish R aborted" in trace and "landed R" in trace
@@ -208,9 +211,59 @@ def test_a_pull_with_no_blocks_strands_its_request_on_0290():
     chunked-local-attention model gets there on any prompt that ends on an attention-chunk
     boundary. 0.25.1-0.27.1 refuse the layout at start-up."""
     with Releases.installed(["0.29.0"], timeout=120) as p:
-        real = _run(p, "0.29.0", Case.from_json(CHUNK_EDGE))
+        res = lockstep(Case.from_json(CHUNK_EDGE), "0.29.0", p)
+    real = res.real
     assert [f["inv_id"] for f in real["findings"]] == ["INV-8"], real["trace"]
     assert "stuck: ['R']" in real["findings"][0]["detail"]
+    # the model strands R the same way (no awaiting_kvs before 0.30.0: nixl_scheduler.Recv)
+    assert res.model is not None and res.divergence is None, res.divergence
+
+
+# -- the model beside the release --------------------------------------------------------------
+
+#: the hand-made cases above, by name
+HANDMADE = {"basic": lambda: _case(BASIC, 12),
+            "basic, nixl first": lambda: _case(BASIC, 12, ("nixl", "offloading")),
+            "stale store": lambda: _case(STALE, 6),
+            "aborted while receiving": lambda: _case(ABORTED, 6),
+            "pull with no blocks": lambda: Case.from_json(CHUNK_EDGE)}
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("name", sorted(HANDMADE))
+def test_the_model_steps_with_the_release(pool, version, name):
+    """The model of the path (``model/multi_connector.py``, ``model/nixl_scheduler.py``) runs
+    each case step for step as the release does: the same pulls and landings, loads, stores
+    and flushes. On 0.30.0 the stale store (#46951) breaks INV-6 at the landing on both
+    sides; without the model's pulls every case diverges at its first recv line."""
+    res = lockstep(HANDMADE[name](), version, pool)
+    assert res.model is not None, res.observations
+    assert res.divergence is None, res.divergence.describe()
+    assert any(x.startswith("recv ") for x in res.model.trace), res.model.trace
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_drawn_multi_cases_step_with_the_model(pool, version):
+    """30 cases the strategy draws on the path (``cases(path="multi")``): every one the model
+    covers (no Mamba group, no MTP: ``unmodelled_path``) and the release runs step by step
+    agrees with the model, line for line, step for step; a Mamba model is checked on the real
+    run alone."""
+    from simsched.model import unmodelled_path
+    agreed, unmodelled, diverged = 0, 0, []
+    for case in distinct_drawn_cases(30, "multi"):
+        if unmodelled_path(case.layout) is not None:
+            unmodelled += 1
+            continue
+        res = lockstep(case, version, pool)
+        if not stepped(res.real):
+            continue
+        if res.divergence is not None or res.model is None:
+            diverged.append((case.to_json(), res.divergence and res.divergence.describe()))
+        else:
+            agreed += 1
+    print(version, f"{agreed} agree, {unmodelled} unmodelled, {len(diverged)} diverge")
+    assert diverged == []
+    assert agreed >= 12, (agreed, unmodelled)
 
 
 # -- generated cases ---------------------------------------------------------------------------
