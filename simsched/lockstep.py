@@ -63,11 +63,9 @@ HINTS = {
              "(offload._build_store_jobs / scheduler._build_store_jobs)",
     "load": "load hit length: _lookup_complete_chunks, window reach, max_load_tokens; "
             "destination blocks in update_state_after_alloc",
-    "recv": "NIXL pulls (multi): which child serves a request (MultiConnector."
-            "get_num_new_matched_tokens), the unhashed blocks it pulls, clipped to windows "
-            "(model/nixl_scheduler.py, multi_connector.py)",
-    "landed": "a NIXL pull's landing: remote_prefill steps after the step that starts it "
-              "(Model.recv_done)",
+    "recv": "NIXL pulls: the child that serves a request, the unhashed blocks it pulls "
+            "(model/multi_connector.py, nixl_scheduler.py)",
+    "landed": "a NIXL pull lands remote_prefill steps after its start (Model.recv_done)",
     "flush": "fences: _block_id_to_pending_jobs / jobs_to_flush on re-allocated blocks or "
              "preemption",
     "done": "transfer completion timing (store/load latency, flushed jobs)",
@@ -122,10 +120,9 @@ _SORTED_RANKS = (1, 8)
 
 
 def canonical(seg: list[str]) -> list[str]:
-    """``seg`` in canonical order. A step that ends the run on a broken invariant compares on
-    what the step scheduled and the invariant alone: the model finds a completion's violation
-    between steps (after the step's check and the completions before it), the harness inside
-    the step's worker output (before its check, the step's other completions unreported)."""
+    """``seg`` in canonical order. A step that ends on a broken invariant compares on what it
+    scheduled and the invariant alone: the model finds a completion's violation between steps
+    (after the step's check), the harness in the step's worker output (before it)."""
     lines = ["step" if x.startswith("step ") else _norm(x) for x in seg]
     if any(x.startswith("violation ") for x in lines):
         lines = [x for x in lines if _RANK.get(_kind(x), 9) < 7 or _kind(x) == "violation"]

@@ -194,6 +194,10 @@ _EVERY_GROUP_NO_CLAMP = Profile(
 _SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "ranks",
                "retained_widens_windows": True, "skip_reading_zeroes_hit": True}
 
+#: Before 0.27.0 NIXL pulls every unhashed block of a Mamba group (0.27.0 ``nixl/
+#: base_scheduler.py`` get_exchange_clipped_blocks keeps its running-state block alone)
+_BEFORE_0_27 = {"nixl_clips_ssm": False}
+
 #: Before 0.29.0 the start-up check of the KV cache pool counts the null block as usable
 #: (``get_kv_cache_configs`` checks the whole pool; 0.29.0 reserves the block the
 #: ``BlockPool`` holds back: geometry.check_enough_kv_cache_memory), and a retention interval
@@ -223,7 +227,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             retention_default=retention_absent,
             # mamba_skip_lags_spec_blocks: MambaManager.remove_skipped_blocks frees on
             # num_speculative_blocks fewer computed tokens (0.25.1 only)
-            extra={**_BEFORE_0_29, "mamba_boundary_stores": False, "eagle_tail_hole": True,
+            extra={**_BEFORE_0_29, **_BEFORE_0_27, "mamba_boundary_stores": False,
+                   "eagle_tail_hole": True,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
                    "align_budget_assert": True, "window_frees_on_processed": False,
                    "partial_hash_hits": "none", "mamba_skip_lags_spec_blocks": True}),
@@ -234,9 +239,10 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             alignment="absent", eagle_marks_all_groups=True, retention_check=False,
             window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
             offload_dcp_all_groups=True, retention_default=retention_absent,
-            extra={**_BEFORE_0_29, "mamba_boundary_stores": False, "spec_pad_after_hit": False,
-                   "preempt_in_flight": True, "align_budget_assert": True,
-                   "partial_hash_hits": "no-dcp-any-group", "mamba_tail_eagle_shift": False}),
+            extra={**_BEFORE_0_29, **_BEFORE_0_27, "mamba_boundary_stores": False,
+                   "spec_pad_after_hit": False, "preempt_in_flight": True,
+                   "align_budget_assert": True, "partial_hash_hits": "no-dcp-any-group",
+                   "mamba_tail_eagle_shift": False}),
     Profile("legacy-mamba-block-size",
             "0.29.0's rules, with Mamba back-off by block size and no chunked-local window",
             releases=("0.27.0", "0.27.1"), keyed_chunk_clamp=False,

@@ -73,10 +73,8 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(_layout(connector={"kind": "simple_cpu", "lazy_offload": True})) \
         == "engine.connector=simple_cpu(lazy)"
     assert unmodelled_path(_layout(connector={"kind": "multi"})) is None
-    mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16,
-                                                 "mamba_cache_mode": "align"}],
-                              "engine": {"connector": {"kind": "multi"}}})
-    assert unmodelled_path(mamba) == "engine.connector=multi(offloading+nixl) with a Mamba group"
+    mtp = _layout(connector={"kind": "multi"}, speculative={"method": "mtp", "num_tokens": 2})
+    assert unmodelled_path(mtp) == "engine.connector=multi(offloading+nixl) with MTP"
     assert unmodelled_path(_layout(secondary_tiers=[{"kind": "fs"}])) \
         == "engine.secondary_tiers=fs"
 

@@ -226,7 +226,11 @@ HANDMADE = {"basic": lambda: _case(BASIC, 12),
             "basic, nixl first": lambda: _case(BASIC, 12, ("nixl", "offloading")),
             "stale store": lambda: _case(STALE, 6),
             "aborted while receiving": lambda: _case(ABORTED, 6),
-            "pull with no blocks": lambda: Case.from_json(CHUNK_EDGE)}
+            "pull with no blocks": lambda: Case.from_json(CHUNK_EDGE),
+            # under async scheduling a landing is reported with its batch's output, a step on
+            "basic, async scheduling": lambda: dataclasses.replace(
+                _case(BASIC, 12), layout=_case(BASIC, 12).layout.with_engine(
+                    async_scheduling=True))}
 
 
 @pytest.mark.parametrize("version", RELEASES)
@@ -245,9 +249,9 @@ def test_the_model_steps_with_the_release(pool, version, name):
 @pytest.mark.parametrize("version", RELEASES)
 def test_drawn_multi_cases_step_with_the_model(pool, version):
     """30 cases the strategy draws on the path (``cases(path="multi")``): every one the model
-    covers (no Mamba group, no MTP: ``unmodelled_path``) and the release runs step by step
-    agrees with the model, line for line, step for step; a Mamba model is checked on the real
-    run alone."""
+    covers (multi-module MTP aside: ``unmodelled_path``) and the release runs step by step
+    agrees with the model, line for line, step for step (Mamba models among them: a pull keeps
+    the state block, the decoder recomputes the prompt's last token)."""
     from simsched.model import unmodelled_path
     agreed, unmodelled, diverged = 0, 0, []
     for case in distinct_drawn_cases(30, "multi"):
@@ -263,7 +267,7 @@ def test_drawn_multi_cases_step_with_the_model(pool, version):
             agreed += 1
     print(version, f"{agreed} agree, {unmodelled} unmodelled, {len(diverged)} diverge")
     assert diverged == []
-    assert agreed >= 12, (agreed, unmodelled)
+    assert agreed >= 24, (agreed, unmodelled)     # 30 of 30 when written
 
 
 # -- generated cases ---------------------------------------------------------------------------

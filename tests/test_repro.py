@@ -41,14 +41,18 @@ def test_a_case_the_model_does_not_mirror_shows_no_model_trace():
     from fuzz.repro import model_trace
     from simsched.case import Case
     case = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}], "engine": {
-        "connector": {"kind": "multi", "order": ["offloading", "nixl"]}}},
-        "requests": [{"id": "R", "prompt": [[0, 64]], "remote_prefill": 1}]})
-    data = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.29.0"])
+        "connector": {"kind": "simple_cpu", "lazy_offload": True}}},
+        "requests": [{"id": "R", "prompt": [[0, 64]]}]})
+    data = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.30.0"])
     assert model_trace(case, data) is None
-    text = issue_text(data, CASE_TEXT, {}, None, "engine.connector=multi(offloading+nixl)")
+    text = issue_text(data, CASE_TEXT, {}, None, "engine.connector=simple_cpu(lazy)")
     assert "Trace up to the failure" not in text
-    assert "does not mirror this connector path (engine.connector=multi(offloading+nixl))" in text
-    # the default path keeps the model's trace
+    assert "does not mirror this connector path (engine.connector=simple_cpu(lazy))" in text
+    # the default path and the multi path keep the model's trace
     plain = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}]},
                             "requests": [{"id": "R", "prompt": [[0, 64]]}]})
     assert model_trace(plain, data)
+    multi = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}], "engine": {
+        "connector": {"kind": "multi", "order": ["offloading", "nixl"]}}},
+        "requests": [{"id": "R", "prompt": [[0, 64]], "remote_prefill": 1}]})
+    assert "recv R g0=1,2,3,4" in model_trace(multi, data)

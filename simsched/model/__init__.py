@@ -1,5 +1,5 @@
-"""The model: a discrete-event model of vLLM's scheduler with the ``OffloadingConnector``, one
-module per vLLM module it mirrors.
+"""The model: a discrete-event model of vLLM's scheduler with the ``OffloadingConnector`` (alone,
+or beside NIXL in a ``MultiConnector``), one module per vLLM module it mirrors.
 
 =================================  =============================================================
 module                             mirrors (``vllm/...``)
@@ -14,6 +14,10 @@ module                             mirrors (``vllm/...``)
                                    scheduler.py`` (``OffloadingConnectorScheduler``)
 ``offloading_common``              ``.../offloading/common.py`` (``TransferJob``: ``Job``)
 ``cpu_manager``                    ``v1/kv_offload/cpu/manager.py`` and its LRU policies
+``multi_connector``                ``.../kv_connector/v1/multi_connector.py``
+                                   (``MultiConnector``: a P/D decode instance's children)
+``nixl_scheduler``                 ``.../kv_connector/v1/nixl/pull_scheduler.py``
+                                   (``NixlPullConnectorScheduler``: pulls of remote prefills)
 ``scheduler``                      ``v1/core/sched/scheduler.py`` (``Scheduler.schedule``,
                                    ``update_from_output``) and the model runner's writes
 ``async_scheduler``                ``v1/core/sched/async_scheduler.py`` (``AsyncScheduler``) and
@@ -38,15 +42,13 @@ __all__ = list(_MODULE_OF)
 
 def unmodelled_path(layout) -> str | None:
     """The connector path of ``layout`` the model does not mirror (``simsched.connectors``), or
-    None: the model is the ``OffloadingConnector`` with a CPU tier alone. A case on another path
-    is checked on the real run alone, by the invariants that need no model (the content shadow,
-    the fences, liveness, the hit oracle): no model run, no lockstep comparison."""
+    None: the model is the ``OffloadingConnector`` with a CPU tier, alone or in a
+    ``MultiConnector`` beside NIXL. A case on another path is checked on the real run alone, by
+    the invariants that need no model (the content shadow, the fences, liveness, the hit
+    oracle): no model run, no lockstep comparison."""
     engine = layout.engine
     if engine.connector.kind == "multi":
-        # NIXL's pulls of a Mamba model keep its state block alone and stop short of the
-        # prompt's last token; multi-module MTP's stop short of its lookahead (0.31.0+)
-        if any(g.kind == "mamba" for g in layout.groups):
-            return f"engine.connector={engine.connector.describe()} with a Mamba group"
+        # NIXL's pulls of a model with multi-module MTP stop short of its lookahead (0.31.0+)
         if engine.speculative is not None and engine.speculative.method == "mtp":
             return f"engine.connector={engine.connector.describe()} with MTP"
     elif engine.connector.kind != "offloading":

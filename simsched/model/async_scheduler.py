@@ -28,7 +28,7 @@ class Scheduler(Protocol):
     schedules a batch (``schedule``), executes it (``execute_model``, sampled tokens held back
     in the batch) and, when the batch's output is processed, is told of its sampled tokens (a
     request finished, blocks cached) and of the transfer jobs the worker reported
-    (``transfers_done``)."""
+    (``transfers_done``) and the NIXL pulls that landed (``land``, ``pull_reported``)."""
 
     kv: KVCacheManager
     off: OffloadingConnectorScheduler
@@ -37,6 +37,14 @@ class Scheduler(Protocol):
     progress: bool          # something moved in this step (the stall count of INV-8)
 
     def has_requests(self) -> bool: ...
+
+    def connector_quiet(self) -> bool: ...
+
+    def land(self, rid: str) -> None: ...
+
+    def pull_reported(self, rid: str) -> None: ...
+
+    def _emit(self, line: str) -> None: ...
 
     def schedule(self, t: int) -> tuple[list, list[Job]]: ...
 
@@ -50,12 +58,13 @@ class Scheduler(Protocol):
 class _Batch:
     """One scheduled batch in the engine's batch queue, until its output is processed."""
 
-    __slots__ = ("sched", "tokens", "jobs", "executed")
+    __slots__ = ("sched", "tokens", "jobs", "landed", "executed")
 
     def __init__(self, sched: list, executed: bool):
         self.sched = sched          # [(request, tokens scheduled)]
         self.tokens: list = []      # [(request, sampled token)]: the worker's sampled tokens
         self.jobs: list[int] = []   # transfer jobs the worker reports done in this output
+        self.landed: list[str] = []     # requests whose NIXL pull it reports (finished_recving)
         self.executed = executed
 
 
@@ -110,6 +119,7 @@ class AsyncRun:
         self.processed_seq = 0                # Scheduler.processed_step_seq
         self.deferred: deque = deque()        # (fence, blocks in allocation order)
         self.due: dict[int, int] = {}         # job ID -> due time
+        self.pulls_due: dict[str, int] = {}   # request ID -> due time of its NIXL pull
         self.batch: _Batch | None = None
         # 0.25.1-0.29.0: no _request_blocks_can_be_freed check in Scheduler.schedule's
         # preemption loop (0.30.0+), a request whose batch is in flight can be preempted
@@ -122,7 +132,7 @@ class AsyncRun:
 
     def busy(self) -> bool:
         """The engine steps again: something to schedule, a job pending, a batch in flight."""
-        return self.has_requests() or not self.m.off.quiet() or bool(self.queue)
+        return self.has_requests() or not self.m.connector_quiet() or bool(self.queue)
 
     def processed(self, req: Request) -> int:
         """``num_computed_tokens - num_in_flight_tokens``: the tokens of batches whose output is
@@ -169,7 +179,7 @@ class AsyncRun:
         """One engine step at ``t`` (the scheduler's ``after_step`` follows it)."""
         m = self.m
         queue = self.queue
-        if self.has_requests() or not m.off.quiet():
+        if self.has_requests() or not m.connector_quiet():
             sched_reqs, stores = m.schedule(t)
             batch = self.batch
             assert batch is not None                 # (m.schedule's after_schedule made it)
@@ -193,6 +203,12 @@ class AsyncRun:
         batch.jobs = sorted([j for j, d in due.items() if d <= t + 1])
         for j in batch.jobs:
             del due[j]
+        # the NIXL pulls that land in this step (reported with its output)
+        pulls = self.pulls_due
+        batch.landed = [r for r, d in pulls.items() if d <= t + 1]
+        for r in batch.landed:
+            del pulls[r]
+            m._emit(f"landed {r}")
 
     def _apply(self, batch: _Batch) -> None:
         """``update_from_output``: deferred frees, sampled tokens (stops), then the connector's
@@ -219,6 +235,9 @@ class AsyncRun:
                 m.finish_request(req)
         if not m.transfers_done(batch.jobs):
             return          # a failed job: the run stops after the step's check
+        for r in batch.landed:      # (after the stores completed in the step read their blocks)
+            m.land(r)
+            m.pull_reported(r)
         m.progress = m.progress or batch.executed or bool(batch.jobs)
 
 

@@ -12,7 +12,7 @@ finished request.
 
 from __future__ import annotations
 
-from simsched.model.nixl_scheduler import NixlConnectorScheduler
+from simsched.model.nixl_scheduler import NixlPullConnectorScheduler
 from simsched.model.offloading_common import Job
 from simsched.model.offloading_scheduler import OffloadingConnectorScheduler
 from simsched.model.request import Request
@@ -22,7 +22,7 @@ class MultiConnector:
     """``order``: the children's names (``offloading``, ``nixl``) in the case's order."""
 
     def __init__(self, order: tuple[str, ...], offloading: OffloadingConnectorScheduler,
-                 nixl: NixlConnectorScheduler):
+                 nixl: NixlPullConnectorScheduler):
         self.order = order
         self.off, self.nixl = offloading, nixl
         # request ID -> the name of the child that serves it (the last lookup that offered)

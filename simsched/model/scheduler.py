@@ -49,7 +49,7 @@ from simsched.model.async_scheduler import AsyncRun
 from simsched.model.block_pool import NULL
 from simsched.model.kv_cache_manager import KVCacheManager
 from simsched.model.multi_connector import MultiConnector
-from simsched.model.nixl_scheduler import NixlConnectorScheduler
+from simsched.model.nixl_scheduler import NixlPullConnectorScheduler
 from simsched.model.offloading_common import Job
 from simsched.model.offloading_scheduler import ModelCrash, OffloadingConnectorScheduler
 from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_FOR_LOAD, Request
@@ -137,11 +137,12 @@ class Model:
                                                 observed_walks)
         # a P/D decode instance (engine.connector "multi"): a MultiConnector of the offloading
         # connector above and NIXL, whose pulls land as the harness plays NIXL's worker
-        self.nixl: NixlConnectorScheduler | None = None
+        self.nixl: NixlPullConnectorScheduler | None = None
         self.multi: MultiConnector | None = None
         if layout.engine.connector.kind == "multi":
-            self.nixl = NixlConnectorScheduler.for_layout(
-                layout, bool(profile.extra.get("nixl_awaiting_kvs", True)))
+            self.nixl = NixlPullConnectorScheduler.for_layout(
+                layout, bool(profile.extra.get("nixl_awaiting_kvs", True)),
+                bool(profile.extra.get("nixl_clips_ssm", True)))
             self.multi = MultiConnector(layout.engine.connector.order, self.off, self.nixl)
         # NIXL pulls in flight: request ID -> the blocks it writes (per group); block -> the
         # pull that has not landed in it (INV-6b)
@@ -546,15 +547,21 @@ class Model:
                 for b in group:
                     self.unlanded[b] = who
             self._emit(fmt_recv(recv.rid, recv.blocks))
-            spec = self.reqs[recv.rid].spec
-            self.q.schedule(t + (spec.remote_prefill or 1), ev.RECV_DONE, recv.rid,
-                            priority=ev.LOAD_DONE)
+            due = t + (self.reqs[recv.rid].spec.remote_prefill or 1)
+            if self.async_ is None:
+                self.q.schedule(due, ev.RECV_DONE, recv.rid, priority=ev.LOAD_DONE)
+            else:
+                self.async_.pulls_due[recv.rid] = due
 
     def recv_done(self, rid: str) -> None:
-        """NIXL's worker reports the pull of ``rid`` landed (``finished_recving``): the KV the
-        prefill instance computed for the prompt is in the pulled blocks, which no pending
-        store may still have to read (INV-6). Like a load's completion, the request stays
-        WAITING_FOR_REMOTE_KVS until the waiting loop reaches it (``_promote_loaded``)."""
+        """NIXL's worker reports the pull of ``rid`` landed (``finished_recving``)."""
+        self._emit(f"landed {rid}")
+        self.land(rid)
+        self.pull_reported(rid)
+
+    def land(self, rid: str) -> None:
+        """The pull of ``rid`` landed: the KV the prefill instance computed for the prompt is
+        in the pulled blocks, which no pending store may still have to read (INV-6)."""
         blocks = self.pulls.pop(rid)
         req = self.reqs[rid]
         written = self.shadow.write_landed(req, req.num_prompt, req.tables, self.shadow_groups,
@@ -562,7 +569,11 @@ class Model:
         for b in written:
             self.unlanded.pop(b, None)
         self._violation(self.pending_reads.check(self.step_no, written, "NIXL recv of", rid))
-        self._emit(f"landed {rid}")
+
+    def pull_reported(self, rid: str) -> None:
+        """``finished_recving`` names ``rid``: like a load's completion, the request stays
+        WAITING_FOR_REMOTE_KVS until the waiting loop reaches it (``_promote_loaded``)."""
+        req = self.reqs[rid]
         self.progress = True
         if req.finished:
             # aborted while parked: the blocks were held until now (_free_request)
@@ -602,6 +613,10 @@ class Model:
         self.counters["preemptions"] += 1
         self._emit(f"preempt {req.rid}")
 
+    def connector_quiet(self) -> bool:
+        """No transfer in flight: no offloading job, no NIXL pull."""
+        return self.off.quiet() and not self.pulls
+
     def has_requests(self) -> bool:
         """``Scheduler.has_requests``: requests to schedule, or finished ones not yet reported to
         the workers."""
@@ -616,7 +631,7 @@ class Model:
             self.step_scheduled = False
             self.after_step(self.step_no)
             return
-        if not self.has_requests() and self.off.quiet() and not self.pulls:
+        if not self.has_requests() and self.connector_quiet():
             # EngineCore idles (has_work): no request, and the transfers that completed before
             # this step released the last finished one; the next arrival wakes it
             return
@@ -1091,8 +1106,11 @@ class Model:
                     kv.free(req)
                     break
                 # is_cached(block): the block's hash (BlockPool.key) or None
-                job = (multi or off).update_state_after_alloc(req, req.tables, ext, pool.key,
-                                                              scheduled=False)
+                if multi is None:
+                    job = off.update_state_after_alloc(req, req.tables, ext, pool.key)
+                else:   # (parked, not scheduled in this step, whichever child loads it)
+                    job = multi.update_state_after_alloc(req, req.tables, ext, pool.key,
+                                                         scheduled=False)
                 req.status = WAITING_FOR_LOAD
                 req.load_target = L + ext
                 inflight[req.rid] = req
@@ -1215,7 +1233,7 @@ class Model:
         self._emit("check ok")
         if self.failed_job is not None:
             self.transfer_failed(self.failed_job)
-        quiet = self.off.quiet() and not self.pulls
+        quiet = self.connector_quiet()
         # a job that never completes is no transfer to wait for (it only keeps the engine
         # stepping: the scheduler's has_requests holds while the connector has jobs)
         live = not quiet and (not self.hung

@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 from simsched.case import segment_tokens
+from simsched.connectors import Connector
 from simsched.layout import Layout, LayoutError
 
 from .build import ConfigBuilder
@@ -124,6 +125,11 @@ class ConfigProbe:
     # ---------------------------------------------------------------------------------------
     def build_chain(self, layout: Layout):
         """Up to the scheduler config: (vllm_config, kv_cache_config, spec, sched_config)."""
+        if layout.engine.connector.kind == "multi":
+            # a MultiConnector builds its OffloadingConnector child on a copy of the engine's
+            # config holding the child's own kv_transfer_config (0.30.0 multi_connector.py
+            # _get_connector_classes_and_configs), the one the default path passes
+            layout = layout.with_engine(connector=Connector())
         vc, kvc = self.builder.build(layout.as_groups())
         stage = "resolve"
         try:
