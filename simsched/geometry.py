@@ -15,7 +15,7 @@ under ``python -O``: its ``assert`` statements vanish, and the code walks on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from simsched.layout import Group, Layout
@@ -247,9 +247,24 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
 
     # the KV cache manager is built after the connector (Scheduler.__init__)
     check_retention_interval(layout, profile, scheduler_block_size)
+    check_attention_groups(layout, profile, asserts)
     return Geometry(scheduler_block_size=scheduler_block_size, tokens_per_hash=tokens_per_hash,
                     blocks_per_chunk=blocks_per_chunk, alignment_tokens=alignment,
                     groups=tuple(groups))
+
+
+def check_attention_groups(layout: Layout, profile: Profile, asserts: bool) -> None:
+    """``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` (0.25.1-0.28.0) asserts
+    that its groups have two specs at least: groups of one spec (kind and sizes; a drafter's
+    spec is its target's, no ``is_draft`` field yet) make one attention group."""
+    groups = layout.groups
+    if (not asserts or len(groups) < 2 or not layout.engine.enable_prefix_caching
+            or not profile.extra.get("hybrid_needs_two_specs", False)):
+        return
+    if len({replace(g, layers=1, drafter=False) for g in groups}) == 1:
+        raise ConfigError("AssertionError", "verify_and_split_kv_cache_groups",
+                          KV_CACHE_COORDINATOR_PY, "boot",
+                          "HybridKVCacheCoordinator requires at least two attention groups.")
 
 
 def check_retention_interval(layout: Layout, profile: Profile, scheduler_block_size: int

@@ -202,8 +202,10 @@ _BEFORE_0_27 = {"nixl_clips_ssm": False}
 #: (``get_kv_cache_configs`` checks the whole pool; 0.29.0 reserves the block the
 #: ``BlockPool`` holds back: geometry.check_enough_kv_cache_memory), and a retention interval
 #: of 0 on a model with no sliding-window or Mamba group is refused like any other
-#: (geometry.check_retention_interval)
-_BEFORE_0_29 = {"startup_null_block": False, "retention_zero_allowed": False, **_BEFORE_0_30}
+#: (geometry.check_retention_interval), and the hybrid KV cache coordinator asserts that its
+#: groups have two specs at least (geometry.check_attention_groups)
+_BEFORE_0_29 = {"startup_null_block": False, "retention_zero_allowed": False,
+                "hybrid_needs_two_specs": True, **_BEFORE_0_30}
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     _EVERY_GROUP_NO_CLAMP,

@@ -1,0 +1,86 @@
+"""Benchmark: the model against real releases, step for step, on another connector path.
+
+The first N distinct cases the campaign's strategy draws on a path (``fuzz.strategies.cases(
+path=...)``, derandomized: the same cases every run), each run in lockstep (``simsched.lockstep``)
+on every release given. Per release: cases that agree step for step, that diverge (by the kind
+of the first differing line), that the model does not cover (``unmodelled_path``), and that the
+release did not run step by step (refused or unsupported at start-up, or a boot crash both
+sides agree on). The divergent cases are written to ``--out`` for reading.
+
+Run: ``python bench/bench_lockstep_paths.py [--path multi] [--cases 100]
+[--releases 0.30.0,0.33.0] [--out DIR]``. Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from fuzz.strategies import FAMILIES, PATHS, cases  # noqa: E402
+from simsched.lockstep import lockstep, stepped  # noqa: E402
+from simsched.model import unmodelled_path  # noqa: E402
+from simsched.targets import Releases  # noqa: E402
+
+
+def drawn_cases(n: int, path: str) -> list:
+    """The first ``n`` distinct cases of ``4 n`` the strategy draws on ``path``."""
+    drawn: dict[str, object] = {}
+
+    @settings(max_examples=4 * n, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(cases(families=FAMILIES, path=path))
+    def draw(case):
+        drawn.setdefault(repr(case.to_json()), case)
+    draw()
+    return list(drawn.values())[:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--path", default="multi", choices=PATHS)
+    ap.add_argument("--cases", type=int, default=100)
+    ap.add_argument("--releases", default="0.30.0,0.33.0")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    versions = args.releases.split(",")
+    drawn = drawn_cases(args.cases, args.path)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    print(f"{len(drawn)} cases drawn on the {args.path} path.\n")
+    print("| release | agree | diverge (first line) | not modelled | not stepped | seconds |")
+    print("|---|---|---|---|---|---|")
+    with Releases.installed(versions, timeout=120) as pool:
+        for v in versions:
+            agree, unmodelled, not_stepped = 0, 0, 0
+            diverged: collections.Counter = collections.Counter()
+            t0 = time.perf_counter()
+            for k, case in enumerate(drawn):
+                if unmodelled_path(case.layout) is not None:
+                    unmodelled += 1
+                    continue
+                res = lockstep(case, v, pool)
+                if res.divergence is not None:
+                    diverged[res.divergence.kind] += 1
+                    if out:
+                        (out / f"{args.path}-{v}-{k}.json").write_text(
+                            json.dumps(case.to_json()))
+                elif stepped(res.real) and res.model is not None:
+                    agree += 1
+                else:
+                    not_stepped += 1
+            kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(diverged.items())) or "0"
+            print(f"| {v} | {agree} | {kinds} | {unmodelled} | {not_stepped} | "
+                  f"{time.perf_counter() - t0:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
