@@ -197,8 +197,8 @@ def markdown(data: dict, plots: list[tuple[str, str]] | None = None,
                   f"{st['real_steps']:,} | {st['step_seconds']} |"
                   for v, st in data["per_release"].items()]
         if data.get("per_path"):
-            lines += ["", "Real runs per connector path (a path other than `offloading` is "
-                      "checked on the real run alone):", "",
+            lines += ["", "Real runs per connector path (`simple_cpu` and `+fs` are checked "
+                      "on the real run alone, the model mirrors the others):", "",
                       "| connector path | cases run step by step | real steps | seconds |",
                       "|---|---|---|---|"]
             lines += [f"| {p} | {st['step_cases']:.0f} | {st['real_steps']:,.0f} | "
