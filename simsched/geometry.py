@@ -245,12 +245,18 @@ def derive(layout: Layout, profile: Profile | str = DEFAULT_PROFILE,
                                   f"prefix_cache_retention_interval ({retention}) must be a "
                                   f"multiple of tokens_per_chunk ({g.tokens_per_chunk}).")
 
-    # the KV cache manager is built after the connector (Scheduler.__init__)
-    check_retention_interval(layout, profile, scheduler_block_size)
-    check_attention_groups(layout, profile, asserts)
     return Geometry(scheduler_block_size=scheduler_block_size, tokens_per_hash=tokens_per_hash,
                     blocks_per_chunk=blocks_per_chunk, alignment_tokens=alignment,
                     groups=tuple(groups))
+
+
+def check_kv_cache_coordinator(layout: Layout, profile: Profile, scheduler_block_size: int,
+                               asserts: bool) -> None:
+    """The start-up checks of the KV cache manager's coordinator, which ``Scheduler.__init__``
+    builds after the connector (so after every check of :func:`derive`, and outside the
+    connector's config chain): ``KVCacheCoordinator.__init__``, then the hybrid coordinator's."""
+    check_retention_interval(layout, profile, scheduler_block_size)
+    check_attention_groups(layout, profile, asserts)
 
 
 def check_attention_groups(layout: Layout, profile: Profile, asserts: bool) -> None:

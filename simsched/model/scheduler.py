@@ -42,8 +42,9 @@ from typing import Final
 
 from simsched import invariants as inv
 from simsched.case import VOCAB, Case, RequestSpec, sampled_token
-from simsched.geometry import (SINGLE_TYPE_MANAGER_PY, cache_block_size, derive,
-                               effective_block_size, max_model_len, partial_hash_hits)
+from simsched.geometry import (SINGLE_TYPE_MANAGER_PY, cache_block_size,
+                               check_kv_cache_coordinator, derive, effective_block_size,
+                               max_model_len, partial_hash_hits)
 from simsched.model import events as ev
 from simsched.model.async_scheduler import AsyncRun
 from simsched.model.block_pool import NULL
@@ -100,6 +101,7 @@ class Model:
         last = max((r.arrival for r in case.requests), default=0)
         self.max_steps = min(MAX_STEPS, 4 * (work + last) + 64)
         self.geo = geo = derive(layout, profile, asserts=case.asserts)
+        check_kv_cache_coordinator(layout, profile, geo.scheduler_block_size, case.asserts)
         self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
         self.no_blocks_text = fmt_alloc("", [[] for _ in layout.groups])[len("alloc  "):]
         dcp = layout.engine.dcp_size
