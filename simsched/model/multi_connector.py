@@ -5,7 +5,7 @@ hooks a P/D decode instance that offloads to CPU calls: every child looks the re
 configured order, and the first child that offers tokens serves it
 (``get_num_new_matched_tokens``, ``_requests_to_connector``); after the allocation the chosen
 child is told the tokens to load and every other child zero (``update_state_after_alloc``:
-0.25.1 hands the others no blocks, 0.27.0+ the request's blocks, which only the offloading
+0.25.1 hands the others no blocks, 0.26.0+ the request's blocks, which only the offloading
 child's 0.33.0 reads, to mark them allocated in this batch); each child hears of a new and a
 finished request.
 """
