@@ -34,8 +34,15 @@ class Recv:
 
     @property
     def reported(self) -> bool:
-        """The worker pulls and reports it: it has blocks, or its request waits for it."""
-        return self.awaiting_kvs or any(self.blocks)
+        return worker_reports(self.blocks, self.awaiting_kvs)
+
+
+def worker_reports(blocks, awaiting_kvs: bool) -> bool:
+    """The NIXL worker pulls an entry of ``reqs_to_recv`` and reports it in
+    ``finished_recving``: it has blocks, or its request waits for it (``awaiting_kvs``); an
+    entry of neither only notifies the prefill instance (the harness plays the worker so:
+    ``simsched.vllm.inside.multi``)."""
+    return awaiting_kvs or any(blocks)
 
 
 class NixlPullConnectorScheduler:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from simsched.model.nixl_scheduler import worker_reports
 from simsched.vllm.inside.connector import ExternalWrite
 from simsched.vllm.inside.offloading import OffloadingConnectorDriver
 
@@ -165,7 +166,7 @@ class MultiConnectorDriver:
             if groups and not isinstance(groups[0], (list, tuple)):
                 groups = [groups]
             groups = [[int(b) for b in g] for g in groups]
-            if not any(groups) and not getattr(rm, "awaiting_kvs", False):
+            if not worker_reports(groups, bool(getattr(rm, "awaiting_kvs", False))):
                 continue
             spec = self.specs.get(rid)
             latency = spec.remote_prefill if spec and spec.remote_prefill else 1
