@@ -52,9 +52,6 @@ class MultiConnector:
                 offered = toks
         return offered
 
-    def served_by_nixl(self, req: Request) -> bool:
-        return self.requests_to_connector.get(req.rid) == "nixl"
-
     def update_state_after_alloc(self, req: Request, tables: list[list[int]], num_external: int,
                                  block_keys: list, scheduled: bool = True) -> Job | None:
         """The chosen child gets the tokens to load, the other zero; the offloading child's
