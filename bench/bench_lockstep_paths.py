@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from fuzz.strategies import FAMILIES, PATHS, cases  # noqa: E402
 from simsched.lockstep import lockstep, stepped  # noqa: E402
 from simsched.model import unmodelled_path  # noqa: E402
+from simsched.profiles import profile_for_release  # noqa: E402
 from simsched.targets import Releases  # noqa: E402
 
 
@@ -63,8 +64,9 @@ def main() -> None:
             agree, unmodelled, not_stepped = 0, 0, 0
             diverged: collections.Counter = collections.Counter()
             t0 = time.perf_counter()
+            profile = profile_for_release(pool.release_of(v))
             for k, case in enumerate(drawn):
-                if unmodelled_path(case.layout) is not None:
+                if unmodelled_path(case.layout, profile) is not None:
                     unmodelled += 1
                     continue
                 res = lockstep(case, v, pool)

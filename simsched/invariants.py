@@ -71,31 +71,37 @@ class InvariantViolation(Exception):
         return out
 
 
-def check_pool(step: int, pool, reqs) -> InvariantViolation | None:
-    """INV-1 and INV-2 over the whole pool (O(blocks held))."""
+def check_pool(step: int, pool, reqs, pins: list[int] | None = None
+               ) -> InvariantViolation | None:
+    """INV-1 and INV-2 over the whole pool (O(blocks held)). ``pins``: the references a
+    connector keeps on blocks itself (the SimpleCPUOffloadConnector's transfers), counted for
+    INV-1; INV-2 is about the requests' tables alone."""
     # first-seen order, as the walk below reports it
     holders = Counter(chain.from_iterable([t for req in reqs for t in req.tables]))
     holders.pop(NULL, None)
+    refs = holders
+    if pins:
+        refs = holders + Counter(pins)
     n_free = pool.get_num_free_blocks()
-    if n_free + len(holders) != pool.num_blocks - 1:
-        return InvariantViolation("INV-1", step, f"free {n_free} + held {len(holders)} != pool "
+    if n_free + len(refs) != pool.num_blocks - 1:
+        return InvariantViolation("INV-1", step, f"free {n_free} + held {len(refs)} != pool "
                                   f"{pool.num_blocks - 1}")
     ref, key = pool.ref, pool.key       # ref[b] == 0: b is in the free queue (BlockPool)
-    if len(holders) > 1:
+    if len(refs) > 1 and not pins:
         # the common case decided in C; any doubt falls through to the walk that names the block
         get = itemgetter(*holders)
         counts = tuple(holders.values())
         if get(ref) == counts and max(
                 compress(counts, map(is_, get(key), repeat(None))), default=1) <= 1:
             return None
-    for b, n in holders.items():
+    for b, n in refs.items():
         free = ref[b] == 0
         if ref[b] != n:
             return InvariantViolation("INV-1", step, f"block {b}: refcount {ref[b]} but held "
                                       f"{n} times{' and free' if free else ''}")
-        if n > 1 and key[b] is None:
-            return InvariantViolation("INV-2", step, f"block {b} held by {n} requests but not a "
-                                      "prefix-cache block")
+        if holders.get(b, 0) > 1 and key[b] is None:
+            return InvariantViolation("INV-2", step, f"block {b} held by {holders[b]} requests "
+                                      "but not a prefix-cache block")
     return None
 
 

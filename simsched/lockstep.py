@@ -264,7 +264,7 @@ def lockstep(case: Case, version: str, pool, mutant: str | None = None,
         # the order each job's key set was walked in is vLLM's to leave unspecified: the model
         # takes the release's (cpu_manager.walk_order) and is compared on everything else. A
         # connector path the model does not mirror is checked on the real run alone
-        if unmodelled_path(case.layout) is None:
+        if unmodelled_path(case.layout, profile) is None:
             model = run_case(case, profile, observed_walks=dict(real.get("walks") or ()))
     except Exception as e:   # a bug in the model is a finding of its own
         model_err = model_crash(e)

@@ -169,8 +169,10 @@ class Profile:
 
 
 #: Before 0.30.0 NIXL's scheduler does not tell its worker that a request is parked for a pull
-#: (``awaiting_kvs``, 0.30.0 ``pull_scheduler.py``): a pull left with no blocks is never reported
-_BEFORE_0_30 = {"nixl_awaiting_kvs": False}
+#: (``awaiting_kvs``, 0.30.0 ``pull_scheduler.py``): a pull left with no blocks is never reported;
+#: and the SimpleCPUOffloadConnector's manager has no CPU coordinator (0.30.0 rewrote
+#: ``simple_kv_offload/manager.py`` around one: the model's is that one)
+_BEFORE_0_30 = {"nixl_awaiting_kvs": False, "simple_cpu_coordinator": False}
 
 _EVERY_GROUP_NO_CLAMP = Profile(
     "every-group-no-clamp",
@@ -193,6 +195,12 @@ _EVERY_GROUP_NO_CLAMP = Profile(
 #: the store mask count a sliding-window group's extra_retained_tokens)
 _SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "ranks",
                "retained_widens_windows": True, "skip_reading_zeroes_hit": True}
+
+#: From 0.32.0 the SimpleCPUOffloadConnector's eager store state of a preempted request starts
+#: over when it is preempted (``_prepare_eager_store_specs``: ``preempted_req_ids``), not when it
+#: resumes; 0.33.0 also looks nothing up past a local prefix that is not a whole number of
+#: attention chunks (simple_cpu_chunked_local_guard)
+_SINCE_0_32 = {"simple_cpu_reset_at_preemption": True}
 
 #: Before 0.27.0 NIXL pulls every unhashed block of a Mamba group (0.27.0 ``nixl/
 #: base_scheduler.py`` get_exchange_clipped_blocks keeps its running-state block alone)
@@ -269,7 +277,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             asserted_groups=prefix_cacheable_groups, single_group_dcp_by_spec=True,
             single_group_unit_check=True,
             extra={**_SINCE_0_31, "mamba_checkpoint_below": True, "mamba_tail_recache": True,
-                   "eagle_hit_margin": True}),
+                   "eagle_hit_margin": True, **_SINCE_0_32}),
     Profile("prefix-cacheable-windows-in-config",
             "as prefix-cacheable-strict-unit; sliding windows in chunks derived in "
             "offloading/config.py",
@@ -280,7 +288,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                    "store_skip_null_chunks": True,
                    "mamba_checkpoint_below": True,
                    "alloc_all_groups": True, "spec_cache_on_output": True,
-                   "eagle_hit_margin": True, "eagle_junction_below": True}),
+                   "eagle_hit_margin": True, "eagle_junction_below": True, **_SINCE_0_32,
+                   "simple_cpu_chunked_local_guard": True}),
     Profile("fix-assert-only",
             "upstream PR #55037 on 0.30.0: the boot assert skips non-prefix-cacheable groups, "
             "which are still offloaded",

@@ -106,10 +106,13 @@ def observe(case: Case, models: list[ModelTarget], releases: list[ReleaseTarget]
     """
     outcomes = {} if outcomes is None else outcomes
     predicted: dict[str, dict] = {}
-    if unmodelled_path(case.layout) is not None:
-        # a connector path the model does not mirror: the real run's own checks are all there
-        # is (the config chain is the OffloadingConnector's, the model's prediction of it too)
-        models, config = [], False
+    # a connector path the model does not mirror (on a profile): the real run's own checks are
+    # all there is. The config chain is the OffloadingConnector's, and so is the model's
+    # prediction of it: compared on the paths whose config is that connector's alone
+    models = [t for t in models if unmodelled_path(case.layout, t.profile) is None]
+    if unmodelled_path(case.layout) is not None or case.layout.engine.connector.kind \
+            == "simple_cpu":
+        config = False
     obs = _observe_models(case, models, outcomes, predicted)
     if config:
         obs += _observe_configs(case, releases, outcomes, predicted)

@@ -7,6 +7,7 @@ import pytest
 from simsched.case import Case
 from simsched.layout import Layout, LayoutError
 from simsched.model import unmodelled_path
+from simsched.profiles import profile_for_release
 
 FULL = [{"kind": "full", "block_size": 16}]
 
@@ -70,8 +71,14 @@ def test_a_remote_prefill_needs_the_multi_connector():
 def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(Layout.from_json({"groups": FULL})) is None
     assert unmodelled_path(_layout(eviction_policy="arc")) is None     # a knob, not a path
-    assert unmodelled_path(_layout(connector={"kind": "simple_cpu", "lazy_offload": True})) \
-        == "engine.connector=simple_cpu(lazy)"
+    lazy = _layout(connector={"kind": "simple_cpu", "lazy_offload": True})
+    assert unmodelled_path(lazy) is None
+    assert unmodelled_path(lazy, profile_for_release("0.30.0")) is None
+    assert unmodelled_path(lazy, profile_for_release("0.29.0")) \
+        == "engine.connector=simple_cpu(lazy) before 0.30.0"
+    ring = Layout.from_json({"groups": FULL + [{"kind": "ring", "block_size": 16}],
+                             "engine": {"connector": {"kind": "simple_cpu"}}})
+    assert unmodelled_path(ring) == "engine.connector=simple_cpu(eager) with ring groups"
     assert unmodelled_path(_layout(connector={"kind": "multi"})) is None
     mtp = _layout(connector={"kind": "multi"}, speculative={"method": "mtp", "num_tokens": 2})
     assert unmodelled_path(mtp) == "engine.connector=multi(offloading+nixl) with MTP"
@@ -80,15 +87,24 @@ def test_the_model_names_the_paths_it_does_not_mirror():
 
 
 def test_a_case_on_an_unmodelled_path_runs_no_model():
-    """The model mirrors the OffloadingConnector alone: on another path it runs nothing (no
-    model finding, no config chain of the wrong connector), and the release's step run is the
-    whole check (here: no release given, so nothing at all)."""
+    """On a path the model does not mirror it runs nothing (no model finding, no config chain
+    of the wrong connector), and the release's step run is the whole check (here: no release
+    given, so nothing at all). The SimpleCPU path is modelled from 0.30.0 only, and its config
+    chain is not the OffloadingConnector's: the model runs under the profiles of 0.30.0+, no
+    config is compared."""
     from simsched.profiles import PROFILES
     from simsched.replay import observe
     from simsched.targets import ModelTarget
-    case = Case.from_json({"layout": {"groups": FULL,
-                                      "engine": {"connector": {"kind": "simple_cpu"}}},
-                           "requests": [{"id": "a", "prompt": [[0, 64]]}]})
+    requests = [{"id": "a", "prompt": [[0, 64]]}]
+    fs = Case.from_json({"layout": {"groups": FULL, "engine": {"secondary_tiers": [
+        {"kind": "fs"}]}}, "requests": requests})
     outcomes: dict = {}
-    obs = observe(case, [ModelTarget(p) for p in PROFILES.values()], [], outcomes)
+    obs = observe(fs, [ModelTarget(p) for p in PROFILES.values()], [], outcomes)
     assert obs == [] and outcomes == {}
+    simple = Case.from_json({"layout": {"groups": FULL,
+                                        "engine": {"connector": {"kind": "simple_cpu"}}},
+                             "requests": requests})
+    outcomes = {}
+    obs = observe(simple, [ModelTarget(PROFILES[p]) for p in ("legacy-spec-init", "every-group",
+                                                             "prefix-cacheable")], [], outcomes)
+    assert obs == [] and sorted(outcomes) == ["model:every-group", "model:prefix-cacheable"]

@@ -1,5 +1,6 @@
 """The model: a discrete-event model of vLLM's scheduler with the ``OffloadingConnector`` (alone,
-or beside NIXL in a ``MultiConnector``), one module per vLLM module it mirrors.
+or beside NIXL in a ``MultiConnector``) or the ``SimpleCPUOffloadConnector``, one module per
+vLLM module it mirrors.
 
 =================================  =============================================================
 module                             mirrors (``vllm/...``)
@@ -18,6 +19,9 @@ module                             mirrors (``vllm/...``)
                                    (``MultiConnector``: a P/D decode instance's children)
 ``nixl_scheduler``                 ``.../kv_connector/v1/nixl/pull_scheduler.py``
                                    (``NixlPullConnectorScheduler``: pulls of remote prefills)
+``simple_cpu_scheduler``           ``v1/simple_kv_offload/manager.py``
+                                   (``SimpleCPUOffloadScheduler``, 0.30.0+: a CPU block pool
+                                   looked up by a coordinator of its own)
 ``scheduler``                      ``v1/core/sched/scheduler.py`` (``Scheduler.schedule``,
                                    ``update_from_output``) and the model runner's writes
 ``async_scheduler``                ``v1/core/sched/async_scheduler.py`` (``AsyncScheduler``) and
@@ -40,21 +44,47 @@ _MODULE_OF = {"MAX_STEPS": "scheduler", "STALL_STEPS": "scheduler", "Model": "sc
 __all__ = list(_MODULE_OF)
 
 
-def unmodelled_path(layout) -> str | None:
+def unmodelled_path(layout, profile=None) -> str | None:
     """The connector path of ``layout`` the model does not mirror (``simsched.connectors``), or
     None: the model is the ``OffloadingConnector`` with a CPU tier, alone or in a
-    ``MultiConnector`` beside NIXL. A case on another path is checked on the real run alone, by
-    the invariants that need no model (the content shadow, the fences, liveness, the hit
-    oracle): no model run, no lockstep comparison."""
+    ``MultiConnector`` beside NIXL, and the ``SimpleCPUOffloadConnector`` of 0.30.0+ on the
+    layouts :data:`~simsched.model.simple_cpu_scheduler.MODELLED_KINDS` covers. With
+    ``profile`` the release's own code counts too (0.25.1-0.29.0's SimpleCPU manager is another
+    design); without, a path some release's model covers is None. A case on another path is
+    checked on the real run alone, by the invariants that need no model (the content shadow,
+    the fences, liveness, the hit oracle): no model run, no lockstep comparison."""
     engine = layout.engine
-    if engine.connector.kind == "multi":
+    kind = engine.connector.kind
+    if kind == "multi":
         # NIXL's pulls of a model with multi-module MTP stop short of its lookahead (0.31.0+)
         if engine.speculative is not None and engine.speculative.method == "mtp":
             return f"engine.connector={engine.connector.describe()} with MTP"
-    elif engine.connector.kind != "offloading":
+    elif kind == "simple_cpu":
+        if profile is not None and not profile.extra.get("simple_cpu_coordinator", True):
+            return f"engine.connector={engine.connector.describe()} before 0.30.0"
+        gap = _simple_cpu_gap(layout)
+        if gap is not None:
+            return f"engine.connector={engine.connector.describe()} with {gap}"
+    elif kind != "offloading":
         return f"engine.connector={engine.connector.describe()}"
     if engine.secondary_tiers:
         return "engine.secondary_tiers=" + "+".join(t.kind for t in engine.secondary_tiers)
+    return None
+
+
+def _simple_cpu_gap(layout) -> str | None:
+    """What of ``layout`` the SimpleCPU model leaves out, if anything."""
+    from simsched.model.simple_cpu_scheduler import MODELLED_KINDS
+    engine = layout.engine
+    other = sorted({g.kind for g in layout.groups if g.kind not in MODELLED_KINDS})
+    if other:
+        return "+".join(other) + " groups"
+    if engine.speculative is not None:
+        return "speculative decoding"
+    if engine.dcp_size > 1:
+        return "DCP"
+    if engine.async_scheduling:
+        return "async scheduling"
     return None
 
 

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from simsched.model.block_pool import NULL, BlockPool
-from simsched.model.request import Request
+from simsched.model.request import Key, Request
 from simsched.model.single_type_kv_cache_manager import (
     NO_BOUND, ChunkedLocalAttentionManager, CircularBufferManager, FullAttentionManager,
     MambaManager, PrefixCacheConfig, SingleTypeKVCacheManager, SlidingWindowManager, make_manager)
@@ -84,10 +86,19 @@ class KVCacheManager:
         # prefix_cache_lookup_enabled: caching on and the request reads the prefix cache
         if not self.hits_possible or not self.cacheable or req.skip_reading_prefix_cache:
             return 0
+        # max_cache_hit_length: the last token is recomputed for its logits
+        return self.find_longest_cache_hit(req.keys, req.num_tokens - 1)
+
+    def find_longest_cache_hit(self, keys_of: Callable[[int, int], list[Key]],
+                               max_cache_hit_length: int) -> int:
+        """The coordinator's ``find_longest_cache_hit``: the longest hit of at most
+        ``max_cache_hit_length`` tokens over the block hashes ``keys_of(group_id,
+        block_size)`` gives (a request's, or the suffix a connector looks up past its local
+        hit); sets ``self.junction``."""
+        self.junction = 0
         config = self.config
         align = config.block_size
-        # max_cache_hit_length: the last token is recomputed for its logits
-        L = req.num_tokens - 1
+        L = max_cache_hit_length
         # an EAGLE sliding-window group (no Mamba or chunked local group beside it) drops the
         # block for the whole hit after its reach search (the peek, below); else every EAGLE
         # full-attention group matches past the candidate and drops its own block (_eagle_reach)
@@ -103,8 +114,8 @@ class KVCacheManager:
             # the start (a block whose tokens are not all known has no key: the run stops there)
             bs = m.block_size
             eagle = not drop_last and m.use_eagle()
-            reach = self._eagle_reach(req, L, bs) if eagle else L
-            hit = self._cached_run(req, m, reach // bs) * bs
+            reach = self._eagle_reach(max_cache_hit_length, L, bs) if eagle else L
+            hit = self._cached_run(keys_of(m.gid, bs), reach // bs) * bs
             if eagle and hit > 0:
                 # drop_eagle_block: the drafter needs the tokens before the generation point
                 hit -= min(align, bs)
@@ -112,25 +123,26 @@ class KVCacheManager:
         if config.eagle_drop and self.eagle_keepers and not self.full:
             # one Mamba or chunked local group (UnitaryKVCacheCoordinator): nothing drops, and
             # no group matches past the candidate hit (no eagle_proof_margin)
-            L = (req.num_tokens - 1) // align * align
+            L = max_cache_hit_length // align * align
         full_hit = L
         if self.rest:
-            L = self._hit_in_reach(req, L, drop_last)
+            L = self._hit_in_reach(keys_of, L, drop_last)
             if full_hit > L and self.full:
                 self.junction = full_hit
         if drop_last and L > 0:
             L = (L - min(align, min(m.block_size for m in self.cacheable))) // align * align
         return L
 
-    def _cached_run(self, req: Request, m: SingleTypeKVCacheManager, limit: int) -> int:
-        """How many of group ``m``'s first ``limit`` blocks are cached, from the start."""
-        keys = req.keys(m.gid, m.block_size)
+    def _cached_run(self, keys: list[Key], limit: int) -> int:
+        """How many of a group's first ``limit`` blocks (of keys ``keys``) are cached, from
+        the start."""
         n = 0
         while n < min(limit, len(keys)) and self.pool.holder(keys[n]) is not None:
             n += 1
         return n
 
-    def _hit_in_reach(self, req: Request, L: int, drop_last: bool) -> int:
+    def _hit_in_reach(self, keys_of: Callable[[int, int], list[Key]], L: int,
+                      drop_last: bool) -> int:
         """The longest hit of at most ``L`` tokens at which every group other than full attention
         finds the blocks in its reach cached (``HybridKVCacheCoordinator``'s fixed point).
 
@@ -139,7 +151,7 @@ class KVCacheManager:
         search resumes at the largest ``L`` that ends at or before block ``j``. The run of
         blocks found cached before the miss is not looked up again at a smaller ``L``."""
         align = self.config.block_size
-        keys = [req.keys(m.gid, m.block_size) for m in self.rest]
+        keys = [keys_of(m.gid, m.block_size) for m in self.rest]
         found = [(0, 0)] * len(self.rest)
         while L > 0:
             for x, m in enumerate(self.rest):
@@ -174,7 +186,7 @@ class KVCacheManager:
                 return L                          # every group hits at L
         return L
 
-    def _eagle_reach(self, req: Request, L: int, bs: int) -> int:
+    def _eagle_reach(self, max_cache_hit_length: int, L: int, bs: int) -> int:
         """How far an EAGLE full-attention group of block size ``bs`` matches at the candidate
         hit ``L``: one block past it, which it drops after the match (the coordinator's
         ``_max_length``, ``HybridKVCacheCoordinator.find_longest_cache_hit``), capped by
@@ -183,7 +195,7 @@ class KVCacheManager:
         ``len(block_hashes) * hash_block_size``: the group's keys bound the run). One group
         (``UnitaryKVCacheCoordinator``): no margin, ``L`` itself."""
         if not self.config.eagle_margin:
-            return min(L + bs, req.num_tokens - 1) if len(self.managers) > 1 else L
+            return min(L + bs, max_cache_hit_length) if len(self.managers) > 1 else L
         return L + bs
 
     def apply_hit(self, req: Request, L: int, total: int | None = None) -> None:

@@ -53,6 +53,7 @@ from simsched.model.multi_connector import MultiConnector
 from simsched.model.nixl_scheduler import NixlPullConnectorScheduler
 from simsched.model.offloading_common import Job
 from simsched.model.offloading_scheduler import ModelCrash, OffloadingConnectorScheduler
+from simsched.model.simple_cpu_scheduler import SimpleCPUOffloadScheduler, block_geometry
 from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_FOR_LOAD, Request
 from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
                                                          CircularBufferManager)
@@ -100,7 +101,10 @@ class Model:
         work = sum(r.prompt_len + r.decode for r in case.requests)
         last = max((r.arrival for r in case.requests), default=0)
         self.max_steps = min(MAX_STEPS, 4 * (work + last) + 64)
-        self.geo = geo = derive(layout, profile, asserts=case.asserts)
+        simple_cpu = layout.engine.connector.kind == "simple_cpu"
+        # the connector's geometry: the SimpleCPUOffloadConnector moves one GPU block a transfer
+        self.geo = geo = (block_geometry(layout, profile) if simple_cpu
+                          else derive(layout, profile, asserts=case.asserts))
         check_kv_cache_coordinator(layout, profile, geo.scheduler_block_size, case.asserts)
         self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
         self.no_blocks_text = fmt_alloc("", [[] for _ in layout.groups])[len("alloc  "):]
@@ -123,12 +127,14 @@ class Model:
         spec_blocks = layout.num_speculative_blocks if any(
             g.kind == "mamba" for g in layout.groups) else 0
         skip_lags = spec_blocks > 0 and bool(profile.extra.get("mamba_skip_lags_spec_blocks"))
-        self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
-                                 geo.scheduler_block_size, layout.engine.enable_prefix_caching,
-                                 max_in_flight_tokens=in_flight,
-                                 mamba_tail_recache=geo.tokens_per_hash if tail_recache else 0,
-                                 retention_interval=retention,
-                                 num_speculative_blocks=spec_blocks, mamba_skip_lags=skip_lags)
+        def kv_cache_manager(num_blocks: int, enable_caching: bool) -> KVCacheManager:
+            return KVCacheManager(layout.groups, sizes, num_blocks, geo.scheduler_block_size,
+                                  enable_caching, max_in_flight_tokens=in_flight,
+                                  mamba_tail_recache=geo.tokens_per_hash if tail_recache else 0,
+                                  retention_interval=retention,
+                                  num_speculative_blocks=spec_blocks, mamba_skip_lags=skip_lags)
+        self.kv = kv_cache_manager(layout.engine.num_gpu_blocks,
+                                   layout.engine.enable_prefix_caching)
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
         self.kv.config.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
@@ -137,6 +143,21 @@ class Model:
                                                 layout.engine.cpu_chunks,
                                                 layout.engine.enable_prefix_caching, layout,
                                                 observed_walks)
+        # the SimpleCPUOffloadConnector (engine.connector "simple_cpu"): its CPU tier is a
+        # coordinator of the GPU pool's groups over cpu_chunks blocks (_derive_cpu_config)
+        self.simple: SimpleCPUOffloadScheduler | None = None
+        if simple_cpu:
+            cpu_coordinator = kv_cache_manager(layout.engine.cpu_chunks, True)
+            cpu_coordinator.config.tokens_per_hash = geo.tokens_per_hash
+            self.simple = SimpleCPUOffloadScheduler(
+                geo, self.kv, cpu_coordinator, layout.engine.connector.lazy_offload,
+                timing.max_num_batched_tokens,
+                bool(profile.extra.get("simple_cpu_reset_at_preemption", False)),
+                bool(profile.extra.get("simple_cpu_chunked_local_guard", False)))
+        # the connector the scheduler's hooks call, and its jobs
+        self.conn: OffloadingConnectorScheduler | SimpleCPUOffloadScheduler = \
+            self.simple or self.off
+        self.jobs: dict[int, Job] = self.conn.jobs
         # a P/D decode instance (engine.connector "multi"): a MultiConnector of the offloading
         # connector above and NIXL, whose pulls land as the harness plays NIXL's worker
         self.nixl: NixlPullConnectorScheduler | None = None
@@ -361,7 +382,7 @@ class Model:
         req = Request(spec.id, i, spec, proto.tokens, spec.prompt_len + spec.decode, self.unit,
                       len(self.case.layout.groups), proto, len(proto.ident))
         self.reqs[spec.id] = req
-        (self.multi or self.off).on_new_request(req)
+        (self.multi or self.conn).on_new_request(req)
         self.waiting.append(req)
         self._schedule_step(self.q.now)
 
@@ -411,7 +432,7 @@ class Model:
             if self.async_ is not None:
                 computed = self.async_.processed(req)
         self.kv.remove_skipped_blocks(req, computed)
-        (self.multi or self.off).request_finished(req)
+        (self.multi or self.conn).request_finished(req)
         if delay_free:
             # Scheduler.finish_requests: a request aborted in WAITING_FOR_REMOTE_KVS keeps its
             # blocks (delay_free_blocks) until its load reports finished_recving;
@@ -452,11 +473,11 @@ class Model:
                 raise v
 
     def store_done(self, jid: int) -> None:
-        job = self.off.jobs.get(jid)
+        job = self.jobs.get(jid)
         if job is None:
             return              # flushed and completed earlier
         self._read_store(job)
-        self.off.complete_job(jid)
+        self.conn.complete_job(jid)
         if self.tracing:
             self.lines.append(f"done {jid} store")
         self.progress = True
@@ -467,6 +488,11 @@ class Model:
         ``t``."""
         if jid in self.failing:
             self.q.schedule(t, ev.TRANSFER_FAILED, jid, priority=-1)
+        elif self.simple is not None and t == self.q.now:
+            # reported with this step's output, which update_from_output reads after it freed
+            # the step's finished requests: the SimpleCPUOffloadConnector's pins on their
+            # blocks are released after them (the order the blocks reach the free queue)
+            self.q.schedule(t, event, jid, priority=ev.FINISH + 1)
         else:
             self.q.schedule(t, event, jid)
 
@@ -486,7 +512,7 @@ class Model:
         if failing:
             self.failed_job = failing[0]
             return False
-        jobs = self.off.jobs
+        jobs = self.jobs
         for jid in jids:
             job = jobs.get(jid)
             if job is None:
@@ -498,7 +524,7 @@ class Model:
         return True
 
     def load_done(self, jid: int) -> None:
-        job = self.off.jobs[jid]
+        job = self.jobs[jid]
         req = self.reqs[job.rid]
         chunks = job.cpu_chunks if job.cpu_chunks is not None else \
             self.off.tier.chunks_of(job.ckeys)
@@ -521,7 +547,7 @@ class Model:
                 shadow.write_chunk(bidx, bids, lo, hi, c)
         written = job.bids          # every destination block, in order
         self._violation(self.pending_reads.check(self.step_no, written, "load", str(jid)))
-        self.off.complete_job(jid)
+        self.conn.complete_job(jid)
         self._emit(f"done {jid} load")
         self.progress = True
         if req.finished:
@@ -534,6 +560,21 @@ class Model:
         # loop reaches it (_promote_loaded)
         self.loaded.add(req.rid)
         self._schedule_step(self.q.now)
+
+    def _start_load(self, t: int, job: Job) -> None:
+        """The worker starts load job ``job`` at ``t``; it completes ``load_latency`` later (the
+        case's timing and faults count loads in the order they start)."""
+        self._emit(fmt_job(job))
+        load_lat = self.timing.latency("load", self.loads_created)
+        if self.case.fault("load", self.loads_created) is not None:
+            self.failing[job.jid] = "load"
+        self.loads_created += 1
+        if load_lat is None:
+            self.hung[job.jid] = False      # the worker never reports it
+        elif self.async_ is None:
+            self.completion(t + load_lat, job.jid, ev.LOAD_DONE)
+        else:
+            self.async_.due[job.jid] = t + load_lat
 
     def _start_pulls(self, t: int) -> None:
         """NIXL's ``reqs_to_recv`` of the step: the worker starts each pull it reports (blocks
@@ -617,7 +658,7 @@ class Model:
 
     def connector_quiet(self) -> bool:
         """No transfer in flight: no offloading job, no NIXL pull."""
-        return self.off.quiet() and not self.pulls
+        return self.conn.quiet() and not self.pulls
 
     def has_requests(self) -> bool:
         """``Scheduler.has_requests``: requests to schedule, or finished ones not yet reported to
@@ -655,7 +696,7 @@ class Model:
         lines = self.lines
         if tracing:
             lines.append(f"step {step}")
-        kv, off = self.kv, self.off
+        kv, conn = self.kv, self.conn
         kv.new_step()
         budget = self.timing.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -670,7 +711,8 @@ class Model:
         running = self.running
         k = self.num_spec
         asy = self.async_
-        fast = not k and asy is None
+        # (the SimpleCPUOffloadConnector reads every scheduled request's blocks: no quiet step)
+        fast = not k and asy is None and self.simple is None
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -754,9 +796,13 @@ class Model:
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
         # (typed: unpacked and walked as native lists, not through iterators)
-        meta: tuple[list[Job], list[Job], set[int]] = off.build_connector_meta(
+        meta: tuple[list[Job], list[Job], set[int]] = conn.build_connector_meta(
             scheduled, new_blocks, preempted, finished, kv.take_offers())
         stores, loads, flush = meta
+        if self.simple is not None:
+            # the SimpleCPUOffloadConnector issues its recorded loads with the step's event
+            for job in loads:
+                self._start_load(t, job)
         if self.nixl is not None:
             self._start_pulls(t)
         if stores:
@@ -783,13 +829,13 @@ class Model:
             self._emit("flush " + ",".join(map(str, sorted(flush))))
             if self.hung:
                 for jid in sorted(flush):
-                    if jid in self.hung and jid in off.jobs:
+                    if jid in self.hung and jid in conn.jobs:
                         # the worker waits for the flushed jobs before the step runs
                         # (handle_preemptions: worker.wait(jobs_to_flush)): forever on this one
                         self._emit(fmt_hung_flush(jid, self.hung[jid]))
                         raise RunEnded()
             for jid in sorted(flush):
-                fj = off.jobs.get(jid)
+                fj = conn.jobs.get(jid)
                 if fj is not None and fj.is_store:
                     self._read_store(fj)
                     if asy is None:
@@ -825,7 +871,7 @@ class Model:
         seed = self.case.seed % VOCAB      # (see sampled_token)
         inflight = self.inflight
         asy = self.async_
-        fast = not self.num_spec and asy is None
+        fast = not self.num_spec and asy is None and self.simple is None
         for item in sched_reqs:
             if isinstance(item, Request):
                 # a quiet decode (see _fast_bound): one token that completes no block, written
@@ -1034,6 +1080,7 @@ class Model:
                           budget: int, sched_reqs: list[Scheduled]) -> int:
         """The waiting loop of ``Scheduler.schedule()``: returns the budget left."""
         kv, off, multi, t = self.kv, self.off, self.multi, self.q.now
+        conn = self.conn
         max_seqs = self.timing.max_num_seqs
         waiting, running = self.waiting, self.running
         pool, inflight = kv.pool, self.inflight
@@ -1059,10 +1106,10 @@ class Model:
                 # Request.shared_prefix_boundary (_get_local_prefix_cache_hit), a reachable
                 # boundary of the sparse-retention masks (GPU caching, sliding-window stores)
                 req.shared_prefix_boundary = kv.junction
-                hit = (multi or off).get_num_new_matched_tokens(req, L)
+                hit = (multi or conn).get_num_new_matched_tokens(req, L)
                 if self.skip_zeroes_hit and req.skip_reading_prefix_cache:
                     hit = 0     # 0.31.0+: every connector's answer is set aside
-                if self.checks == "full":
+                if self.checks == "full" and self.simple is None:
                     # (the hit oracle judges the offloading connector's own lookup)
                     self._violation(inv.check_hit(self.step_no, off, off.req_status[req.rid],
                                                   hit if multi is None else multi.offloading_hit))
@@ -1109,30 +1156,18 @@ class Model:
                     break
                 # is_cached(block): the block's hash (BlockPool.key) or None
                 if multi is None:
-                    job = off.update_state_after_alloc(req, req.tables, ext, pool.key)
+                    job = conn.update_state_after_alloc(req, req.tables, ext, pool.key)
                 else:   # (parked, not scheduled in this step, whichever child loads it)
                     job = multi.update_state_after_alloc(req, req.tables, ext, pool.key,
                                                          scheduled=False)
                 req.status = WAITING_FOR_LOAD
                 req.load_target = L + ext
                 inflight[req.rid] = req
-                if job is None:     # NIXL pulls the tokens (multi): _start_pulls
-                    i += 1
-                    continue
-                self._violation(inv.check_load_ready(self.step_no, off.tier, job))
-                if self.tracing:
-                    self._emit(fmt_job(job))
-                # the load jobs created so far: this one's index (Timing.jobs)
-                load_lat = self.timing.latency("load", self.loads_created)
-                if self.case.fault("load", self.loads_created) is not None:
-                    self.failing[job.jid] = "load"
-                self.loads_created += 1
-                if load_lat is None:
-                    self.hung[job.jid] = False      # the worker never reports it
-                elif self.async_ is None:
-                    self.completion(t + load_lat, job.jid, ev.LOAD_DONE)
-                else:
-                    self.async_.due[job.jid] = t + load_lat
+                if job is not None:
+                    self._violation(inv.check_load_ready(self.step_no, off.tier, job))
+                    self._start_load(t, job)
+                # (no job: NIXL pulls the tokens, multi, _start_pulls; or SimpleCPU issues the
+                # load with the step's event)
                 i += 1
                 continue
             n = min(req.num_tokens - L, budget)
@@ -1163,8 +1198,8 @@ class Model:
                 break
             if multi is not None:
                 multi.update_state_after_alloc(req, req.tables, 0, pool.key)
-            elif off.alloc_all_groups:
-                off.update_state_after_alloc(req, req.tables, 0, None)
+            elif conn.alloc_all_groups:
+                conn.update_state_after_alloc(req, req.tables, 0, None)
             del waiting[i]
             if i < self.n_held:
                 self.n_held -= 1
@@ -1231,7 +1266,9 @@ class Model:
             self._violation(inv.check_pool(step, self.kv.pool,
                                            [r for r in self.reqs.values() if not r.finished]
                                            + list(self.delayed_free.values())
-                                           + (self.async_.held() if self.async_ else [])))
+                                           + (self.async_.held() if self.async_ else []),
+                                           self.simple.held_gpu_blocks()
+                                           if self.simple is not None else None))
         self._emit("check ok")
         if self.failed_job is not None:
             self.transfer_failed(self.failed_job)
@@ -1239,7 +1276,7 @@ class Model:
         # a job that never completes is no transfer to wait for (it only keeps the engine
         # stepping: the scheduler's has_requests holds while the connector has jobs)
         live = not quiet and (not self.hung
-                              or any(jid not in self.hung for jid in self.off.jobs))
+                              or any(jid not in self.hung for jid in self.jobs))
         if self.progress or live or self.future_events:
             self.stall = 0
         else:
@@ -1258,7 +1295,7 @@ class Model:
 
     def _hung_jobs(self) -> list[Job]:
         """The jobs that never complete, in flight (all of them: nothing completes them)."""
-        jobs = self.off.jobs
+        jobs = self.jobs
         return [jobs[jid] for jid in sorted(self.hung) if jid in jobs]
 
     def _end_hung(self, step: int) -> None:
