@@ -190,11 +190,13 @@ _EVERY_GROUP_NO_CLAMP = Profile(
 #: step kept free for an async load (``Scheduler._spec_decode_step_blocks``); the connector's
 #: ``max_load_tokens``; the CPU tier's LRU policy by recency ranks, not an evictable list; and
 #: the scheduler's own answer for a request that skips reading the prefix cache: whatever the
-#: connector said, nothing to load (skip_reading_zeroes_hit, a deferred lookup included).
+#: connector said, nothing to load (skip_reading_zeroes_hit, a deferred lookup included); and
+#: the SimpleCPUOffloadConnector stores the prefix-cacheable groups only (no ring).
 #: (retained_widens_windows: get_sliding_window_size_in_chunks, load_window_size_in_chunks and
 #: the store mask count a sliding-window group's extra_retained_tokens)
 _SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "ranks",
-               "retained_widens_windows": True, "skip_reading_zeroes_hit": True}
+               "retained_widens_windows": True, "skip_reading_zeroes_hit": True,
+               "simple_cpu_prefix_cacheable_only": True}
 
 #: From 0.32.0 the SimpleCPUOffloadConnector's eager store state of a preempted request starts
 #: over when it is preempted (``_prepare_eager_store_specs``: ``preempted_req_ids``), not when it

@@ -150,7 +150,9 @@ class Model:
             cpu_coordinator = kv_cache_manager(layout.engine.cpu_chunks, True)
             cpu_coordinator.config.tokens_per_hash = geo.tokens_per_hash
             self.simple = SimpleCPUOffloadScheduler(
-                geo, self.kv, cpu_coordinator, layout.engine.connector.lazy_offload,
+                geo, self.kv, cpu_coordinator, [g.prefix_cacheable for g in layout.groups],
+                bool(profile.extra.get("simple_cpu_prefix_cacheable_only", False)),
+                layout.engine.connector.lazy_offload,
                 timing.max_num_batched_tokens,
                 bool(profile.extra.get("simple_cpu_reset_at_preemption", False)),
                 bool(profile.extra.get("simple_cpu_chunked_local_guard", False)))
@@ -696,6 +698,7 @@ class Model:
         lines = self.lines
         if tracing:
             lines.append(f"step {step}")
+        step_start = len(lines)
         kv, conn = self.kv, self.conn
         kv.new_step()
         budget = self.timing.max_num_batched_tokens
@@ -796,8 +799,13 @@ class Model:
         # build_connector_meta
         finished, self.finished_ids = self.finished_ids, []
         # (typed: unpacked and walked as native lists, not through iterators)
-        meta: tuple[list[Job], list[Job], set[int]] = conn.build_connector_meta(
-            scheduled, new_blocks, preempted, finished, kv.take_offers())
+        try:
+            meta: tuple[list[Job], list[Job], set[int]] = conn.build_connector_meta(
+                scheduled, new_blocks, preempted, finished, kv.take_offers())
+        except ModelCrash:
+            # schedule() raised: no scheduler output left it, and the trace shows none
+            del lines[step_start:]
+            raise
         stores, loads, flush = meta
         if self.simple is not None:
             # the SimpleCPUOffloadConnector issues its recorded loads with the step's event

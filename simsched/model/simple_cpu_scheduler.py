@@ -23,16 +23,16 @@ reported once all its jobs are done and every earlier one was (the worker's FIFO
 mark). Jobs are numbered stores first, then loads, in the step that issues them.
 
 Not modelled (``simsched.model.unmodelled_path``): Mamba groups (boundary hand-offs,
-fine-grained hash hits, the partial tail), rings, sliding-window MLA, speculative decoding,
-DCP, async scheduling.
+fine-grained hash hits, the partial tail), speculative decoding, DCP, async scheduling.
 """
 
 from __future__ import annotations
 
-from simsched.geometry import Geometry, GroupGeometry, resolve_block_sizes
+from simsched.geometry import KV_CACHE_UTILS_PY, Geometry, GroupGeometry, resolve_block_sizes
 from simsched.model.block_pool import NULL, BlockPool
 from simsched.model.kv_cache_manager import KVCacheManager
 from simsched.model.offloading_common import Job
+from simsched.model.offloading_scheduler import ModelCrash
 from simsched.model.request import Request, key_group, key_ident
 from simsched.model.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager, SlidingWindowManager)
@@ -40,8 +40,8 @@ from simsched.profiles import ConfigError
 
 MANAGER_PY = "v1/simple_kv_offload/manager.py"
 
-#: the group kinds the model covers on this path (a full-attention spec: full, MLA)
-MODELLED_KINDS = ("full", "mla", "sliding_window", "chunked_local")
+#: the group kinds the model covers on this path
+MODELLED_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local", "ring")
 
 
 def block_geometry(layout, profile) -> Geometry:
@@ -134,7 +134,10 @@ class HashOwners:
 
 class SimpleCPUOffloadScheduler:
     """``SimpleCPUOffloadScheduler`` over the model's GPU KV cache manager ``gpu`` and a CPU
-    coordinator ``cpu_coordinator`` of the same groups. ``reset_at_preemption``: a preempted
+    coordinator ``cpu_coordinator`` of the same groups. ``prefix_cacheable``: per group, whether
+    its spec is prefix-cacheable (a ring is not); ``prefix_cacheable_only``: only those groups
+    are stored and counted by the lazy walk (0.31.0+), else every group.
+    ``reset_at_preemption``: a preempted
     request's table and cursors are cleared when it is preempted (0.32.0+), not when it resumes
     (0.30.0-0.31.0); ``chunked_local_guard``: a lookup past a local prefix that is not a whole
     number of attention chunks finds nothing (0.33.0)."""
@@ -144,7 +147,8 @@ class SimpleCPUOffloadScheduler:
     alloc_all_groups = True
 
     def __init__(self, geometry: Geometry, gpu: KVCacheManager, cpu_coordinator: KVCacheManager,
-                 lazy_offload: bool, max_num_batched_tokens: int, reset_at_preemption: bool,
+                 prefix_cacheable: list[bool], prefix_cacheable_only: bool, lazy_offload: bool,
+                 max_num_batched_tokens: int, reset_at_preemption: bool,
                  chunked_local_guard: bool) -> None:
         self.block_size = geometry.scheduler_block_size
         self.hash_block_size = geometry.tokens_per_hash
@@ -152,6 +156,8 @@ class SimpleCPUOffloadScheduler:
         self.gpu_block_pool: BlockPool = gpu.pool
         self.cpu_block_pool: BlockPool = cpu_coordinator.pool
         self.group_block_sizes = [m.block_size for m in gpu.managers]
+        # the groups stored (prefix_cacheable_group_ids, 0.31.0+; every group before)
+        self.stored_groups = [c or not prefix_cacheable_only for c in prefix_cacheable]
         self.lazy_mode = lazy_offload
         self.reset_at_preemption = reset_at_preemption
         self.chunked_local_guard = chunked_local_guard
@@ -183,7 +189,9 @@ class SimpleCPUOffloadScheduler:
     def _estimate_lazy_target_blocks(self, max_num_batched_tokens: int) -> int:
         """GPU blocks the lazy walk keeps offloaded or free per step (``WATERMARK_RATIO`` 1)."""
         target = 0
-        for m in self.gpu.managers:
+        for m, stored in zip(self.gpu.managers, self.stored_groups):
+            if not stored:
+                continue
             if isinstance(m, SlidingWindowManager):
                 target += -(-m.window // m.block_size) + 1
             else:
@@ -229,6 +237,9 @@ class SimpleCPUOffloadScheduler:
         hit_length = coordinator.find_longest_cache_hit(suffix_keys, max_hit_len)
         blocks: list[list[int]] = []
         for m in coordinator.managers:
+            if not m.cacheable:
+                blocks.append([])
+                continue
             n = hit_length // m.block_size
             first = min(m.num_tokens_out_of_window(hit_length) // m.block_size, n)
             keys = suffix_keys(m.gid, m.block_size)
@@ -401,9 +412,16 @@ class SimpleCPUOffloadScheduler:
         gpu_ids: list[int] = []
         advanced = [0] * len(block_ids_by_group)
         for g, group_ids in enumerate(block_ids_by_group):
+            if not self.stored_groups[g]:
+                continue
             if len(gpu_ids) >= num_free:
                 break
             bs = self.group_block_sizes[g]
+            if bs != self.hash_block_size and bs % self.hash_block_size:
+                # resolve_block_hashes: a group's hashes at its block size (0.30.0 stores a
+                # ring too, whose block the hash unit of the other groups need not divide)
+                raise ModelCrash("AssertionError", "resolve_block_hashes", "schedule",
+                                 "assert block_size % hash_block_size == 0", KV_CACHE_UTILS_PY)
             keys = req.keys(g, bs)
             ready = min(len(group_ids), cacheable_tokens // bs)
             for i in range(state.num_stored_blocks[g], ready):
