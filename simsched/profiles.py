@@ -200,9 +200,11 @@ _SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "
 
 #: From 0.32.0 the SimpleCPUOffloadConnector's eager store state of a preempted request starts
 #: over when it is preempted (``_prepare_eager_store_specs``: ``preempted_req_ids``), not when it
-#: resumes; 0.33.0 also looks nothing up past a local prefix that is not a whole number of
+#: resumes, and its eager stores reach the coordinator's cacheable tokens
+#: (``get_num_cacheable_tokens``: an EAGLE group's block past the boundary too); 0.33.0 also looks nothing up past a local prefix that is not a whole number of
 #: attention chunks (simple_cpu_chunked_local_guard)
-_SINCE_0_32 = {"simple_cpu_reset_at_preemption": True}
+_SINCE_0_32 = {"simple_cpu_reset_at_preemption": True,
+               "simple_cpu_eagle_cacheable_block": True}
 
 #: Before 0.27.0 NIXL pulls every unhashed block of a Mamba group (0.27.0 ``nixl/
 #: base_scheduler.py`` get_exchange_clipped_blocks keeps its running-state block alone)

@@ -76,9 +76,12 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(lazy, profile_for_release("0.30.0")) is None
     assert unmodelled_path(lazy, profile_for_release("0.29.0")) \
         == "engine.connector=simple_cpu(lazy) before 0.30.0"
+    mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16}],
+                              "engine": {"connector": {"kind": "simple_cpu"}}})
+    assert unmodelled_path(mamba) == "engine.connector=simple_cpu(eager) with mamba groups"
     ring = Layout.from_json({"groups": FULL + [{"kind": "ring", "block_size": 16}],
                              "engine": {"connector": {"kind": "simple_cpu"}}})
-    assert unmodelled_path(ring) == "engine.connector=simple_cpu(eager) with ring groups"
+    assert unmodelled_path(ring) is None
     assert unmodelled_path(_layout(connector={"kind": "multi"})) is None
     mtp = _layout(connector={"kind": "multi"}, speculative={"method": "mtp", "num_tokens": 2})
     assert unmodelled_path(mtp) == "engine.connector=multi(offloading+nixl) with MTP"

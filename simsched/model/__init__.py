@@ -36,6 +36,7 @@ The content shadow, the invariants and the trace (``simsched.shadow``, ``simsche
 """
 
 import importlib
+import math
 
 #: the model's public names, by the module that holds them
 _MODULE_OF = {"MAX_STEPS": "scheduler", "STALL_STEPS": "scheduler", "Model": "scheduler",
@@ -79,10 +80,15 @@ def _simple_cpu_gap(layout) -> str | None:
     other = sorted({g.kind for g in layout.groups if g.kind not in MODELLED_KINDS})
     if other:
         return "+".join(other) + " groups"
-    if engine.speculative is not None:
-        return "speculative decoding"
     if engine.dcp_size > 1:
         return "DCP"
+    # FullAttentionManager._cache_partial_tail_block (0.26.0+): the block where a prompt's last
+    # hash boundary falls inside it is cached under that boundary's hash (its place in the free
+    # queue, the lazy walk's stores), which the model's GPU prefix cache does not do
+    sizes = [g.block_size for g in layout.groups if g.prefix_cacheable]
+    unit = engine.prefix_match_unit or math.gcd(*sizes)
+    if any(g.kind in ("full", "mla") and g.block_size != unit for g in layout.groups):
+        return "a full-attention block wider than the hash unit (partial prompt tails)"
     if engine.async_scheduling:
         return "async scheduling"
     return None

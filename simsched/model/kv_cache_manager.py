@@ -28,14 +28,17 @@ class KVCacheManager:
     def __init__(self, groups, block_sizes: list[int], num_blocks: int, align: int,
                  enable_prefix_caching: bool = True, max_in_flight_tokens: int | None = None,
                  mamba_tail_recache: int = 0, retention_interval: int | None = None,
-                 num_speculative_blocks: int = 0, mamba_skip_lags: bool = False):
+                 num_speculative_blocks: int = 0, mamba_skip_lags: bool = False,
+                 config: PrefixCacheConfig | None = None):
         """``max_in_flight_tokens``: ``VllmConfig.max_in_flight_tokens`` (max_num_batched_tokens
         times the concurrent batches), the admission cap of the recycling specs; None: no cap.
         ``mamba_tail_recache``: see ``MambaManager.tail_recache``. ``num_speculative_blocks``:
         the Mamba specs' (``Layout.num_speculative_blocks``); ``mamba_skip_lags``: see
-        ``MambaManager.skip_lags_speculative_blocks``."""
+        ``MambaManager.skip_lags_speculative_blocks``. ``config``: another coordinator's, to
+        share (a connector's coordinator of the same groups), else one of its own."""
         self.pool = BlockPool(num_blocks)
-        self.config = PrefixCacheConfig(align, retention_interval)
+        self.config = config if config is not None else PrefixCacheConfig(align,
+                                                                          retention_interval)
         # _pending_boundary_state_offloads of every Mamba manager, in the order they were cached
         self.offers: list[tuple[str, int, int, int]] = []
         self.managers: list[SingleTypeKVCacheManager] = [

@@ -68,6 +68,11 @@ MAX_STEPS: Final = 100_000
 Sched = tuple[Request, int, list[list[int]]]
 Scheduled = Request | Sched
 STALL_STEPS: Final = 8
+#: steps the engine may go on stepping once every request finished and none is to come: the
+#: transfers still in flight are reported within the case's latencies (at most 9 steps drawn),
+#: so a run still stepping this long after is an engine that never goes idle (INV-8; SimpleCPU's
+#: lazy offload, 0.30.0+, met at the step cap of 20,000 before: seconds a case)
+MAX_STEPS_AFTER_LAST: Final = 100
 
 
 class TransferFailed(Exception):
@@ -127,14 +132,12 @@ class Model:
         spec_blocks = layout.num_speculative_blocks if any(
             g.kind == "mamba" for g in layout.groups) else 0
         skip_lags = spec_blocks > 0 and bool(profile.extra.get("mamba_skip_lags_spec_blocks"))
-        def kv_cache_manager(num_blocks: int, enable_caching: bool) -> KVCacheManager:
-            return KVCacheManager(layout.groups, sizes, num_blocks, geo.scheduler_block_size,
-                                  enable_caching, max_in_flight_tokens=in_flight,
-                                  mamba_tail_recache=geo.tokens_per_hash if tail_recache else 0,
-                                  retention_interval=retention,
-                                  num_speculative_blocks=spec_blocks, mamba_skip_lags=skip_lags)
-        self.kv = kv_cache_manager(layout.engine.num_gpu_blocks,
-                                   layout.engine.enable_prefix_caching)
+        self.kv = KVCacheManager(layout.groups, sizes, layout.engine.num_gpu_blocks,
+                                 geo.scheduler_block_size, layout.engine.enable_prefix_caching,
+                                 max_in_flight_tokens=in_flight,
+                                 mamba_tail_recache=geo.tokens_per_hash if tail_recache else 0,
+                                 retention_interval=retention,
+                                 num_speculative_blocks=spec_blocks, mamba_skip_lags=skip_lags)
         # KVCacheManager.max_model_len: allocate_slots caps the slots it allocates there
         self.kv.max_model_len = max_model_len(case)
         self.kv.config.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
@@ -144,18 +147,23 @@ class Model:
                                                 layout.engine.enable_prefix_caching, layout,
                                                 observed_walks)
         # the SimpleCPUOffloadConnector (engine.connector "simple_cpu"): its CPU tier is a
-        # coordinator of the GPU pool's groups over cpu_chunks blocks (_derive_cpu_config)
+        # coordinator of the GPU pool's groups over cpu_chunks blocks (_derive_cpu_config),
+        # built as the scheduler's (get_kv_cache_coordinator, use_eagle_block_drop): it reads
+        # the GPU coordinator's configuration (without Mamba groups no fine-grained hits, the
+        # one rule its allow_partial_hash_hits=not lazy_offload could change)
         self.simple: SimpleCPUOffloadScheduler | None = None
         if simple_cpu:
-            cpu_coordinator = kv_cache_manager(layout.engine.cpu_chunks, True)
-            cpu_coordinator.config.tokens_per_hash = geo.tokens_per_hash
+            cpu_coordinator = KVCacheManager(layout.groups, sizes, layout.engine.cpu_chunks,
+                                             geo.scheduler_block_size, True,
+                                             retention_interval=retention, config=self.kv.config)
             self.simple = SimpleCPUOffloadScheduler(
                 geo, self.kv, cpu_coordinator, [g.prefix_cacheable for g in layout.groups],
                 bool(profile.extra.get("simple_cpu_prefix_cacheable_only", False)),
                 layout.engine.connector.lazy_offload,
                 timing.max_num_batched_tokens,
                 bool(profile.extra.get("simple_cpu_reset_at_preemption", False)),
-                bool(profile.extra.get("simple_cpu_chunked_local_guard", False)))
+                bool(profile.extra.get("simple_cpu_chunked_local_guard", False)),
+                bool(profile.extra.get("simple_cpu_eagle_cacheable_block", False)))
         # the connector the scheduler's hooks call, and its jobs
         self.conn: OffloadingConnectorScheduler | SimpleCPUOffloadScheduler = \
             self.simple or self.off
@@ -319,6 +327,7 @@ class Model:
         self.unfinished = len(case.requests)
         self.future_events = 0      # arrivals and aborts not yet processed
         self.stall = 0
+        self.after_last = 0         # steps since every request finished
         self.progress = False
         self.step_scheduled = False
         for i, spec_ in enumerate(case.requests):
@@ -417,6 +426,10 @@ class Model:
     def finish_request(self, req: Request) -> None:
         req.status = FINISHED
         self._free_request(req, "finished")
+        if self.unfinished == 0:
+            # the step whose output finished the last request counts as the first after it
+            # (the release checks after update_from_output; the model's check came before)
+            self.after_last = 1
 
     def _free_request(self, req: Request, how: str, delay_free: bool = False,
                       computed: int | None = None) -> None:
@@ -803,8 +816,11 @@ class Model:
             meta: tuple[list[Job], list[Job], set[int]] = conn.build_connector_meta(
                 scheduled, new_blocks, preempted, finished, kv.take_offers())
         except ModelCrash:
-            # schedule() raised: no scheduler output left it, and the trace shows none
-            del lines[step_start:]
+            if self.simple is not None:
+                # raised inside Scheduler.schedule(): no scheduler output left it, and the
+                # release's trace shows none of the step (the OffloadingConnector's store-job
+                # crash follows the step's scheduling there, golden corpus gen149)
+                del lines[step_start:]
             raise
         stores, loads, flush = meta
         if self.simple is not None:
@@ -1292,6 +1308,14 @@ class Model:
         self.progress = False
         if self.stall > STALL_STEPS and self.hung and self._hung_jobs():
             self._end_hung(step)
+        # the engine steps while Scheduler.has_requests(), which counts the connector's pending
+        # work (has_pending_push_work): a step that makes more of it every time never idles
+        self.after_last = self.after_last + 1 if self.unfinished <= 0 and not \
+            self.future_events else 0
+        if self.after_last > MAX_STEPS_AFTER_LAST:
+            raise inv.InvariantViolation("INV-8", step, f"every request finished "
+                                         f"{self.after_last} steps ago and the engine never "
+                                         "went idle (Scheduler.has_requests() stays true)")
         if (self.async_.busy() if self.async_ is not None else
                 self.running or not quiet or any(r.status != WAITING_FOR_LOAD
                                                  or r.rid in self.loaded for r in self.waiting)):

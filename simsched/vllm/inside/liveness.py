@@ -6,7 +6,7 @@ and again without running, the step cap; and where only jobs that never complete
 from __future__ import annotations
 
 from simsched import invariants as inv
-from simsched.model.scheduler import STALL_STEPS
+from simsched.model.scheduler import MAX_STEPS_AFTER_LAST, STALL_STEPS
 from simsched.trace import fmt_hung_end
 from simsched.vllm.inside.stops import Ended
 
@@ -16,13 +16,6 @@ from simsched.vllm.inside.stops import Ended
 #: (INV-8, op ``load``: the one-token-prompt livelock of block size 1, found at the step cap
 #: before, 20,000 steps)
 MAX_LOADS_UNSCHEDULED = 2
-
-#: steps the engine may go on stepping once every request finished and none is to come: the
-#: transfers still in flight are reported within the case's latencies (at most 9 steps drawn),
-#: so a run still stepping this long after is an engine that never goes idle (INV-8; SimpleCPU's
-#: lazy offload, 0.30.0+, met at the step cap of 20,000 before: seconds a case)
-MAX_STEPS_AFTER_LAST = 100
-
 
 class Liveness:
     """``requests``, ``worker``, ``oracle``, ``driver``: the run's
