@@ -23,7 +23,8 @@ reported once all its jobs are done and every earlier one was (the worker's FIFO
 mark). Jobs are numbered stores first, then loads, in the step that issues them.
 
 Size: the manager's own state and hooks, each beside the vLLM method it mirrors (the release's
-module is 1,368 to 1,481 lines in 0.30.0-0.33.0), and the worker's cut of events into jobs, which the trace names.
+module is 1,368 to 1,481 lines in 0.30.0-0.33.0), and the worker's cut of events into jobs,
+which the trace names.
 
 Not modelled (``simsched.model.unmodelled_path``): Mamba groups (boundary hand-offs,
 fine-grained hash hits, the partial tail), DCP, async scheduling.
