@@ -201,10 +201,12 @@ _SINCE_0_31 = {"kv_holding_waiting": True, "max_load_tokens": True, "cpu_lru": "
 #: From 0.32.0 the SimpleCPUOffloadConnector's eager store state of a preempted request starts
 #: over when it is preempted (``_prepare_eager_store_specs``: ``preempted_req_ids``), not when it
 #: resumes, and its eager stores reach the coordinator's cacheable tokens
-#: (``get_num_cacheable_tokens``: an EAGLE group's block past the boundary too); 0.33.0 also looks nothing up past a local prefix that is not a whole number of
+#: (``get_num_cacheable_tokens``: an EAGLE group's block past the boundary too); a prompt's
+#: partial tail block is cached at its last hash boundary below the whole prompt
+#: (``_cache_partial_tail_block``: a resend matches prompt_len - 1 tokens at most); 0.33.0 also looks nothing up past a local prefix that is not a whole number of
 #: attention chunks (simple_cpu_chunked_local_guard)
 _SINCE_0_32 = {"simple_cpu_reset_at_preemption": True,
-               "simple_cpu_eagle_cacheable_block": True}
+               "simple_cpu_eagle_cacheable_block": True, "fa_partial_tail_below_prompt": True}
 
 #: Before 0.27.0 NIXL pulls every unhashed block of a Mamba group (0.27.0 ``nixl/
 #: base_scheduler.py`` get_exchange_clipped_blocks keeps its running-state block alone)
@@ -245,7 +247,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                    "eagle_tail_hole": True,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
                    "align_budget_assert": True, "window_frees_on_processed": False,
-                   "partial_hash_hits": "none", "mamba_skip_lags_spec_blocks": True}),
+                   "partial_hash_hits": "none", "mamba_skip_lags_spec_blocks": True,
+                   "fa_partial_tail": False}),
     Profile("legacy-dcp-all",
             "0.29.0's rules, with DCP scaling every group's offload block, Mamba back-off by "
             "block size and no chunked-local window",

@@ -82,13 +82,14 @@ def _simple_cpu_gap(layout) -> str | None:
         return "+".join(other) + " groups"
     if engine.dcp_size > 1:
         return "DCP"
-    # FullAttentionManager._cache_partial_tail_block (0.26.0+): the block where a prompt's last
-    # hash boundary falls inside it is cached under that boundary's hash (its place in the free
-    # queue, the lazy walk's stores), which the model's GPU prefix cache does not do
+    # the lazy walk stores a prompt's partial tail block (FullAttentionManager.
+    # _cache_partial_tail_block, 0.26.0+) under its boundary hash: a store the model's content
+    # checks do not follow (the harness checks it by content, partial_tails)
     sizes = [g.block_size for g in layout.groups if g.prefix_cacheable]
     unit = engine.prefix_match_unit or math.gcd(*sizes)
-    if any(g.kind in ("full", "mla") and g.block_size != unit for g in layout.groups):
-        return "a full-attention block wider than the hash unit (partial prompt tails)"
+    if engine.connector.lazy_offload and any(g.kind in ("full", "mla") and g.block_size != unit
+                                             for g in layout.groups):
+        return "lazy stores of partial prompt tails"
     if engine.async_scheduling:
         return "async scheduling"
     return None

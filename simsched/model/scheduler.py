@@ -142,6 +142,11 @@ class Model:
         self.kv.max_model_len = max_model_len(case)
         self.kv.config.partial_hash_hits = partial_hash_hits(layout, profile, geo.tokens_per_hash)
         self.kv.config.tokens_per_hash = geo.tokens_per_hash
+        # FullAttentionManager._cache_partial_tail_block (0.26.0+; its boundary below the whole
+        # prompt from 0.32.0)
+        self.kv.config.partial_tail = bool(profile.extra.get("fa_partial_tail", True))
+        self.kv.config.partial_tail_below_prompt = bool(
+            profile.extra.get("fa_partial_tail_below_prompt", False))
         self.off = OffloadingConnectorScheduler(geo, profile, case.asserts,
                                                 layout.engine.cpu_chunks,
                                                 layout.engine.enable_prefix_caching, layout,

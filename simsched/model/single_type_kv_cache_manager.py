@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Final, Sequence
 
 from simsched.model.block_pool import NULL, BlockPool
-from simsched.model.request import Key, Request
+from simsched.model.request import Key, Request, make_key
 
 #: quiet_bound's "no bound": past every position
 NO_BOUND: Final = 1 << 62
@@ -58,6 +58,10 @@ class PrefixCacheConfig:
         # hits the managers' cache_hit_alignment_tokens is the hash unit
         self.partial_hash_hits = False
         self.tokens_per_hash = block_size
+        # FullAttentionManager._cache_partial_tail_block (0.26.0+), and its boundary below the
+        # whole prompt but under EAGLE (0.32.0+)
+        self.partial_tail = False
+        self.partial_tail_below_prompt = False
         #: KVCacheConfig.prefix_cache_retention_interval (None dense, 0 reachable boundaries
         #: only, > 0 also one checkpoint per interval)
         self.retention_interval = retention_interval
@@ -309,6 +313,48 @@ class SingleTypeKVCacheManager:
 class FullAttentionManager(SingleTypeKVCacheManager):
     """``FullAttentionManager``: every token's block stays (also MLA, cross attention and the
     drafter groups of EAGLE/MTP, whose layout is a full-attention group's)."""
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """``cache_blocks``, and (0.26.0+, a block wider than the hash unit)
+        ``_cache_partial_tail_block``: the block in which the prompt's last hash boundary falls
+        is cached under that boundary's hash (``cache_partial_block``) once the tokens up to it
+        are; a later request can resume from the boundary, and the block, hashed, is freed to
+        the LRU end of the free queue. Once full it takes its own hash instead
+        (``cache_full_blocks``: the partial->full promotion)."""
+        config = self.config
+        tail = -1
+        if (config.partial_tail and self.block_size != config.tokens_per_hash
+                and self.kind in ("full", "mla")):
+            tail = self._partial_tail_index(req)
+        table = req.tables[self.gid]
+        if 0 <= tail < len(table) and (tail + 1) * self.block_size <= num_tokens:
+            b = table[tail]
+            if b != NULL and self.pool.key[b] is not None \
+                    and self.pool.key[b] != req.keys(self.gid, self.block_size)[tail]:
+                self.pool.uncache(b)            # full now: cached below under its own hash
+        super().cache_blocks(req, num_tokens)
+        if 0 <= tail < len(table) and tail * self.block_size < self._boundary(req) <= num_tokens:
+            b = table[tail]
+            if b != NULL and self.pool.key[b] is None:
+                ident = req.ident_at(self._boundary(req))
+                assert ident is not None
+                self.pool.cache(b, make_key(self.gid, ident))
+
+    def _boundary(self, req: Request) -> int:
+        """The prompt's last hash boundary (0.32.0+: a resend matches at most prompt_len - 1
+        tokens, but EAGLE lookups read the whole prompt before dropping a hash unit)."""
+        tph = self.config.tokens_per_hash
+        limit = req.num_prompt
+        if self.config.partial_tail_below_prompt and not self.use_eagle():
+            limit -= 1
+        return limit // tph * tph
+
+    def _partial_tail_index(self, req: Request) -> int:
+        """The block the prompt's last hash boundary falls inside, -1 if it ends a block."""
+        boundary = self._boundary(req)
+        if boundary == 0 or boundary % self.block_size == 0:
+            return -1
+        return boundary // self.block_size
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
