@@ -223,8 +223,9 @@ class Compare:
     def _model_blind(self, case: Case) -> bool:
         """A side is the model and ``case`` is on a connector path the model does not mirror
         (:func:`simsched.model.unmodelled_path`): the model has no run of it to compare."""
-        return (unmodelled_path(case.layout) is not None
-                and any(isinstance(t, ModelTarget) for t in self.targets.values()))
+        return any(isinstance(t, ModelTarget)
+                   and unmodelled_path(case.layout, t.profile) is not None
+                   for t in self.targets.values())
 
     def differences(self, case: Case) -> tuple[list[tuple], Side, Side]:
         """The keys in which A's run of ``case`` differs from B's, and the two runs."""

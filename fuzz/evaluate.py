@@ -20,7 +20,7 @@ from fuzz.shrink import Hunt
 from fuzz.triage import Seen
 from simsched.case import Case
 from simsched.layout import deployment_refusal
-from simsched.model import unmodelled_path
+from simsched.model import predicts_config
 from simsched.outcome import Observation, Signature, crash_signature
 from simsched.profiles import PROFILES
 from simsched.replay import observe
@@ -98,14 +98,16 @@ class Evaluator:
             return list(self.release_targets)
         shown_models = {o.target for o in obs if o.level == "model"}
         shown_configs = {o.target for o in obs if o.level == "config"}
-        real_only = unmodelled_path(case.layout) is not None
-        # a connector path the model does not mirror has no model or config chain to point at
-        # releases: every such case runs on the newest release, and in turn on an older one
-        sampled = sampled or real_only
+        # a connector path with no config chain the model predicts (one it does not mirror, or
+        # the SimpleCPUOffloadConnector's) has no config outcome to point at releases: every
+        # such case runs on the newest release, and in turn on an older one (and where the
+        # model under a release's profile shows something)
+        unscreened = not predicts_config(case.layout)
+        sampled = sampled or unscreened
         older = self._older_in_turn() if sampled else None
         out = []
         for t in self.release_targets:
-            if not real_only and outcomes.get(t.name, {}).get("status") != "ok":
+            if not unscreened and outcomes.get(t.name, {}).get("status") != "ok":
                 continue
             if (f"model:{t.profile.name}" in shown_models or t.name in shown_configs
                     or (sampled and t is self.newest) or t is older):

@@ -122,18 +122,35 @@ def issue_text(data: dict, case_text: str, outcomes: dict, trace: list[str] | No
     return "\n".join(lines)
 
 
-def model_trace(case, data: dict) -> list[str] | None:
-    """The model's trace of the case under the first profile that shows the finding, or under
-    the profile of the first affected release; None on a connector path the model does not
-    mirror (its trace would be the OffloadingConnector's, not the path's)."""
+def trace_profile(data: dict) -> str | None:
+    """The profile the README shows the model's trace under: the first that shows the
+    finding, else the first affected release's; None if neither."""
     from simsched.profiles import profile_for_release
     from simsched.vllm.releases import release_of
-    from simsched.model import run_case, unmodelled_path
-    if unmodelled_path(case.layout) is not None:
-        return None
     names = data["profiles_affected"] or [profile_for_release(release_of(v)).name
                                            for v in data["releases_affected"][:1]]
-    if not names:
+    return names[0] if names else None
+
+
+def unmirrored_path(case, data: dict) -> str | None:
+    """The connector path of ``case`` the model does not mirror under :func:`trace_profile`
+    (``simsched.model.unmodelled_path``), if any."""
+    from simsched.model import unmodelled_path
+    from simsched.profiles import get_profile
+    name = trace_profile(data)
+    return unmodelled_path(case.layout, get_profile(name) if name else None)
+
+
+def model_trace(case, data: dict) -> list[str] | None:
+    """The model's trace of the case under :func:`trace_profile`; None on a connector path the
+    model does not mirror there (its trace would be another path's)."""
+    from simsched.model import run_case
+    name = trace_profile(data)
+    if name is None or unmirrored_path(case, data) is not None:
+        return None
+    try:
+        return run_case(case, name).trace
+    except Exception:   # the model crashing is itself the finding; the README says so above
         return None
     try:
         return run_case(case, names[0]).trace
@@ -184,9 +201,8 @@ def write_repro(out: Path, finding, folder: Path | None = None,
         affected=", ".join(data["releases_affected"]) or "none installed",
         clean=", ".join(data["releases_clean"]) or "none installed",
         path=f"repros/{finding.id}/test_repro.py"))
-    from simsched.model import unmodelled_path
     readme = issue_text(data, case_text, finding.outcomes, model_trace(finding.case, data),
-                        unmodelled_path(finding.case.layout))
+                        unmirrored_path(finding.case, data))
     _write(folder / "README.md", readme + "\n".join(vllm_test(folder, finding, data, False))
            + "\n")
     write_issue(folder, finding, data)

@@ -17,7 +17,7 @@ says why the case could not run (``unsupported``, ``refused``, ``worker``, ``inv
 from __future__ import annotations
 
 from simsched.case import Case
-from simsched.model import unmodelled_path
+from simsched.model import predicts_config, unmodelled_path
 from simsched.outcome import (Observation, Signature, crash_signature, describe, diff_config,
                               finding_signature)
 from simsched.targets import ModelTarget, ReleaseTarget, SharedModelRuns
@@ -108,11 +108,9 @@ def observe(case: Case, models: list[ModelTarget], releases: list[ReleaseTarget]
     predicted: dict[str, dict] = {}
     # a connector path the model does not mirror (on a profile): the real run's own checks are
     # all there is. The config chain is the OffloadingConnector's, and so is the model's
-    # prediction of it: compared on the paths whose config is that connector's alone
+    # prediction of it: compared where the case's connector is that one
     models = [t for t in models if unmodelled_path(case.layout, t.profile) is None]
-    if unmodelled_path(case.layout) is not None or case.layout.engine.connector.kind \
-            == "simple_cpu":
-        config = False
+    config = config and predicts_config(case.layout)
     obs = _observe_models(case, models, outcomes, predicted)
     if config:
         obs += _observe_configs(case, releases, outcomes, predicted)

@@ -36,18 +36,24 @@ def test_invariant_title_names_the_invariant_and_what_it_says():
 
 
 def test_a_case_the_model_does_not_mirror_shows_no_model_trace():
-    """A finding on another connector path is the real run's own: its README shows no trace
-    of the model (which would be the OffloadingConnector's) and says why."""
-    from fuzz.repro import model_trace
+    """A finding on a connector path the model does not mirror under the release's profile is
+    the real run's own: its README shows no trace of the model (which would be another path's)
+    and says why. SimpleCPU is mirrored from 0.30.0 (the manager's rewrite), not before."""
+    from fuzz.repro import model_trace, unmirrored_path
     from simsched.case import Case
     case = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}], "engine": {
         "connector": {"kind": "simple_cpu", "lazy_offload": True}}},
         "requests": [{"id": "R", "prompt": [[0, 64]]}]})
-    data = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.30.0"])
-    assert model_trace(case, data) is None
-    text = issue_text(data, CASE_TEXT, {}, None, "engine.connector=simple_cpu(lazy)")
+    old = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.29.0"])
+    assert model_trace(case, old) is None
+    assert unmirrored_path(case, old) == "engine.connector=simple_cpu(lazy) before 0.30.0"
+    text = issue_text(old, CASE_TEXT, {}, None, unmirrored_path(case, old))
     assert "Trace up to the failure" not in text
-    assert "does not mirror this connector path (engine.connector=simple_cpu(lazy))" in text
+    assert "does not mirror this connector path (engine.connector=simple_cpu(lazy) before " \
+           "0.30.0)" in text
+    data = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.30.0"])
+    assert unmirrored_path(case, data) is None
+    assert "sched R 64" in model_trace(case, data)
     # the default path and the multi path keep the model's trace
     plain = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}]},
                             "requests": [{"id": "R", "prompt": [[0, 64]]}]})

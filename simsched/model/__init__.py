@@ -73,6 +73,13 @@ def unmodelled_path(layout, profile=None) -> str | None:
     return None
 
 
+def predicts_config(layout) -> bool:
+    """The model predicts the case's config chain (``geometry.config_outcome``): the
+    OffloadingConnector's, alone or as a MultiConnector's child, on a path it mirrors. The
+    SimpleCPUOffloadConnector has no such chain (its manager is built with the scheduler)."""
+    return unmodelled_path(layout) is None and layout.engine.connector.kind != "simple_cpu"
+
+
 def _simple_cpu_gap(layout) -> str | None:
     """What of ``layout`` the SimpleCPU model leaves out, if anything."""
     from simsched.model.simple_cpu_scheduler import MODELLED_KINDS
