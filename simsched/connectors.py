@@ -20,9 +20,11 @@ entry a secondary tier; ``{"kind": "fs", "io_latency": n}`` is the file-system t
 files into a directory the harness owns, its reads and writes completing ``n`` steps after they
 are submitted (the harness runs the tier's I/O queue itself, so a case replays the same).
 
-The model mirrors the default path and the ``multi`` path (``simsched/model/multi_connector.py``,
-``nixl_scheduler.py``; multi-module MTP aside), :func:`simsched.model.unmodelled_path`: the
-others are checked on the real run alone, by the invariants that need no model."""
+The model mirrors the default path, the ``multi`` path (``simsched/model/multi_connector.py``,
+``nixl_scheduler.py``; multi-module MTP aside) and the ``simple_cpu`` path of 0.30.0+
+(``simsched/model/simple_cpu_scheduler.py``; Mamba groups, DCP, async scheduling and the lazy
+walk's partial prompt tails aside), :func:`simsched.model.unmodelled_path`: the others are
+checked on the real run alone, by the invariants that need no model."""
 
 from __future__ import annotations
 

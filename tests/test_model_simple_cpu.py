@@ -1,0 +1,120 @@
+"""The model of the ``SimpleCPUOffloadConnector``'s scheduler side
+(:mod:`simsched.model.simple_cpu_scheduler`), against what 0.30.0-0.33.0's
+``vllm/v1/simple_kv_offload/manager.py`` (**mgr**) and ``worker.py`` do, read from their source.
+``tests/test_real_simple_cpu.py`` runs the same model in lockstep with the releases."""
+
+from __future__ import annotations
+
+from simsched.case import Case
+from simsched.invariants import check_pool
+from simsched.model import run_case
+from simsched.model.block_pool import BlockPool
+from simsched.model.scheduler import Model
+from simsched.profiles import PROFILES, profile_for_release
+
+FULL = [{"kind": "full", "block_size": 16}]
+#: A (80 tokens) is offloaded; C takes the pool of 10 blocks; B shares A's 80 tokens
+BASIC = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
+         {"id": "C", "prompt": [[2, 64]], "arrival": 10, "decode": 2},
+         {"id": "B", "prompt": [[1, 80], [3, 16]], "arrival": 14, "decode": 3}]
+
+
+def _case(requests: list, lazy: bool, groups: list = FULL, blocks: int = 10,
+          timing: dict | None = None) -> Case:
+    return Case.from_json({
+        "layout": {"groups": groups,
+                   "engine": {"num_gpu_blocks": blocks, "cpu_chunks": 16,
+                              "connector": {"kind": "simple_cpu", "lazy_offload": lazy}}},
+        "timing": timing or {"store_latency": 1, "load_latency": 1},
+        "requests": requests})
+
+
+def _steps(trace: list[str], prefix: str) -> list[tuple[int, str]]:
+    out, step = [], -1
+    for line in trace:
+        if line.startswith("step "):
+            step = int(line.split()[1])
+        elif line.startswith(prefix):
+            out.append((step, line))
+    return out
+
+
+def test_eager_stores_a_block_the_step_after_it_is_computed():
+    """``_select_eager_blocks_to_store`` stores the blocks of ``num_computed_tokens`` as
+    ``build_connector_meta`` sees them, before the step's own tokens count (mgr 0.30.0:
+    "Blocks from the current step are stored on a later step"): A's 5 prompt blocks, computed
+    in step 0, are one store job in step 1; its partial decode block never. B loads A's block 4
+    (evicted from the GPU by C) back into its own block 4, in a step of its own."""
+    trace = run_case(_case(BASIC, False), profile_for_release("0.33.0")).trace
+    stores = _steps(trace, "store ")
+    assert stores[0] == (1, "store 0 A g0:0=1 g0:1=2 g0:2=3 g0:3=4 g0:4=5")
+    assert _steps(trace, "load ") == [(8, "load 2 B g0:4=5")]
+
+
+def test_lazy_walk_stores_freed_blocks_in_free_queue_order():
+    """``_prepare_lazy_store_specs`` walks the GPU free queue from its cursor: A's blocks are
+    stored only once A freed them, in the order they were freed (``free_blocks`` of a table
+    tail first: the LRU end), nothing while A runs."""
+    trace = run_case(_case(BASIC, True), profile_for_release("0.33.0")).trace
+    stores = _steps(trace, "store ")
+    finish_a = next(s for s, x in _steps(trace, "finish A"))
+    assert stores[0] == (finish_a + 1, "store 0 A g0:4=5 g0:3=4 g0:2=3 g0:1=2 g0:0=1")
+
+
+def test_a_store_pins_its_blocks_until_its_event_completes():
+    """A store ``touch``es its GPU blocks (mgr ``_prepare_eager_store_specs``) and frees them
+    in ``_process_store_completion``: with stores of 5 steps, A's stored blocks outlive A in
+    the pool (held by the connector alone) until the event completes; INV-1 counts the pins."""
+    requests = [{"id": "A", "prompt": [[1, 32]], "decode": 1}]
+    m = Model(_case(requests, False, timing={"store_latency": 5}), profile_for_release("0.33.0"))
+    m.q.run_until(3)          # A finished at step 1, its store of step 1 is in flight
+    assert m.reqs["A"].finished
+    assert sorted(m.simple.held_gpu_blocks()) == [1, 2]
+    assert m.kv.pool.ref[1] == 1 and m.kv.pool.ref[2] == 1
+    m.q.run()
+    assert m.simple.held_gpu_blocks() == [] and m.kv.pool.ref[1] == 0
+
+
+def test_store_events_are_reported_in_order():
+    """The worker reports a store event once its jobs and every earlier event's are done
+    (wrk 0.30.0 ``_poll_stores``: the high-water mark). A's event waits 6 steps, C's 1: C's
+    blocks reach the CPU pool (a hash registered there) only with A's, not when C's job is
+    done."""
+    requests = [{"id": "A", "prompt": [[1, 32]], "decode": 8},
+                {"id": "C", "prompt": [[2, 32]], "arrival": 1, "decode": 8}]
+    timing = {"store_latency": 1, "jobs": [{"store": 0, "latency": 6}]}
+    m = Model(_case(requests, False, blocks=20, timing=timing), profile_for_release("0.33.0"))
+    cpu = m.simple.cpu_block_pool
+    m.q.run_until(4)          # C's job (store 1, step 2) done at 3; A's (step 1) at 7
+    assert 1 not in m.simple.jobs and 0 in m.simple.jobs
+    assert cpu.get_num_free_blocks() == 15 - 4 and not cpu.cached_block_hash_to_block._cache
+    m.q.run_until(8)
+    assert len(cpu.cached_block_hash_to_block._cache) == 4
+
+
+def test_0300_stores_every_group_0310_the_prefix_cacheable_ones():
+    """0.30.0's eager selection runs over every group and resolves each group's hashes at its
+    block size: a ring of 4-token blocks beside 16-token attention (hash unit 16) fails
+    ``resolve_block_hashes``'s assert at the first step; 0.31.0 skips the groups that are not
+    prefix-cacheable (``prefix_cacheable_group_ids``) and runs the case through."""
+    ring = [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}]
+    case = _case(BASIC, False, groups=ring, blocks=40)
+    old = run_case(case, PROFILES["every-group"])
+    assert old.findings[0]["function"] == "resolve_block_hashes"
+    assert old.trace[-2:] == ["step 0", "crash AssertionError resolve_block_hashes schedule"]
+    assert run_case(case, PROFILES["prefix-cacheable"]).findings == []
+
+
+def test_inv1_counts_a_connector_pin_and_inv2_the_requests_alone():
+    """A block one request holds and the connector pinned has ``ref_cnt`` 2: INV-1 holds with
+    the pin counted, breaks without it; INV-2 (two requests on an unhashed block) is not about
+    the pin."""
+    class Holder:
+        def __init__(self, table):
+            self.tables = [table]
+    pool = BlockPool(4)
+    b = pool.get_new_blocks(1)[0]
+    pool.touch([b])
+    assert check_pool(0, pool, [Holder([b])], [b]) is None
+    assert check_pool(0, pool, [Holder([b])]).inv_id == "INV-1"
+    assert check_pool(0, pool, [Holder([b]), Holder([b])]).inv_id == "INV-2"
