@@ -36,7 +36,6 @@ The content shadow, the invariants and the trace (``simsched.shadow``, ``simsche
 """
 
 import importlib
-import math
 
 #: the model's public names, by the module that holds them
 _MODULE_OF = {"MAX_STEPS": "scheduler", "STALL_STEPS": "scheduler", "Model": "scheduler",
@@ -89,14 +88,6 @@ def _simple_cpu_gap(layout) -> str | None:
         return "+".join(other) + " groups"
     if engine.dcp_size > 1:
         return "DCP"
-    # the lazy walk stores a prompt's partial tail block (FullAttentionManager.
-    # _cache_partial_tail_block, 0.26.0+) under its boundary hash: a store the model's content
-    # checks do not follow (the harness checks it by content, partial_tails)
-    sizes = [g.block_size for g in layout.groups if g.prefix_cacheable]
-    unit = engine.prefix_match_unit or math.gcd(*sizes)
-    if engine.connector.lazy_offload and any(g.kind in ("full", "mla") and g.block_size != unit
-                                             for g in layout.groups):
-        return "lazy stores of partial prompt tails"
     if engine.async_scheduling:
         return "async scheduling"
     return None

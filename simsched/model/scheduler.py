@@ -487,6 +487,8 @@ class Model:
         for x in range(len(job.ckeys)):
             content = self.shadow.read_chunk(job.bids, job.bpos[x], job.bpos[x + 1])
             job.contents.append(content)
+            if self.simple is not None and self.simple.partial_tail(job.gids[x], job.hidx[x]):
+                continue        # (see SimpleCPUOffloadScheduler.partial_tail)
             v = inv.check_stored_chunk(self.step_no, job, job.chunk(x), content, req, self.geo,
                                        self.tpbs)
             if v is not None:
@@ -839,7 +841,8 @@ class Model:
             for n, job in enumerate(stores, self.n_stores):
                 if tracing:
                     lines.append(fmt_job(job))
-                self._violation(inv.check_store_job(step, job, geo))
+                self._violation(inv.check_store_job(
+                    step, job if self.simple is None else self.simple.whole_blocks(job), geo))
                 if self.unlanded:
                     self._violation(inv.check_unlanded(step, job.bids, self.unlanded,
                                                        f"store {job.jid} of {job.rid}"))

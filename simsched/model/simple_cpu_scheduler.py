@@ -578,6 +578,23 @@ class SimpleCPUOffloadScheduler:
                 if not reqs:
                     del self.store_event_to_reqs[event]
 
+    def partial_tail(self, gid: int, hidx: int) -> bool:
+        """A stored block cached under a hash boundary inside it: a prompt's partial tail
+        (``FullAttentionManager._cache_partial_tail_block``), which the lazy walk stores as it
+        is. The model leaves what it holds to the real run's check (INV-4 by content, the
+        harness's ``partial_tails``) and INV-3 to the whole blocks."""
+        return (hidx + 1) * self.hash_block_size % self.group_block_sizes[gid] != 0
+
+    def whole_blocks(self, job: Job) -> Job:
+        """``job`` without its partial tails (:meth:`partial_tail`), for INV-3."""
+        if not any(self.partial_tail(g, h) for g, h in zip(job.gids, job.hidx)):
+            return job
+        out = Job(job.jid, job.rid, job.is_store, job.keys)
+        for gid, c, hidx, key, blocks in job.chunks():
+            if not self.partial_tail(gid, hidx):
+                out.add_chunk(gid, c, hidx, key, blocks)
+        return out
+
     # --- a finished request ---------------------------------------------------------------
     def request_finished(self, req: Request) -> None:
         """``request_finished_all_groups`` with the blocks of the computed tokens: the blocks
