@@ -463,3 +463,23 @@ def test_a_load_of_a_chunk_the_tier_no_longer_holds_is_vllms_crash():
     on["asserts"] = True
     res = run_case(Case.from_json(on), "every-group-no-clamp")
     assert res.findings and res.findings[0]["function"] == "prepare_load", res.trace[-3:]
+
+
+def test_a_chunked_local_group_of_another_block_size_fails_the_first_lookup():
+    """``ChunkedLocalAttentionManager.find_longest_cache_hit`` asserts that its block is the
+    hit alignment ("KV cache groups with different block sizes are not compatible with chunked
+    local attention now", 0.25.1-0.33.0): beside 16-token full attention (the scheduler block),
+    8-token chunked local blocks fail the first request's GPU lookup; 16-token ones do not, nor
+    does a request that skips reading the prefix cache (no lookup), nor a run without asserts."""
+    def case(block: int, skip: bool = False, asserts: bool = True) -> Case:
+        return Case.from_json({"layout": {"groups": [
+            {"kind": "full", "block_size": 16},
+            {"kind": "chunked_local", "block_size": block, "attention_chunk_size": 32}]},
+            "requests": [{"id": "a", "prompt": [[0, 64]], "decode": 2,
+                          "skip_reading_prefix_cache": skip}], "asserts": asserts})
+    res = run_case(case(8), "prefix-cacheable")
+    assert [(f["exception"], f["function"]) for f in res.findings] == \
+        [("AssertionError", "find_longest_cache_hit")], res.trace
+    assert run_case(case(16), "prefix-cacheable").findings == []
+    assert run_case(case(8, skip=True), "prefix-cacheable").findings == []
+    assert run_case(case(8, asserts=False), "prefix-cacheable").findings == []

@@ -251,6 +251,14 @@ class Model:
             self.lookahead and case.asserts and self.kv.hits_possible
             and not any(g.drafter for g in layout.groups)
             and any(isinstance(m, ChunkedLocalAttentionManager) for m in self.kv.cacheable))
+        # ... and that its block is the hit alignment (the scheduler block, or the hash unit with
+        # partial hash hits: every release): a chunked local group of another block size beside
+        # other groups fails the first lookup too
+        align = self.kv.config.cache_hit_alignment_tokens
+        self.chunked_size_assert = bool(
+            case.asserts and self.kv.hits_possible
+            and any(isinstance(m, ChunkedLocalAttentionManager) and m.block_size != align
+                    for m in self.kv.cacheable))
         # 0.33.0: with speculative decoding, update_from_output caches the blocks of a running
         # request's computed tokens once its new tokens are appended (rejections rolled back)
         self.cache_on_output = bool(spec is not None
@@ -281,6 +289,8 @@ class Model:
         self.timing = timing
         # async scheduling: the engine's batch queue of depth 2 (AsyncRun)
         self.async_ = AsyncRun(self) if layout.engine.async_scheduling else None
+        if self.simple is not None and self.async_ is not None:
+            self.simple.num_output_placeholders = self.async_.ph
         self.q = ev.EventQueue()
         self.q.handlers = {ev.STEP: self._step, ev.ARRIVAL: self._arrival,
                            ev.STORE_DONE: self.store_done, ev.LOAD_DONE: self.load_done,
@@ -1134,6 +1144,11 @@ class Model:
                     raise ModelCrash("AssertionError", "find_longest_cache_hit", "lookup",
                                      "Hybrid KV cache is not supported for eagle + chunked "
                                      "local attention.", SINGLE_TYPE_MANAGER_PY)
+                if self.chunked_size_assert and not req.skip_reading_prefix_cache:
+                    raise ModelCrash("AssertionError", "find_longest_cache_hit", "lookup",
+                                     "KV cache groups with different block sizes are not "
+                                     "compatible with chunked local attention now",
+                                     SINGLE_TYPE_MANAGER_PY)
                 L = kv.get_computed_blocks(req)
                 # Request.shared_prefix_boundary (_get_local_prefix_cache_hit), a reachable
                 # boundary of the sparse-retention masks (GPU caching, sliding-window stores)

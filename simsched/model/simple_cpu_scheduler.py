@@ -190,6 +190,9 @@ class SimpleCPUOffloadScheduler:
         self.job_slots: dict[int, list[int]] = {}
         self.cpu_contents: dict[int, CPUBlockContent] = {}
         self.owners = HashOwners(self.hash_block_size)
+        # Request.num_output_placeholders under async scheduling (the model's AsyncRun sets it):
+        # sampled tokens of batches in flight, not confirmed
+        self.num_output_placeholders: dict[str, int] = {}
         self.scheduled_before: set[str] = set()  # scheduled in an earlier step
         self.resumed: set[str] = set()          # preempted, so resumed when scheduled again
 
@@ -414,7 +417,7 @@ class SimpleCPUOffloadScheduler:
         if it is still there; a block not hashed, in flight or already in the CPU pool is
         passed over."""
         req = state.req
-        confirmed_tokens = req.num_computed
+        confirmed_tokens = req.num_computed - self.num_output_placeholders.get(req.rid, 0)
         num_free = self.cpu_block_pool.get_num_free_blocks()
         gpu_ids: list[int] = []
         advanced = [0] * len(block_ids_by_group)
