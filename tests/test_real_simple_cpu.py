@@ -453,7 +453,8 @@ def test_the_model_crashes_where_0300_does(pool):
 @pytest.mark.parametrize("version", RELEASES)
 def test_drawn_simple_cpu_cases_step_with_the_model(pool, version):
     """40 cases the strategy draws on the path (``cases(path="simple_cpu")``): every one the
-    model covers (``unmodelled_path``: Mamba groups, DCP and async scheduling aside) and the
+    model covers (``unmodelled_path``: Mamba groups, DCP, drafts under async scheduling
+    aside) and the
     release runs step by step agrees with the model (lazy walks that store a prompt's partial
     tail among them)."""
     from simsched.model import unmodelled_path

@@ -27,7 +27,8 @@ module is 1,368 to 1,481 lines in 0.30.0-0.33.0), and the worker's cut of events
 which the trace names.
 
 Not modelled (``simsched.model.unmodelled_path``): Mamba groups (boundary hand-offs,
-fine-grained hash hits, the partial tail), DCP, async scheduling.
+fine-grained hash hits, the finish flush's partial tail), DCP, speculative decoding under async
+scheduling (whose drafts the model does not play).
 """
 
 from __future__ import annotations
