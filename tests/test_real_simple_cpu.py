@@ -454,9 +454,8 @@ def test_the_model_crashes_where_0300_does(pool):
 def test_drawn_simple_cpu_cases_step_with_the_model(pool, version):
     """40 cases the strategy draws on the path (``cases(path="simple_cpu")``): every one the
     model covers (``unmodelled_path``: Mamba groups, DCP, drafts under async scheduling
-    aside) and the
-    release runs step by step agrees with the model (lazy walks that store a prompt's partial
-    tail among them)."""
+    aside) and the release runs step by step agrees with the model (lazy walks that store a
+    prompt's partial tail, and async scheduling, among them)."""
     from simsched.model import unmodelled_path
     from simsched.profiles import profile_for_release
     profile = profile_for_release(version)
@@ -474,4 +473,4 @@ def test_drawn_simple_cpu_cases_step_with_the_model(pool, version):
             agreed += 1
     print(version, f"{agreed} agree, {unmodelled} unmodelled, {len(diverged)} diverge")
     assert diverged == []
-    assert agreed >= 16, (agreed, unmodelled)
+    assert agreed >= 24, (agreed, unmodelled)
