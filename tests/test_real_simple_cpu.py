@@ -413,7 +413,7 @@ PREEMPT = [{"id": "A", "prompt": [[1, 64]], "decode": 40},
 
 @pytest.mark.parametrize("version", RELEASES)
 @pytest.mark.parametrize("name", ["eager", "lazy", "ring-eager", "ring-lazy", "preempt-eager",
-                                  "preempt-lazy", "pressure-eager"])
+                                  "preempt-lazy", "pressure-eager", "async-eager", "async-lazy"])
 def test_the_model_steps_with_the_release(pool, version, name):
     """Hand-made cases of each mode, model and release step for step: the same store events
     cut into the same jobs (eager: the step after the tokens are computed; lazy: the freed
@@ -427,6 +427,10 @@ def test_the_model_steps_with_the_release(pool, version, name):
         case = _case(PREEMPT, lazy, blocks=8, cpu=12, store=3)
     elif name.startswith("pressure"):
         case = _case(PRESSURE, lazy, cpu=7)
+    elif name.startswith("async"):
+        # the batch in flight's sampled tokens are not confirmed (num_output_placeholders)
+        case = _case(PREEMPT[:1] + BASIC[1:], lazy, store=2)
+        case = dataclasses.replace(case, layout=case.layout.with_engine(async_scheduling=True))
     else:
         case = _case(BASIC, lazy)
     res = lockstep(case, version, pool)
