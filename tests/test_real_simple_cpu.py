@@ -404,7 +404,7 @@ def test_0290_idles_with_its_last_lazy_stores_in_flight():
 # -- the model in lockstep (simsched/model/simple_cpu_scheduler.py, 0.30.0+) ----------------------
 
 #: BASIC with a ring beside the full-attention group: 0.30.0 stores the ring too (every group)
-RING = [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 16}]
+RING_16 = [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 16}]
 #: a pool of 8 blocks that two long prompts overrun: B is preempted while A's stores are in
 #: flight (need_flush), and resumes with a new table
 PREEMPT = [{"id": "A", "prompt": [[1, 64]], "decode": 40},
@@ -422,7 +422,7 @@ def test_the_model_steps_with_the_release(pool, version, name):
     Without the model's SimpleCPU scheduler every case diverges at its first store line."""
     lazy = name.endswith("lazy")
     if name.startswith("ring"):
-        case = _case(BASIC, lazy, blocks=24, groups=RING)
+        case = _case(BASIC, lazy, blocks=24, groups=RING_16)
     elif name.startswith("preempt"):
         case = _case(PREEMPT, lazy, blocks=8, cpu=12, store=3)
     elif name.startswith("pressure"):
