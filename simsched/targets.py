@@ -72,8 +72,15 @@ class ModelTarget:
 
     def outcome(self, case: Case) -> tuple[dict, list[dict], int]:
         """The config outcome, the findings and the steps of ``case``: a config stage that
-        fails is a crash finding of one step, and no step runs."""
-        config = self.config(case)
+        fails is a crash finding of one step, and no step runs. The config stage is the
+        OffloadingConnector's, run where the case's connector is that one
+        (``predicts_config``); the SimpleCPUOffloadConnector's start-up checks are the model
+        run's own (``simple_cpu_scheduler.block_geometry``)."""
+        from simsched.model import predicts_config
+        if case.layout.planned and not predicts_config(case.layout):
+            config: dict = {"status": "ok"}
+        else:
+            config = self.config(case)
         if config["status"] == "error":
             return config, [dict(config, kind="crash")], 1
         if config["status"] == "unsupported":

@@ -111,3 +111,22 @@ def test_a_case_on_an_unmodelled_path_runs_no_model():
     obs = observe(simple, [ModelTarget(PROFILES[p]) for p in ("legacy-spec-init", "every-group",
                                                              "prefix-cacheable")], [], outcomes)
     assert obs == [] and sorted(outcomes) == ["model:every-group", "model:prefix-cacheable"]
+
+
+def test_a_simple_cpu_case_is_not_judged_by_the_offloading_config_chain():
+    """The OffloadingConnector's config chain (``build_offloading_config``, the offload keys'
+    checks) is no part of a SimpleCPUOffloadConnector engine: an ``offload_block_size`` the
+    OffloadingConnector refuses is no finding of the model on the SimpleCPU path, which runs
+    the case (a campaign showed such model-only clusters)."""
+    from simsched.targets import ModelTarget
+    from simsched.profiles import PROFILES
+    layout = {"groups": [{"kind": "full", "block_size": 12}],
+              "engine": {"offload_block_size": 256}}
+    requests = [{"id": "a", "prompt": [[0, 64]], "decode": 2}]
+    offloading = Case.from_json({"layout": layout, "requests": requests})
+    config, findings, _ = ModelTarget(PROFILES["every-group"]).outcome(offloading)
+    assert config["status"] == "error" and findings[0]["function"] == "build_offloading_config"
+    simple = dict(layout, engine=dict(layout["engine"], connector={"kind": "simple_cpu"}))
+    case = Case.from_json({"layout": simple, "requests": requests})
+    config, findings, steps = ModelTarget(PROFILES["every-group"]).outcome(case)
+    assert config["status"] == "ok" and findings == [] and steps > 0

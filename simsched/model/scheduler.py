@@ -108,7 +108,7 @@ class Model:
         self.max_steps = min(MAX_STEPS, 4 * (work + last) + 64)
         simple_cpu = layout.engine.connector.kind == "simple_cpu"
         # the connector's geometry: the SimpleCPUOffloadConnector moves one GPU block a transfer
-        self.geo = geo = (block_geometry(layout, profile) if simple_cpu
+        self.geo = geo = (block_geometry(layout, profile, case.asserts) if simple_cpu
                           else derive(layout, profile, asserts=case.asserts))
         check_kv_cache_coordinator(layout, profile, geo.scheduler_block_size, case.asserts)
         self.tpbs = {g.group_id: g.tokens_per_block for g in geo.groups}
@@ -168,7 +168,8 @@ class Model:
                 timing.max_num_batched_tokens,
                 bool(profile.extra.get("simple_cpu_reset_at_preemption", False)),
                 bool(profile.extra.get("simple_cpu_chunked_local_guard", False)),
-                bool(profile.extra.get("simple_cpu_eagle_cacheable_block", False)))
+                bool(profile.extra.get("simple_cpu_eagle_cacheable_block", False)),
+                case.asserts)
         # the connector the scheduler's hooks call, and its jobs
         self.conn: OffloadingConnectorScheduler | SimpleCPUOffloadScheduler = \
             self.simple or self.off

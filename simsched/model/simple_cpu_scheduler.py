@@ -49,11 +49,13 @@ MANAGER_PY = "v1/simple_kv_offload/manager.py"
 MODELLED_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local", "ring")
 
 
-def block_geometry(layout, profile) -> Geometry:
+def block_geometry(layout, profile, asserts: bool = True) -> Geometry:
     """The geometry of this path: every group offloaded, one GPU block a transfer unit (a
     "chunk" of the shared trace and invariants is one block). The manager's start-up asserts
-    (``SimpleCPUOffloadScheduler.__init__``): a full-attention group exists, the scheduler
-    block is a multiple of the hash unit and of that group's block."""
+    (``SimpleCPUOffloadScheduler.__init__``, stripped under ``python -O``): a full-attention
+    group exists, the scheduler block is a multiple of the hash unit and of that group's
+    block (without one the manager reads the last group's, which only the partial-tail flush
+    of fine-grained hits uses)."""
     scheduler_block_size, tokens_per_hash = resolve_block_sizes(layout, profile)
     groups = tuple(GroupGeometry(group_id=i, kind=g.kind, tokens_per_block=g.block_size,
                                  tokens_per_chunk=g.block_size,
@@ -61,8 +63,9 @@ def block_geometry(layout, profile) -> Geometry:
                                  sliding_window_in_chunks=None, drafter=g.drafter)
                    for i, g in enumerate(layout.groups))
     fa = [g for g in layout.groups if g.kind in ("full", "mla")]
-    if not fa or scheduler_block_size % tokens_per_hash \
-            or scheduler_block_size % fa[0].block_size:
+    fa_block_size = (fa or list(layout.groups))[0 if fa else -1].block_size
+    if asserts and (not fa or scheduler_block_size % tokens_per_hash
+                    or scheduler_block_size % fa_block_size):
         raise ConfigError("AssertionError", "__init__", MANAGER_PY, "__init__",
                           "no full-attention group, or a scheduler block not a multiple of "
                           "the hash unit and of the full-attention block")
@@ -156,7 +159,8 @@ class SimpleCPUOffloadScheduler:
     def __init__(self, geometry: Geometry, gpu: KVCacheManager, cpu_coordinator: KVCacheManager,
                  prefix_cacheable: list[bool], prefix_cacheable_only: bool, lazy_offload: bool,
                  max_num_batched_tokens: int, reset_at_preemption: bool,
-                 chunked_local_guard: bool, eagle_cacheable_block: bool) -> None:
+                 chunked_local_guard: bool, eagle_cacheable_block: bool,
+                 asserts: bool = True) -> None:
         self.block_size = geometry.scheduler_block_size
         self.hash_block_size = geometry.tokens_per_hash
         self.gpu, self.cpu_coordinator = gpu, cpu_coordinator
@@ -169,6 +173,7 @@ class SimpleCPUOffloadScheduler:
         self.reset_at_preemption = reset_at_preemption
         self.chunked_local_guard = chunked_local_guard
         self.eagle_cacheable_block = eagle_cacheable_block
+        self.asserts = asserts                  # False: python -O strips vLLM's asserts
         self.target_free = self._estimate_lazy_target_blocks(max_num_batched_tokens) \
             if lazy_offload else 0
         self.cursor = NULL                      # the lazy walk's last block (NULL: the head)
@@ -245,6 +250,8 @@ class SimpleCPUOffloadScheduler:
         def suffix_keys(gid: int, block_size: int) -> list:
             return req.keys(gid, block_size)[num_computed // block_size:]
         coordinator = self.cpu_coordinator
+        if not coordinator.cacheable:           # no group is looked up: no hit
+            return [[] for _ in coordinator.managers], 0
         hit_length = coordinator.find_longest_cache_hit(suffix_keys, max_hit_len)
         blocks: list[list[int]] = []
         for m in coordinator.managers:
@@ -428,7 +435,7 @@ class SimpleCPUOffloadScheduler:
             if len(gpu_ids) >= num_free:
                 break
             bs = self.group_block_sizes[g]
-            if bs != self.hash_block_size and bs % self.hash_block_size:
+            if self.asserts and bs != self.hash_block_size and bs % self.hash_block_size:
                 # resolve_block_hashes: a group's hashes at its block size (0.30.0 stores a
                 # ring too, whose block the hash unit of the other groups need not divide)
                 raise ModelCrash("AssertionError", "resolve_block_hashes", "schedule",
