@@ -152,10 +152,6 @@ def model_trace(case, data: dict) -> list[str] | None:
         return run_case(case, name).trace
     except Exception:   # the model crashing is itself the finding; the README says so above
         return None
-    try:
-        return run_case(case, names[0]).trace
-    except Exception:   # the model crashing is itself the finding; the README says so above
-        return None
 
 
 def vllm_test(folder: Path, finding, data: dict, verify: bool) -> list[str]:

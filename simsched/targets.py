@@ -73,12 +73,11 @@ class ModelTarget:
     def outcome(self, case: Case) -> tuple[dict, list[dict], int]:
         """The config outcome, the findings and the steps of ``case``: a config stage that
         fails is a crash finding of one step, and no step runs. The config stage is the
-        OffloadingConnector's, run where the case's connector is that one
-        (``predicts_config``); the SimpleCPUOffloadConnector's start-up checks are the model
-        run's own (``simple_cpu_scheduler.block_geometry``)."""
-        from simsched.model import predicts_config
-        if case.layout.planned and not predicts_config(case.layout):
-            config: dict = {"status": "ok"}
+        OffloadingConnector's, but on the SimpleCPU path (no such chain: its geometry, and its
+        manager's start-up asserts in the model run, ``simple_cpu_scheduler``)."""
+        if case.layout.planned and case.layout.engine.connector.kind == "simple_cpu":
+            from simsched.model.simple_cpu_scheduler import config_outcome
+            config = config_outcome(case.layout, self.profile)
         else:
             config = self.config(case)
         if config["status"] == "error":

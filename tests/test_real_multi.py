@@ -20,12 +20,12 @@ import pytest
 
 from simsched.case import Case
 from simsched.connectors import Connector
-from simsched.lockstep import lockstep, stepped
+from simsched.lockstep import lockstep
 from simsched.targets import Releases
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_paths import (RELEASES, distinct_drawn_cases, run_checked,  # noqa: E402
-                        run_real as _run)
+from real_paths import (RELEASES, distinct_drawn_cases, drawn_lockstep,  # noqa: E402
+                        run_checked, run_real as _run)
 
 
 
@@ -252,20 +252,7 @@ def test_drawn_multi_cases_step_with_the_model(pool, version):
     covers (multi-module MTP aside: ``unmodelled_path``) and the release runs step by step
     agrees with the model, line for line, step for step (Mamba models among them: a pull keeps
     the state block, the decoder recomputes the prompt's last token)."""
-    from simsched.model import unmodelled_path
-    agreed, unmodelled, diverged = 0, 0, []
-    for case in distinct_drawn_cases(30, "multi"):
-        if unmodelled_path(case.layout) is not None:
-            unmodelled += 1
-            continue
-        res = lockstep(case, version, pool)
-        if not stepped(res.real):
-            continue
-        if res.divergence is not None or res.model is None:
-            diverged.append((case.to_json(), res.divergence and res.divergence.describe()))
-        else:
-            agreed += 1
-    print(version, f"{agreed} agree, {unmodelled} unmodelled, {len(diverged)} diverge")
+    agreed, unmodelled, diverged = drawn_lockstep(pool, version, 30, "multi")
     assert diverged == []
     assert agreed >= 24, (agreed, unmodelled)     # 30 of 30 when written
 

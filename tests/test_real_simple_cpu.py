@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from simsched.case import Case
-from simsched.lockstep import lockstep, stepped
+from simsched.lockstep import lockstep
 from simsched.targets import Releases
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_paths import (RELEASES, distinct_drawn_cases, mutant_catches,  # noqa: E402
-                        run_checked, run_real as _run)
+from real_paths import (RELEASES, distinct_drawn_cases, drawn_lockstep,  # noqa: E402
+                        mutant_catches, run_checked, run_real as _run)
 
 
 
@@ -460,21 +460,6 @@ def test_drawn_simple_cpu_cases_step_with_the_model(pool, version):
     model covers (``unmodelled_path``: Mamba groups, DCP, drafts under async scheduling
     aside) and the release runs step by step agrees with the model (lazy walks that store a
     prompt's partial tail, and async scheduling, among them)."""
-    from simsched.model import unmodelled_path
-    from simsched.profiles import profile_for_release
-    profile = profile_for_release(version)
-    agreed, unmodelled, diverged = 0, 0, []
-    for case in distinct_drawn_cases(40, "simple_cpu"):
-        if unmodelled_path(case.layout, profile) is not None:
-            unmodelled += 1
-            continue
-        res = lockstep(case, version, pool)
-        if not stepped(res.real):
-            continue
-        if res.divergence is not None or res.model is None:
-            diverged.append((case.to_json(), res.divergence and res.divergence.describe()))
-        else:
-            agreed += 1
-    print(version, f"{agreed} agree, {unmodelled} unmodelled, {len(diverged)} diverge")
+    agreed, unmodelled, diverged = drawn_lockstep(pool, version, 40, "simple_cpu")
     assert diverged == []
     assert agreed >= 24, (agreed, unmodelled)

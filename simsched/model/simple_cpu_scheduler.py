@@ -73,6 +73,17 @@ def block_geometry(layout, profile, asserts: bool = True) -> Geometry:
                     blocks_per_chunk=1, alignment_tokens=None, groups=groups)
 
 
+def config_outcome(layout, profile) -> dict:
+    """The path's config outcome, in the worker's format: the engine's block sizes and the
+    geometry above (``resolve_kv_cache_block_sizes``' error, if it refuses them). The manager's
+    asserts are the model run's (``Model.__init__``), with the case's."""
+    try:
+        geometry = block_geometry(layout, profile, asserts=False)
+    except ConfigError as e:
+        return e.to_json()
+    return {"status": "ok", "geometry": geometry.to_json()}
+
+
 class CPUBlockContent:
     """What the worker last wrote into a CPU block (a completed store): a block's content as
     the content shadow reads it. A load reads it back (``Job.cpu_chunks``)."""
