@@ -156,9 +156,8 @@ class SimpleCPUOffloadScheduler:
     coordinator ``cpu_coordinator`` of the same groups. ``prefix_cacheable``: per group, whether
     its spec is prefix-cacheable (a ring is not); ``prefix_cacheable_only``: only those groups
     are stored and counted by the lazy walk (0.31.0+), else every group.
-    ``reset_at_preemption``: a preempted
-    request's table and cursors are cleared when it is preempted (0.32.0+), not when it resumes
-    (0.30.0-0.31.0); ``chunked_local_guard``: a lookup past a local prefix that is not a whole
+    ``reset_at_preemption``: a preempted request's table and cursors are cleared when it is
+    preempted (0.32.0+), not when it resumes (0.30.0-0.31.0); ``chunked_local_guard``: a lookup past a local prefix that is not a whole
     number of attention chunks finds nothing (0.33.0); ``eagle_cacheable_block``: eager stores
     reach as far as the coordinator caches, one block past the scheduler block boundary in an
     EAGLE group of several (``get_num_cacheable_tokens``, 0.32.0+), not to the boundary."""
@@ -197,8 +196,9 @@ class SimpleCPUOffloadScheduler:
         self.pending_finished_stores: list[TransferMeta] = []
         self.load_event_counter = 0
         self.store_event_counter = 0
-        # the worker's side: the jobs in flight, each store event's jobs not done (FIFO), the
-        # load job of each request, what each CPU block holds
+        # the worker's side (the harness plays it): the jobs in flight, the store events not
+        # reported yet (FIFO) and each one's jobs not done, each store job's CPU blocks, what
+        # each CPU block holds
         self.jobs: dict[int, Job] = {}
         self.next_jid = 0
         self.store_order: list[int] = []
