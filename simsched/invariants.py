@@ -105,6 +105,18 @@ def check_pool(step: int, pool, reqs, pins: list[int] | None = None
     return None
 
 
+def check_goes_idle(step: int, steps_after_last: int, limit: int
+                    ) -> InvariantViolation | None:
+    """INV-8: the engine steps on ``steps_after_last`` steps after every request finished (and
+    none is to come) while ``Scheduler.has_requests()`` counts the connector's pending work
+    (``has_pending_push_work``); beyond ``limit`` it never goes idle."""
+    if steps_after_last <= limit:
+        return None
+    return InvariantViolation("INV-8", step, f"every request finished {steps_after_last} steps "
+                              "ago and the engine never went idle (Scheduler.has_requests() "
+                              "stays true)")
+
+
 def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolation | None:
     """INV-1 from counters only (the benchmark's cheap mode)."""
     if pool.get_num_free_blocks() + num_held_entries != pool.num_blocks - 1:

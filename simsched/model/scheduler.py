@@ -1336,10 +1336,7 @@ class Model:
         # work (has_pending_push_work): a step that makes more of it every time never idles
         self.after_last = self.after_last + 1 if self.unfinished <= 0 and not \
             self.future_events else 0
-        if self.after_last > MAX_STEPS_AFTER_LAST:
-            raise inv.InvariantViolation("INV-8", step, f"every request finished "
-                                         f"{self.after_last} steps ago and the engine never "
-                                         "went idle (Scheduler.has_requests() stays true)")
+        self._violation(inv.check_goes_idle(step, self.after_last, MAX_STEPS_AFTER_LAST))
         if (self.async_.busy() if self.async_ is not None else
                 self.running or not quiet or any(r.status != WAITING_FOR_LOAD
                                                  or r.rid in self.loaded for r in self.waiting)):

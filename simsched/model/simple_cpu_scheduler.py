@@ -388,11 +388,12 @@ class SimpleCPUOffloadScheduler:
             if state is None or state.finished:
                 continue
             if full_table:
-                # 0.30.0-0.31.0 start over when the request resumes; from 0.32.0 it did at its
-                # preemption, and the full table replaces the stale one
-                if not self.reset_at_preemption:
+                # the full table replaces the stale one; 0.30.0-0.31.0 also start the cursors
+                # over here, when the request resumes (0.32.0+: at its preemption, above)
+                if self.reset_at_preemption:
+                    state.block_ids = [[] for _ in state.block_ids]
+                else:
                     self._restart(state)
-                state.block_ids = [[] for _ in state.block_ids]
             for table, new in zip(state.block_ids, new_blocks[rid]):
                 table.extend(new)
             gpu_ids, advanced = self._select_eager_blocks_to_store(state, state.block_ids)

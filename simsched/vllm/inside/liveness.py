@@ -67,10 +67,9 @@ class Liveness:
         # the engine steps while Scheduler.has_requests(), which counts the connector's pending
         # work (has_pending_push_work): a step that makes more of it every time never idles
         self.after_last = self.after_last + 1 if unfinished <= 0 and not future else 0
-        if self.after_last > MAX_STEPS_AFTER_LAST:
-            raise inv.InvariantViolation("INV-8", step, f"every request finished "
-                                         f"{self.after_last} steps ago and the engine never "
-                                         "went idle (Scheduler.has_requests() stays true)")
+        v = inv.check_goes_idle(step, self.after_last, MAX_STEPS_AFTER_LAST)
+        if v is not None:
+            raise v
         if steps >= self.step_cap:
             raise inv.InvariantViolation("INV-8", step, f"{unfinished} requests "
                                          f"unfinished after {self.step_cap} steps")
