@@ -19,10 +19,18 @@ one-block chunk's content is thus its slot's content).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from simsched.model.block_pool import NULL
-from simsched.model.request import Request
+
+
+class Prefixes(Protocol):
+    """What a forward pass's writer reads of a request: its block tables and the identities of
+    its prefixes (a ``Request``, or the worker's view of one, ``request.WorkerView``)."""
+
+    tables: list[list[int]]
+
+    def ident_at(self, end: int) -> int | None: ...
 
 
 
@@ -39,7 +47,7 @@ class Shadow:
         g = self.gids[b]
         return None if g is None else (g, self.ends[b], self.idents[b])
 
-    def write_computed(self, req: Request, groups: list[tuple[int, bool]], start: int,
+    def write_computed(self, req: Prefixes, groups: list[tuple[int, bool]], start: int,
                        end: int, collect: bool = True,
                        fenced: list[int] | None = None) -> list[int]:
         """The model computed tokens ``[start, end)`` of ``req``: write its blocks in every

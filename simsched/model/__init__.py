@@ -88,9 +88,6 @@ def _simple_cpu_gap(layout) -> str | None:
         return "+".join(other) + " groups"
     if engine.dcp_size > 1:
         return "DCP"
-    if engine.async_scheduling and engine.speculative is not None:
-        # (drafts reach the scheduler through the worker there, which the model does not play)
-        return "speculative decoding under async scheduling"
     return None
 
 

@@ -34,6 +34,10 @@ class Scheduler(Protocol):
     off: OffloadingConnectorScheduler
     profile: Profile
     step_no: int            # the step being scheduled (``schedule`` counts it)
+    num_spec: int           # drafts per step (speculative decoding; 0: none)
+    drafts: dict[str, int]          # Request.spec_token_ids (counts)
+    sched_drafts: dict[str, int]    # the step's scheduled_spec_decode_tokens (counts)
+    cache_on_output: bool   # 0.33.0: the tokens trimmed at a stop leave num_computed_tokens
     progress: bool          # something moved in this step (the stall count of INV-8)
 
     def has_requests(self) -> bool: ...
@@ -58,11 +62,13 @@ class Scheduler(Protocol):
 class _Batch:
     """One scheduled batch in the engine's batch queue, until its output is processed."""
 
-    __slots__ = ("sched", "tokens", "jobs", "landed", "executed")
+    __slots__ = ("sched", "tokens", "rejected", "jobs", "landed", "executed")
 
     def __init__(self, sched: list, executed: bool):
         self.sched = sched          # [(request, tokens scheduled)]
-        self.tokens: list = []      # [(request, sampled token)]: the worker's sampled tokens
+        # [(request, tokens)]: the worker's accepted drafts and sampled token
+        self.tokens: list[tuple[Request, list[int]]] = []
+        self.rejected: dict[str, int] = {}  # request ID -> drafts the worker rejected
         self.jobs: list[int] = []   # transfer jobs the worker reports done in this output
         self.landed: list[str] = []     # requests whose NIXL pull it reports (finished_recving)
         self.executed = executed
@@ -83,6 +89,13 @@ class AsyncRun:
       (``_update_after_schedule``) and is scheduled again for ``num_tokens + ph -
       num_computed`` tokens before its token is known; it is skipped when its last token is
       in flight (``num_computed + 2 - ph >= num_prompt + max_tokens``);
+    * speculative decoding: a request scheduled past its prefill gets ``k`` placeholder drafts
+      (``spec_token_ids = [-1] * k``) and a placeholder for each draft scheduled; the worker
+      verifies its own drafts, the ones the drafter proposed after the request's last step
+      (``proposed``; a request not in the previous batch verifies the placeholders, which
+      never match); the output rolls ``num_computed_tokens`` and the placeholders back over the
+      rejected ones (``update_from_output``), before the next step executes, as the worker
+      corrects its own count (``gpu_model_runner``: ``prev_num_draft_len``);
     * ``allocate_slots`` caches only blocks of known tokens; the rest are cached when the
       tokens arrive, up to ``num_computed - num_in_flight_tokens``
       (``update_from_output``; 0.30.0's ``AsyncScheduler._update_request_with_output`` says
@@ -121,6 +134,9 @@ class AsyncRun:
         self.due: dict[int, int] = {}         # job ID -> due time
         self.pulls_due: dict[str, int] = {}   # request ID -> due time of its NIXL pull
         self.batch: _Batch | None = None
+        # the requests of the last executed batch that sampled: the drafter proposed their
+        # drafts for the next step (the worker's persistent batch drops the others)
+        self.proposed: set[str] = set()
         # 0.25.1-0.29.0: no _request_blocks_can_be_freed check in Scheduler.schedule's
         # preemption loop (0.30.0+), a request whose batch is in flight can be preempted
         self.preempt_in_flight: bool = model.profile.extra.get("preempt_in_flight", False)
@@ -168,12 +184,16 @@ class AsyncRun:
         if sched_reqs:
             self.sched_seq += 1
         ph, in_flight, seq = self.ph, self.in_flight, self.sched_seq
+        m = self.m
+        k, drafts, sched_drafts = m.num_spec, m.drafts, m.sched_drafts
         for req, n, _ in sched_reqs:
             rid = req.rid
             in_flight[rid] = in_flight.get(rid, 0) + n
             self.last_seq[rid] = seq
             if req.num_computed + n >= len(req.tokens) + ph.get(rid, 0):   # not a prefill chunk
-                ph[rid] = ph.get(rid, 0) + 1
+                ph[rid] = ph.get(rid, 0) + 1 + sched_drafts.get(rid, 0)
+                if k:
+                    drafts[rid] = k         # the placeholders of the next step's drafts
 
     def call(self, t: int) -> None:
         """One engine step at ``t`` (the scheduler's ``after_step`` follows it)."""
@@ -199,6 +219,7 @@ class AsyncRun:
     def _execute(self, batch: _Batch, t: int, sched_reqs: list, stores: list) -> None:
         m = self.m
         m.execute_model(t, m.step_no, sched_reqs, stores)
+        self.proposed = {req.rid for req, _ in batch.tokens}
         due = self.due
         batch.jobs = sorted([j for j, d in due.items() if d <= t + 1])
         for j in batch.jobs:
@@ -223,12 +244,26 @@ class AsyncRun:
         in_flight, ph = self.in_flight, self.ph
         for req, n in batch.sched:
             in_flight[req.rid] -= n
-        for req, tok in batch.tokens:
+        for req, tokens in batch.tokens:
             if req.finished:
                 continue            # aborted while the batch was in flight
             running = req.status == RUNNING
-            req.append_tokens([tok])
-            ph[req.rid] -= 1
+            rejected = batch.rejected.get(req.rid, 0)
+            if rejected:
+                # (a request preempted in flight was rolled back to 0 already)
+                if req.num_computed > 0:
+                    req.num_computed -= rejected
+                if ph[req.rid] > 0:
+                    ph[req.rid] -= rejected
+            new = tokens[:max(0, req.max_tokens - len(req.tokens))]   # the stop check
+            req.append_tokens(new)
+            if m.cache_on_output:
+                # 0.33.0 _update_request_with_output: every returned token resolves its
+                # placeholder, and the tokens trimmed at a stop leave num_computed_tokens
+                ph[req.rid] -= len(tokens)
+                req.num_computed -= len(tokens) - len(new)
+            else:
+                ph[req.rid] -= len(new)
             if running:
                 m.kv.cache_blocks(req, req.num_computed - in_flight[req.rid])
             if len(req.tokens) >= req.max_tokens:

@@ -50,6 +50,23 @@ def key_ident(key: Key) -> int:
     return key - (key_group(key) << KEY_GROUP_SHIFT)
 
 
+def extend_ident(ident: list[int], tokens: Sequence[int], unit: int) -> None:
+    """``ident[k] = hash((ident[k - 1], tuple(tokens[k * unit:(k + 1) * unit])))``
+    (``ident[-1]`` read as ``NONE_HASH``) for every whole unit of ``tokens``."""
+    prev = ident[-1] if ident else NONE_HASH
+    for k in range(len(ident), len(tokens) // unit):
+        prev = hash((prev, tuple(tokens[k * unit:(k + 1) * unit])))
+        ident.append(prev)
+
+
+def ident_at(ident: list[int], unit: int, end: int) -> int | None:
+    """The identity of the prefix ``[0, end)`` in the chain ``ident`` (None: not that long)."""
+    k = end // unit - 1
+    if k < 0:
+        return NONE_HASH
+    return ident[k] if k < len(ident) else None
+
+
 class Request:
     """A request: its tokens, the identities of their prefixes, its block tables.
 
@@ -106,13 +123,7 @@ class Request:
         return len(self.tokens)
 
     def _extend_ident(self) -> None:
-        """``ident[k] = hash((ident[k - 1], tuple(tokens[k * unit:(k + 1) * unit])))``
-        (``ident[-1]`` read as ``NONE_HASH``) for every whole unit of known tokens."""
-        tokens, ident, unit = self.tokens, self.ident, self.unit
-        prev = ident[-1] if ident else NONE_HASH
-        for k in range(len(ident), len(tokens) // unit):
-            prev = hash((prev, tuple(tokens[k * unit:(k + 1) * unit])))
-            ident.append(prev)
+        extend_ident(self.ident, self.tokens, self.unit)
 
     def keys(self, gid: int, stride: int) -> list[Key]:
         """``[make_key(gid, ident_at(k * stride)) for k = 1, 2, ...]`` as far as the tokens are
@@ -140,11 +151,29 @@ class Request:
 
     def ident_at(self, end: int) -> int | None:
         """Identity of the prefix ``[0, end)`` (``end`` a multiple of the unit), None if unknown."""
-        k = end // self.unit - 1
-        if k < 0:
-            return NONE_HASH
-        return self.ident[k] if k < len(self.ident) else None
+        return ident_at(self.ident, self.unit, end)
+
+    def worker_view(self, accepted: list[int]) -> WorkerView:
+        """The request as the worker sees it in a step whose accepted drafts the scheduler learns
+        only with the step's output (async scheduling)."""
+        return WorkerView(self, accepted)
 
     @property
     def finished(self) -> bool:
         return self.status >= FINISHED
+
+
+class WorkerView:
+    """A request with the drafts the worker accepted in a step its scheduler has not seen the
+    output of: its block tables and the identities of its prefixes, known tokens and accepted
+    drafts, as the content shadow reads them (``tables``, ``ident_at``)."""
+
+    __slots__ = ("rid", "tables", "unit", "ident")
+
+    def __init__(self, req: Request, accepted: list[int]):
+        self.rid, self.tables, self.unit = req.rid, req.tables, req.unit
+        self.ident = list(req.ident)
+        extend_ident(self.ident, req.tokens + accepted, req.unit)
+
+    def ident_at(self, end: int) -> int | None:
+        return ident_at(self.ident, self.unit, end)

@@ -58,7 +58,7 @@ from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_
 from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
                                                          CircularBufferManager)
 from simsched.profiles import EAGLE_METHODS, Profile, retention_interval
-from simsched.shadow import Shadow
+from simsched.shadow import Prefixes, Shadow
 from simsched.trace import fmt_alloc, fmt_hung_end, fmt_hung_flush, fmt_job, fmt_recv, header
 
 MAX_STEPS: Final = 100_000
@@ -264,10 +264,8 @@ class Model:
         # request's computed tokens once its new tokens are appended (rejections rolled back)
         self.cache_on_output = bool(spec is not None
                                     and profile.extra.get("spec_cache_on_output", False))
-        if layout.engine.async_scheduling:
-            # under async scheduling drafts reach the scheduler through the worker
-            # (update_draft_token_ids_in_output), not played here: no drafts
-            self.num_spec = 0
+        # (under async scheduling the drafts the scheduler sees are placeholders, set after each
+        # step: AsyncRun.after_schedule; the worker verifies its own: _verify_in_flight)
         # Scheduler._spec_decode_step_blocks (0.31.0+): an async load is admitted only with the
         # blocks of one spec decode step free beyond the in-flight reservations, and each
         # in-flight reservation holds that step too (_request_remaining_blocks)
@@ -763,6 +761,7 @@ class Model:
             n = len(req.tokens) - c
             if k:
                 n += self.drafts.get(req.rid, 0)      # num_tokens_with_spec
+            ph = 0
             if asy is not None:
                 ph = asy.ph.get(req.rid, 0)
                 if ph and c + 2 - ph >= req.max_tokens:
@@ -810,8 +809,8 @@ class Model:
                 # scheduled_spec_decode_tokens (cut to the tokens scheduled); the request's
                 # spec_token_ids are cleared until the worker proposes new ones
                 d = self.drafts.pop(req.rid, 0)
-                if d and c + n > len(req.tokens):
-                    self.sched_drafts[req.rid] = min(d, c + n - len(req.tokens))
+                if d and c + n > len(req.tokens) + ph:
+                    self.sched_drafts[req.rid] = min(d, c + n - len(req.tokens) - ph)
         if not preempted:
             budget = self._schedule_waiting(scheduled, new_blocks, budget, sched_reqs)
         # (every token of sched_reqs came out of the budget)
@@ -889,18 +888,21 @@ class Model:
             asy.after_schedule(sched_reqs)
         return sched_reqs, stores
 
-    def _write_computed(self, step: int, req: Request, start: int, end: int) -> None:
+    def _write_computed(self, step: int, req: Request, start: int, end: int,
+                        seen: Prefixes | None = None) -> None:
         """The forward pass wrote tokens ``[start, end)`` of ``req`` into its blocks: the shadow
-        records them, and INV-6 checks that no pending store job still reads one of them."""
+        records them, and INV-6 checks that no pending store job still reads one of them.
+        ``seen``: the request as the worker sees it, if it knows more tokens than ``req``."""
         fences = self.pending_reads
+        prefixes = req if seen is None else seen
         if fences.jobs:
             # (the first written block a pending store reads, if any)
-            written = self.shadow.write_computed(req, self.shadow_groups, start, end, True,
+            written = self.shadow.write_computed(prefixes, self.shadow_groups, start, end, True,
                                                  fences.count)
             if written:
                 self._violation(fences.check(step, written, "request", req.rid))
         else:
-            self.shadow.write_computed(req, self.shadow_groups, start, end, False)
+            self.shadow.write_computed(prefixes, self.shadow_groups, start, end, False)
 
     def execute_model(self, t: int, step: int, sched_reqs: list[Scheduled],
                       stores: list[Job]) -> None:
@@ -942,12 +944,15 @@ class Model:
                 # verification (update_from_output): the accepted drafts are the request's next
                 # tokens; a rejected draft's slot holds KV of no token and num_computed_tokens
                 # rolls back over it; the worker samples one token after the accepted drafts
-                if req.rid in self.padded:
+                if req.rid in self.padded or (asy is not None and req.rid not in asy.proposed):
                     a = 0
                 else:
                     k = self.verified.get(req.rid, 0)
                     self.verified[req.rid] = k + 1
                     a = req.spec.accepted(k, d)
+                if asy is not None:
+                    self._verify_in_flight(step, req, start, end, d, a)
+                    continue
                 base = len(req.tokens)
                 acc = [sampled_token(seed, req.index, p) for p in range(base, base + a)]
                 req.append_tokens(acc[:max(0, req.max_tokens - base)])
@@ -977,7 +982,7 @@ class Model:
                 tok = sampled_token(seed, req.index, len(req.tokens))
                 if asy is not None:
                     assert asy.batch is not None            # (after_schedule made it)
-                    asy.batch.tokens.append((req, tok))     # delivered with the batch's output
+                    asy.batch.tokens.append((req, [tok]))   # delivered with the batch's output
                     continue
                 req.append_tokens([tok])
                 if self.cache_on_output:
@@ -996,6 +1001,26 @@ class Model:
                 # the job's source blocks (each also a connector fence: job.fenced, or deferred)
                 fences.add(job.jid, job.bids)
         self.progress = self.progress or bool(sched_reqs)
+
+    def _verify_in_flight(self, step: int, req: Request, start: int, end: int, d: int,
+                          a: int) -> None:
+        """A step with drafts under async scheduling: the worker verifies its own drafts (the
+        scheduler sent placeholders) and writes the KV of the accepted ones; the scheduler
+        learns the accepted tokens and rolls back over the rejected ones with the step's output
+        (``AsyncRun._apply``). ``start`` is already the worker's count: the rejections of the
+        previous step were applied before this step executes, as the worker corrects its own
+        count by them (``gpu_model_runner``: ``prev_num_draft_len``)."""
+        assert self.async_ is not None and self.async_.batch is not None
+        seed = self.case.seed % VOCAB
+        base = len(req.tokens)
+        tokens = [sampled_token(seed, req.index, p) for p in range(base, base + a + 1)]
+        accepted = tokens[:min(a, max(0, req.max_tokens - base))]
+        self._write_computed(step, req, start, end,
+                             req.worker_view(accepted) if accepted else None)
+        req.num_computed = end
+        self.inflight.pop(req.rid, None)
+        self.async_.batch.tokens.append((req, tokens))
+        self.async_.batch.rejected[req.rid] = d - a
 
     def _mamba_split(self, req: Request, n: int, start: int) -> int:
         """``Scheduler._mamba_block_aligned_split`` (no prefill checkpoint blocks,

@@ -9,6 +9,13 @@
   request's known ones; a step that scheduled drafts accepts the first ones as the request's
   ``accept`` pattern says (``RequestSpec.accepted``; padding drafts ``-1`` never) and samples one
   token after them, so ``update_from_output`` rolls back over the rejected ones.
+* Speculative decoding under async scheduling: the scheduler sees placeholder drafts only
+  (``AsyncScheduler._update_after_schedule``, ``-1`` each) and the worker verifies its own, the
+  tokens that follow the known ones, accepted as the pattern says. The scheduler schedules the
+  next step before it learns the rejections, so its ``num_computed_tokens`` counts them; the
+  worker writes the step's KV from its own count, the scheduler's minus the drafts it rejected
+  in the previous batch (0.33.0 ``gpu_model_runner.py:1343-1367``, ``prev_num_draft_len``,
+  applied by ``correct_spec_decode_token_counts`` :1515-1536; every release 0.25.1+).
 * The ``ModelRunnerOutput`` of a batch, with the connector's output the driver builds.
 """
 
@@ -30,26 +37,42 @@ class ModelRunner:
         self.shadow_groups = run.shadow_groups
         self.tails, self.pending_reads, self.num_spec = tails, pending_reads, num_spec
         self.verified: dict[str, int] = {}       # rid -> verification steps so far
+        engine = run.case.layout.engine
+        # the worker's own drafts behind the scheduler's placeholders (see the module)
+        self.worker_drafts = engine.async_scheduling and engine.speculative is not None
+        # rid -> drafts rejected in the last executed batch, of the requests that had drafts
+        # there (the worker's prev_num_draft_len > 0, corrected by the accepted count)
+        self.rejected: dict[str, int] = {}
+        # the requests that sampled in the last executed batch: the drafter proposed drafts
+        # for them (a request the worker's persistent batch dropped verifies the placeholders)
+        self.proposed: set[str] = set()
 
     def execute(self, step: int, out, scheduled: dict, before: dict) -> dict[str, list[int]]:
         """The forward pass of the batch (``before``: each request's computed tokens before
         the step) and the tokens sampled per request."""
         sampled: dict[str, list[int]] = {}
         spec_sched = dict(getattr(out, "scheduled_spec_decode_tokens", None) or {})
+        # (a request not in this batch leaves the worker's persistent batch: no correction)
+        rejected_before, self.rejected = self.rejected, {}
+        proposed_before, self.proposed = self.proposed, set()
         for rid, n in scheduled.items():
             ident = self.requests.ident[rid]
-            start = before.get(rid, 0)
+            start = before.get(rid, 0) - rejected_before.get(rid, 0)
             ident.tables = block_tables(self.sched, rid)
             drafts = list(spec_sched.get(rid, ()))
             d = len(drafts)
             accepted: list[int] = []
             samples = start + n >= len(ident.tokens) + d
             if samples and d:
-                accepted = self._verify(rid, ident, drafts)
+                own = self.worker_drafts and rid in proposed_before
+                accepted = self._verify(rid, ident, drafts, own)
+                if self.worker_drafts:
+                    self.rejected[rid] = d - len(accepted)
             self._forward(step, rid, ident, start, n)
             # the worker samples when the batch reaches the end of the tokens it knows (under
             # async scheduling it knows the tokens the scheduler has not received yet)
             if samples:
+                self.proposed.add(rid)
                 pos = start + n - d + len(accepted)
                 tok = sampled_token(self.case.seed, self.requests.index[rid], pos)
                 sampled[rid] = accepted + [tok]
@@ -59,11 +82,14 @@ class ModelRunner:
                 sampled[rid] = []
         return sampled
 
-    def _verify(self, rid: str, ident, drafts: list) -> list[int]:
+    def _verify(self, rid: str, ident, drafts: list, own: bool) -> list[int]:
         """Verification: the first accepted drafts are the request's next tokens (the worker
         proposed them so); the slots of rejected drafts hold KV of no token; padding drafts
-        (-1, a new decode request padded to 1 + k tokens) never match."""
-        if all(x == -1 for x in drafts):
+        (-1, a new decode request padded to 1 + k tokens) never match. Under async scheduling
+        (``own``) the drafts the scheduler sent are placeholders for the worker's own, where the
+        drafter proposed some (the request sampled in the last executed batch); the others are
+        verified as sent, and never match."""
+        if (not own if self.worker_drafts else all(x == -1 for x in drafts)):
             a = 0
         else:
             k = self.verified.get(rid, 0)
