@@ -37,7 +37,6 @@ class Scheduler(Protocol):
     num_spec: int           # drafts per step (speculative decoding; 0: none)
     drafts: dict[str, int]          # Request.spec_token_ids (counts)
     sched_drafts: dict[str, int]    # the step's scheduled_spec_decode_tokens (counts)
-    cache_on_output: bool   # 0.33.0: the tokens trimmed at a stop leave num_computed_tokens
     progress: bool          # something moved in this step (the stall count of INV-8)
 
     def has_requests(self) -> bool: ...
@@ -142,6 +141,9 @@ class AsyncRun:
         self.preempt_in_flight: bool = model.profile.extra.get("preempt_in_flight", False)
         self.window_frees_on_processed: bool = model.profile.extra.get(
             "window_frees_on_processed", True)
+        # 0.33.0: update_from_output caches a request's blocks (and resolves every returned
+        # token's placeholder), the AsyncScheduler no longer does
+        self.cache_past_in_flight: bool = model.profile.extra.get("spec_cache_on_output", False)
 
     def has_requests(self) -> bool:
         return self.m.has_requests()
@@ -211,7 +213,7 @@ class AsyncRun:
                 self._execute(batch, t, sched_reqs, stores)
                 self._apply(batch)
             else:
-                self._apply(queue.pop())
+                self._apply(queue.pop(), batch)
                 self._execute(batch, t, sched_reqs, stores)
         elif queue:
             self._apply(queue.pop())
@@ -231,9 +233,12 @@ class AsyncRun:
             del pulls[r]
             m._emit(f"landed {r}")
 
-    def _apply(self, batch: _Batch) -> None:
+    def _apply(self, batch: _Batch, scheduled: _Batch | None = None) -> None:
         """``update_from_output``: deferred frees, sampled tokens (stops), then the connector's
-        output (loads through ``finished_recving``, store and load jobs completed)."""
+        output (loads through ``finished_recving``, store and load jobs completed).
+        ``scheduled``: the batch scheduled since, which executes after this (the scheduler
+        advanced ``num_computed_tokens`` by its tokens when it scheduled it)."""
+        ahead = {req.rid: n for req, n in scheduled.sched} if scheduled is not None else {}
         m = self.m
         pool = m.kv.pool
         if batch.executed:
@@ -257,7 +262,7 @@ class AsyncRun:
                     ph[req.rid] -= rejected
             new = tokens[:max(0, req.max_tokens - len(req.tokens))]   # the stop check
             req.append_tokens(new)
-            if m.cache_on_output:
+            if self.cache_past_in_flight:
                 # 0.33.0 _update_request_with_output: every returned token resolves its
                 # placeholder, and the tokens trimmed at a stop leave num_computed_tokens
                 ph[req.rid] -= len(tokens)
@@ -265,7 +270,11 @@ class AsyncRun:
             else:
                 ph[req.rid] -= len(new)
             if running:
-                m.kv.cache_blocks(req, req.num_computed - in_flight[req.rid])
+                # the tokens no batch in flight holds: 0.33.0's update_from_output counts
+                # num_in_flight_tokens; 0.25.1-0.32.0's _update_request_with_output the
+                # placeholders (the same, but after a stop trimmed drafts: their placeholders stay)
+                held = in_flight[req.rid] if self.cache_past_in_flight else ph[req.rid]
+                m.kv.cache_blocks(req, req.num_computed + ahead.get(req.rid, 0) - held)
             if len(req.tokens) >= req.max_tokens:
                 m.finish_request(req)
         if not m.transfers_done(batch.jobs):

@@ -771,6 +771,10 @@ class Model:
                 n += ph
             if n > budget:
                 n = budget
+            if asy is not None and k:
+                # the input position stays below max_model_len (every release; binds only where
+                # num_computed_tokens counts drafts in flight)
+                n = min(n, kv.max_model_len - c - 1)
             if self.mamba_split_bs and n > 0:
                 n = self._mamba_split(req, n, c)
             if n <= 0:
