@@ -5,6 +5,8 @@ Real-vLLM tests FAIL (never skip) when a release is missing: ``Releases.installe
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from pathlib import Path
 import signal
@@ -181,6 +183,26 @@ def test_agreement_on_speculative_generated_cases(pool, version):
         assert res.agree, f"{layout} seed {seed}: {res.summary()}"
         rejected += sum(1 for r in case.requests if r.accept and min(r.accept) < 2)
     assert rejected > 0          # the cases do reject drafts
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_agreement_on_speculative_async_generated_cases(pool, version):
+    """Under async scheduling the scheduler schedules placeholder drafts and the worker verifies
+    its own (0.33.0 ``gpu_model_runner.py:1343-1367``): the same cases agree step for step, and
+    the drafts their patterns accept shorten the runs against the same cases with every draft
+    rejected (a worker that took the placeholders for padding would run them alike)."""
+    steps, steps_rejecting = 0, 0
+    for layout, seed in SPEC_AGREEING:
+        case = generate_case(seed, layout, async_scheduling=True)
+        res = lockstep(case, version, pool)
+        assert res.agree, f"{layout} seed {seed}: {res.summary()}"
+        rejecting = dataclasses.replace(case, requests=tuple(
+            dataclasses.replace(r, accept=(0,)) for r in case.requests))
+        res0 = lockstep(rejecting, version, pool)
+        assert res0.agree, f"{layout} seed {seed}, every draft rejected: {res0.summary()}"
+        steps += res.real["counters"]["steps"]
+        steps_rejecting += res0.real["counters"]["steps"]
+    assert steps < steps_rejecting
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])

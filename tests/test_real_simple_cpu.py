@@ -457,9 +457,32 @@ def test_the_model_crashes_where_0300_does(pool):
 @pytest.mark.parametrize("version", RELEASES)
 def test_drawn_simple_cpu_cases_step_with_the_model(pool, version):
     """40 cases the strategy draws on the path (``cases(path="simple_cpu")``): every one the
-    model covers (``unmodelled_path``: Mamba groups, DCP, drafts under async scheduling
-    aside) and the release runs step by step agrees with the model (lazy walks that store a
+    model covers (``unmodelled_path``: Mamba groups and DCP aside) and the release runs step by step agrees with the model (lazy walks that store a
     prompt's partial tail, and async scheduling, among them)."""
     agreed, unmodelled, diverged = drawn_lockstep(pool, version, 40, "simple_cpu")
     assert diverged == []
     assert agreed >= 24, (agreed, unmodelled)
+
+
+#: the campaign's INV-4-store-full-5c108f (all ten releases, classed a bug): an eager store read
+#: a block whose last slot held a rejected draft's KV in the harness's shadow only. The worker
+#: writes a step's KV from its own count, the scheduler's minus the drafts it rejected in the
+#: previous batch (0.33.0 ``gpu_model_runner.py:1343-1367``); the harness wrote it from the
+#: scheduler's, one slot ahead after each rejection
+ASYNC_EAGLE = {"layout": {"groups": [{"kind": "full", "block_size": 4}],
+                          "engine": {"speculative": {"method": "eagle", "num_tokens": 1},
+                                     "async_scheduling": True,
+                                     "connector": {"kind": "simple_cpu",
+                                                   "lazy_offload": False}}},
+               "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                            {"id": "r4", "prompt": [[300, 8], [302, 20]], "arrival": 30,
+                             "decode": 16, "accept": [1, 0, 1, 1, 0]}]}
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_async_drafts_write_at_the_workers_positions(pool, version):
+    res = lockstep(Case.from_json(ASYNC_EAGLE), version, pool)
+    assert res.real["status"] == "ok" and not res.real["findings"], res.summary()
+    assert res.agree, res.summary()
+    stores = [x for x in res.real["trace"] if x.startswith("store ") and " r4 " in x]
+    assert len(stores) >= 4           # r4's decode blocks are stored as they complete

@@ -27,8 +27,7 @@ module is 1,368 to 1,481 lines in 0.30.0-0.33.0), and the worker's cut of events
 which the trace names.
 
 Not modelled (``simsched.model.unmodelled_path``): Mamba groups (boundary hand-offs,
-fine-grained hash hits, the finish flush's partial tail), DCP, speculative decoding under async
-scheduling (whose drafts the model does not play).
+fine-grained hash hits, the finish flush's partial tail) and DCP.
 """
 
 from __future__ import annotations
