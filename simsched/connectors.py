@@ -22,7 +22,7 @@ are submitted (the harness runs the tier's I/O queue itself, so a case replays t
 
 The model mirrors the default path, the ``multi`` path (``simsched/model/multi_connector.py``,
 ``nixl_scheduler.py``; multi-module MTP aside) and the ``simple_cpu`` path of 0.30.0+
-(``simsched/model/simple_cpu_scheduler.py``; Mamba groups and DCP aside),
+(``simsched/model/simple_cpu_scheduler.py``; Mamba groups aside),
 :func:`simsched.model.unmodelled_path`: the others are checked on the real run alone, by the
 invariants that need no model."""
 

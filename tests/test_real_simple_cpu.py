@@ -457,7 +457,7 @@ def test_the_model_crashes_where_0300_does(pool):
 @pytest.mark.parametrize("version", RELEASES)
 def test_drawn_simple_cpu_cases_step_with_the_model(pool, version):
     """40 cases the strategy draws on the path (``cases(path="simple_cpu")``): every one the
-    model covers (``unmodelled_path``: Mamba groups and DCP aside) and the release runs step by step agrees with the model (lazy walks that store a
+    model covers (``unmodelled_path``: Mamba groups aside) and the release runs step by step agrees with the model (lazy walks that store a
     prompt's partial tail, and async scheduling, among them)."""
     agreed, unmodelled, diverged = drawn_lockstep(pool, version, 40, "simple_cpu")
     assert diverged == []
@@ -486,3 +486,20 @@ def test_async_drafts_write_at_the_workers_positions(pool, version):
     assert res.agree, res.summary()
     stores = [x for x in res.real["trace"] if x.startswith("store ") and " r4 " in x]
     assert len(stores) >= 4           # r4's decode blocks are stored as they complete
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_dcp_blocks_span_the_ranks(pool, version, lazy):
+    """Under DCP an attention block spans ``dcp_size`` times its tokens
+    (``resolve_dcp_kv_block_size``): BASIC with 8-token MLA blocks on 2 ranks is BASIC's
+    geometry, and the model pairs each stored block with the hash at its end (a model that
+    read the spec's 8 tokens paired block 0 with hash 0 and broke INV-3 at A's first store)."""
+    case = Case.from_json({
+        "layout": {"groups": [{"kind": "mla", "block_size": 8}],
+                   "engine": {"num_gpu_blocks": 10, "cpu_chunks": 16, "dcp_size": 2,
+                              "connector": {"kind": "simple_cpu", "lazy_offload": lazy}}},
+        "timing": {"store_latency": 1, "load_latency": 1}, "requests": BASIC})
+    res = lockstep(case, version, pool)
+    assert res.agree, res.summary()
+    assert res.real["counters"]["loads"] == 1     # B's CPU hit on A's last block

@@ -82,12 +82,9 @@ def predicts_config(layout) -> bool:
 def _simple_cpu_gap(layout) -> str | None:
     """What of ``layout`` the SimpleCPU model leaves out, if anything."""
     from simsched.model.simple_cpu_scheduler import MODELLED_KINDS
-    engine = layout.engine
     other = sorted({g.kind for g in layout.groups if g.kind not in MODELLED_KINDS})
     if other:
         return "+".join(other) + " groups"
-    if engine.dcp_size > 1:
-        return "DCP"
     return None
 
 

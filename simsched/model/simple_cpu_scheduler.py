@@ -27,12 +27,13 @@ module is 1,368 to 1,481 lines in 0.30.0-0.33.0), and the worker's cut of events
 which the trace names.
 
 Not modelled (``simsched.model.unmodelled_path``): Mamba groups (boundary hand-offs,
-fine-grained hash hits, the finish flush's partial tail) and DCP.
+fine-grained hash hits, the finish flush's partial tail).
 """
 
 from __future__ import annotations
 
-from simsched.geometry import KV_CACHE_UTILS_PY, Geometry, GroupGeometry, resolve_block_sizes
+from simsched.geometry import (KV_CACHE_UTILS_PY, Geometry, GroupGeometry, effective_block_size,
+                               resolve_block_sizes)
 from simsched.model.block_pool import NULL, BlockPool
 from simsched.model.kv_cache_manager import KVCacheManager
 from simsched.model.offloading_common import Job
@@ -56,13 +57,14 @@ def block_geometry(layout, profile, asserts: bool = True) -> Geometry:
     block (without one the manager reads the last group's, which only the partial-tail flush
     of fine-grained hits uses)."""
     scheduler_block_size, tokens_per_hash = resolve_block_sizes(layout, profile)
-    groups = tuple(GroupGeometry(group_id=i, kind=g.kind, tokens_per_block=g.block_size,
-                                 tokens_per_chunk=g.block_size,
-                                 hashes_per_chunk=g.block_size // tokens_per_hash,
+    # (under DCP an attention group's block spans dcp_size times its tokens)
+    sizes = [effective_block_size(g, layout.engine.dcp_size) for g in layout.groups]
+    groups = tuple(GroupGeometry(group_id=i, kind=g.kind, tokens_per_block=bs,
+                                 tokens_per_chunk=bs, hashes_per_chunk=bs // tokens_per_hash,
                                  sliding_window_in_chunks=None, drafter=g.drafter)
-                   for i, g in enumerate(layout.groups))
-    fa = [g for g in layout.groups if g.kind in ("full", "mla")]
-    fa_block_size = (fa or list(layout.groups))[0 if fa else -1].block_size
+                   for i, (g, bs) in enumerate(zip(layout.groups, sizes)))
+    fa = [bs for g, bs in zip(layout.groups, sizes) if g.kind in ("full", "mla")]
+    fa_block_size = fa[0] if fa else sizes[-1]
     if asserts and (not fa or scheduler_block_size % tokens_per_hash
                     or scheduler_block_size % fa_block_size):
         raise ConfigError("AssertionError", "__init__", MANAGER_PY, "__init__",
