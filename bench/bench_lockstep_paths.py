@@ -7,8 +7,12 @@ of the first differing line), that the model does not cover (``unmodelled_path``
 release did not run step by step (refused or unsupported at start-up, or a boot crash both
 sides agree on). The divergent cases are written to ``--out`` for reading.
 
+``--where`` keeps only the drawn cases of one kind (of up to 40 N examples): ``async-spec``
+(speculative decoding under async scheduling), ``dcp`` (``dcp_size`` > 1), ``mamba`` (a Mamba
+group).
+
 Run: ``python bench/bench_lockstep_paths.py [--path multi] [--cases 100]
-[--releases 0.30.0,0.33.0] [--out DIR]``. Prints Markdown.
+[--releases 0.30.0,0.33.0] [--where async-spec] [--out DIR]``. Prints Markdown.
 """
 
 from __future__ import annotations
@@ -31,15 +35,27 @@ from simsched.profiles import profile_for_release  # noqa: E402
 from simsched.targets import Releases  # noqa: E402
 
 
-def drawn_cases(n: int, path: str) -> list:
-    """The first ``n`` distinct cases of ``4 n`` the strategy draws on ``path``."""
-    drawn: dict[str, object] = {}
+#: the kinds of case ``--where`` keeps
+WHERE = {
+    "async-spec": lambda c: (c.layout.engine.async_scheduling
+                             and c.layout.engine.speculative is not None),
+    "dcp": lambda c: c.layout.engine.dcp_size > 1,
+    "mamba": lambda c: any(g.kind == "mamba" for g in c.layout.groups),
+}
 
-    @settings(max_examples=4 * n, database=None, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+
+def drawn_cases(n: int, path: str, where: str | None = None) -> list:
+    """The first ``n`` distinct cases of ``4 n`` the strategy draws on ``path`` (``where``: the
+    first ``n`` of that kind, of ``40 n``)."""
+    drawn: dict[str, object] = {}
+    keep = WHERE[where] if where else (lambda c: True)
+
+    @settings(max_examples=(40 if where else 4) * n, database=None, deadline=None,
+              derandomize=True, suppress_health_check=list(HealthCheck))
     @given(cases(families=FAMILIES, path=path))
     def draw(case):
-        drawn.setdefault(repr(case.to_json()), case)
+        if keep(case):
+            drawn.setdefault(repr(case.to_json()), case)
     draw()
     return list(drawn.values())[:n]
 
@@ -49,14 +65,16 @@ def main() -> None:
     ap.add_argument("--path", default="multi", choices=PATHS)
     ap.add_argument("--cases", type=int, default=100)
     ap.add_argument("--releases", default="0.30.0,0.33.0")
+    ap.add_argument("--where", default=None, choices=sorted(WHERE))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     versions = args.releases.split(",")
-    drawn = drawn_cases(args.cases, args.path)
+    drawn = drawn_cases(args.cases, args.path, args.where)
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    print(f"{len(drawn)} cases drawn on the {args.path} path.\n")
+    kind = f" ({args.where})" if args.where else ""
+    print(f"{len(drawn)} cases{kind} drawn on the {args.path} path.\n")
     print("| release | agree | diverge (first line) | not modelled | not stepped | seconds |")
     print("|---|---|---|---|---|---|")
     with Releases.installed(versions, timeout=120) as pool:

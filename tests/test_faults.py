@@ -116,3 +116,20 @@ def test_under_async_scheduling_the_run_stops_at_the_same_step(pool, version, ki
     assert res.real["status"] == "unsupported", res.summary()
     assert res.real["trace"][-1] == f"failed {jid} {kind[:-7]}"
     assert res.divergence is None and res.observations == [], res.summary()
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.33.0"])
+def test_under_async_scheduling_the_failure_is_the_failing_batchs(pool, version):
+    """The campaign's gap-trace_failed-f3361d: store 1 is created and fails in step 1, while
+    step 0's batch is still to be collected. The engine collects step 0's output (store 0 done)
+    and meets the failure when it collects step 1's, after scheduling step 2: the harness had
+    stopped at step 0's output."""
+    case = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}],
+                                      "engine": {"async_scheduling": True}},
+                           "requests": [{"id": "r0", "prompt": [[0, 2304]]}],
+                           "faults": [{"job": 1, "kind": "store_failed"}]})
+    res = lockstep(case, version, pool)
+    assert res.real["status"] == "unsupported", res.summary()
+    trace = res.real["trace"]
+    assert trace.index("done 0 store") < trace.index("step 2") < trace.index("failed 1 store")
+    assert res.divergence is None and res.observations == [], res.summary()

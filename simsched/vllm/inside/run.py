@@ -254,8 +254,8 @@ class Run:
                                     self.unfinished)
                 t += 1
                 continue
-            progress, done = self._update(queue.pop())
-            self._end_call(progress or batch.executed or self.external.live(), done,
+            progress, done, failed = self._update(queue.pop())
+            self._end_call(progress or batch.executed or self.external.live(), done, failed,
                            work.to_come())
             t += 1
 
@@ -298,8 +298,8 @@ class Run:
         (``EngineCore.step_with_batch_queue``), else the clock jumps to the next arrival,
         abort or event. The next ``t``."""
         if queue:
-            progress, done = self._update(queue.pop())
-            self._end_call(progress, done, work.to_come())
+            progress, done, failed = self._update(queue.pop())
+            self._end_call(progress, done, failed, work.to_come())
             return t + 1
         nxt = work.next_times()
         if not nxt:
@@ -313,8 +313,11 @@ class Run:
                        self.driver.held_blocks())
         self.emit("check ok")
 
-    def _end_call(self, progress: bool, done: list, future: bool = False) -> None:
-        """After ``update_from_output``: finished requests, pool check, trace, liveness."""
+    def _end_call(self, progress: bool, done: list, failed: bool,
+                  future: bool = False) -> None:
+        """After ``update_from_output``: finished requests, pool check, trace, liveness;
+        ``failed``: the batch's worker raised on a failed job of the case's faults (the run
+        stops after the step, as the engine would)."""
         tail = []
         for rid, req in self.requests.reqs.items():
             if rid not in self.requests.finished and req.is_finished():
@@ -327,7 +330,8 @@ class Run:
         self.lines.extend(tail)
         for job in done:
             self.emit(f"done {job.jid} {job.kind}")
-        if self.worker.failed is not None:
+        if failed:
+            assert self.worker.failed is not None
             job, reason = self.worker.failed
             self.emit(f"failed {job.jid} {job.kind}")
             raise TransferFailed(reason)
@@ -361,11 +365,14 @@ class Run:
         # execute: write what the forward pass computes; sample
         sampled = self.runner.execute(step, out, scheduled, before)
         worker.pin_unread(new_stores)
-        # completions reported by this step's worker output
+        # completions reported by this step's worker output (or the failure its worker
+        # raised on: under async scheduling the engine meets it when it collects this batch)
+        failing_before = worker.failed is not None
         done = worker.complete_due(step, t)
         landed = self.external.land_due(step, t, self.emit)
         return SimpleNamespace(out=out, order=list(scheduled), sampled=sampled, done=done,
-                               landed=landed, executed=bool(scheduled))
+                               landed=landed, executed=bool(scheduled),
+                               failed=worker.failed is not None and not failing_before)
 
     def _schedule(self):
         """``Scheduler.schedule()``, then what the lookups it made were found to break."""
@@ -412,9 +419,10 @@ class Run:
             per_group = new_ids.get(rid) or [[] for _ in self.shadow_groups]
             self.emit(fmt_alloc(rid, per_group))
 
-    def _update(self, batch: SimpleNamespace) -> tuple[bool, list]:
+    def _update(self, batch: SimpleNamespace) -> tuple[bool, list, bool]:
         """``update_from_output`` with the worker output of ``batch``: sampled tokens and the
-        connector's output (the driver's: which jobs completed, which requests' loads)."""
+        connector's output (the driver's: which jobs completed, which requests' loads);
+        whether its worker raised on a failed job."""
         done, order = batch.done, batch.order
         recving = {job.rid for job in done if not job.is_store} | batch.landed
         kvo = self.driver.connector_output([job.jid for job in done], recving)
@@ -423,7 +431,7 @@ class Run:
         self.liveness.check_reloads(self.step_no, order, done)
         self.oracle.told(done, self.step_no)    # now the scheduler knows
         self.runner.propose_drafts(batch.out, order)
-        return bool(order) or bool(done) or bool(batch.landed), done
+        return bool(order) or bool(done) or bool(batch.landed), done, batch.failed
 
 
 def _vllm_version() -> str:
