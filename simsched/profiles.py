@@ -170,9 +170,14 @@ class Profile:
 
 #: Before 0.30.0 NIXL's scheduler does not tell its worker that a request is parked for a pull
 #: (``awaiting_kvs``, 0.30.0 ``pull_scheduler.py``): a pull left with no blocks is never reported;
-#: and the SimpleCPUOffloadConnector's manager has no CPU coordinator (0.30.0 rewrote
-#: ``simple_kv_offload/manager.py`` around one: the model's is that one)
-_BEFORE_0_30 = {"nixl_awaiting_kvs": False, "simple_cpu_coordinator": False}
+#: the SimpleCPUOffloadConnector's manager has no CPU coordinator (0.30.0 rewrote
+#: ``simple_kv_offload/manager.py`` around one: the model's is that one); and the connector's
+#: lookup queries the chunk an EAGLE group pops past the hit for a sliding-window group only
+#: (``_lookup_complete_chunks``: ``if is_eagle_unverified and sliding_window_size_in_chunks is
+#: not None``; 0.30.0: every EAGLE group), so a second full-attention EAGLE group pops a chunk
+#: of the hit the first one left
+_BEFORE_0_30 = {"nixl_awaiting_kvs": False, "simple_cpu_coordinator": False,
+                "eagle_extra_chunk_windows_only": True}
 
 _EVERY_GROUP_NO_CLAMP = Profile(
     "every-group-no-clamp",

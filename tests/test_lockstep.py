@@ -575,3 +575,27 @@ def test_the_model_walks_a_job_s_key_set_as_the_release_did(pool):
     assert res.agree, res.summary()
     alone = run_case(case, profile_for_release("0.30.0"))
     assert diff_traces(alone.trace, res.real["trace"]) is not None
+
+
+#: the campaign's INV-9-lookup-full+sliding_window-086d17: EAGLE with no drafter group makes every
+#: group an EAGLE group on 0.25.1-0.29.0, and only a sliding-window EAGLE group looks up the
+#: chunk it pops before 0.30.0; r1's lookup past its GPU hit of 32: group 0 finds chunks 2 and 3
+#: and pops 3, group 1 then looks up chunk 2 alone and pops it: no hit (0.29.0
+#: ``_lookup_complete_chunks``)
+EAGLE_EVERY_GROUP = {"layout": {"groups": [{"kind": "full", "block_size": 16},
+                                           {"kind": "full", "block_size": 16},
+                                           {"kind": "sliding_window", "block_size": 16,
+                                            "sliding_window": 128}],
+                                "engine": {"speculative": {"method": "eagle", "num_tokens": 1},
+                                           "num_gpu_blocks": 18}},
+                     "requests": [{"id": "r0", "prompt": [[0, 64]]},
+                                  {"id": "r1", "prompt": [[0, 64]]}]}
+
+
+@pytest.mark.parametrize("version,hit", [("0.29.0", False), ("0.30.0", True)])
+def test_eagle_groups_pop_their_chunks_in_turn_before_0300(pool, version, hit):
+    res = lockstep(Case.from_json(EAGLE_EVERY_GROUP), version, pool)
+    assert res.agree, res.summary()
+    invs = [f.get("inv_id") for f in res.real["findings"]]
+    assert invs == ([] if hit else ["INV-9"]), invs
+    assert any(x.startswith("load ") for x in res.real["trace"]) == hit

@@ -233,8 +233,16 @@ def test_eagle_with_align_mamba_hits_at_a_state_block(profile, asserts):
     # finder never drops): the hit ends on a cached state (was: one block below it, a KeyError
     # in admission_blocks); align-mode Mamba allocates no lookahead slots
     r = run_case(eagle_case("mamba", asserts), profile)
-    assert r.ok, r.findings
-    assert r.counters["finished"] == 2
+    extra = PROFILES[profile].extra
+    if extra.get("eagle_extra_chunk_windows_only") and not extra.get("eagle_tail_hole"):
+        # 0.26.0-0.29.0: every group an EAGLE group, and the full-attention group looks up no
+        # chunk past the hit before it pops one: b's lookup finds nothing (INV-9, as 0.27.0's
+        # and 0.29.0's real runs of this case break it; 0.25.1's lookup stops at the hole its
+        # EAGLE tail leaves)
+        assert [f["inv_id"] for f in r.findings] == ["INV-9"], r.findings
+    else:
+        assert r.ok, r.findings
+        assert r.counters["finished"] == 2
     # a's first chunk stops a block before the last whole one (EAGLE backs the last cacheable
     # position off a block) and its state block sits at the chunk's end, not past the
     # lookahead slots, followed by the spec's 2 speculative state blocks (the line of 0.30.0's

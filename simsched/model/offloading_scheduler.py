@@ -220,6 +220,9 @@ class OffloadingConnectorScheduler:
         # 0.30.0+ (same marker): sliding-window lookups use load_window_size_in_chunks and a miss
         # clears a pending chunk (_sliding_window_lookup); window sizes of SlidingWindowSpec groups
         self.window_v2 = profile.retention_check
+        # 0.25.1-0.29.0: only a sliding-window EAGLE group looks up the chunk it pops
+        self.eagle_extra_windows_only: bool = bool(
+            profile.extra.get("eagle_extra_chunk_windows_only", False))
         # 0.33.0's get_num_new_matched_tokens sets every group's next_stored_chunk_idx back to 0
         self.restart_store_idx = profile.extra.get("restart_store_idx", False)
         # 0.33.0's _build_store_jobs skips a chunk with a reachable null block, not only one
@@ -409,7 +412,9 @@ class OffloadingConnectorScheduler:
                 if max_hit - num_computed < tpc:
                     return 0
                 w = cfg.sliding_window_in_chunks
-                query_max = min(max_hit + tpc, len(keys) * tpc) if eagle else max_hit
+                # the chunk an EAGLE group will pop is looked up past the hit
+                extra = eagle and (w is not None or not self.eagle_extra_windows_only)
+                query_max = min(max_hit + tpc, len(keys) * tpc) if extra else max_hit
                 num_chunks = min(-(-query_max // tpc), len(keys))
                 start = num_computed // tpc
                 # n_hit: the group's hit in chunks from ``start``; -1: deferred (not None: a native
