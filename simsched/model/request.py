@@ -168,10 +168,10 @@ class WorkerView:
     output of: its block tables and the identities of its prefixes, known tokens and accepted
     drafts, as the content shadow reads them (``tables``, ``ident_at``)."""
 
-    __slots__ = ("rid", "tables", "unit", "ident")
+    __slots__ = ("tables", "unit", "ident")
 
     def __init__(self, req: Request, accepted: list[int]):
-        self.rid, self.tables, self.unit = req.rid, req.tables, req.unit
+        self.tables, self.unit = req.tables, req.unit
         self.ident = list(req.ident)
         extend_ident(self.ident, req.tokens + accepted, req.unit)
 
