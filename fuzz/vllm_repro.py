@@ -80,7 +80,11 @@ INVARIANT_KINDS = {("INV-3", "store"): "store_key_names_other_chunk",
 def supported(case: Case, data: dict) -> None:
     """Raise :class:`NotGenerated` unless the generator can write this finding."""
     eng = case.layout.engine
-    why = [("async scheduling", eng.async_scheduling),
+    why = [(f"engine.connector={eng.connector.describe()} (the file drives the "
+            "OffloadingConnector alone)", eng.connector.kind != "offloading"),
+           ("engine.secondary_tiers (the file drives the CPU tier alone)",
+            bool(eng.secondary_tiers)),
+           ("async scheduling", eng.async_scheduling),
            ("a drafter group", any(g.drafter for g in case.layout.groups)),
            ("no request", not case.requests),
            ("per-job transfer timings (timing.jobs)", bool(case.timing.jobs)),

@@ -66,6 +66,13 @@ def deployment_reach(layout: Layout) -> str:
 #: how a release's planner stands to a layout of groups written by hand
 REACHED, SYNTHETIC, UNCHECKED = "reached", "synthetic", "unchecked"
 
+#: why no deployment runs a cross-attention group beside a KV connector (python -O strips it)
+ENCODER_DECODER_WITH_CONNECTOR = (
+    "cross attention: only encoder-decoder models (Whisper and the like) have such a group, and "
+    "the Scheduler refuses a KV connector beside them (v1/core/sched/scheduler.py: "
+    "`assert not self.is_encoder_decoder, \"Encoder-decoder models are not currently supported "
+    "with KV connectors\"`, every release 0.25.1-0.33.0)")
+
 #: the layer each group kind becomes in a witness: attention with the layer language's default
 #: heads; MLA with DeepSeek's latent (kv_lora_rank 512 + rope 64); a ring as DeepSeek V4.1's
 #: compressor declares it (``CompressorStateCache``: one head of float32 state rows)
@@ -149,6 +156,8 @@ def group_layout_reach(case: Case, version: str, pool,
     layout = case.layout
     if layout.layers:
         return REACHED, "a layout of layers: its groups are the release's planner's"
+    if case.asserts and any(g.kind == "cross_attention" for g in layout.groups):
+        return SYNTHETIC, ENCODER_DECODER_WITH_CONNECTOR
     models, complete, why = witness_models(layout)
     if not models:
         return (SYNTHETIC if complete else UNCHECKED), why

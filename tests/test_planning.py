@@ -291,6 +291,20 @@ def test_the_release_s_planner_judges_a_layout_of_groups(pool, version):
     assert group_layout_reach(mamba, version, pool)[0] == UNCHECKED
 
 
+def test_a_cross_attention_group_beside_a_connector_is_no_deployments():
+    """Only encoder-decoder models have a cross-attention group, and every release's Scheduler
+    refuses a KV connector beside one (``assert not self.is_encoder_decoder``, 0.33.0
+    ``v1/core/sched/scheduler.py:176``): a finding on such groups is synthetic, unless the
+    case strips asserts (``python -O``), where no release was asked."""
+    from simsched.planning import SYNTHETIC, UNCHECKED, group_layout_reach
+
+    case = groups_case([FULL, {"kind": "cross_attention", "block_size": 16}])
+    how, why = group_layout_reach(case, "0.33.0", None)
+    assert how == SYNTHETIC and "not currently supported with KV connectors" in why
+    stripped = dataclasses.replace(case, asserts=False)
+    assert group_layout_reach(stripped, "0.33.0", None)[0] == UNCHECKED
+
+
 @pytest.mark.parametrize("version", ["0.33.0"])
 def test_a_bug_on_a_layout_no_planner_builds_is_synthetic(pool, version, tmp_path):
     """The campaign asks each affected release's planner about a bug's hand-written layout:

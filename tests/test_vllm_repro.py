@@ -5,6 +5,7 @@
 The real checks need `simsched releases install` to have run; they FAIL when a release they
 name is missing."""
 
+import dataclasses
 import json
 import os
 import shlex
@@ -16,6 +17,7 @@ import pytest
 
 from fuzz import vllm_repro, vllm_repro_verify
 from simsched.case import Case
+from simsched.connectors import Connector, SecondaryTier
 from simsched.lockstep import HANDMADE
 from simsched.vllm import installer as inst
 from simsched.vllm import releases as rel
@@ -219,6 +221,17 @@ def test_kinds_not_written_yet_say_why():
     unpaired = dict(RING_KEYS_FINDING, message="job 1 group 1: 2 keys, 1 source chunks")
     with pytest.raises(vllm_repro.NotGenerated, match="a key without source blocks"):
         vllm_repro.render(Case.from_json(RING_KEYS), unpaired)
+    # the file drives the OffloadingConnector over its CPU tier: a finding of another path
+    # gets no file that would pass where the path fails (the campaign's lazy SimpleCPU stall)
+    stall = Case.from_json(STALL)
+    lazy = dataclasses.replace(stall, layout=stall.layout.with_engine(
+        connector=Connector("simple_cpu", lazy_offload=True)))
+    with pytest.raises(vllm_repro.NotGenerated, match="connector=simple_cpu"):
+        vllm_repro.render(lazy, RING_FINDING)
+    tiered = dataclasses.replace(stall, layout=stall.layout.with_engine(
+        secondary_tiers=(SecondaryTier("fs"),)))
+    with pytest.raises(vllm_repro.NotGenerated, match="secondary_tiers"):
+        vllm_repro.render(tiered, RING_FINDING)
 
 
 def test_verify_wants_fail_where_affected_and_pass_where_clean(tmp_path, monkeypatch):
