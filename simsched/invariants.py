@@ -117,6 +117,26 @@ def check_goes_idle(step: int, steps_after_last: int, limit: int
                               "stays true)")
 
 
+#: a chunk promoted from an fs tier this many times for one request still waiting is INV-8
+PROMOTION_ROUNDS = 2
+
+
+def promotion_thrash(step: int, rid: str, rounds: int, cpu_chunks) -> InvariantViolation:
+    """INV-8 on promotions: a waiting request whose prefix on the fs tier is longer than the CPU
+    tier holds promotes its chunks round after round, each promotion evicting its own promoted
+    chunks, and is never admitted."""
+    return InvariantViolation(
+        "INV-8", step,
+        f"{rid}: a chunk of its prefix promoted from the fs tier {rounds} times while its "
+        f"lookup keeps deferring: the prefix found on the fs tier is longer than the CPU tier "
+        f"({cpu_chunks} chunks) holds, and each promotion evicts the request's own promoted "
+        "chunks (TieringOffloadingManager._initiate_promotion -> prepare_write protects only "
+        "the promoted key), so it is never admitted. A deployment gets here with "
+        "cpu_bytes_to_use smaller than a prompt's prefix found in the fs tier's root_dir (a "
+        "long prompt re-sent after a restart, or written by another instance sharing the "
+        "directory)", "lookup")
+
+
 def check_pool_fast(step: int, pool, num_held_entries: int) -> InvariantViolation | None:
     """INV-1 from counters only (the benchmark's cheap mode)."""
     if pool.get_num_free_blocks() + num_held_entries != pool.num_blocks - 1:

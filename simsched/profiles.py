@@ -175,9 +175,10 @@ class Profile:
 #: lookup queries the chunk an EAGLE group pops past the hit for a sliding-window group only
 #: (``_lookup_complete_chunks``: ``if is_eagle_unverified and sliding_window_size_in_chunks is
 #: not None``; 0.30.0: every EAGLE group), so a second full-attention EAGLE group pops a chunk
-#: of the hit the first one left
+#: of the hit the first one left; and tiered offloading's manager is another design (0.30.0
+#: ``tiering/manager.py``, ``JobMetadata`` and per-request finalization: the model's is that one)
 _BEFORE_0_30 = {"nixl_awaiting_kvs": False, "simple_cpu_coordinator": False,
-                "eagle_extra_chunk_windows_only": True}
+                "eagle_extra_chunk_windows_only": True, "tiering_manager_0_30": False}
 
 _EVERY_GROUP_NO_CLAMP = Profile(
     "every-group-no-clamp",
@@ -297,6 +298,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             asserted_groups=prefix_cacheable_groups, window_file=CONFIG_PY,
             single_group_dcp_by_spec=True, single_group_unit_check=True,
             extra={**_SINCE_0_31, "cpu_lru": "request-ranks", "restart_store_idx": True,
+                   "tier_schedule_end_last": True,
                    "store_skip_null_chunks": True,
                    "mamba_checkpoint_below": True,
                    "alloc_all_groups": True, "spec_cache_on_output": True,

@@ -85,16 +85,19 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(_layout(connector={"kind": "multi"})) is None
     mtp = _layout(connector={"kind": "multi"}, speculative={"method": "mtp", "num_tokens": 2})
     assert unmodelled_path(mtp) == "engine.connector=multi(offloading+nixl) with MTP"
-    assert unmodelled_path(_layout(secondary_tiers=[{"kind": "fs"}])) \
-        == "engine.secondary_tiers=fs"
+    fs = _layout(secondary_tiers=[{"kind": "fs"}])
+    assert unmodelled_path(fs) is None
+    assert unmodelled_path(fs, profile_for_release("0.30.0")) is None
+    assert unmodelled_path(fs, profile_for_release("0.29.0")) \
+        == "engine.secondary_tiers=fs before 0.30.0"
 
 
 def test_a_case_on_an_unmodelled_path_runs_no_model():
     """On a path the model does not mirror it runs nothing (no model finding, no config chain
     of the wrong connector), and the release's step run is the whole check (here: no release
-    given, so nothing at all). The SimpleCPU path is modelled from 0.30.0 only, and its config
-    chain is not the OffloadingConnector's: the model runs under the profiles of 0.30.0+, no
-    config is compared."""
+    given, so nothing at all). The fs tiers and the SimpleCPU path are modelled from 0.30.0
+    only, and the SimpleCPU path's config chain is not the OffloadingConnector's: the model
+    runs under the profiles of 0.30.0+, and no SimpleCPU config is compared."""
     from simsched.profiles import PROFILES
     from simsched.replay import observe
     from simsched.targets import ModelTarget
@@ -102,8 +105,9 @@ def test_a_case_on_an_unmodelled_path_runs_no_model():
     fs = Case.from_json({"layout": {"groups": FULL, "engine": {"secondary_tiers": [
         {"kind": "fs"}]}}, "requests": requests})
     outcomes: dict = {}
-    obs = observe(fs, [ModelTarget(p) for p in PROFILES.values()], [], outcomes)
-    assert obs == [] and outcomes == {}
+    obs = observe(fs, [ModelTarget(PROFILES[p]) for p in ("legacy-spec-init", "every-group-no-clamp",
+                                                         "prefix-cacheable")], [], outcomes)
+    assert obs == [] and sorted(outcomes) == ["model:prefix-cacheable"]
     simple = Case.from_json({"layout": {"groups": FULL,
                                         "engine": {"connector": {"kind": "simple_cpu"}}},
                              "requests": requests})

@@ -176,7 +176,8 @@ def test_inv7_load_of_pending_chunk(monkeypatch, src):
         tier = self.tier
         real = type(tier).lookup
         cm = src.cpu_manager
-        tier.lookup = lambda key: cm.HIT if real(tier, key) == cm.HIT_PENDING else real(tier, key)
+        tier.lookup = lambda key, st=None: (cm.HIT if real(tier, key) == cm.HIT_PENDING
+                                            else real(tier, key))
         try:
             return lookup(self, st)
         finally:

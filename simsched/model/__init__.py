@@ -15,6 +15,11 @@ module                             mirrors (``vllm/...``)
                                    scheduler.py`` (``OffloadingConnectorScheduler``)
 ``offloading_common``              ``.../offloading/common.py`` (``TransferJob``: ``Job``)
 ``cpu_manager``                    ``v1/kv_offload/cpu/manager.py`` and its LRU policies
+``tiering_manager``                ``v1/kv_offload/tiering/manager.py``
+                                   (``TieringOffloadingManager``, 0.30.0+: the CPU tier as
+                                   primary of secondary tiers, ``engine.secondary_tiers``)
+``fs_tier``                        ``.../tiering/fs/manager.py``, ``async_lookup.py``
+                                   (``FileSystemTierManager`` and its lookup probes)
 ``multi_connector``                ``.../kv_connector/v1/multi_connector.py``
                                    (``MultiConnector``: a P/D decode instance's children)
 ``nixl_scheduler``                 ``.../kv_connector/v1/nixl/pull_scheduler.py``
@@ -47,7 +52,8 @@ __all__ = list(_MODULE_OF)
 def unmodelled_path(layout, profile=None) -> str | None:
     """The connector path of ``layout`` the model does not mirror (``simsched.connectors``), or
     None: the model is the ``OffloadingConnector`` with a CPU tier, alone or in a
-    ``MultiConnector`` beside NIXL, and the ``SimpleCPUOffloadConnector`` of 0.30.0+ on the
+    ``MultiConnector`` beside NIXL, with file-system tiers behind the CPU tier from 0.30.0
+    (``TieringOffloadingManager``), and the ``SimpleCPUOffloadConnector`` of 0.30.0+ on the
     layouts :data:`~simsched.model.simple_cpu_scheduler.MODELLED_KINDS` covers. With
     ``profile`` the release's own code counts too (0.25.1-0.29.0's SimpleCPU manager is another
     design); without, a path some release's model covers is None. A case on another path is
@@ -68,7 +74,9 @@ def unmodelled_path(layout, profile=None) -> str | None:
     elif kind != "offloading":
         return f"engine.connector={engine.connector.describe()}"
     if engine.secondary_tiers:
-        return "engine.secondary_tiers=" + "+".join(t.kind for t in engine.secondary_tiers)
+        tiers = "engine.secondary_tiers=" + "+".join(t.kind for t in engine.secondary_tiers)
+        if profile is not None and not profile.extra.get("tiering_manager_0_30", True):
+            return f"{tiers} before 0.30.0"
     return None
 
 

@@ -29,6 +29,7 @@ CPU_MANAGER_PY = "v1/kv_offload/cpu/manager.py"
 MISS: Final = 0
 HIT: Final = 1
 HIT_PENDING: Final = 2
+RETRY: Final = 3            # a secondary tier has not answered yet (tiered offloading)
 
 
 class ChunkStatus:
@@ -90,7 +91,7 @@ class CPUOffloadingManager:
         self.touches = True             # the connector touches the keys it looks up
         self.evictions = 0
 
-    def lookup(self, key) -> int:
+    def lookup(self, key, st=None) -> int:
         chunk = self.chunks.get(key)
         if chunk is None:
             return MISS
@@ -158,7 +159,7 @@ class CPUOffloadingManager:
         return victims
 
     def complete_store(self, keys: list, contents: list, chunks: list | None = None,
-                       observed: list | None = None) -> None:
+                       observed: list | None = None, st=None) -> None:
         """A store job's chunks ``keys`` are ready, holding ``contents[i]`` for ``keys[i]``
         (``chunks``: the job's, else looked up). In the order vLLM walks the job's key set
         (:func:`walk_order`; ``observed``: a release's) each joins the evictable list's MRU
@@ -390,7 +391,7 @@ class RankedCPUManager(CPUOffloadingManager):
                 self._set_rank(k, chunk, (self.next_rank, 0))
 
     def complete_store(self, keys: list, contents: list, chunks: list | None = None,
-                       observed: list | None = None) -> None:
+                       observed: list | None = None, st=None) -> None:
         """Recency is a rank here: the order the job's keys are walked in does not matter."""
         chunks = self.chunks_of(keys) if chunks is None else chunks
         for k, chunk, c in zip(keys, chunks, contents):

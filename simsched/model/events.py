@@ -22,12 +22,18 @@ FINISH: Final = 5
 PREEMPT: Final = 6
 # a case event (Case.events): after the arrivals and aborts of its time, before the step
 CASE_EVENT: Final = 7
-# a faulted job (Case.faults): scheduled with priority -1, before the other completions of its
-# time, which the worker never reports (it raises first)
+# a faulted job (Case.faults): scheduled with priority REPORTED - 1, before the other
+# completions of its report, which the worker never makes (it raises first)
 TRANSFER_FAILED: Final = 8
 # another connector's pull landed (a P/D request's NIXL recv, finished_recving): scheduled with
 # the priority of a load's completion, after the stores that complete at its time have read
 RECV_DONE: Final = 9
+#: a transfer's completion is an event of the step whose output reports it, with priority
+#: ``REPORTED + jid``: after the step and the frees of its finished requests (``FINISH``), as
+#: ``update_from_output`` reads the connector's output last, and in job order (the worker
+#: reports a step's finished jobs by job ID; the order decides the CPU tier's recency and the
+#: numbering of a secondary tier's cascades)
+REPORTED: Final = 16
 KIND_NAMES = ("store_done", "load_done", "arrival", "abort", "step", "finish", "preempt",
               "case_event", "transfer_failed", "recv_done")
 

@@ -32,11 +32,12 @@ from simsched.geometry import (Geometry, GroupGeometry, connector_window_tokens,
                                offload_key_indices)
 from simsched.layout import SKIPPING_KINDS
 from simsched.model.block_pool import NULL
-from simsched.model.cpu_manager import (HIT_PENDING, MISS, CPUOffloadingManager,
+from simsched.model.cpu_manager import (HIT_PENDING, MISS, RETRY, CPUOffloadingManager,
                                         RankedCPUManager)
 from simsched.model.offloading_common import Job
 from simsched.model.request import ABORTED, Key, Request, make_key
 from simsched.model.single_type_kv_cache_manager import window_reachable_blocks
+from simsched.model.tiering_manager import TieringOffloadingManager
 from simsched.profiles import SCHEDULER_PY, ConfigError, Profile, retention_interval
 
 
@@ -154,6 +155,13 @@ class OffloadingConnectorScheduler:
             self.tier = CPUOffloadingManager(cpu_chunks, asserts)
         else:
             self.tier = RankedCPUManager(cpu_chunks, lru == "request-ranks", self.cfgs, asserts)
+        # engine.secondary_tiers: the CPU tier as the primary of a TieringOffloadingManager
+        self.tiering: TieringOffloadingManager | None = None
+        if layout is not None and layout.engine.secondary_tiers:
+            self.tiering = TieringOffloadingManager(
+                self.tier, [t.io_latency for t in layout.engine.secondary_tiers],
+                bool(profile.extra.get("tier_schedule_end_last", False)))
+            self.tier = self.tiering
         self.req_status: dict[str, RequestOffloadState] = {}
         self.jobs: dict[int, Job] = {}
         self.job_counter = 0
@@ -327,6 +335,8 @@ class OffloadingConnectorScheduler:
         st = RequestOffloadState(req, self.n)
         req.off = st
         self.req_status[req.rid] = st
+        if self.tiering is not None:
+            self.tiering.on_new_request(st)
 
     def get_num_new_matched_tokens(self, req: Request, num_computed: int) -> int | None:
         st = self.req_status[req.rid]
@@ -347,6 +357,8 @@ class OffloadingConnectorScheduler:
         for cfg, gs in zip(self.cfgs, st.groups):
             gs.num_hit_chunks = (num_computed + (hit or 0)) // cfg.tokens_per_chunk
         self._touch(st)
+        if self.tiering is not None and hit is not None:
+            self.tiering.lookup_answered(req.rid)
         return hit
 
     def _touch(self, st: RequestOffloadState) -> None:
@@ -418,17 +430,22 @@ class OffloadingConnectorScheduler:
                 num_chunks = min(-(-query_max // tpc), len(keys))
                 start = num_computed // tpc
                 # n_hit: the group's hit in chunks from ``start``; -1: deferred (not None: a native
-                # int)
+                # int). ``retry``: a secondary tier has not answered for a key of the group: no
+                # hit, and the scan goes on so that the tiers probe every key up to a miss
+                retry = False
                 if w is None:
-                    hits = 0
+                    hits, pending = 0, False
                     for j in range(start, num_chunks):         # (keys[start:num_chunks])
-                        result = tier.lookup(keys[j])
+                        result = tier.lookup(keys[j], st)
                         if result == MISS:
                             break
+                        if result == RETRY:
+                            retry = True
+                            continue
                         if result == HIT_PENDING:
-                            defer = True
+                            pending = True
                         hits += 1
-                    n_hit = -1 if defer else hits
+                    n_hit = -1 if pending or retry else hits
                 else:
                     sub = keys[start:num_chunks]
                     # _sliding_window_lookup: from the end, the first run of ``need`` consecutive
@@ -441,11 +458,13 @@ class OffloadingConnectorScheduler:
                     w_req = w + eagle
                     consecutive, found, pending = 0, False, False
                     for idx in range(len(sub) - 1, -1, -1):
-                        result = tier.lookup(sub[idx])
-                        if result == MISS:
+                        result = tier.lookup(sub[idx], st)
+                        if result == MISS or result == RETRY:
                             consecutive = 0
                             if v2:
                                 pending, need = False, w_req
+                            if result == RETRY:
+                                retry = True
                         else:
                             if result == HIT_PENDING:
                                 pending = True
@@ -455,12 +474,13 @@ class OffloadingConnectorScheduler:
                             break
                     if not found:
                         n_hit = consecutive
-                    if pending:
+                    if pending or retry:
                         n_hit = -1
-                        defer = True
                 if n_hit == 0:
                     return 0
-                if n_hit >= 0:
+                if n_hit < 0:
+                    defer = True
+                else:
                     if eagle:
                         n_hit -= 1
                         eagle_verified |= 1 << gi
@@ -675,6 +695,9 @@ class OffloadingConnectorScheduler:
                     gbl.append(gnew[0])         # (one block: appended, as above)
                 else:
                     gbl.extend(gnew)
+        tiering = self.tiering
+        if tiering is not None and not tiering.schedule_end_last:
+            tiering.on_schedule_end()       # (0.30.0-0.32.0: before the flushes and stores)
         for rid in preempted:
             pst = rs.get(rid)
             if pst is not None and pst.jobs:
@@ -707,6 +730,8 @@ class OffloadingConnectorScheduler:
             self.batch_allocated = set()
         self.alloc_batch += 1
         self.alloc_marked = False
+        if tiering is not None and tiering.schedule_end_last:
+            tiering.on_schedule_end()       # (0.33.0: the manager's last call of the step)
         return stores, loads, flush
 
     def _allocated_now(self, b: int) -> bool:
@@ -920,7 +945,7 @@ class OffloadingConnectorScheduler:
         st = self.req_status[job.rid]
         walked = self.observed_walks.get(jid)
         if job.is_store:
-            self.tier.complete_store(job.ckeys, job.contents, job.cpu_chunks, walked)
+            self.tier.complete_store(job.ckeys, job.contents, job.cpu_chunks, walked, st)
         else:
             self.tier.complete_load(job.keys, job.cpu_chunks, walked)
             if self.being_loaded:
@@ -959,4 +984,5 @@ class OffloadingConnectorScheduler:
         return out
 
     def quiet(self) -> bool:
-        return not self.jobs
+        """No job in flight (``has_pending_push_work``), a tier's included."""
+        return not self.jobs and (self.tiering is None or not self.tiering.has_pending_work())

@@ -514,18 +514,15 @@ class Model:
         self.progress = True
 
     def completion(self, t: int, jid: int, event: int) -> None:
-        """The worker reports job ``jid`` at ``t``: ``event`` (``STORE_DONE``, ``LOAD_DONE``),
-        or, for a job the case's faults name, its failure, before any other completion of
-        ``t``."""
+        """The worker reports job ``jid``, due at ``t``, with the output of the step before ``t``
+        (of this step, for a job due now): ``event`` (``STORE_DONE``, ``LOAD_DONE``) in job
+        order among the report's (``events.REPORTED``), or, for a job the case's faults name,
+        its failure, before them."""
+        report = max(t - 1, self.q.now)
         if jid in self.failing:
-            self.q.schedule(t, ev.TRANSFER_FAILED, jid, priority=-1)
-        elif self.simple is not None and t == self.q.now:
-            # reported with this step's output, which update_from_output reads after it freed
-            # the step's finished requests: the SimpleCPUOffloadConnector's pins on their
-            # blocks are released after them (the order the blocks reach the free queue)
-            self.q.schedule(t, event, jid, priority=ev.FINISH + 1)
+            self.q.schedule(report, ev.TRANSFER_FAILED, jid, priority=ev.REPORTED - 1)
         else:
-            self.q.schedule(t, event, jid)
+            self.q.schedule(report, event, jid, priority=ev.REPORTED + jid)
 
     def transfer_failed(self, jid: int) -> None:
         """The worker learns of a failed job when it would have completed, and raises in
@@ -727,6 +724,12 @@ class Model:
         lines = self.lines
         if tracing:
             lines.append(f"step {step}")
+        tiering = self.off.tiering
+        if tiering is not None:
+            # the harness runs the fs tiers' probes and I/O before schedule()
+            tier_lines = tiering.before_schedule(step)
+            if tracing:
+                lines += tier_lines
         step_start = len(lines)
         kv, conn = self.kv, self.conn
         kv.new_step()

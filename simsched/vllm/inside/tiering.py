@@ -29,7 +29,7 @@ OffloadingConnectorDriver` (reused whole, by composition) plays of the connector
   is longer than the CPU tier promotes its chunks round after round, each promotion evicting
   its own promoted chunks (``prepare_write`` protects only the promoted key), and is never
   admitted (every release 0.25.1-0.33.0). A chunk promoted for the same waiting request more
-  than ``PROMOTION_ROUNDS`` times is the finding.
+  than ``invariants.PROMOTION_ROUNDS`` times is the finding.
 * Ownership: the fs root (a fresh directory per build, under one folder per worker process),
   size-capped (``SIMSCHED_FS_MAX_BYTES``, default 64 MiB: the run stops, unsupported, before
   the tier writes more) and removed with the ``/dev/shm`` region at the run's end
@@ -52,8 +52,6 @@ from simsched import invariants as inv
 from simsched.vllm.inside.cpu_tier import CpuTier
 from simsched.vllm.inside.offloading import OffloadingConnectorDriver
 
-#: a chunk promoted from the fs tier this many times for one request still waiting is INV-8
-PROMOTION_ROUNDS = 2
 #: the bytes the harness lets the fs tiers of one run write (SIMSCHED_FS_MAX_BYTES)
 FS_MAX_BYTES = int(os.environ.get("SIMSCHED_FS_MAX_BYTES", str(64 << 20)))
 SIG = 16                  # bytes of a content signature, repeated over the worker's page
@@ -384,21 +382,12 @@ class TieringDriver:
             counts = self.promoted.setdefault(rid, {})
             for k in keys:
                 counts[k] = counts.get(k, 0) + 1
-                if counts[k] > PROMOTION_ROUNDS:
+                if counts[k] > inv.PROMOTION_ROUNDS:
                     raise self._thrash(rid, counts[k])
 
     def _thrash(self, rid: str, rounds: int) -> inv.InvariantViolation:
         n_cpu = len(self.tier.region.view) if self.tier.region.view is not None else "?"
-        return inv.InvariantViolation(
-            "INV-8", self.step,
-            f"{rid}: a chunk of its prefix promoted from the fs tier {rounds} times while its "
-            f"lookup keeps deferring: the prefix found on the fs tier is longer than the CPU tier "
-            f"({n_cpu} chunks) holds, and each promotion evicts the request's own promoted "
-            "chunks (TieringOffloadingManager._initiate_promotion -> prepare_write protects only "
-            "the promoted key), so it is never admitted. A deployment gets here with "
-            "cpu_bytes_to_use smaller than a prompt's prefix found in the fs tier's root_dir (a "
-            "long prompt re-sent after a restart, or written by another instance sharing the "
-            "directory)", "lookup")
+        return inv.promotion_thrash(self.step, rid, rounds, n_cpu)
 
     # -- the I/O clock ----------------------------------------------------------------------
     def tier_io_live(self) -> bool:
@@ -452,17 +441,23 @@ class TieringDriver:
 
     def _cascaded(self, tier_idx: int, job_id: int, keys: list) -> None:
         """INV-T1: the file of each key of a completed cascade holds what the worker wrote
-        into the key's slot (pinned by ``prepare_read`` while the file is written)."""
+        into the key's slot (pinned by ``prepare_read`` while the file is written), or, for a
+        key whose file an earlier cascade wrote, what it held then: the tier writes a key once
+        (``_store_block``: "Check if block already exists to avoid redundant writes", 0.30.0
+        ``fs/io.py:100-102``, every release). A key names its tokens, but not which blocks of
+        them a store holds: a sliding-window chunk stored again past its window has null
+        blocks the first store filled, and its bytes differ."""
         tier, region = self.mgr.secondary_tiers[tier_idx], self.region
         for k in keys:
             s = self._slot(k)
-            want = self.tier.slot_sig.get(s)
+            want = self.file_sig.get(k, self.tier.slot_sig.get(s))
             with open(tier.file_mapper.get_file_name(k), "rb") as f:
                 got = region.sig_of(f.read(region.page))
             if want is not None and got != want:
+                was = "held before" if k in self.file_sig else f"the slot {want.hex()[:16]}"
                 raise inv.InvariantViolation(
                     "INV-T1", self.step, f"cascade {job_id}: the file of a key in CPU slot {s} "
-                    f"holds {got.hex()[:16]}, the slot {want.hex()[:16]}", "cascade")
+                    f"holds {got.hex()[:16]}, {was}", "cascade")
             self.file_sig[k] = got
         self.lines.append(f"tier cascade {job_id} {len(keys)} checked")
 
