@@ -60,9 +60,7 @@ def unmodelled_path(layout, profile=None) -> str | None:
         if engine.speculative is not None and engine.speculative.method == "mtp":
             return f"engine.connector={engine.connector.describe()} with MTP"
     elif kind == "simple_cpu":
-        if profile is not None and not profile.extra.get("simple_cpu_coordinator", True):
-            return f"engine.connector={engine.connector.describe()} before 0.30.0"
-        gap = _simple_cpu_gap(layout)
+        gap = _simple_cpu_gap(layout, profile)
         if gap is not None:
             return f"engine.connector={engine.connector.describe()} with {gap}"
     elif kind != "offloading":
@@ -79,12 +77,19 @@ def predicts_config(layout) -> bool:
     return unmodelled_path(layout) is None and layout.engine.connector.kind != "simple_cpu"
 
 
-def _simple_cpu_gap(layout) -> str | None:
-    """What of ``layout`` the SimpleCPU model leaves out, if anything."""
+def _simple_cpu_gap(layout, profile=None) -> str | None:
+    """What of ``layout`` the SimpleCPU model leaves out, if anything (with ``profile``: on
+    that release)."""
     from simsched.model.simple_cpu_scheduler import MODELLED_KINDS
+    from simsched.profiles import EAGLE_METHODS
     other = sorted({g.kind for g in layout.groups if g.kind not in MODELLED_KINDS})
     if other:
         return "+".join(other) + " groups"
+    spec = layout.engine.speculative
+    if (profile is not None and not profile.extra.get("simple_cpu_cpu_eagle", True)
+            and spec is not None and spec.method in EAGLE_METHODS):
+        # the model's CPU coordinator shares the GPU coordinator's EAGLE configuration
+        return f"{spec.method} drafting (a CPU coordinator built with use_eagle=False)"
     return None
 
 

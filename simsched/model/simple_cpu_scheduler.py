@@ -166,6 +166,8 @@ class SimpleCPUOffloadScheduler:
     # the model calls update_state_after_alloc for every request it admits: eager mode
     # registers the request there
     alloc_all_groups = True
+    # the engine steps on while stores are pending (has_pending_push_work, 0.30.0+)
+    strands_at_idle = False
 
     def __init__(self, geometry: Geometry, gpu: KVCacheManager, cpu_coordinator: KVCacheManager,
                  prefix_cacheable: list[bool], prefix_cacheable_only: bool, lazy_offload: bool,
