@@ -22,6 +22,8 @@ module                             mirrors (``vllm/...``)
 ``simple_cpu_scheduler``           ``v1/simple_kv_offload/manager.py``
                                    (``SimpleCPUOffloadScheduler``, 0.30.0+: a CPU block pool
                                    looked up by a coordinator of its own)
+``simple_cpu_scheduler_legacy``    the same module as 0.25.1-0.29.0 have it (no finish flush,
+                                   loads placed by the hashed full-attention blocks)
 ``scheduler``                      ``v1/core/sched/scheduler.py`` (``Scheduler.schedule``,
                                    ``update_from_output``) and the model runner's writes
 ``async_scheduler``                ``v1/core/sched/async_scheduler.py`` (``AsyncScheduler``) and
@@ -47,10 +49,10 @@ __all__ = list(_MODULE_OF)
 def unmodelled_path(layout, profile=None) -> str | None:
     """The connector path of ``layout`` the model does not mirror (``simsched.connectors``), or
     None: the model is the ``OffloadingConnector`` with a CPU tier, alone or in a
-    ``MultiConnector`` beside NIXL, and the ``SimpleCPUOffloadConnector`` of 0.30.0+ on the
-    layouts :data:`~simsched.model.simple_cpu_scheduler.MODELLED_KINDS` covers. With
-    ``profile`` the release's own code counts too (0.25.1-0.29.0's SimpleCPU manager is another
-    design); without, a path some release's model covers is None. A case on another path is
+    ``MultiConnector`` beside NIXL, and the ``SimpleCPUOffloadConnector`` on the layouts
+    :data:`~simsched.model.simple_cpu_scheduler.MODELLED_KINDS` covers (0.30.0+'s manager, and
+    0.25.1-0.29.0's in ``simple_cpu_scheduler_legacy``). ``profile``: the release whose code
+    counts; every release's model covers the same paths today. A case on another path is
     checked on the real run alone, by the invariants that need no model (the content shadow,
     the fences, liveness, the hit oracle): no model run, no lockstep comparison."""
     engine = layout.engine
@@ -60,7 +62,7 @@ def unmodelled_path(layout, profile=None) -> str | None:
         if engine.speculative is not None and engine.speculative.method == "mtp":
             return f"engine.connector={engine.connector.describe()} with MTP"
     elif kind == "simple_cpu":
-        gap = _simple_cpu_gap(layout, profile)
+        gap = _simple_cpu_gap(layout)
         if gap is not None:
             return f"engine.connector={engine.connector.describe()} with {gap}"
     elif kind != "offloading":
@@ -77,19 +79,12 @@ def predicts_config(layout) -> bool:
     return unmodelled_path(layout) is None and layout.engine.connector.kind != "simple_cpu"
 
 
-def _simple_cpu_gap(layout, profile=None) -> str | None:
-    """What of ``layout`` the SimpleCPU model leaves out, if anything (with ``profile``: on
-    that release)."""
+def _simple_cpu_gap(layout) -> str | None:
+    """What of ``layout`` the SimpleCPU model leaves out, if anything."""
     from simsched.model.simple_cpu_scheduler import MODELLED_KINDS
-    from simsched.profiles import EAGLE_METHODS
     other = sorted({g.kind for g in layout.groups if g.kind not in MODELLED_KINDS})
     if other:
         return "+".join(other) + " groups"
-    spec = layout.engine.speculative
-    if (profile is not None and not profile.extra.get("simple_cpu_cpu_eagle", True)
-            and spec is not None and spec.method in EAGLE_METHODS):
-        # the model's CPU coordinator shares the GPU coordinator's EAGLE configuration
-        return f"{spec.method} drafting (a CPU coordinator built with use_eagle=False)"
     return None
 
 

@@ -247,6 +247,13 @@ class Model:
             profile.extra.get("eagle_junction_below", False))
         self.kv.config.eagle_margin = (eagle and len(layout.groups) > 1
                                        and bool(profile.extra.get("eagle_hit_margin", False)))
+        if (eagle and self.simple is not None and self.kv.config.drafter_specs is None
+                and not profile.extra.get("simple_cpu_cpu_eagle", True)):
+            # SimpleCPU's CPU coordinator is built with use_eagle=False before 0.27.0
+            # (simple_kv_offload/manager.py 0.26.0:125): its EAGLE groups are the drafter groups
+            # the KV cache config marks (is_eagle_group), and with none, no group rather than
+            # every group (kv_cache_coordinator.py 0.26.0:99-105): its lookups drop no block
+            self.simple.cpu_coordinator.use_config(self.kv.config.without_eagle())
         self.mamba_tail_eagle_shift = eagle and bool(self.mamba_tail_unit) and bool(
             profile.extra.get("mamba_tail_eagle_shift", True))
         # ChunkedLocalAttentionManager.find_longest_cache_hit asserts drop_eagle_block is False

@@ -1,7 +1,8 @@
 """The ``SimpleCPUOffloadConnector``'s scheduler side: ``SimpleCPUOffloadScheduler``.
 
-Mirrors ``vllm/v1/simple_kv_offload/manager.py`` of 0.30.0-0.33.0, the manager rewritten around
-a CPU ``KVCacheCoordinator`` (0.25.1-0.29.0's is another design, not modelled). The CPU tier is
+Mirrors ``vllm/v1/simple_kv_offload/manager.py`` of 0.30.0-0.33.0, the manager as 0.30.0
+rewrote it (0.25.1-0.29.0's: :mod:`simsched.model.simple_cpu_scheduler_legacy`, a subclass that
+keeps this one's CPU tier, events and jobs). The CPU tier is
 a second block pool of the GPU pool's groups (``_derive_cpu_config``: ``cpu_chunks`` blocks,
 block 0 its null block), looked up by the same coordinator rules as the GPU prefix cache, for
 the suffix past the GPU hit (``get_num_new_matched_tokens``). One GPU block is one transfer.
