@@ -1,6 +1,8 @@
 """The model of the ``SimpleCPUOffloadConnector``'s scheduler side
 (:mod:`simsched.model.simple_cpu_scheduler`), against what 0.30.0-0.33.0's
-``vllm/v1/simple_kv_offload/manager.py`` (**mgr**) and ``worker.py`` do, read from their source.
+``vllm/v1/simple_kv_offload/manager.py`` (**mgr**) and ``worker.py`` do, read from their source;
+and of 0.25.1-0.29.0's manager (:mod:`simsched.model.simple_cpu_scheduler_legacy`), where it
+differs.
 ``tests/test_real_simple_cpu.py`` runs the same model in lockstep with the releases."""
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The ``simple_cpu`` connector path on real vLLM (issue 21): the ``SimpleCPUOffloadConnector``
 on the real v1 Scheduler, its worker played (:mod:`simsched.vllm.inside.simple_cpu`), on 0.30.0
-and 0.33.0. Real-vLLM tests FAIL (never skip) when a release is missing.
+and 0.33.0, and the model in lockstep with them; at the end the model of 0.25.1-0.29.0's manager
+in lockstep with 0.25.1, 0.28.0 and 0.29.0. Real-vLLM tests FAIL (never skip) when a release is
+missing.
 
 Each test names what it would miss if the harness did not drive the path: the store events
 (eager: the step after the step that computed a block; lazy: only once the request freed its
