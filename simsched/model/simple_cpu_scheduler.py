@@ -239,11 +239,7 @@ class SimpleCPUOffloadScheduler:
         stale = self.pending_cpu_hits.pop(req.rid, None)
         if stale is not None:
             self._free_pending_cpu_hit(stale)
-        if req.skip_reading_prefix_cache or num_computed % self.block_size:
-            return 0
-        if self.chunked_local_guard and any(
-                isinstance(m, ChunkedLocalAttentionManager) and num_computed % m.chunk
-                for m in self.gpu.managers):
+        if self._declines_lookup(req, num_computed):
             return 0
         if len(req.tokens) // self.hash_block_size <= num_computed // self.hash_block_size:
             return 0                            # no block hash past the local prefix
@@ -256,6 +252,16 @@ class SimpleCPUOffloadScheduler:
             self.cpu_block_pool.touch([b for group in hit_blocks for b in group])
             self.pending_cpu_hits[req.rid] = (hit_blocks, hit_length, num_computed)
         return hit_length
+
+    def _declines_lookup(self, req: Request, num_computed: int) -> bool:
+        """No lookup for a request that skips reading the prefix cache, nor past a local prefix
+        off the scheduler block (a transfer copies whole blocks; mgr 0.30.0:332-347), nor
+        (0.33.0) past one that is not a whole number of attention chunks."""
+        if req.skip_reading_prefix_cache or num_computed % self.block_size:
+            return True
+        return self.chunked_local_guard and any(
+            isinstance(m, ChunkedLocalAttentionManager) and num_computed % m.chunk
+            for m in self.gpu.managers)
 
     def _find_longest_cache_hit(self, req: Request, num_computed: int, max_hit_len: int
                                 ) -> tuple[list[list[int]], int]:
@@ -308,12 +314,18 @@ class SimpleCPUOffloadScheduler:
                 if c != NULL:           # a window's or chunk's padding: nothing to load
                     gpu_block_ids.append(tables[g][start + i])
                     cpu_block_ids.append(c)
+        self._record_load(req, pending, gpu_block_ids, cpu_block_ids)
+        return None
+
+    def _record_load(self, req: Request, pending: tuple[list[list[int]], int, int],
+                     gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
+        """The load's CPU sources and GPU destinations pinned until it completes, the lookup's
+        pin released, the load recorded for the next step's event."""
         self.cpu_block_pool.touch(cpu_block_ids)
         self._free_pending_cpu_hit(pending)
         self.gpu_block_pool.touch(gpu_block_ids)
         self.reqs_to_load[req.rid] = LoadRequestState(req, TransferMeta(gpu_block_ids,
                                                                         cpu_block_ids))
-        return None
 
     # --- the step's events ----------------------------------------------------------------
     def build_connector_meta(self, scheduled: dict[str, int], new_blocks: dict[str, list],

@@ -42,8 +42,7 @@ from __future__ import annotations
 from simsched.model.block_pool import NULL
 from simsched.model.offloading_common import Job
 from simsched.model.request import Request
-from simsched.model.simple_cpu_scheduler import (LoadRequestState, SimpleCPUOffloadScheduler,
-                                                 StoreRequestState, TransferMeta)
+from simsched.model.simple_cpu_scheduler import SimpleCPUOffloadScheduler, StoreRequestState
 from simsched.model.single_type_kv_cache_manager import FullAttentionManager
 
 
@@ -55,7 +54,8 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     #: after the last request the engine idles with stores in flight (module docstring)
     strands_at_idle = True
 
-    def fa_group(self) -> int:
+    @property
+    def fa_gidx(self) -> int:
         """``fa_gidx``: the first full-attention group (an MLA or drafter group is one), whose
         hashed blocks count the local prefix (mgr 0.29.0:101-116); without one (asserts
         stripped) the index stays -1, the last group."""
@@ -63,23 +63,12 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                      if isinstance(m, FullAttentionManager)), -1)
 
     # --- requests -------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, req: Request, num_computed: int) -> int:
-        """Consecutive CPU hits past the ``num_computed`` local tokens (mgr 0.29.0:245-281):
-        the request's wish to skip the prefix cache and a local prefix off the scheduler block
-        are not asked about (the scheduler hands it the block-aligned local hit)."""
-        stale = self.pending_cpu_hits.pop(req.rid, None)
-        if stale is not None:
-            self._free_pending_cpu_hit(stale)
-        if len(req.tokens) // self.hash_block_size <= num_computed // self.hash_block_size:
-            return 0                            # no block hash past the local prefix
-        max_hit_len = req.num_tokens - 1 - num_computed
-        if max_hit_len <= 0:
-            return 0
-        hit_blocks, hit_length = self._find_longest_cache_hit(req, num_computed, max_hit_len)
-        if hit_length > 0:
-            self.cpu_block_pool.touch([b for group in hit_blocks for b in group])
-            self.pending_cpu_hits[req.rid] = (hit_blocks, hit_length, num_computed)
-        return hit_length
+    def _declines_lookup(self, req: Request, num_computed: int) -> bool:
+        """``get_num_new_matched_tokens`` (mgr 0.29.0:245-281) asks nothing of the request or
+        the local prefix: a request that skips reading the prefix cache is looked up too (the
+        scheduler takes the answer: a load), and the local prefix is the block-aligned one the
+        scheduler hands it."""
+        return False
 
     def update_state_after_alloc(self, req: Request, tables: list[list[int]],
                                  num_external: int, block_keys=None,
@@ -98,7 +87,7 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         if num_external == 0:
             self._free_pending_cpu_hit(pending)
             return None
-        fa = self.fa_group()
+        fa = self.fa_gidx
         keys = self.gpu_block_pool.key
         num_computed = sum(keys[b] is not None for b in tables[fa]) * self.group_block_sizes[fa]
         total = num_computed + num_external
@@ -112,11 +101,7 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 if c != NULL:           # a window's or chunk's padding: nothing to load
                     gpu_block_ids.append(tables[g][start + i])
                     cpu_block_ids.append(c)
-        self.cpu_block_pool.touch(cpu_block_ids)
-        self._free_pending_cpu_hit(pending)
-        self.gpu_block_pool.touch(gpu_block_ids)
-        self.reqs_to_load[req.rid] = LoadRequestState(req, TransferMeta(gpu_block_ids,
-                                                                        cpu_block_ids))
+        self._record_load(req, pending, gpu_block_ids, cpu_block_ids)
         return None
 
     # --- the step's events ----------------------------------------------------------------
