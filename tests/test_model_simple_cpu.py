@@ -196,3 +196,17 @@ def test_0260_cpu_lookup_drops_no_eagle_block_without_a_drafter_group():
     new = _steps(run_case(case, profile_for_release("0.27.0")).trace, "load ")
     assert len(old) == 1 and len(old[0][1].split()) - 3 == len(new[0][1].split()) - 3 + 1, (
         old, new)
+
+
+def test_0290_passes_over_a_ring_group_0300_crashes_on_it():
+    """0.25.1-0.29.0's eager selection reads each block's own hash (mgr 0.29.0:600-622), with
+    no per-group resolution of the request's hashes: a ring of 4-token blocks beside 16-token
+    attention (hash unit 16) runs through, its blocks (never hashed) passed over and the full
+    group stored. 0.30.0's ``resolve_block_hashes`` asserts on the ring at the first step."""
+    ring = [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}]
+    case = _case(BASIC, False, groups=ring, blocks=40)
+    old = run_case(case, profile_for_release("0.29.0"))
+    stores = _steps(old.trace, "store ")
+    assert old.findings == [] and stores[0] == (1, "store 0 A g0:0=1 g0:1=2 g0:2=3 g0:3=4 g0:4=5")
+    assert all(" g1:" not in x for _, x in stores), stores
+    assert run_case(case, PROFILES["every-group"]).findings[0]["function"] == "resolve_block_hashes"

@@ -567,3 +567,14 @@ def test_drawn_simple_cpu_cases_step_with_the_legacy_model(legacy_pool, version)
     agreed, unmodelled, diverged = drawn_lockstep(legacy_pool, version, 40, "simple_cpu")
     assert diverged == []
     assert agreed >= 20, (agreed, unmodelled)
+
+
+def test_the_legacy_model_passes_over_a_ring_with_0290(legacy_pool):
+    """Eager offload with a ring of 4-token blocks under a hash unit of 16: 0.29.0 (the first
+    release with a ring) passes over the ring's blocks, never hashed, and stores the full group;
+    the model agrees step for step, where the model of 0.30.0's selection crashes in
+    ``resolve_block_hashes`` as 0.30.0 does (``test_the_model_crashes_where_0300_does``)."""
+    ring = [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}]
+    res = lockstep(_case(BASIC, False, blocks=40, groups=ring), "0.29.0", legacy_pool)
+    assert res.divergence is None and res.real["findings"] == [], res.summary()
+    assert any(x.startswith("store ") for x in res.model.trace), res.model.trace
