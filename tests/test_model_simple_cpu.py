@@ -188,7 +188,7 @@ def test_0290_loads_for_a_request_that_skips_the_prefix_cache():
 def test_0260_cpu_lookup_drops_no_eagle_block_without_a_drafter_group():
     """Before 0.27.0 the CPU coordinator is built with ``use_eagle=False`` (mgr 0.26.0:125):
     with MTP drafting and no layer group the KV cache config marks a drafter's, it has no EAGLE
-    group (kv_cache_coordinator.py 0.26.0:99-105) and B's CPU hit keeps its last block; 0.27.0
+    group (kv_cache_coordinator.py 0.26.0:98-104) and B's CPU hit keeps its last block; 0.27.0
     (``use_eagle()``) marks every group and drops it."""
     case = _with(_case(AFTER_RESET, False, blocks=16),
                  {"speculative": {"method": "mtp", "num_tokens": 2}}, events=RESET)

@@ -252,7 +252,7 @@ class Model:
             # SimpleCPU's CPU coordinator is built with use_eagle=False before 0.27.0
             # (simple_kv_offload/manager.py 0.26.0:125): its EAGLE groups are the drafter groups
             # the KV cache config marks (is_eagle_group), and with none, no group rather than
-            # every group (kv_cache_coordinator.py 0.26.0:99-105): its lookups drop no block
+            # every group (kv_cache_coordinator.py 0.26.0:98-104): its lookups drop no block
             self.simple.cpu_coordinator.use_config(self.kv.config.without_eagle())
         self.mamba_tail_eagle_shift = eagle and bool(self.mamba_tail_unit) and bool(
             profile.extra.get("mamba_tail_eagle_shift", True))
