@@ -26,7 +26,8 @@ COMPILED = ("case", "geometry", "invariants", "layout", "shadow", "trace",
             "model/async_scheduler", "model/block_pool", "model/cpu_manager", "model/events",
             "model/kv_cache_manager", "model/multi_connector", "model/nixl_scheduler",
             "model/offloading_common", "model/offloading_scheduler", "model/request", "model/run",
-            "model/scheduler", "model/simple_cpu_scheduler", "model/single_type_kv_cache_manager")
+            "model/scheduler", "model/simple_cpu_scheduler", "model/simple_cpu_scheduler_legacy",
+            "model/single_type_kv_cache_manager")
 
 
 class PureSource(importlib.abc.MetaPathFinder):

@@ -170,14 +170,15 @@ class Profile:
 
 #: Before 0.30.0 NIXL's scheduler does not tell its worker that a request is parked for a pull
 #: (``awaiting_kvs``, 0.30.0 ``pull_scheduler.py``): a pull left with no blocks is never reported;
-#: the SimpleCPUOffloadConnector's manager has no CPU coordinator (0.30.0 rewrote
-#: ``simple_kv_offload/manager.py`` around one: the model's is that one); and the connector's
+#: the SimpleCPUOffloadConnector's manager is the one 0.30.0 rewrote (no finish flush, loads
+#: placed by the hashed full-attention blocks, no keep-alive the engine hears:
+#: ``simsched.model.simple_cpu_scheduler_legacy``); and the connector's
 #: lookup queries the chunk an EAGLE group pops past the hit for a sliding-window group only
 #: (``_lookup_complete_chunks``: ``if is_eagle_unverified and sliding_window_size_in_chunks is
 #: not None``; 0.30.0: every EAGLE group), so a second full-attention EAGLE group pops a chunk
 #: of the hit the first one left; and tiered offloading's manager is another design (0.30.0
 #: ``tiering/manager.py``, ``JobMetadata`` and per-request finalization: the model's is that one)
-_BEFORE_0_30 = {"nixl_awaiting_kvs": False, "simple_cpu_coordinator": False,
+_BEFORE_0_30 = {"nixl_awaiting_kvs": False, "simple_cpu_legacy_manager": True,
                 "eagle_extra_chunk_windows_only": True, "tiering_manager_0_30": False}
 
 _EVERY_GROUP_NO_CLAMP = Profile(
@@ -215,8 +216,10 @@ _SINCE_0_32 = {"simple_cpu_reset_at_preemption": True,
                "simple_cpu_eagle_cacheable_block": True, "fa_partial_tail_below_prompt": True}
 
 #: Before 0.27.0 NIXL pulls every unhashed block of a Mamba group (0.27.0 ``nixl/
-#: base_scheduler.py`` get_exchange_clipped_blocks keeps its running-state block alone)
-_BEFORE_0_27 = {"nixl_clips_ssm": False}
+#: base_scheduler.py`` get_exchange_clipped_blocks keeps its running-state block alone), and the
+#: SimpleCPUOffloadConnector's CPU coordinator is built with ``use_eagle=False`` (0.26.0
+#: ``simple_kv_offload/manager.py:125``; 0.27.0: ``spec_config.use_eagle()``)
+_BEFORE_0_27 = {"nixl_clips_ssm": False, "simple_cpu_cpu_eagle": False}
 
 #: Before 0.29.0 the start-up check of the KV cache pool counts the null block as usable
 #: (``get_kv_cache_configs`` checks the whole pool; 0.29.0 reserves the block the

@@ -1,6 +1,8 @@
 """The model of the ``SimpleCPUOffloadConnector``'s scheduler side
 (:mod:`simsched.model.simple_cpu_scheduler`), against what 0.30.0-0.33.0's
-``vllm/v1/simple_kv_offload/manager.py`` (**mgr**) and ``worker.py`` do, read from their source.
+``vllm/v1/simple_kv_offload/manager.py`` (**mgr**) and ``worker.py`` do, read from their source;
+and of 0.25.1-0.29.0's manager (:mod:`simsched.model.simple_cpu_scheduler_legacy`), where it
+differs.
 ``tests/test_real_simple_cpu.py`` runs the same model in lockstep with the releases."""
 
 from __future__ import annotations
@@ -118,3 +120,93 @@ def test_inv1_counts_a_connector_pin_and_inv2_the_requests_alone():
     assert check_pool(0, pool, [Holder([b])], [b]) is None
     assert check_pool(0, pool, [Holder([b])]).inv_id == "INV-1"
     assert check_pool(0, pool, [Holder([b]), Holder([b])]).inv_id == "INV-2"
+
+
+# -- 0.25.1-0.29.0's manager (simsched/model/simple_cpu_scheduler_legacy.py) ----------------------
+
+#: A's prompt of two blocks, done in one step with its only output token: A finishes in the step
+#: that computed its blocks
+ONE_STEP = [{"id": "A", "prompt": [[1, 32]], "decode": 1}]
+#: one request of 128 tokens (8 blocks of a GPU pool of 10), a CPU tier of 5 blocks (4 usable)
+LIVELOCK = [{"id": "A", "prompt": [[1, 128]], "decode": 2}]
+#: A offloaded, then a GPU prefix-cache reset, then B sharing A's 80 tokens
+AFTER_RESET = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
+               {"id": "B", "prompt": [[1, 80], [3, 16]], "arrival": 11, "decode": 3}]
+RESET = [{"step": 10, "do": "reset_prefix_cache"}]
+
+
+def _with(case: Case, engine: dict | None = None, events: list = (),
+          request: dict | None = None) -> Case:
+    d = case.to_json()
+    d["layout"]["engine"].update(engine or {})
+    d["events"] = list(events)
+    for r in d["requests"]:
+        if request and r["id"] in request:
+            r.update(request[r["id"]])
+    return Case.from_json(d)
+
+
+def test_0290_flushes_nothing_at_finish_0300_does():
+    """0.25.1-0.29.0 store a block only when ``_prepare_eager_store_specs`` sees its request
+    scheduled with the block confirmed (mgr 0.29.0:531-535: "If a request finishes in the same
+    step as its last full block, that block may be missed. (TODO: flush on finish.)"): A's two
+    blocks, computed in the step A finishes in, are never stored. 0.30.0's
+    ``request_finished_all_groups`` queues them for the next step's event."""
+    case = _case(ONE_STEP, False)
+    old = run_case(case, profile_for_release("0.29.0")).trace
+    assert _steps(old, "store ") == []
+    new = run_case(case, profile_for_release("0.30.0")).trace
+    assert _steps(new, "store ") == [(1, "store 0 A g0:0=1 g0:1=2")]
+
+
+def test_0290_idles_with_its_last_stores_in_flight():
+    """0.25.1-0.29.0's keep-alive hook (``has_pending_transfers``) is not the one the scheduler
+    asks (``has_pending_push_work``): after A finishes, the step that reports it runs the lazy
+    walk's store and the engine then idles with it in flight, never reported. 0.30.0+ step on
+    while a store is pending, and this case's lazy walk makes a new one every step (INV-8)."""
+    case = _case(LIVELOCK, True, timing={"store_latency": 2, "max_num_batched_tokens": 32})
+    case = _with(case, {"cpu_chunks": 5})
+    old = run_case(case, profile_for_release("0.29.0"))
+    assert old.findings == [] and old.trace[-1].startswith("end idle with jobs in flight: store ")
+    new = run_case(case, profile_for_release("0.30.0"))
+    assert [f["inv_id"] for f in new.findings] == ["INV-8"]
+
+
+def test_0290_loads_for_a_request_that_skips_the_prefix_cache():
+    """0.25.1-0.29.0's lookup does not ask ``skip_reading_prefix_cache`` (mgr 0.29.0:245-281)
+    and their scheduler takes the connector's answer as it is (0.31.0 sets it aside): B, which
+    asked to read no prefix cache, loads A's blocks from the CPU tier. 0.30.0's lookup answers
+    0 for it."""
+    case = _with(_case(AFTER_RESET, False, blocks=16), events=RESET,
+                 request={"B": {"skip_reading_prefix_cache": True}})
+    old = run_case(case, profile_for_release("0.29.0"))
+    assert old.findings == [] and [x for _, x in _steps(old.trace, "load ")] == [
+        "load 1 B g0:0=6 g0:1=7 g0:2=8 g0:3=9 g0:4=10"]
+    assert _steps(run_case(case, profile_for_release("0.30.0")).trace, "load ") == []
+
+
+def test_0260_cpu_lookup_drops_no_eagle_block_without_a_drafter_group():
+    """Before 0.27.0 the CPU coordinator is built with ``use_eagle=False`` (mgr 0.26.0:125):
+    with MTP drafting and no layer group the KV cache config marks a drafter's, it has no EAGLE
+    group (kv_cache_coordinator.py 0.26.0:98-104) and B's CPU hit keeps its last block; 0.27.0
+    (``use_eagle()``) marks every group and drops it."""
+    case = _with(_case(AFTER_RESET, False, blocks=16),
+                 {"speculative": {"method": "mtp", "num_tokens": 2}}, events=RESET)
+    old = _steps(run_case(case, profile_for_release("0.26.0")).trace, "load ")
+    new = _steps(run_case(case, profile_for_release("0.27.0")).trace, "load ")
+    assert len(old) == 1 and len(old[0][1].split()) - 3 == len(new[0][1].split()) - 3 + 1, (
+        old, new)
+
+
+def test_0290_passes_over_a_ring_group_0300_crashes_on_it():
+    """0.25.1-0.29.0's eager selection reads each block's own hash (mgr 0.29.0:600-622), with
+    no per-group resolution of the request's hashes: a ring of 4-token blocks beside 16-token
+    attention (hash unit 16) runs through, its blocks (never hashed) passed over and the full
+    group stored. 0.30.0's ``resolve_block_hashes`` asserts on the ring at the first step."""
+    ring = [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}]
+    case = _case(BASIC, False, groups=ring, blocks=40)
+    old = run_case(case, profile_for_release("0.29.0"))
+    stores = _steps(old.trace, "store ")
+    assert old.findings == [] and stores[0] == (1, "store 0 A g0:0=1 g0:1=2 g0:2=3 g0:3=4 g0:4=5")
+    assert all(" g1:" not in x for _, x in stores), stores
+    assert run_case(case, PROFILES["every-group"]).findings[0]["function"] == "resolve_block_hashes"

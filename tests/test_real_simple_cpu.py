@@ -1,6 +1,8 @@
 """The ``simple_cpu`` connector path on real vLLM (issue 21): the ``SimpleCPUOffloadConnector``
 on the real v1 Scheduler, its worker played (:mod:`simsched.vllm.inside.simple_cpu`), on 0.30.0
-and 0.33.0. Real-vLLM tests FAIL (never skip) when a release is missing.
+and 0.33.0, and the model in lockstep with them; at the end the model of 0.25.1-0.29.0's manager
+in lockstep with 0.25.1, 0.28.0 and 0.29.0. Real-vLLM tests FAIL (never skip) when a release is
+missing.
 
 Each test names what it would miss if the harness did not drive the path: the store events
 (eager: the step after the step that computed a block; lazy: only once the request freed its
@@ -420,23 +422,39 @@ def test_the_model_steps_with_the_release(pool, version, name):
     blocks, walked from the cursor), the same loads into the same blocks, the same GPU free
     queue (a store pins its blocks until its event completes) and flushes on a preemption.
     Without the model's SimpleCPU scheduler every case diverges at its first store line."""
-    lazy = name.endswith("lazy")
-    if name.startswith("ring"):
-        case = _case(BASIC, lazy, blocks=24, groups=RING_16)
-    elif name.startswith("preempt"):
-        case = _case(PREEMPT, lazy, blocks=8, cpu=12, store=3)
-    elif name.startswith("pressure"):
-        case = _case(PRESSURE, lazy, cpu=7)
-    elif name.startswith("async"):
-        # the batch in flight's sampled tokens are not confirmed (num_output_placeholders)
-        case = _case(PREEMPT[:1] + BASIC[1:], lazy, store=2)
-        case = dataclasses.replace(case, layout=case.layout.with_engine(async_scheduling=True))
-    else:
-        case = _case(BASIC, lazy)
-    res = lockstep(case, version, pool)
+    res = lockstep(_hand_made(name), version, pool)
     assert res.model is not None, res.observations
     assert res.divergence is None, res.divergence.describe()
     assert any(x.startswith("store ") for x in res.model.trace), res.model.trace
+
+
+def _hand_made(name: str) -> Case:
+    """The hand-made case ``name`` (its mode the suffix: eager or lazy)."""
+    lazy = name.endswith("lazy")
+    if name.startswith("ring"):
+        return _case(BASIC, lazy, blocks=24, groups=RING_16)
+    if name.startswith("preempt"):
+        return _case(PREEMPT, lazy, blocks=8, cpu=12, store=3)
+    if name.startswith("pressure"):
+        return _case(PRESSURE, lazy, cpu=7)
+    if name.startswith("async"):
+        # the batch in flight's sampled tokens are not confirmed (num_output_placeholders)
+        case = _case(PREEMPT[:1] + BASIC[1:], lazy, store=2)
+        return dataclasses.replace(case, layout=case.layout.with_engine(async_scheduling=True))
+    if name.startswith("livelock"):
+        return _case(LIVELOCK, lazy, cpu=5, mnbt=32, store=2)
+    if name.startswith("hybrid"):
+        return _case(AFTER_RESET, lazy, blocks=16, events=RESET, groups=HYBRID)
+    if name.startswith("onestep"):
+        return _case(ONE_STEP, lazy)
+    if name.startswith(("skip", "mtp")):
+        d = _case(AFTER_RESET, lazy, blocks=16, events=RESET).to_json()
+        if name.startswith("skip"):
+            d["requests"][1]["skip_reading_prefix_cache"] = True
+        else:
+            d["layout"]["engine"]["speculative"] = {"method": "mtp", "num_tokens": 2}
+        return Case.from_json(d)
+    return _case(BASIC, lazy)
 
 
 def test_the_model_crashes_where_0300_does(pool):
@@ -503,3 +521,60 @@ def test_dcp_blocks_span_the_ranks(pool, version, lazy):
     res = lockstep(case, version, pool)
     assert res.agree, res.summary()
     assert res.real["counters"]["loads"] == 1     # B's CPU hit on A's last block
+
+
+# -- the model of 0.25.1-0.29.0's manager in lockstep (simple_cpu_scheduler_legacy.py) ----------
+
+LEGACY = ["0.25.1", "0.28.0", "0.29.0"]
+#: A finishes in the step that computes its two prompt blocks
+ONE_STEP = [{"id": "A", "prompt": [[1, 32]], "decode": 1}]
+
+
+@pytest.fixture(scope="module")
+def legacy_pool():
+    with Releases.installed(LEGACY, timeout=120) as p:
+        yield p
+
+
+@pytest.mark.parametrize("version", LEGACY)
+@pytest.mark.parametrize("name", ["eager", "lazy", "preempt-eager", "preempt-lazy",
+                                  "pressure-eager", "async-eager", "async-lazy",
+                                  "livelock-eager", "livelock-lazy", "hybrid-eager",
+                                  "hybrid-lazy", "onestep-eager", "skip-eager", "skip-lazy",
+                                  "mtp-eager", "mtp-lazy"])
+def test_the_legacy_model_steps_with_the_release(legacy_pool, version, name):
+    """The hand-made cases on 0.25.1-0.29.0's manager, model and release step for step; each
+    runs into one of the rules 0.30.0 changed: the last lazy stores stranded when the engine
+    idles (livelock-lazy: the run ends on "end idle with jobs in flight", where the model of
+    0.30.0 steps on to INV-8), no finish flush (onestep: nothing stored; the model of 0.30.0
+    stores A's blocks at step 1), a request that skips the prefix cache still loads from CPU
+    (skip: one load; the model of 0.30.0 none), and before 0.27.0 a CPU lookup that drops no
+    EAGLE block without a drafter group (mtp: one block more than 0.30.0's model loads)."""
+    res = lockstep(_hand_made(name), version, legacy_pool)
+    assert res.model is not None, res.observations
+    assert res.divergence is None, res.divergence.describe()
+    assert res.real["findings"] == [], res.real["trace"][-5:]
+    if name.startswith(("skip", "mtp")):
+        assert res.real["counters"]["loads"] == 1, res.real["trace"]
+    if name == "livelock-lazy":
+        assert res.model.trace[-1].startswith("end idle with jobs in flight: store ")
+
+
+@pytest.mark.parametrize("version", LEGACY)
+def test_drawn_simple_cpu_cases_step_with_the_legacy_model(legacy_pool, version):
+    """40 drawn cases of the path (eager and lazy) on 0.25.1-0.29.0: every one the model covers
+    and the release runs step by step agrees with the model."""
+    agreed, unmodelled, diverged = drawn_lockstep(legacy_pool, version, 40, "simple_cpu")
+    assert diverged == []
+    assert agreed >= 20, (agreed, unmodelled)
+
+
+def test_the_legacy_model_passes_over_a_ring_with_0290(legacy_pool):
+    """Eager offload with a ring of 4-token blocks under a hash unit of 16: 0.29.0 (the first
+    release with a ring) passes over the ring's blocks, never hashed, and stores the full group;
+    the model agrees step for step, where the model of 0.30.0's selection crashes in
+    ``resolve_block_hashes`` as 0.30.0 does (``test_the_model_crashes_where_0300_does``)."""
+    ring = [{"kind": "full", "block_size": 16}, {"kind": "ring", "block_size": 4}]
+    res = lockstep(_case(BASIC, False, blocks=40, groups=ring), "0.29.0", legacy_pool)
+    assert res.divergence is None and res.real["findings"] == [], res.summary()
+    assert any(x.startswith("store ") for x in res.model.trace), res.model.trace

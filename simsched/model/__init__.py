@@ -27,6 +27,8 @@ module                             mirrors (``vllm/...``)
 ``simple_cpu_scheduler``           ``v1/simple_kv_offload/manager.py``
                                    (``SimpleCPUOffloadScheduler``, 0.30.0+: a CPU block pool
                                    looked up by a coordinator of its own)
+``simple_cpu_scheduler_legacy``    the same module as 0.25.1-0.29.0 have it (no finish flush,
+                                   loads placed by the hashed full-attention blocks)
 ``scheduler``                      ``v1/core/sched/scheduler.py`` (``Scheduler.schedule``,
                                    ``update_from_output``) and the model runner's writes
 ``async_scheduler``                ``v1/core/sched/async_scheduler.py`` (``AsyncScheduler``) and
@@ -53,10 +55,11 @@ def unmodelled_path(layout, profile=None) -> str | None:
     """The connector path of ``layout`` the model does not mirror (``simsched.connectors``), or
     None: the model is the ``OffloadingConnector`` with a CPU tier, alone or in a
     ``MultiConnector`` beside NIXL, with file-system tiers behind the CPU tier from 0.30.0
-    (``TieringOffloadingManager``), and the ``SimpleCPUOffloadConnector`` of 0.30.0+ on the
-    layouts :data:`~simsched.model.simple_cpu_scheduler.MODELLED_KINDS` covers. With
-    ``profile`` the release's own code counts too (0.25.1-0.29.0's SimpleCPU manager is another
-    design); without, a path some release's model covers is None. A case on another path is
+    (``TieringOffloadingManager``), and the ``SimpleCPUOffloadConnector`` on the layouts
+    :data:`~simsched.model.simple_cpu_scheduler.MODELLED_KINDS` covers (0.30.0+'s manager, and
+    0.25.1-0.29.0's in ``simple_cpu_scheduler_legacy``). With ``profile`` the release's own code
+    counts too (0.25.1-0.29.0's tiering manager is another design); without, a path some
+    release's model covers is None. A case on another path is
     checked on the real run alone, by the invariants that need no model (the content shadow,
     the fences, liveness, the hit oracle): no model run, no lockstep comparison."""
     engine = layout.engine
@@ -66,8 +69,6 @@ def unmodelled_path(layout, profile=None) -> str | None:
         if engine.speculative is not None and engine.speculative.method == "mtp":
             return f"engine.connector={engine.connector.describe()} with MTP"
     elif kind == "simple_cpu":
-        if profile is not None and not profile.extra.get("simple_cpu_coordinator", True):
-            return f"engine.connector={engine.connector.describe()} before 0.30.0"
         gap = _simple_cpu_gap(layout)
         if gap is not None:
             return f"engine.connector={engine.connector.describe()} with {gap}"

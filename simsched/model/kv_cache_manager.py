@@ -67,6 +67,12 @@ class KVCacheManager:
                                if isinstance(m, MambaManager) and m.align and m.tail_recache]
         self.junction = 0          # the last get_computed_blocks's shared_prefix_boundary
 
+    def use_config(self, config: PrefixCacheConfig) -> None:
+        """The coordinator and its managers read ``config`` from now on."""
+        self.config = config
+        for m in self.managers:
+            m.config = config
+
     def new_step(self) -> None:
         """``KVCacheManager.new_step_starts``."""
         for m in self.managers:

@@ -54,6 +54,7 @@ from simsched.model.nixl_scheduler import NixlPullConnectorScheduler
 from simsched.model.offloading_common import Job
 from simsched.model.offloading_scheduler import ModelCrash, OffloadingConnectorScheduler
 from simsched.model.simple_cpu_scheduler import SimpleCPUOffloadScheduler, block_geometry
+from simsched.model.simple_cpu_scheduler_legacy import LegacySimpleCPUOffloadScheduler
 from simsched.model.request import ABORTED, FINISHED, RUNNING, WAITING, WAITING_FOR_LOAD, Request
 from simsched.model.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
                                                          CircularBufferManager)
@@ -161,7 +162,11 @@ class Model:
             cpu_coordinator = KVCacheManager(layout.groups, sizes, layout.engine.cpu_chunks,
                                              geo.scheduler_block_size, True,
                                              retention_interval=retention, config=self.kv.config)
-            self.simple = SimpleCPUOffloadScheduler(
+            # 0.25.1-0.29.0's manager (simple_cpu_scheduler_legacy), or 0.30.0's rewrite
+            manager = (LegacySimpleCPUOffloadScheduler
+                       if profile.extra.get("simple_cpu_legacy_manager", False)
+                       else SimpleCPUOffloadScheduler)
+            self.simple = manager(
                 geo, self.kv, cpu_coordinator, [g.prefix_cacheable for g in layout.groups],
                 bool(profile.extra.get("simple_cpu_prefix_cacheable_only", False)),
                 layout.engine.connector.lazy_offload,
@@ -242,6 +247,13 @@ class Model:
             profile.extra.get("eagle_junction_below", False))
         self.kv.config.eagle_margin = (eagle and len(layout.groups) > 1
                                        and bool(profile.extra.get("eagle_hit_margin", False)))
+        if (eagle and self.simple is not None and self.kv.config.drafter_specs is None
+                and not profile.extra.get("simple_cpu_cpu_eagle", True)):
+            # SimpleCPU's CPU coordinator is built with use_eagle=False before 0.27.0
+            # (simple_kv_offload/manager.py 0.26.0:125): its EAGLE groups are the drafter groups
+            # the KV cache config marks (is_eagle_group), and with none, no group rather than
+            # every group (kv_cache_coordinator.py 0.26.0:98-104): its lookups drop no block
+            self.simple.cpu_coordinator.use_config(self.kv.config.without_eagle())
         self.mamba_tail_eagle_shift = eagle and bool(self.mamba_tail_unit) and bool(
             profile.extra.get("mamba_tail_eagle_shift", True))
         # ChunkedLocalAttentionManager.find_longest_cache_hit asserts drop_eagle_block is False
@@ -695,6 +707,7 @@ class Model:
 
     def _step(self, _data) -> None:
         self.step_scheduled = False
+        self._end_idle()
         if self.async_ is not None:
             # EngineCore.step_with_batch_queue; a load completing in it asks for no step at t
             self.step_scheduled = True
@@ -1377,6 +1390,23 @@ class Model:
                 raise inv.InvariantViolation("INV-8", step, f"no progress for {self.stall} "
                                              f"steps with the tier quiet; stuck: {stuck}")
             self._schedule_step(self.q.now + 1)
+
+    def _end_idle(self) -> None:
+        """At a step after the last request left (``has_requests`` false, nothing to arrive)
+        with the connector's keep-alive unheard (0.25.1-0.29.0's SimpleCPU:
+        ``has_pending_transfers``, see ``simple_cpu_scheduler_legacy``): the engine idles and
+        the jobs still in flight are never reported. The run ends (``RunEnded``), naming them
+        if any of them would complete. Not under async scheduling: the harness's batch queue
+        holds a batch at every such step, and it steps on until the jobs are reported."""
+        if (self.simple is None or not self.simple.strands_at_idle or self.async_ is not None
+                or self.unfinished > 0 or self.future_events or self.has_requests()):
+            return
+        jobs = self.jobs
+        if any(jid not in self.hung for jid in jobs):
+            self._emit("end idle with jobs in flight: " + ", ".join(
+                f"{'store' if jobs[jid].is_store else 'load'} {jid}" for jid in sorted(jobs)))
+        if jobs:
+            raise RunEnded()
 
     def _hung_jobs(self) -> list[Job]:
         """The jobs that never complete, in flight (all of them: nothing completes them)."""

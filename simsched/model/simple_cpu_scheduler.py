@@ -1,7 +1,8 @@
 """The ``SimpleCPUOffloadConnector``'s scheduler side: ``SimpleCPUOffloadScheduler``.
 
-Mirrors ``vllm/v1/simple_kv_offload/manager.py`` of 0.30.0-0.33.0, the manager rewritten around
-a CPU ``KVCacheCoordinator`` (0.25.1-0.29.0's is another design, not modelled). The CPU tier is
+Mirrors ``vllm/v1/simple_kv_offload/manager.py`` of 0.30.0-0.33.0, the manager as 0.30.0
+rewrote it (0.25.1-0.29.0's: :mod:`simsched.model.simple_cpu_scheduler_legacy`, a subclass that
+keeps this one's CPU tier, events and jobs). The CPU tier is
 a second block pool of the GPU pool's groups (``_derive_cpu_config``: ``cpu_chunks`` blocks,
 block 0 its null block), looked up by the same coordinator rules as the GPU prefix cache, for
 the suffix past the GPU hit (``get_num_new_matched_tokens``). One GPU block is one transfer.
@@ -166,6 +167,8 @@ class SimpleCPUOffloadScheduler:
     # the model calls update_state_after_alloc for every request it admits: eager mode
     # registers the request there
     alloc_all_groups = True
+    # the engine steps on while stores are pending (has_pending_push_work, 0.30.0+)
+    strands_at_idle = False
 
     def __init__(self, geometry: Geometry, gpu: KVCacheManager, cpu_coordinator: KVCacheManager,
                  prefix_cacheable: list[bool], prefix_cacheable_only: bool, lazy_offload: bool,
@@ -236,11 +239,7 @@ class SimpleCPUOffloadScheduler:
         stale = self.pending_cpu_hits.pop(req.rid, None)
         if stale is not None:
             self._free_pending_cpu_hit(stale)
-        if req.skip_reading_prefix_cache or num_computed % self.block_size:
-            return 0
-        if self.chunked_local_guard and any(
-                isinstance(m, ChunkedLocalAttentionManager) and num_computed % m.chunk
-                for m in self.gpu.managers):
+        if self._declines_lookup(req, num_computed):
             return 0
         if len(req.tokens) // self.hash_block_size <= num_computed // self.hash_block_size:
             return 0                            # no block hash past the local prefix
@@ -253,6 +252,16 @@ class SimpleCPUOffloadScheduler:
             self.cpu_block_pool.touch([b for group in hit_blocks for b in group])
             self.pending_cpu_hits[req.rid] = (hit_blocks, hit_length, num_computed)
         return hit_length
+
+    def _declines_lookup(self, req: Request, num_computed: int) -> bool:
+        """No lookup for a request that skips reading the prefix cache, nor past a local prefix
+        off the scheduler block (a transfer copies whole blocks; mgr 0.30.0:332-347), nor
+        (0.33.0) past one that is not a whole number of attention chunks."""
+        if req.skip_reading_prefix_cache or num_computed % self.block_size:
+            return True
+        return self.chunked_local_guard and any(
+            isinstance(m, ChunkedLocalAttentionManager) and num_computed % m.chunk
+            for m in self.gpu.managers)
 
     def _find_longest_cache_hit(self, req: Request, num_computed: int, max_hit_len: int
                                 ) -> tuple[list[list[int]], int]:
@@ -305,12 +314,18 @@ class SimpleCPUOffloadScheduler:
                 if c != NULL:           # a window's or chunk's padding: nothing to load
                     gpu_block_ids.append(tables[g][start + i])
                     cpu_block_ids.append(c)
+        self._record_load(req, pending, gpu_block_ids, cpu_block_ids)
+        return None
+
+    def _record_load(self, req: Request, pending: tuple[list[list[int]], int, int],
+                     gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
+        """The load's CPU sources and GPU destinations pinned until it completes, the lookup's
+        pin released, the load recorded for the next step's event."""
         self.cpu_block_pool.touch(cpu_block_ids)
         self._free_pending_cpu_hit(pending)
         self.gpu_block_pool.touch(gpu_block_ids)
         self.reqs_to_load[req.rid] = LoadRequestState(req, TransferMeta(gpu_block_ids,
                                                                         cpu_block_ids))
-        return None
 
     # --- the step's events ----------------------------------------------------------------
     def build_connector_meta(self, scheduled: dict[str, int], new_blocks: dict[str, list],

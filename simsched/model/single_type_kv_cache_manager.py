@@ -84,6 +84,16 @@ class PrefixCacheConfig:
     def cache_hit_alignment_tokens(self) -> int:
         return self.tokens_per_hash if self.partial_hash_hits else self.block_size
 
+    def without_eagle(self) -> PrefixCacheConfig:
+        """This configuration as a coordinator built with ``use_eagle=False`` reads it (the
+        SimpleCPUOffloadConnector's CPU coordinator before 0.27.0): no EAGLE rule."""
+        out = PrefixCacheConfig(self.block_size, self.retention_interval)
+        out.partial_hash_hits, out.tokens_per_hash = self.partial_hash_hits, self.tokens_per_hash
+        out.partial_tail = self.partial_tail
+        out.partial_tail_below_prompt = self.partial_tail_below_prompt
+        out.drafter_specs = self.drafter_specs
+        return out
+
     def use_eagle(self, spec: tuple) -> bool:
         """``manager.use_eagle``: EAGLE-style drafting, and the group a drafter group or of the
         spec of one (verify_and_split_kv_cache_groups marks every group whose spec equals an EAGLE
