@@ -27,7 +27,7 @@ COMPILED = ("case", "geometry", "invariants", "layout", "shadow", "trace",
             "model/kv_cache_manager", "model/multi_connector", "model/nixl_scheduler",
             "model/offloading_common", "model/offloading_scheduler", "model/request", "model/run",
             "model/scheduler", "model/simple_cpu_scheduler", "model/simple_cpu_scheduler_legacy",
-            "model/single_type_kv_cache_manager")
+            "model/single_type_kv_cache_manager", "model/tiering_manager", "model/fs_tier")
 
 
 class PureSource(importlib.abc.MetaPathFinder):

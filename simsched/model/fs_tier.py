@@ -140,7 +140,7 @@ class FileSystemTierManager:
         for q in (self.load_q, self.store_q):
             for job in q:
                 self.first_seen.setdefault(job.job_id, step)
-        ran = []
+        ran: list[TransferJob] = []
         while True:
             for q in (self.load_q, self.store_q):
                 if q and self.first_seen[q[0].job_id] + self.io_latency - 1 <= step:

@@ -150,7 +150,7 @@ class OffloadingConnectorScheduler:
         # by request and token position from 0.33.0 (profile.extra["cpu_lru"]). A case's
         # engine.eviction_policy "arc" is not modelled (simsched.model.unmodelled_knobs)
         lru = profile.extra.get("cpu_lru", "list")
-        self.tier: CPUOffloadingManager
+        self.tier: CPUOffloadingManager | TieringOffloadingManager
         if lru == "list":
             self.tier = CPUOffloadingManager(cpu_chunks, asserts)
         else:
