@@ -197,9 +197,9 @@ def markdown(data: dict, plots: list[tuple[str, str]] | None = None,
                   f"{st['real_steps']:,} | {st['step_seconds']} |"
                   for v, st in data["per_release"].items()]
         if data.get("per_path"):
-            lines += ["", "Real runs per connector path (the model mirrors `simple_cpu` and "
-                      "`+fs` from 0.30.0, and `simple_cpu` short of some layouts: "
-                      "`simsched.model.unmodelled_path`):", "",
+            lines += ["", "Real runs per connector path (the model mirrors every path, "
+                      "`simple_cpu` short of some layouts: `simsched.model.unmodelled_path`):",
+                      "",
                       "| connector path | cases run step by step | real steps | seconds |",
                       "|---|---|---|---|"]
             lines += [f"| {p} | {st['step_cases']:.0f} | {st['real_steps']:,.0f} | "

@@ -176,10 +176,14 @@ class Profile:
 #: lookup queries the chunk an EAGLE group pops past the hit for a sliding-window group only
 #: (``_lookup_complete_chunks``: ``if is_eagle_unverified and sliding_window_size_in_chunks is
 #: not None``; 0.30.0: every EAGLE group), so a second full-attention EAGLE group pops a chunk
-#: of the hit the first one left; and tiered offloading's manager is another design (0.30.0
-#: ``tiering/manager.py``, ``JobMetadata`` and per-request finalization: the model's is that one)
+#: of the hit the first one left
 _BEFORE_0_30 = {"nixl_awaiting_kvs": False, "simple_cpu_legacy_manager": True,
-                "eagle_extra_chunk_windows_only": True, "tiering_manager_0_30": False}
+                "eagle_extra_chunk_windows_only": True}
+
+#: Before 0.28.0 a lookup that starts a promotion answers RETRY (0.27.1
+#: ``tiering/manager.py`` ``lookup``: ``MISS if not promoted else RETRY``; 0.28.0: HIT_PENDING):
+#: the connector counts no hit for it
+_BEFORE_0_28 = {"tier_promotion_retry": True}
 
 _EVERY_GROUP_NO_CLAMP = Profile(
     "every-group-no-clamp",
@@ -252,7 +256,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             retention_default=retention_absent,
             # mamba_skip_lags_spec_blocks: MambaManager.remove_skipped_blocks frees on
             # num_speculative_blocks fewer computed tokens (0.25.1 only)
-            extra={**_BEFORE_0_29, **_BEFORE_0_27, "mamba_boundary_stores": False,
+            extra={**_BEFORE_0_29, **_BEFORE_0_28, **_BEFORE_0_27, "mamba_boundary_stores": False,
                    "eagle_tail_hole": True,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
                    "align_budget_assert": True, "window_frees_on_processed": False,
@@ -265,7 +269,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             alignment="absent", eagle_marks_all_groups=True, retention_check=False,
             window_in_chunks=window_before_chunked_local, mamba_backoff="block_size",
             offload_dcp_all_groups=True, retention_default=retention_absent,
-            extra={**_BEFORE_0_29, **_BEFORE_0_27, "mamba_boundary_stores": False,
+            extra={**_BEFORE_0_29, **_BEFORE_0_28, **_BEFORE_0_27, "mamba_boundary_stores": False,
                    "spec_pad_after_hit": False, "preempt_in_flight": True,
                    "align_budget_assert": True, "partial_hash_hits": "no-dcp-any-group",
                    "mamba_tail_eagle_shift": False}),
@@ -275,7 +279,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             chunk_size_error="AssertionError", alignment="absent", eagle_marks_all_groups=True,
             retention_check=False, window_in_chunks=window_before_chunked_local,
             mamba_backoff="block_size", retention_default=retention_absent,
-            extra={**_BEFORE_0_29, "mamba_boundary_stores": False, "spec_pad_after_hit": False,
+            extra={**_BEFORE_0_29, **_BEFORE_0_28, "mamba_boundary_stores": False,
+                   "spec_pad_after_hit": False,
                    "preempt_in_flight": True, "partial_hash_hits": "no-dcp-any-group",
                    "mamba_tail_eagle_shift": False}),
     Profile("every-group",

@@ -86,27 +86,25 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(mtp) == "engine.connector=multi(offloading+nixl) with MTP"
     fs = _layout(secondary_tiers=[{"kind": "fs"}])
     assert unmodelled_path(fs) is None
-    assert unmodelled_path(fs, profile_for_release("0.30.0")) is None
-    assert unmodelled_path(fs, profile_for_release("0.29.0")) \
-        == "engine.secondary_tiers=fs before 0.30.0"
+    assert unmodelled_path(fs, profile_for_release("0.25.1")) is None
 
 
 def test_a_case_on_an_unmodelled_path_runs_no_model():
     """On a path the model does not mirror it runs nothing (no model finding, no config chain
     of the wrong connector), and the release's step run is the whole check (here: no release
-    given, so nothing at all). The fs tiers are modelled from 0.30.0 only: the model runs under
-    the profiles of 0.30.0+. The SimpleCPU path is modelled on every release, and its config
-    chain is not the OffloadingConnector's: no config is compared."""
+    given, so nothing at all): a SimpleCPU case with a Mamba group. The fs tiers and the
+    SimpleCPU path are modelled on every release; the SimpleCPU path's config chain is not the
+    OffloadingConnector's: no config is compared."""
     from simsched.profiles import PROFILES
     from simsched.replay import observe
     from simsched.targets import ModelTarget
     requests = [{"id": "a", "prompt": [[0, 64]]}]
-    fs = Case.from_json({"layout": {"groups": FULL, "engine": {"secondary_tiers": [
-        {"kind": "fs"}]}}, "requests": requests})
+    mamba = Case.from_json({"layout": {"groups": FULL + [
+        {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
+        "engine": {"connector": {"kind": "simple_cpu"}}}, "requests": requests})
     outcomes: dict = {}
-    obs = observe(fs, [ModelTarget(PROFILES[p]) for p in ("legacy-spec-init", "every-group-no-clamp",
-                                                         "prefix-cacheable")], [], outcomes)
-    assert obs == [] and sorted(outcomes) == ["model:prefix-cacheable"]
+    obs = observe(mamba, [ModelTarget(p) for p in PROFILES.values()], [], outcomes)
+    assert obs == [] and outcomes == {}
     simple = Case.from_json({"layout": {"groups": FULL,
                                         "engine": {"connector": {"kind": "simple_cpu"}}},
                              "requests": requests})

@@ -1,5 +1,5 @@
 """The model of tiered offloading (``simsched/model/tiering_manager.py``) on its own: the
-``TieringOffloadingManager`` of 0.30.0-0.33.0 over a CPU tier and one fs tier, driven hook by
+``TieringOffloadingManager`` over a CPU tier and one fs tier, driven hook by
 hook as the offloading connector and the harness's I/O clock drive it. Each expectation is
 vLLM's rule, cited; the model's agreement with the releases is ``test_real_tiering.py``'s."""
 

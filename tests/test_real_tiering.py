@@ -220,6 +220,38 @@ def test_a_key_written_once_is_no_cascade_finding(pool, version):
     assert res.divergence is None, res.divergence.describe()
 
 
+def _sliding_case() -> Case:
+    """A (96 tokens) in full-attention and sliding-window (2 blocks) groups stored and
+    cascaded, three fillers evicting it from a CPU tier of 16 chunks, then B = A + 20 tokens."""
+    reqs = [{"id": "A", "prompt": [[1, 96]], "decode": 2}]
+    reqs += [{"id": f"F{i}", "prompt": [[10 + i, 64]], "decode": 2, "arrival": 10 + 8 * i}
+             for i in range(3)]
+    reqs.append({"id": "B", "prompt": [[1, 96], [99, 20]], "decode": 2, "arrival": 36})
+    return Case.from_json({
+        "layout": {"groups": [{"kind": "full", "block_size": 16},
+                              {"kind": "sliding_window", "block_size": 16, "sliding_window": 32}],
+                   "engine": {"num_gpu_blocks": 24, "cpu_chunks": 16,
+                              "secondary_tiers": [{"kind": "fs", "io_latency": 1}]}},
+        "timing": {"max_num_batched_tokens": 256, "max_num_seqs": 4}, "requests": reqs})
+
+
+def test_a_promotion_answers_retry_before_0280():
+    """0.25.1-0.27.1's lookup answers RETRY for a chunk it starts promoting (0.28.0:
+    HIT_PENDING). B's sliding-window lookup scans its keys from the end: a pending chunk counts
+    toward the window and the scan stops at two, where RETRY counts nothing and the scan goes
+    on to the first key, promoting every one: B's read is of A's 6 full-attention chunks and
+    6 window chunks on 0.27.1, and of 6 and 2 on 0.28.0. The model, with
+    ``tier_promotion_retry`` for the older releases, agrees with both."""
+    promoted = {}
+    with Releases.installed(["0.27.1", "0.28.0"], timeout=120) as p:
+        for version in ("0.27.1", "0.28.0"):
+            res = lockstep(_sliding_case(), version, p)
+            assert res.divergence is None, res.divergence.describe()
+            promoted[version] = [x.split()[3] for x in res.real["trace"]
+                                 if x.startswith("tier promote ")]
+    assert promoted == {"0.27.1": ["12"], "0.28.0": ["8"]}, promoted
+
+
 #: the hand-made cases above, each run by the model beside the release
 HAND_MADE = {"promoted": dict(latency=2), "read_of_4_steps": dict(cpu=6, fillers=1, latency=4),
              "thrash": OVERSIZE}

@@ -54,12 +54,11 @@ __all__ = list(_MODULE_OF)
 def unmodelled_path(layout, profile=None) -> str | None:
     """The connector path of ``layout`` the model does not mirror (``simsched.connectors``), or
     None: the model is the ``OffloadingConnector`` with a CPU tier, alone or in a
-    ``MultiConnector`` beside NIXL, with file-system tiers behind the CPU tier from 0.30.0
+    ``MultiConnector`` beside NIXL, with file-system tiers behind the CPU tier
     (``TieringOffloadingManager``), and the ``SimpleCPUOffloadConnector`` on the layouts
     :data:`~simsched.model.simple_cpu_scheduler.MODELLED_KINDS` covers (0.30.0+'s manager, and
-    0.25.1-0.29.0's in ``simple_cpu_scheduler_legacy``). With ``profile`` the release's own code
-    counts too (0.25.1-0.29.0's tiering manager is another design); without, a path some
-    release's model covers is None. A case on another path is
+    0.25.1-0.29.0's in ``simple_cpu_scheduler_legacy``). ``profile``: the release whose code
+    counts; every release's model covers the same paths today. A case on another path is
     checked on the real run alone, by the invariants that need no model (the content shadow,
     the fences, liveness, the hit oracle): no model run, no lockstep comparison."""
     engine = layout.engine
@@ -74,10 +73,6 @@ def unmodelled_path(layout, profile=None) -> str | None:
             return f"engine.connector={engine.connector.describe()} with {gap}"
     elif kind != "offloading":
         return f"engine.connector={engine.connector.describe()}"
-    if engine.secondary_tiers:
-        tiers = "engine.secondary_tiers=" + "+".join(t.kind for t in engine.secondary_tiers)
-        if profile is not None and not profile.extra.get("tiering_manager_0_30", True):
-            return f"{tiers} before 0.30.0"
     return None
 
 

@@ -1,13 +1,17 @@
 """A file-system secondary tier: ``FileSystemTierManager`` (``vllm/v1/kv_offload/tiering/fs/
 manager.py``) with its lookup probes (``AsyncLookupManager``, ``tiering/async_lookup.py``), as
-0.30.0-0.33.0 write them, on the I/O clock the harness gives it
+0.25.1-0.33.0 write them, on the I/O clock the harness gives it
 (:mod:`simsched.vllm.inside.tiering`): the manager of the tiers is
 :mod:`simsched.model.tiering_manager`.
 
 A key has a file once a cascade of it was written (the first one: the tier skips a key whose
 file exists), and keeps it. A lookup of a key answers from the probe of the key: RETRY until the
 tier's lookup thread answered it, then whether the file was there when the probe was posted
-(``flush``, at ``on_schedule_end``). Reads (promotions) and writes (cascades) are queued and run
+(``flush``, at ``on_schedule_end``). 0.25.1-0.29.0's probes have no generation (``LookupPhase``,
+0.30.0): an answer goes to whatever probe of its key is there, and a probe goes with its last
+request even in flight. On this clock that changes nothing: the answers are drained before
+every ``schedule()``, before any lookup could make a probe anew. Reads (promotions) and writes
+(cascades) are queued and run
 before a ``schedule()``: a job first seen before step ``s`` runs before step ``s + io_latency -
 1``, reads first, FIFO (``DualQueueThreadPool._worker``).
 """
@@ -96,8 +100,8 @@ class AsyncLookupManager:
 
 
 class TransferJob:
-    """``TransferJob`` (``tiering/base.py``): a cascade (CPU -> file) or a promotion (file -> CPU) of ``keys``, the
-    CPU chunks it reads or fills, and the content a promotion read."""
+    """``TransferJob`` (``tiering/base.py``): a cascade (CPU -> file) or a promotion (file ->
+    CPU) of ``keys``, the CPU chunks it reads or fills, and the content a promotion read."""
 
     __slots__ = ("job_id", "keys", "chunks", "is_promotion", "rid", "contents")
 
@@ -109,8 +113,8 @@ class TransferJob:
 
 class FileSystemTierManager:
     """``FileSystemTierManager``: a file per key (what its chunk held when the first cascade
-    of the key wrote it; files are never removed), the I/O queues the harness runs (``DualQueueThreadPool``)
-    and the lookup probes."""
+    of the key wrote it; files are never removed), the I/O queues the harness runs
+    (``DualQueueThreadPool``) and the lookup probes."""
 
     def __init__(self, io_latency: int):
         self.io_latency = io_latency

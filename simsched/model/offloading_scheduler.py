@@ -160,7 +160,8 @@ class OffloadingConnectorScheduler:
         if layout is not None and layout.engine.secondary_tiers:
             self.tiering = TieringOffloadingManager(
                 self.tier, [t.io_latency for t in layout.engine.secondary_tiers],
-                bool(profile.extra.get("tier_schedule_end_last", False)))
+                bool(profile.extra.get("tier_schedule_end_last", False)),
+                bool(profile.extra.get("tier_promotion_retry", False)))
             self.tier = self.tiering
         self.req_status: dict[str, RequestOffloadState] = {}
         self.jobs: dict[int, Job] = {}

@@ -1,6 +1,8 @@
 """Tiered offloading: ``TieringOffloadingManager`` (``vllm/v1/kv_offload/tiering/manager.py``)
 over the CPU tier, with file-system secondary tiers (``FileSystemTierManager``,
-``tiering/fs/manager.py``; ``engine.secondary_tiers``), as 0.30.0-0.33.0 write them.
+``tiering/fs/manager.py``; ``engine.secondary_tiers``), as 0.25.1-0.33.0 write them (one
+design; what changed is a profile extra: ``tier_promotion_retry`` before 0.28.0,
+``tier_schedule_end_last`` from 0.33.0).
 
 The CPU tier stays the gateway to the GPU (:mod:`simsched.model.cpu_manager`): the connector
 stores to it and loads from it as without tiers. Around it the manager
@@ -22,7 +24,7 @@ A probe is answered from the files as they were when it was posted (the tier's l
 runs during the step that posted it; a file it could race with belongs to a key the CPU tier
 holds, whose lookups never reach the fs tier).
 
-Not modelled (``simsched.model.unmodelled_path``): 0.25.1-0.29.0's manager. Nothing here fails
+Nothing here fails
 (the fs tier's I/O succeeds; a failed GPU transfer ends the run), no backpressure detector is
 configured (none by default), and a case's prefix-cache reset leaves the connector alone.
 """
@@ -48,12 +50,15 @@ class RequestState:
 
 
 class TieringOffloadingManager:
-    """``TieringOffloadingManager`` of 0.30.0-0.33.0 over ``primary`` (the CPU tier's manager)
+    """``TieringOffloadingManager`` over ``primary`` (the CPU tier's manager)
     and fs ``tiers``. ``schedule_end_last`` (0.33.0): ``on_schedule_end`` is the manager's last
     call of the step, and ``prepare_store`` polls the tiers unconditionally."""
 
-    def __init__(self, primary, io_latencies: list[int], schedule_end_last: bool):
+    def __init__(self, primary, io_latencies: list[int], schedule_end_last: bool,
+                 promotion_retry: bool = False):
         self.primary = primary
+        # before 0.28.0 a lookup that starts a promotion answers RETRY, not HIT_PENDING
+        self.promotion_retry = promotion_retry
         self.tiers = [FileSystemTierManager(n) for n in io_latencies]
         self.schedule_end_last = schedule_end_last
         self.job_id_counter = 0
@@ -123,7 +128,9 @@ class TieringOffloadingManager:
         for i, tier in enumerate(self.tiers):
             found = tier.lookup(key, st.req.rid)
             if found == HIT:
-                return HIT_PENDING if self._initiate_promotion(i, key, st) else MISS
+                if not self._initiate_promotion(i, key, st):
+                    return MISS
+                return RETRY if self.promotion_retry else HIT_PENDING
             any_retry = any_retry or found == RETRY
         return RETRY if any_retry else MISS
 
