@@ -36,21 +36,27 @@ def test_invariant_title_names_the_invariant_and_what_it_says():
 
 
 def test_a_case_the_model_does_not_mirror_shows_no_model_trace():
-    """A finding on a connector path the model does not mirror under the release's profile is
-    the real run's own: its README shows no trace of the model (which would be another path's)
-    and says why. SimpleCPU is mirrored from 0.30.0 (the manager's rewrite), not before."""
+    """A finding on a connector path the model does not mirror is the real run's own: its README
+    shows no trace of the model (which would be another path's) and says why. The multi path
+    with MTP is such a path on every release; SimpleCPU is mirrored on every release (0.25.1-
+    0.29.0 by the legacy manager's model)."""
     from fuzz.repro import model_trace, unmirrored_path
     from simsched.case import Case
+    mtp = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}], "engine": {
+        "connector": {"kind": "multi"}, "speculative": {"method": "mtp", "num_tokens": 2}}},
+        "requests": [{"id": "R", "prompt": [[0, 64]]}]})
+    old = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.29.0"])
+    assert model_trace(mtp, old) is None
+    why = "engine.connector=multi(offloading+nixl) with MTP"
+    assert unmirrored_path(mtp, old) == why
+    text = issue_text(old, CASE_TEXT, {}, None, unmirrored_path(mtp, old))
+    assert "Trace up to the failure" not in text
+    assert f"does not mirror this connector path ({why})" in text
     case = Case.from_json({"layout": {"groups": [{"kind": "full", "block_size": 16}], "engine": {
         "connector": {"kind": "simple_cpu", "lazy_offload": True}}},
         "requests": [{"id": "R", "prompt": [[0, 64]]}]})
-    old = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.29.0"])
-    assert model_trace(case, old) is None
-    assert unmirrored_path(case, old) == "engine.connector=simple_cpu(lazy) before 0.30.0"
-    text = issue_text(old, CASE_TEXT, {}, None, unmirrored_path(case, old))
-    assert "Trace up to the failure" not in text
-    assert "does not mirror this connector path (engine.connector=simple_cpu(lazy) before " \
-           "0.30.0)" in text
+    assert unmirrored_path(case, old) is None
+    assert "sched R 64" in model_trace(case, old)
     data = finding_data(kind="invariant", invariant="INV-8", releases_affected=["0.30.0"])
     assert unmirrored_path(case, data) is None
     assert "sched R 64" in model_trace(case, data)
