@@ -72,6 +72,12 @@ ENCODER_DECODER_WITH_CONNECTOR = (
     "the Scheduler refuses a KV connector beside them (v1/core/sched/scheduler.py: "
     "`assert not self.is_encoder_decoder, \"Encoder-decoder models are not currently supported "
     "with KV connectors\"`, every release 0.25.1-0.33.0)")
+#: ... and what it takes under python -O, which strips that assert
+ENCODER_DECODER_STRIPPED = (
+    "cross attention beside a KV connector: only under python -O (the Scheduler's refusal of an "
+    "encoder-decoder model with a KV connector is an assert), with prefix caching forced on "
+    "(off by default for encoder-decoder models, and the connectors need it); no release's "
+    "planner was asked")
 
 #: the layer each group kind becomes in a witness: attention with the layer language's default
 #: heads; MLA with DeepSeek's latent (kv_lora_rank 512 + rope 64); a ring as DeepSeek V4.1's
@@ -156,8 +162,10 @@ def group_layout_reach(case: Case, version: str, pool,
     layout = case.layout
     if layout.layers:
         return REACHED, "a layout of layers: its groups are the release's planner's"
-    if case.asserts and any(g.kind == "cross_attention" for g in layout.groups):
-        return SYNTHETIC, ENCODER_DECODER_WITH_CONNECTOR
+    if any(g.kind == "cross_attention" for g in layout.groups):
+        if case.asserts:
+            return SYNTHETIC, ENCODER_DECODER_WITH_CONNECTOR
+        return UNCHECKED, ENCODER_DECODER_STRIPPED
     models, complete, why = witness_models(layout)
     if not models:
         return (SYNTHETIC if complete else UNCHECKED), why
