@@ -43,7 +43,6 @@ from simsched.model.block_pool import NULL
 from simsched.model.offloading_common import Job
 from simsched.model.request import Request
 from simsched.model.simple_cpu_scheduler import SimpleCPUOffloadScheduler, StoreRequestState
-from simsched.model.single_type_kv_cache_manager import FullAttentionManager
 
 
 class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
@@ -53,14 +52,9 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     #: after the last request the engine idles with stores in flight (module docstring)
     strands_at_idle = True
-
-    @property
-    def fa_gidx(self) -> int:
-        """``fa_gidx``: the first full-attention group (an MLA or drafter group is one), whose
-        hashed blocks count the local prefix (mgr 0.29.0:101-116); without one (asserts
-        stripped) the index stays -1, the last group."""
-        return next((g for g, m in enumerate(self.gpu.managers)
-                     if isinstance(m, FullAttentionManager)), -1)
+    #: the CPU coordinator takes the GPU's fine-grained hits in either mode (no
+    #: allow_partial_hash_hits before 0.30.0: mgr 0.29.0:129-140)
+    lazy_without_partial_hash_hits = False
 
     # --- requests -------------------------------------------------------------------------
     def _declines_lookup(self, req: Request, num_computed: int) -> bool:
@@ -105,6 +99,12 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         return None
 
     # --- the step's events ----------------------------------------------------------------
+    def _prepare_boundary_store_specs(self, offers, preempted: list[str], finished: list[str]
+                                      ) -> tuple[list[int], list[int], list[str]]:
+        """No boundary hand-offs (0.30.0 added them): an align-mode Mamba group's state blocks
+        are stored positionally like every group's (mgr 0.29.0:576-634)."""
+        return [], [], []
+
     def _select_eager_blocks_to_store(self, state: StoreRequestState,
                                       block_ids_by_group: list[list[int]]
                                       ) -> tuple[list[int], list[int]]:
