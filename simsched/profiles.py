@@ -193,7 +193,7 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     alignment="absent", eagle_marks_all_groups=True, retention_check=False,
     retention_default=retention_dense_for_hybrid_eagle,
     extra={"spec_pad_after_hit": False, "eagle_replay_pair": False,
-           "preempt_in_flight": True, "partial_hash_hits": "no-dcp",
+           "preempt_in_flight": True,
            "mamba_tail_eagle_shift": False, **_BEFORE_0_30})
 
 #: What 0.31.0 changed beyond the groups it offloads, and later releases keep: the scheduler's
@@ -244,7 +244,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "store job, not as a boundary job of its own", releases=("0.28.0",),
             retention_default=retention_absent,
             extra={**_EVERY_GROUP_NO_CLAMP.extra, **_BEFORE_0_29,
-                   "mamba_boundary_stores": False}),
+                   "mamba_boundary_stores": False, "partial_hash_hits": "no-dcp"}),
     Profile("legacy-spec-init",
             "0.29.0's rules as 0.25.1 has them: boot checks in OffloadingSpec.__init__, no DCP "
             "for hybrid layouts, Mamba back-off by block size, no chunked-local window",
