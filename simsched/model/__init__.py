@@ -68,7 +68,7 @@ def unmodelled_path(layout, profile=None) -> str | None:
         if engine.speculative is not None and engine.speculative.method == "mtp":
             return f"engine.connector={engine.connector.describe()} with MTP"
     elif kind == "simple_cpu":
-        gap = _simple_cpu_gap(layout)
+        gap = _simple_cpu_gap(layout, profile)
         if gap is not None:
             return f"engine.connector={engine.connector.describe()} with {gap}"
     elif kind != "offloading":
@@ -83,12 +83,29 @@ def predicts_config(layout) -> bool:
     return unmodelled_path(layout) is None and layout.engine.connector.kind != "simple_cpu"
 
 
-def _simple_cpu_gap(layout) -> str | None:
-    """What of ``layout`` the SimpleCPU model leaves out, if anything."""
+def _simple_cpu_gap(layout, profile=None) -> str | None:
+    """What of ``layout`` the SimpleCPU model leaves out, if anything. Of the Mamba layouts
+    (``profile``: the release's; None, the rules of 0.28.0+): DCP, where the GPU side's
+    producer partial-tail copy (``MambaManager.allocate_new_blocks``' ``move_block_hashes``,
+    single_type_kv_cache_manager.py 0.30.0:1890-1925) and 0.25.1-0.29.0's Mamba blocks scaled
+    by the DCP size (``spec.block_size * cp_world_size``, mgr 0.28.0:359-380, 599) are not
+    modelled; and by ``profile.extra["simple_cpu_mamba"]``, speculative decoding on 0.27.0-
+    0.27.1 ("no-speculative": the CPU lookup of a Mamba state under ngram drafts, a gap of the
+    OffloadingConnector's path too) and every Mamba layout on 0.25.1-0.26.0 ("none": those and
+    the GPU prefix hits of eager offload after a store that never completes)."""
     from simsched.model.simple_cpu_scheduler import MODELLED_KINDS
     other = sorted({g.kind for g in layout.groups if g.kind not in MODELLED_KINDS})
     if other:
         return "+".join(other) + " groups"
+    if not any(g.kind == "mamba" for g in layout.groups):
+        return None
+    rule = profile.extra.get("simple_cpu_mamba", "dcp") if profile is not None else "dcp"
+    if rule == "none":
+        return "mamba groups (0.25.1-0.26.0)"
+    if rule == "no-speculative" and layout.engine.speculative is not None:
+        return "mamba groups and speculative decoding (0.27.0-0.27.1)"
+    if layout.engine.dcp_size > 1:
+        return "mamba groups under DCP"
     return None
 
 
