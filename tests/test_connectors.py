@@ -5,7 +5,7 @@ that names the field, written back unchanged; and what the model does not mirror
 import pytest
 
 from simsched.case import Case
-from simsched.layout import Layout, LayoutError
+from simsched.layout import Layout, LayoutError, Speculative
 from simsched.model import unmodelled_path
 from simsched.profiles import profile_for_release
 
@@ -75,9 +75,25 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(lazy) is None
     assert unmodelled_path(lazy, profile_for_release("0.30.0")) is None
     assert unmodelled_path(lazy, profile_for_release("0.29.0")) is None     # (the legacy manager)
-    mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16}],
+    # Mamba: modelled from 0.28.0 but under DCP; with speculative decoding from 0.28.0; from
+    # 0.27.0 without it (model._simple_cpu_gap, profile extra simple_cpu_mamba)
+    mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16,
+                                                 "mamba_cache_mode": "align"}],
                               "engine": {"connector": {"kind": "simple_cpu"}}})
-    assert unmodelled_path(mamba) == "engine.connector=simple_cpu(eager) with mamba groups"
+    assert unmodelled_path(mamba) is None
+    assert unmodelled_path(mamba, profile_for_release("0.28.0")) is None
+    assert unmodelled_path(mamba, profile_for_release("0.27.0")) is None
+    assert unmodelled_path(mamba, profile_for_release("0.26.0")) == \
+        "engine.connector=simple_cpu(eager) with mamba groups (0.25.1-0.26.0)"
+    spec = mamba.with_engine(speculative=Speculative("ngram", 2))
+    assert unmodelled_path(spec, profile_for_release("0.28.0")) is None
+    assert unmodelled_path(spec, profile_for_release("0.27.1")) == \
+        "engine.connector=simple_cpu(eager) with mamba groups and speculative decoding " \
+        "(0.27.0-0.27.1)"
+    dcp = mamba.with_engine(dcp_size=2)
+    for v in (None, "0.28.0", "0.33.0"):
+        assert unmodelled_path(dcp, v and profile_for_release(v)) == \
+            "engine.connector=simple_cpu(eager) with mamba groups under DCP"
     ring = Layout.from_json({"groups": FULL + [{"kind": "ring", "block_size": 16}],
                              "engine": {"connector": {"kind": "simple_cpu"}}})
     assert unmodelled_path(ring) is None
@@ -92,7 +108,7 @@ def test_the_model_names_the_paths_it_does_not_mirror():
 def test_a_case_on_an_unmodelled_path_runs_no_model():
     """On a path the model does not mirror it runs nothing (no model finding, no config chain
     of the wrong connector), and the release's step run is the whole check (here: no release
-    given, so nothing at all): a SimpleCPU case with a Mamba group. The fs tiers and the
+    given, so nothing at all): a SimpleCPU case with a Mamba group under DCP. The fs tiers and the
     SimpleCPU path are modelled on every release; the SimpleCPU path's config chain is not the
     OffloadingConnector's: no config is compared."""
     from simsched.profiles import PROFILES
@@ -101,7 +117,7 @@ def test_a_case_on_an_unmodelled_path_runs_no_model():
     requests = [{"id": "a", "prompt": [[0, 64]]}]
     mamba = Case.from_json({"layout": {"groups": FULL + [
         {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
-        "engine": {"connector": {"kind": "simple_cpu"}}}, "requests": requests})
+        "engine": {"dcp_size": 2, "connector": {"kind": "simple_cpu"}}}, "requests": requests})
     outcomes: dict = {}
     obs = observe(mamba, [ModelTarget(p) for p in PROFILES.values()], [], outcomes)
     assert obs == [] and outcomes == {}
