@@ -75,8 +75,8 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(lazy) is None
     assert unmodelled_path(lazy, profile_for_release("0.30.0")) is None
     assert unmodelled_path(lazy, profile_for_release("0.29.0")) is None     # (the legacy manager)
-    # Mamba: modelled from 0.28.0 but under DCP; with speculative decoding from 0.28.0; from
-    # 0.27.0 without it (model._simple_cpu_gap, profile extra simple_cpu_mamba)
+    # Mamba (model._simple_cpu_gap): modelled from 0.27.0, with speculative decoding from 0.28.0
+    # (profile extra simple_cpu_mamba)
     mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16,
                                                  "mamba_cache_mode": "align"}],
                               "engine": {"connector": {"kind": "simple_cpu"}}})
@@ -90,10 +90,17 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(spec, profile_for_release("0.27.1")) == \
         "engine.connector=simple_cpu(eager) with mamba groups and speculative decoding " \
         "(0.27.0-0.27.1)"
+    # fine-grained hash hits (a Mamba block wider than the hash unit; as wide under DCP from
+    # 0.29.0): the producer partial-tail copy is not modelled; DCP under 0.25.1-0.29.0's
+    # manager, which scales the Mamba block by the DCP size
+    fine = "engine.connector=simple_cpu(eager) with mamba groups with fine-grained hash hits"
+    wide = mamba.with_engine(prefix_match_unit=8)
+    assert unmodelled_path(wide) == fine
+    assert unmodelled_path(wide, profile_for_release("0.28.0")) == fine
     dcp = mamba.with_engine(dcp_size=2)
-    for v in (None, "0.28.0", "0.33.0"):
-        assert unmodelled_path(dcp, v and profile_for_release(v)) == \
-            "engine.connector=simple_cpu(eager) with mamba groups under DCP"
+    assert unmodelled_path(dcp) == unmodelled_path(dcp, profile_for_release("0.30.0")) == fine
+    assert unmodelled_path(dcp, profile_for_release("0.28.0")) == \
+        "engine.connector=simple_cpu(eager) with mamba groups under DCP (0.25.1-0.29.0's manager)"
     ring = Layout.from_json({"groups": FULL + [{"kind": "ring", "block_size": 16}],
                              "engine": {"connector": {"kind": "simple_cpu"}}})
     assert unmodelled_path(ring) is None

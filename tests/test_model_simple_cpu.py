@@ -223,10 +223,10 @@ MAMBA_AFTER_RESET = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
                      {"id": "B", "prompt": [[1, 80], [3, 16]], "arrival": 11, "decode": 3}]
 
 
-def _mamba_case(lazy: bool, mnbt: int = 32) -> Case:
+def _mamba_case(lazy: bool, mnbt: int = 32, cpu: int = 16) -> Case:
     return Case.from_json({
         "layout": {"groups": MAMBA,
-                   "engine": {"num_gpu_blocks": 16, "cpu_chunks": 16,
+                   "engine": {"num_gpu_blocks": 16, "cpu_chunks": cpu,
                               "connector": {"kind": "simple_cpu", "lazy_offload": lazy}}},
         "timing": {"store_latency": 1, "load_latency": 1, "max_num_batched_tokens": mnbt},
         "requests": MAMBA_AFTER_RESET, "events": [{"step": 10, "do": "reset_prefix_cache"}]})
@@ -245,6 +245,18 @@ def test_mamba_states_are_stored_as_the_kv_cache_manager_hands_them_over():
     assert stores[0] == (1, "store 0 A g1:3=6 g0:0=1 g0:1=2")
     assert not any(" g1:1=" in x for _, x in stores)
     assert _steps(trace, "load ") == [(7, "load 3 B g0:0=9 g0:1=8 g0:2=7 g0:3=10 g1:3=11")]
+
+
+def test_no_positional_scan_of_a_mamba_group():
+    """``has_positionally_stable_blocks`` is False for an align-mode Mamba group
+    (single_type_kv_cache_manager.py 0.30.0:1444-1450; mgr 0.30.0:835): a CPU pool of 2
+    blocks evicts A's handed-off state at 64 (g1:3), and no later step stores it again (a
+    positional scan of the group would, from A's table; 0.33.0 agrees step for step,
+    ``test_real_simple_cpu``)."""
+    trace = run_case(_mamba_case(False, cpu=3), profile_for_release("0.33.0")).trace
+    stores = _steps(trace, "store ")
+    assert stores[0] == (1, "store 0 A g1:3=6 g0:0=1")
+    assert not any(" g1:3=" in x for _, x in stores[1:]), stores
 
 
 def test_0290_stores_mamba_states_positionally():

@@ -155,8 +155,8 @@ class Model:
         # the SimpleCPUOffloadConnector (engine.connector "simple_cpu"): its CPU tier is a
         # coordinator of the GPU pool's groups over cpu_chunks blocks (_derive_cpu_config),
         # built as the scheduler's (get_kv_cache_coordinator, use_eagle_block_drop): it reads
-        # the GPU coordinator's configuration (without Mamba groups no fine-grained hits, the
-        # one rule its allow_partial_hash_hits=not lazy_offload could change)
+        # the GPU coordinator's configuration, but in lazy mode from 0.30.0 fine-grained hits
+        # (allow_partial_hash_hits=not lazy_offload: lazy_without_partial_hash_hits, below)
         self.simple: SimpleCPUOffloadScheduler | None = None
         if simple_cpu:
             cpu_coordinator = KVCacheManager(layout.groups, sizes, layout.engine.cpu_chunks,

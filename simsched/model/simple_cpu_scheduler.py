@@ -27,8 +27,13 @@ Size: the manager's own state and hooks, each beside the vLLM method it mirrors 
 module is 1,368 to 1,481 lines in 0.30.0-0.33.0), and the worker's cut of events into jobs,
 which the trace names.
 
-Not modelled (``simsched.model.unmodelled_path``): Mamba groups (boundary hand-offs,
-fine-grained hash hits, the finish flush's partial tail).
+An align-mode Mamba group (eager mode) is not scanned by position: its states are stored as
+the KV cache manager hands them over (``take_boundary_state_offloads``), in the step that
+allocates them, before the step's positional picks (``_prepare_boundary_store_specs``).
+
+Not modelled (``simsched.model.unmodelled_path``): Mamba groups under fine-grained hash hits
+(the GPU side's producer partial-tail copy, on no path); the rules that only they reach are here
+(the finish flush's partial tail, the lazy CPU coordinator without fine-grained hits).
 """
 
 from __future__ import annotations
