@@ -91,16 +91,14 @@ def test_the_model_names_the_paths_it_does_not_mirror():
         "engine.connector=simple_cpu(eager) with mamba groups and speculative decoding " \
         "(0.27.0-0.27.1)"
     # fine-grained hash hits (a Mamba block wider than the hash unit; as wide under DCP from
-    # 0.29.0): the producer partial-tail copy is not modelled; DCP under 0.25.1-0.29.0's
-    # manager, which scales the Mamba block by the DCP size
+    # 0.29.0): the producer partial-tail copy is not modelled
     fine = "engine.connector=simple_cpu(eager) with mamba groups with fine-grained hash hits"
     wide = mamba.with_engine(prefix_match_unit=8)
     assert unmodelled_path(wide) == fine
     assert unmodelled_path(wide, profile_for_release("0.28.0")) == fine
     dcp = mamba.with_engine(dcp_size=2)
-    assert unmodelled_path(dcp) == unmodelled_path(dcp, profile_for_release("0.30.0")) == fine
-    assert unmodelled_path(dcp, profile_for_release("0.28.0")) == \
-        "engine.connector=simple_cpu(eager) with mamba groups under DCP (0.25.1-0.29.0's manager)"
+    assert unmodelled_path(dcp) == unmodelled_path(dcp, profile_for_release("0.29.0")) == fine
+    assert unmodelled_path(dcp, profile_for_release("0.28.0")) is None
     ring = Layout.from_json({"groups": FULL + [{"kind": "ring", "block_size": 16}],
                              "engine": {"connector": {"kind": "simple_cpu"}}})
     assert unmodelled_path(ring) is None
@@ -115,16 +113,19 @@ def test_the_model_names_the_paths_it_does_not_mirror():
 def test_a_case_on_an_unmodelled_path_runs_no_model():
     """On a path the model does not mirror it runs nothing (no model finding, no config chain
     of the wrong connector), and the release's step run is the whole check (here: no release
-    given, so nothing at all): a SimpleCPU case with a Mamba group under DCP. The fs tiers and the
+    given, so nothing at all): a SimpleCPU case with fine-grained hash hits (a Mamba block of
+    two hash units). The fs tiers and the
     SimpleCPU path are modelled on every release; the SimpleCPU path's config chain is not the
     OffloadingConnector's: no config is compared."""
     from simsched.profiles import PROFILES
     from simsched.replay import observe
     from simsched.targets import ModelTarget
     requests = [{"id": "a", "prompt": [[0, 64]]}]
-    mamba = Case.from_json({"layout": {"groups": FULL + [
-        {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
-        "engine": {"dcp_size": 2, "connector": {"kind": "simple_cpu"}}}, "requests": requests})
+    mamba = Case.from_json({"layout": {"groups": [
+        {"kind": "full", "block_size": 32},
+        {"kind": "mamba", "block_size": 32, "mamba_cache_mode": "align"}],
+        "engine": {"prefix_match_unit": 16, "connector": {"kind": "simple_cpu"}}},
+        "requests": requests})
     outcomes: dict = {}
     obs = observe(mamba, [ModelTarget(p) for p in PROFILES.values()], [], outcomes)
     assert obs == [] and outcomes == {}

@@ -223,10 +223,10 @@ MAMBA_AFTER_RESET = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
                      {"id": "B", "prompt": [[1, 80], [3, 16]], "arrival": 11, "decode": 3}]
 
 
-def _mamba_case(lazy: bool, mnbt: int = 32, cpu: int = 16) -> Case:
+def _mamba_case(lazy: bool, mnbt: int = 32, cpu: int = 16, dcp: int = 1) -> Case:
     return Case.from_json({
         "layout": {"groups": MAMBA,
-                   "engine": {"num_gpu_blocks": 16, "cpu_chunks": cpu,
+                   "engine": {"num_gpu_blocks": 16, "cpu_chunks": cpu, "dcp_size": dcp,
                               "connector": {"kind": "simple_cpu", "lazy_offload": lazy}}},
         "timing": {"store_latency": 1, "load_latency": 1, "max_num_batched_tokens": mnbt},
         "requests": MAMBA_AFTER_RESET, "events": [{"step": 10, "do": "reset_prefix_cache"}]})
@@ -265,6 +265,21 @@ def test_0290_stores_mamba_states_positionally():
     trace = run_case(_mamba_case(False), profile_for_release("0.29.0")).trace
     assert _steps(trace, "store ")[:2] == [(1, "store 0 A g0:0=1 g0:1=2"),
                                            (2, "store 1 A g0:2=4 g0:3=5 g1:3=6")]
+
+
+def test_0280_scales_a_mamba_block_by_the_dcp_size():
+    """0.25.1-0.29.0 count every group's blocks in ``spec.block_size * cp_world_size`` (mgr
+    0.29.0:354-357, 375-376, 594-595), a Mamba group's too, which no pool scales: under DCP 2
+    the eager scan of the Mamba group reaches half as far (A's state at 32 is not stored in
+    step 1), and B's CPU hit of 64 tokens takes 64 // 32 = 2 of the group's hit blocks, both
+    null: A's state at 64 is not loaded (0.28.0 agrees step for step; B then runs from a state
+    block nothing wrote)."""
+    profile = profile_for_release("0.28.0")
+    eager = run_case(_mamba_case(False, dcp=2), profile).trace
+    assert _steps(eager, "store ")[:2] == [(1, "store 0 A g0:1=1"),
+                                           (2, "store 1 A g0:3=3 g1:1=2")]
+    lazy = run_case(_mamba_case(True, dcp=2), profile).trace
+    assert [x for _, x in _steps(lazy, "load ")] == ["load 3 B g0:1=7 g0:3=5"]
 
 
 def test_lazy_walk_stores_a_freed_mamba_state():

@@ -587,10 +587,11 @@ MAMBA = [{"kind": "full", "block_size": 16},
          {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}]
 
 
-def _mamba_case(lazy: bool, cpu: int = 16) -> Case:
+def _mamba_case(lazy: bool, cpu: int = 16, dcp: int = 1) -> Case:
     """A's 80 tokens in prefill chunks of 32, a GPU prefix-cache reset, B sharing A's 80 tokens
     (``test_model_simple_cpu``'s MAMBA_AFTER_RESET): B loads A's Mamba state at 64 from CPU."""
-    return _case(AFTER_RESET, lazy, blocks=16, cpu=cpu, mnbt=32, events=RESET, groups=MAMBA)
+    case = _case(AFTER_RESET, lazy, blocks=16, cpu=cpu, mnbt=32, events=RESET, groups=MAMBA)
+    return dataclasses.replace(case, layout=case.layout.with_engine(dcp_size=dcp))
 
 
 def _drawn_mamba(n: int) -> list[Case]:
@@ -640,6 +641,19 @@ def test_the_legacy_model_stores_mamba_states_positionally(legacy_pool, version,
     assert res.model is not None, res.observations
     assert res.divergence is None, res.divergence.describe()
     assert res.real["findings"] == [] and res.real["counters"]["loads"] == 1, res.summary()
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_0280_scales_a_mamba_block_by_the_dcp_size(legacy_pool, lazy):
+    """Under DCP 2 0.28.0's manager counts the Mamba group in blocks of 32 tokens, its pools in
+    blocks of 16 (``LegacySimpleCPUOffloadScheduler.spec_block_sizes``): the eager scan stores
+    the state at 32 a step late, and B's load takes no Mamba state (lazy: one load line of
+    attention blocks alone). The model agrees step for step; with the pools' block size it
+    diverges at A's first store (eager) and at B's load (lazy)."""
+    res = lockstep(_mamba_case(lazy, dcp=2), "0.28.0", legacy_pool)
+    assert res.model is not None, res.observations
+    assert res.divergence is None, res.divergence.describe()
+    assert res.real["counters"]["loads"] == 1, res.summary()
 
 
 @pytest.mark.parametrize("version", ["0.28.0", "0.29.0"])

@@ -89,9 +89,7 @@ def _simple_cpu_gap(layout, profile=None) -> str | None:
     (``geometry.partial_hash_hits``), whose producer partial-tail copy the GPU side hands over
     (``MambaManager._cache_partial_tail_block`` and ``allocate_new_blocks``'
     ``move_block_hashes``, single_type_kv_cache_manager.py 0.30.0:1890-1925, 2039-2127; not
-    modelled on any path); DCP under 0.25.1-0.29.0's manager, which scales every group's block
-    by the DCP size, a Mamba group's too (``spec.block_size * cp_world_size``, mgr
-    0.28.0:359-380, 599); and by ``profile.extra["simple_cpu_mamba"]``, speculative decoding
+    modelled on any path); and by ``profile.extra["simple_cpu_mamba"]``, speculative decoding
     on 0.27.0-0.27.1 ("no-speculative": the CPU lookup of a Mamba state under ngram drafts,
     a gap of the OffloadingConnector's path too) and every Mamba layout on 0.25.1-0.26.0
     ("none": those, and the GPU prefix hits of eager offload after a store that never
@@ -109,8 +107,6 @@ def _simple_cpu_gap(layout, profile=None) -> str | None:
         return "mamba groups (0.25.1-0.26.0)"
     if rule == "no-speculative" and layout.engine.speculative is not None:
         return "mamba groups and speculative decoding (0.27.0-0.27.1)"
-    if layout.engine.dcp_size > 1 and profile.extra.get("simple_cpu_legacy_manager", False):
-        return "mamba groups under DCP (0.25.1-0.29.0's manager)"
     if _fine_grained_hash_hits(layout, profile):
         return "mamba groups with fine-grained hash hits"
     return None

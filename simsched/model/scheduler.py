@@ -174,7 +174,7 @@ class Model:
                 bool(profile.extra.get("simple_cpu_reset_at_preemption", False)),
                 bool(profile.extra.get("simple_cpu_chunked_local_guard", False)),
                 bool(profile.extra.get("simple_cpu_eagle_cacheable_block", False)),
-                case.asserts)
+                case.asserts, layout.engine.dcp_size)
         # the connector the scheduler's hooks call, and its jobs
         self.conn: OffloadingConnectorScheduler | SimpleCPUOffloadScheduler = \
             self.simple or self.off

@@ -183,7 +183,7 @@ class SimpleCPUOffloadScheduler:
                  prefix_cacheable: list[bool], prefix_cacheable_only: bool, lazy_offload: bool,
                  max_num_batched_tokens: int, reset_at_preemption: bool,
                  chunked_local_guard: bool, eagle_cacheable_block: bool,
-                 asserts: bool = True) -> None:
+                 asserts: bool = True, cp_world_size: int = 1) -> None:
         self.block_size = geometry.scheduler_block_size
         self.hash_block_size = geometry.tokens_per_hash
         self.gpu, self.cpu_coordinator = gpu, cpu_coordinator
@@ -194,13 +194,15 @@ class SimpleCPUOffloadScheduler:
         self.stored_groups = [c or not prefix_cacheable_only for c in prefix_cacheable]
         # has_positionally_stable_blocks: an align-mode Mamba group nulls interior states and
         # moves its speculative blocks, so no positional scan follows its table; its states
-        # reach the CPU pool as the KV cache manager hands them over (0.30.0:1444-1450)
+        # reach the CPU pool as the KV cache manager hands them over (single_type_kv_cache_
+        # manager.py 0.30.0:1444-1450; mgr 0.30.0:835)
         self.positional = [not (isinstance(m, MambaManager) and m.align) for m in gpu.managers]
         self.lazy_mode = lazy_offload
         self.reset_at_preemption = reset_at_preemption
         self.chunked_local_guard = chunked_local_guard
         self.eagle_cacheable_block = eagle_cacheable_block
         self.asserts = asserts                  # False: python -O strips vLLM's asserts
+        self.cp_world_size = cp_world_size      # decode_context_parallel_size
         self.target_free = self._estimate_lazy_target_blocks(max_num_batched_tokens) \
             if lazy_offload else 0
         self.cursor = NULL                      # the lazy walk's last block (NULL: the head)
