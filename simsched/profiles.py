@@ -284,7 +284,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             extra={**_BEFORE_0_29, **_BEFORE_0_28, "mamba_boundary_stores": False,
                    "spec_pad_after_hit": False,
                    "preempt_in_flight": True, "partial_hash_hits": "no-dcp-any-group",
-                   "mamba_tail_eagle_shift": False, "simple_cpu_mamba": "no-speculative"}),
+                   # (the SimpleCPU model: Mamba without drafts or DCP, model._simple_cpu_gap)
+                   "mamba_tail_eagle_shift": False, "simple_cpu_mamba": "plain"}),
     Profile("every-group",
             "every group offloaded and asserted divisible by the hash unit",
             releases=("0.30.0",)),

@@ -75,8 +75,8 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(lazy) is None
     assert unmodelled_path(lazy, profile_for_release("0.30.0")) is None
     assert unmodelled_path(lazy, profile_for_release("0.29.0")) is None     # (the legacy manager)
-    # Mamba (model._simple_cpu_gap): modelled from 0.27.0, with speculative decoding from 0.28.0
-    # (profile extra simple_cpu_mamba)
+    # Mamba (model._simple_cpu_gap): modelled from 0.27.0, with speculative decoding or DCP from
+    # 0.28.0 (profile extra simple_cpu_mamba)
     mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16,
                                                  "mamba_cache_mode": "align"}],
                               "engine": {"connector": {"kind": "simple_cpu"}}})
@@ -99,6 +99,8 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     dcp = mamba.with_engine(dcp_size=2)
     assert unmodelled_path(dcp) == unmodelled_path(dcp, profile_for_release("0.29.0")) == fine
     assert unmodelled_path(dcp, profile_for_release("0.28.0")) is None
+    assert unmodelled_path(dcp, profile_for_release("0.27.0")) == \
+        "engine.connector=simple_cpu(eager) with mamba groups under DCP (0.27.0-0.27.1)"
     ring = Layout.from_json({"groups": FULL + [{"kind": "ring", "block_size": 16}],
                              "engine": {"connector": {"kind": "simple_cpu"}}})
     assert unmodelled_path(ring) is None

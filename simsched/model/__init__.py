@@ -89,11 +89,11 @@ def _simple_cpu_gap(layout, profile=None) -> str | None:
     (``geometry.partial_hash_hits``), whose producer partial-tail copy the GPU side hands over
     (``MambaManager._cache_partial_tail_block`` and ``allocate_new_blocks``'
     ``move_block_hashes``, single_type_kv_cache_manager.py 0.30.0:1890-1925, 2039-2127; not
-    modelled on any path); and by ``profile.extra["simple_cpu_mamba"]``, speculative decoding
-    on 0.27.0-0.27.1 ("no-speculative": the CPU lookup of a Mamba state under ngram drafts,
-    a gap of the OffloadingConnector's path too) and every Mamba layout on 0.25.1-0.26.0
-    ("none": those, and the GPU prefix hits of eager offload after a store that never
-    completes)."""
+    modelled on any path); and by ``profile.extra["simple_cpu_mamba"]``, on 0.27.0-0.27.1
+    ("plain") speculative decoding (the CPU lookup of a Mamba state under ngram drafts) and DCP
+    (prefill chunks of a Mamba layout under DCP), gaps of the OffloadingConnector's path too
+    but one, and every Mamba layout on 0.25.1-0.26.0 ("none": those, and the GPU prefix hits
+    of eager offload after a store that never completes)."""
     from simsched.model.simple_cpu_scheduler import MODELLED_KINDS
     other = sorted({g.kind for g in layout.groups if g.kind not in MODELLED_KINDS})
     if other:
@@ -105,8 +105,10 @@ def _simple_cpu_gap(layout, profile=None) -> str | None:
     rule = profile.extra.get("simple_cpu_mamba", "modelled")
     if rule == "none":
         return "mamba groups (0.25.1-0.26.0)"
-    if rule == "no-speculative" and layout.engine.speculative is not None:
+    if rule == "plain" and layout.engine.speculative is not None:
         return "mamba groups and speculative decoding (0.27.0-0.27.1)"
+    if rule == "plain" and layout.engine.dcp_size > 1:
+        return "mamba groups under DCP (0.27.0-0.27.1)"
     if _fine_grained_hash_hits(layout, profile):
         return "mamba groups with fine-grained hash hits"
     return None
