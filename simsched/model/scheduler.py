@@ -254,8 +254,8 @@ class Model:
             # the KV cache config marks (is_eagle_group), and with none, no group rather than
             # every group (kv_cache_coordinator.py 0.26.0:98-104): its lookups drop no block
             self.simple.cpu_coordinator.use_config(self.kv.config.without_eagle())
-        if (self.simple is not None and self.simple.lazy_mode
-                and self.simple.lazy_without_partial_hash_hits and self.kv.config.partial_hash_hits):
+        if (self.simple is not None and self.simple.lazy_mode and self.kv.config.partial_hash_hits
+                and self.simple.lazy_without_partial_hash_hits):
             # 0.30.0+'s lazy CPU coordinator takes no fine-grained hits (mgr 0.30.0:200)
             cpu = self.simple.cpu_coordinator
             cpu.use_config(cpu.config.without_partial_hash_hits())
