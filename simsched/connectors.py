@@ -23,7 +23,8 @@ are submitted (the harness runs the tier's I/O queue itself, so a case replays t
 The model mirrors the default path, the ``multi`` path (``simsched/model/multi_connector.py``,
 ``nixl_scheduler.py``; multi-module MTP aside), the ``simple_cpu`` path
 (``simsched/model/simple_cpu_scheduler.py``, 0.30.0+; ``simple_cpu_scheduler_legacy.py``,
-0.25.1-0.29.0; Mamba groups aside) and the ``fs`` tiers (``simsched/model/tiering_manager.py``,
+0.25.1-0.29.0; Mamba groups from 0.27.0, not under fine-grained hash hits:
+``model._simple_cpu_gap``) and the ``fs`` tiers (``simsched/model/tiering_manager.py``,
 ``fs_tier.py``),
 :func:`simsched.model.unmodelled_path`: the others are checked on the real run alone, by the
 invariants that need no model."""

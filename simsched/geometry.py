@@ -72,13 +72,14 @@ def effective_block_size(group: Group, dcp: int) -> int:
 
 def partial_hash_hits(layout: Layout, profile: Profile, tokens_per_hash: int) -> bool:
     """The hybrid coordinator's ``enable_partial_hash_hits``: an align-mode Mamba group whose
-    block is wider than the hash unit (at least as wide under DCP, 0.30.0+:
+    block is wider than the hash unit (at least as wide under DCP, 0.29.0+:
     ``partial_hash_hits_enabled``) gives hits on hash-block boundaries, and the coordinator then
     caches every computed token, not rounded to the scheduler block (``_align_cacheable``). From
     0.28.0 every other prefix-cacheable group must take fine-grained lookups (full attention and
     Mamba managers) or have blocks of the hash unit; before 0.28.0 any group will do, and DCP
     turns it off. 0.25.1 has none. ``profile.extra["partial_hash_hits"]``: "none",
-    "no-dcp-any-group" (0.26.0-0.27.1), "no-dcp" (0.28.0-0.29.0), absent: 0.30.0's rule."""
+    "no-dcp-any-group" (0.26.0-0.27.1), "no-dcp" (0.28.0), absent: 0.29.0's rule, which 0.30.0
+    keeps (kv_cache_coordinator.py 0.29.0:627-641: "DCP accepts equality")."""
     dcp = layout.engine.dcp_size
     if not any(g.kind == "mamba" and g.mamba_cache_mode == "align"
                and (g.block_size > tokens_per_hash or (dcp > 1 and g.block_size == tokens_per_hash))

@@ -193,7 +193,7 @@ _EVERY_GROUP_NO_CLAMP = Profile(
     alignment="absent", eagle_marks_all_groups=True, retention_check=False,
     retention_default=retention_dense_for_hybrid_eagle,
     extra={"spec_pad_after_hit": False, "eagle_replay_pair": False,
-           "preempt_in_flight": True, "partial_hash_hits": "no-dcp",
+           "preempt_in_flight": True,
            "mamba_tail_eagle_shift": False, **_BEFORE_0_30})
 
 #: What 0.31.0 changed beyond the groups it offloads, and later releases keep: the scheduler's
@@ -222,8 +222,10 @@ _SINCE_0_32 = {"simple_cpu_reset_at_preemption": True,
 #: Before 0.27.0 NIXL pulls every unhashed block of a Mamba group (0.27.0 ``nixl/
 #: base_scheduler.py`` get_exchange_clipped_blocks keeps its running-state block alone), and the
 #: SimpleCPUOffloadConnector's CPU coordinator is built with ``use_eagle=False`` (0.26.0
-#: ``simple_kv_offload/manager.py:125``; 0.27.0: ``spec_config.use_eagle()``)
-_BEFORE_0_27 = {"nixl_clips_ssm": False, "simple_cpu_cpu_eagle": False}
+#: ``simple_kv_offload/manager.py:125``; 0.27.0: ``spec_config.use_eagle()``); the SimpleCPU
+#: model leaves their Mamba layouts out (simple_cpu_mamba, ``model._simple_cpu_gap``)
+_BEFORE_0_27 = {"nixl_clips_ssm": False, "simple_cpu_cpu_eagle": False,
+                "simple_cpu_mamba": "none"}
 
 #: Before 0.29.0 the start-up check of the KV cache pool counts the null block as usable
 #: (``get_kv_cache_configs`` checks the whole pool; 0.29.0 reserves the block the
@@ -244,7 +246,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "store job, not as a boundary job of its own", releases=("0.28.0",),
             retention_default=retention_absent,
             extra={**_EVERY_GROUP_NO_CLAMP.extra, **_BEFORE_0_29,
-                   "mamba_boundary_stores": False}),
+                   "mamba_boundary_stores": False, "partial_hash_hits": "no-dcp"}),
     Profile("legacy-spec-init",
             "0.29.0's rules as 0.25.1 has them: boot checks in OffloadingSpec.__init__, no DCP "
             "for hybrid layouts, Mamba back-off by block size, no chunked-local window",
@@ -282,7 +284,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             extra={**_BEFORE_0_29, **_BEFORE_0_28, "mamba_boundary_stores": False,
                    "spec_pad_after_hit": False,
                    "preempt_in_flight": True, "partial_hash_hits": "no-dcp-any-group",
-                   "mamba_tail_eagle_shift": False}),
+                   # (the SimpleCPU model: Mamba without drafts or DCP, model._simple_cpu_gap)
+                   "mamba_tail_eagle_shift": False, "simple_cpu_mamba": "plain"}),
     Profile("every-group",
             "every group offloaded and asserted divisible by the hash unit",
             releases=("0.30.0",)),

@@ -61,17 +61,19 @@ def mutant_catches(pool, version: str, cases: list, mutant: str, inv_id: str) ->
     return caught, outcomes
 
 
-def drawn_lockstep(pool, version: str, n: int, path: str) -> tuple[int, int, list]:
-    """The first ``n`` distinct cases drawn on ``path``, each one the model mirrors under the
-    release's profile (``unmodelled_path``) run in lockstep on ``version``: how many agree step
-    for step, how many the model does not mirror, and the diverging ones (case, divergence).
-    A case the release does not run step by step (its own refusal) counts in none."""
+def drawn_lockstep(pool, version: str, n: int, path: str, drawn: list | None = None
+                   ) -> tuple[int, int, list]:
+    """The first ``n`` distinct cases drawn on ``path`` (or the cases ``drawn``), each one the
+    model mirrors under the release's profile (``unmodelled_path``) run in lockstep on
+    ``version``: how many agree step for step, how many the model does not mirror, and the
+    diverging ones (case, divergence). A case the release does not run step by step (its own
+    refusal) counts in none."""
     from simsched.lockstep import lockstep, stepped
     from simsched.model import unmodelled_path
     from simsched.profiles import profile_for_release
     profile = profile_for_release(version)
     agreed, unmodelled, diverged = 0, 0, []
-    for case in distinct_drawn_cases(n, path):
+    for case in drawn if drawn is not None else distinct_drawn_cases(n, path):
         if unmodelled_path(case.layout, profile) is not None:
             unmodelled += 1
             continue

@@ -5,7 +5,7 @@ that names the field, written back unchanged; and what the model does not mirror
 import pytest
 
 from simsched.case import Case
-from simsched.layout import Layout, LayoutError
+from simsched.layout import Layout, LayoutError, Speculative
 from simsched.model import unmodelled_path
 from simsched.profiles import profile_for_release
 
@@ -75,9 +75,32 @@ def test_the_model_names_the_paths_it_does_not_mirror():
     assert unmodelled_path(lazy) is None
     assert unmodelled_path(lazy, profile_for_release("0.30.0")) is None
     assert unmodelled_path(lazy, profile_for_release("0.29.0")) is None     # (the legacy manager)
-    mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16}],
+    # Mamba (model._simple_cpu_gap): modelled from 0.27.0, with speculative decoding or DCP from
+    # 0.28.0 (profile extra simple_cpu_mamba)
+    mamba = Layout.from_json({"groups": FULL + [{"kind": "mamba", "block_size": 16,
+                                                 "mamba_cache_mode": "align"}],
                               "engine": {"connector": {"kind": "simple_cpu"}}})
-    assert unmodelled_path(mamba) == "engine.connector=simple_cpu(eager) with mamba groups"
+    assert unmodelled_path(mamba) is None
+    assert unmodelled_path(mamba, profile_for_release("0.28.0")) is None
+    assert unmodelled_path(mamba, profile_for_release("0.27.0")) is None
+    assert unmodelled_path(mamba, profile_for_release("0.26.0")) == \
+        "engine.connector=simple_cpu(eager) with mamba groups (0.25.1-0.26.0)"
+    spec = mamba.with_engine(speculative=Speculative("ngram", 2))
+    assert unmodelled_path(spec, profile_for_release("0.28.0")) is None
+    assert unmodelled_path(spec, profile_for_release("0.27.1")) == \
+        "engine.connector=simple_cpu(eager) with mamba groups and speculative decoding " \
+        "(0.27.0-0.27.1)"
+    # fine-grained hash hits (a Mamba block wider than the hash unit; as wide under DCP from
+    # 0.29.0): the producer partial-tail copy is not modelled
+    fine = "engine.connector=simple_cpu(eager) with mamba groups with fine-grained hash hits"
+    wide = mamba.with_engine(prefix_match_unit=8)
+    assert unmodelled_path(wide) == fine
+    assert unmodelled_path(wide, profile_for_release("0.28.0")) == fine
+    dcp = mamba.with_engine(dcp_size=2)
+    assert unmodelled_path(dcp) == unmodelled_path(dcp, profile_for_release("0.29.0")) == fine
+    assert unmodelled_path(dcp, profile_for_release("0.28.0")) is None
+    assert unmodelled_path(dcp, profile_for_release("0.27.0")) == \
+        "engine.connector=simple_cpu(eager) with mamba groups under DCP (0.27.0-0.27.1)"
     ring = Layout.from_json({"groups": FULL + [{"kind": "ring", "block_size": 16}],
                              "engine": {"connector": {"kind": "simple_cpu"}}})
     assert unmodelled_path(ring) is None
@@ -92,16 +115,19 @@ def test_the_model_names_the_paths_it_does_not_mirror():
 def test_a_case_on_an_unmodelled_path_runs_no_model():
     """On a path the model does not mirror it runs nothing (no model finding, no config chain
     of the wrong connector), and the release's step run is the whole check (here: no release
-    given, so nothing at all): a SimpleCPU case with a Mamba group. The fs tiers and the
+    given, so nothing at all): a SimpleCPU case with fine-grained hash hits (a Mamba block of
+    two hash units). The fs tiers and the
     SimpleCPU path are modelled on every release; the SimpleCPU path's config chain is not the
     OffloadingConnector's: no config is compared."""
     from simsched.profiles import PROFILES
     from simsched.replay import observe
     from simsched.targets import ModelTarget
     requests = [{"id": "a", "prompt": [[0, 64]]}]
-    mamba = Case.from_json({"layout": {"groups": FULL + [
-        {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}],
-        "engine": {"connector": {"kind": "simple_cpu"}}}, "requests": requests})
+    mamba = Case.from_json({"layout": {"groups": [
+        {"kind": "full", "block_size": 32},
+        {"kind": "mamba", "block_size": 32, "mamba_cache_mode": "align"}],
+        "engine": {"prefix_match_unit": 16, "connector": {"kind": "simple_cpu"}}},
+        "requests": requests})
     outcomes: dict = {}
     obs = observe(mamba, [ModelTarget(p) for p in PROFILES.values()], [], outcomes)
     assert obs == [] and outcomes == {}

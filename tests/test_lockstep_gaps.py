@@ -632,7 +632,8 @@ def test_prompt_shorter_than_the_mamba_block_agrees(pool, version):
 #: full/16 + align-mode Mamba/16 under DCP 2: from 0.30.0 the hybrid coordinator enables partial
 #: hash hits (partial_hash_hits_enabled: a Mamba block at least the hash unit under DCP), so it
 #: caches every computed token, unrounded: the Mamba state at 48 is cached and offered to the
-#: connector (0.32.0+ store it); 0.28.0-0.29.0 turn partial hits off under DCP
+#: connector (0.32.0+ store it); 0.28.0 turns partial hits off under DCP (0.29.0 has 0.30.0's
+#: rule: kv_cache_coordinator.py 0.29.0:627-641)
 DCP_MAMBA = {"layout": {"groups": [{"kind": "full", "block_size": 16},
                                    {"kind": "mamba", "block_size": 16,
                                     "mamba_cache_mode": "align"}],
@@ -656,7 +657,7 @@ def test_partial_hash_hits_by_release():
     # kv_cache_coordinator.py of each release: none in 0.25.1; no DCP and any other group up to
     # 0.27.1; from 0.28.0 a sliding-window group of blocks wider than the unit turns them off
     assert got == {"0.25.1": (False, False, False), "0.27.0": (False, True, True),
-                   "0.29.0": (False, True, False), "0.33.0": (True, True, False)}
+                   "0.29.0": (True, True, False), "0.33.0": (True, True, False)}
 
 
 @pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])

@@ -210,3 +210,125 @@ def test_0290_passes_over_a_ring_group_0300_crashes_on_it():
     assert old.findings == [] and stores[0] == (1, "store 0 A g0:0=1 g0:1=2 g0:2=3 g0:3=4 g0:4=5")
     assert all(" g1:" not in x for _, x in stores), stores
     assert run_case(case, PROFILES["every-group"]).findings[0]["function"] == "resolve_block_hashes"
+
+
+# --- Mamba groups (align mode) -----------------------------------------------------------------
+
+MAMBA = [{"kind": "full", "block_size": 16},
+         {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}]
+#: A's 80 tokens in prefill chunks of 32 (its Mamba states at 32 and 64 cached as each chunk is
+#: allocated), a GPU prefix-cache reset, then B sharing A's 80 tokens: B's hit is on CPU, the
+#: Mamba state at 64 among it
+MAMBA_AFTER_RESET = [{"id": "A", "prompt": [[1, 80]], "decode": 4},
+                     {"id": "B", "prompt": [[1, 80], [3, 16]], "arrival": 11, "decode": 3}]
+
+
+def _mamba_case(lazy: bool, mnbt: int = 32, cpu: int = 16, dcp: int = 1) -> Case:
+    return Case.from_json({
+        "layout": {"groups": MAMBA,
+                   "engine": {"num_gpu_blocks": 16, "cpu_chunks": cpu, "dcp_size": dcp,
+                              "connector": {"kind": "simple_cpu", "lazy_offload": lazy}}},
+        "timing": {"store_latency": 1, "load_latency": 1, "max_num_batched_tokens": mnbt},
+        "requests": MAMBA_AFTER_RESET, "events": [{"step": 10, "do": "reset_prefix_cache"}]})
+
+
+def test_mamba_states_are_stored_as_the_kv_cache_manager_hands_them_over():
+    """0.30.0+ eager mode: an align-mode Mamba group's blocks are not scanned positionally
+    (``has_positionally_stable_blocks`` False: its table nulls interior states, 0.30.0:1444-1450);
+    its states reach the CPU pool as ``take_boundary_state_offloads`` hands them over, in the
+    step that allocates them, ahead of the positional picks (mgr 0.30.0:657-720): A's state at
+    64 (block 6) in step 1, with A's first two attention blocks. B loads it back (g1:3).
+    Without the hand-offs store 0 has no g1 block; with a positional scan of the Mamba group
+    step 1 also stores A's state at 32 (g1:1=3)."""
+    trace = run_case(_mamba_case(False), profile_for_release("0.33.0")).trace
+    stores = _steps(trace, "store ")
+    assert stores[0] == (1, "store 0 A g1:3=6 g0:0=1 g0:1=2")
+    assert not any(" g1:1=" in x for _, x in stores)
+    assert _steps(trace, "load ") == [(7, "load 3 B g0:0=9 g0:1=8 g0:2=7 g0:3=10 g1:3=11")]
+
+
+def test_no_positional_scan_of_a_mamba_group():
+    """``has_positionally_stable_blocks`` is False for an align-mode Mamba group
+    (single_type_kv_cache_manager.py 0.30.0:1444-1450; mgr 0.30.0:835): a CPU pool of 2
+    blocks evicts A's handed-off state at 64 (g1:3), and no later step stores it again (a
+    positional scan of the group would, from A's table; 0.33.0 agrees step for step,
+    ``test_real_simple_cpu``)."""
+    trace = run_case(_mamba_case(False, cpu=3), profile_for_release("0.33.0")).trace
+    stores = _steps(trace, "store ")
+    assert stores[0] == (1, "store 0 A g1:3=6 g0:0=1")
+    assert not any(" g1:3=" in x for _, x in stores[1:]), stores
+
+
+def test_0290_stores_mamba_states_positionally():
+    """0.25.1-0.29.0 have no hand-offs (mgr 0.29.0:576-634 scans every group): A's state at 64
+    is stored the step after it was computed, with the attention blocks of its chunk."""
+    trace = run_case(_mamba_case(False), profile_for_release("0.29.0")).trace
+    assert _steps(trace, "store ")[:2] == [(1, "store 0 A g0:0=1 g0:1=2"),
+                                           (2, "store 1 A g0:2=4 g0:3=5 g1:3=6")]
+
+
+def test_0280_scales_a_mamba_block_by_the_dcp_size():
+    """0.25.1-0.29.0 count every group's blocks in ``spec.block_size * cp_world_size`` (mgr
+    0.29.0:354-357, 375-376, 594-595), a Mamba group's too, which no pool scales: under DCP 2
+    the eager scan of the Mamba group reaches half as far (A's state at 32 is not stored in
+    step 1), and B's CPU hit of 64 tokens takes 64 // 32 = 2 of the group's hit blocks, both
+    null: A's state at 64 is not loaded (0.28.0 agrees step for step; B then runs from a state
+    block nothing wrote)."""
+    profile = profile_for_release("0.28.0")
+    eager = run_case(_mamba_case(False, dcp=2), profile).trace
+    assert _steps(eager, "store ")[:2] == [(1, "store 0 A g0:1=1"),
+                                           (2, "store 1 A g0:3=3 g1:1=2")]
+    lazy = run_case(_mamba_case(True, dcp=2), profile).trace
+    assert [x for _, x in _steps(lazy, "load ")] == ["load 3 B g0:1=7 g0:3=5"]
+
+
+def test_lazy_walk_stores_a_freed_mamba_state():
+    """Lazy mode drops the hand-offs (the scheduler drains them unread) and its walk of the
+    GPU free queue stores what is hashed there: A's state at 64, freed when A's running state
+    moved on, before A finishes."""
+    trace = run_case(_mamba_case(True), profile_for_release("0.33.0")).trace
+    finish_a = next(s for s, x in _steps(trace, "finish A"))
+    assert _steps(trace, "store ")[0] == (3, "store 0 A g1:3=6") and finish_a > 3
+
+
+def test_lazy_target_counts_two_blocks_per_mamba_group():
+    """``_estimate_lazy_target_blocks``: a Mamba group keeps 2 blocks, not the budget's
+    (mgr 0.30.0:307, 0.29.0:232): (cdiv(2048, 16) + 2) * 2."""
+    for v in ("0.29.0", "0.33.0"):
+        m = Model(_mamba_case(True, mnbt=2048), profile_for_release(v))
+        assert m.simple.target_free == (2048 // 16 + 2) * 2
+
+
+#: full/32 + Mamba/32 over a hash unit of 16: fine-grained hash hits; A's prompt ends at 88, its
+#: last hash boundary (80) inside its attention block 2
+FINE = [{"kind": "full", "block_size": 32},
+        {"kind": "mamba", "block_size": 32, "mamba_cache_mode": "align"}]
+
+
+def _fine_case(lazy: bool) -> Case:
+    return Case.from_json({
+        "layout": {"groups": FINE,
+                   "engine": {"num_gpu_blocks": 16, "cpu_chunks": 16, "prefix_match_unit": 16,
+                              "connector": {"kind": "simple_cpu", "lazy_offload": lazy}}},
+        "timing": {"store_latency": 1, "load_latency": 1},
+        "requests": [{"id": "A", "prompt": [[1, 88]], "decode": 1}]})
+
+
+def test_finish_flush_stores_the_prompts_partial_tail():
+    """With fine-grained hits on the CPU coordinator, the finish flush adds the attention block
+    cached under the prompt's last hash boundary (``_find_fa_partial_tail_source``, mgr
+    0.30.0:1202-1248): A's block 2 under the hash at 80 (g0:4), which no positional scan
+    reaches (they stop at 80). 0.33.0 stores it so (step 3, ``store 3 A g0:4=4``: its trace
+    has the producer's Mamba copy as store 2, not modelled: ``_simple_cpu_gap``)."""
+    trace = run_case(_fine_case(False), profile_for_release("0.33.0")).trace
+    assert _steps(trace, "store ")[-1] == (3, "store 2 A g0:4=4")
+
+
+def test_the_lazy_cpu_coordinator_takes_no_fine_grained_hits():
+    """0.30.0+ build the CPU coordinator with ``allow_partial_hash_hits=not lazy_offload``
+    (mgr 0.30.0:200): fine-grained hits in eager mode only; 0.29.0's in either mode."""
+    def hits(lazy: bool, v: str) -> tuple[bool, bool]:
+        m = Model(_fine_case(lazy), profile_for_release(v))
+        return m.kv.config.partial_hash_hits, m.simple.cpu_coordinator.config.partial_hash_hits
+    assert hits(False, "0.33.0") == (True, True) and hits(True, "0.33.0") == (True, False)
+    assert hits(True, "0.30.0") == (True, False) and hits(True, "0.29.0") == (True, True)

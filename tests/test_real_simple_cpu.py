@@ -475,8 +475,9 @@ def test_the_model_crashes_where_0300_does(pool):
 @pytest.mark.parametrize("version", RELEASES)
 def test_drawn_simple_cpu_cases_step_with_the_model(pool, version):
     """40 cases the strategy draws on the path (``cases(path="simple_cpu")``): every one the
-    model covers (``unmodelled_path``: Mamba groups aside) and the release runs step by step agrees with the model (lazy walks that store a
-    prompt's partial tail, and async scheduling, among them)."""
+    model covers (``unmodelled_path``: Mamba groups under fine-grained hash hits aside) and the
+    release runs step by step agrees with the model (lazy walks that store a prompt's partial
+    tail, and async scheduling, among them)."""
     agreed, unmodelled, diverged = drawn_lockstep(pool, version, 40, "simple_cpu")
     assert diverged == []
     assert agreed >= 24, (agreed, unmodelled)
@@ -578,3 +579,86 @@ def test_the_legacy_model_passes_over_a_ring_with_0290(legacy_pool):
     res = lockstep(_case(BASIC, False, blocks=40, groups=ring), "0.29.0", legacy_pool)
     assert res.divergence is None and res.real["findings"] == [], res.summary()
     assert any(x.startswith("store ") for x in res.model.trace), res.model.trace
+
+
+# -- Mamba groups (align mode) ----------------------------------------------------------------
+
+MAMBA = [{"kind": "full", "block_size": 16},
+         {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}]
+
+
+def _mamba_case(lazy: bool, cpu: int = 16, dcp: int = 1) -> Case:
+    """A's 80 tokens in prefill chunks of 32, a GPU prefix-cache reset, B sharing A's 80 tokens
+    (``test_model_simple_cpu``'s MAMBA_AFTER_RESET): B loads A's Mamba state at 64 from CPU."""
+    case = _case(AFTER_RESET, lazy, blocks=16, cpu=cpu, mnbt=32, events=RESET, groups=MAMBA)
+    return dataclasses.replace(case, layout=case.layout.with_engine(dcp_size=dcp))
+
+
+def _drawn_mamba(n: int) -> list[Case]:
+    """The first ``n`` cases with a Mamba group the strategy draws on the path, as
+    ``bench/bench_lockstep_paths.py --where mamba`` draws them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_lockstep_paths import drawn_cases
+    return drawn_cases(n, "simple_cpu", "mamba")
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("lazy,cpu", [(False, 16), (True, 16), (False, 3)])
+def test_mamba_states_step_with_the_release(pool, version, lazy, cpu):
+    """Eager mode stores an align-mode Mamba group's states as the KV cache manager hands them
+    over (``take_boundary_state_offloads``), in the step that allocates them, and never scans
+    the group's table (``has_positionally_stable_blocks``); lazy mode stores the freed states
+    its walk finds. B loads A's state at 64 back (g1:3). With a CPU pool of 2 blocks the state
+    is evicted and not stored again. Without the hand-offs the first store line differs; with a
+    positional scan of the group, the CPU pool of 2 diverges (a store of g1:3 again)."""
+    res = lockstep(_mamba_case(lazy, cpu), version, pool)
+    assert res.model is not None, res.observations
+    assert res.divergence is None, res.divergence.describe()
+    assert res.real["findings"] == [], res.real["trace"][-5:]
+    stores = [x for x in res.real["trace"] if x.startswith("store ")]
+    assert any(" g1:3=" in x for x in stores), stores
+    if cpu == 16:
+        assert res.real["counters"]["loads"] == 1, res.real["trace"]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_drawn_mamba_cases_step_with_the_model(pool, version):
+    """The 40 drawn cases with a Mamba group (``--where mamba``): every one the model covers
+    agrees step for step (without the hand-offs 12 to 19 diverge at a store line)."""
+    agreed, unmodelled, diverged = drawn_lockstep(pool, version, 40, "simple_cpu",
+                                                  _drawn_mamba(40))
+    assert diverged == []
+    assert agreed >= 20, (agreed, unmodelled)
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.29.0"])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_the_legacy_model_stores_mamba_states_positionally(legacy_pool, version, lazy):
+    """0.28.0-0.29.0's manager scans every group, a Mamba group too, and takes no hand-off:
+    A's state at 64 is stored the step after it was computed (eager), and the model agrees
+    step for step."""
+    res = lockstep(_mamba_case(lazy), version, legacy_pool)
+    assert res.model is not None, res.observations
+    assert res.divergence is None, res.divergence.describe()
+    assert res.real["findings"] == [] and res.real["counters"]["loads"] == 1, res.summary()
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_0280_scales_a_mamba_block_by_the_dcp_size(legacy_pool, lazy):
+    """Under DCP 2 0.28.0's manager counts the Mamba group in blocks of 32 tokens, its pools in
+    blocks of 16 (``LegacySimpleCPUOffloadScheduler.spec_block_sizes``): the eager scan stores
+    the state at 32 a step late, and B's load takes no Mamba state (lazy: one load line of
+    attention blocks alone). The model agrees step for step; with the pools' block size it
+    diverges at A's first store (eager) and at B's load (lazy)."""
+    res = lockstep(_mamba_case(lazy, dcp=2), "0.28.0", legacy_pool)
+    assert res.model is not None, res.observations
+    assert res.divergence is None, res.divergence.describe()
+    assert res.real["counters"]["loads"] == 1, res.summary()
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.29.0"])
+def test_drawn_mamba_cases_step_with_the_legacy_model(legacy_pool, version):
+    agreed, unmodelled, diverged = drawn_lockstep(legacy_pool, version, 40, "simple_cpu",
+                                                  _drawn_mamba(40))
+    assert diverged == []
+    assert agreed >= 20, (agreed, unmodelled)

@@ -68,7 +68,7 @@ def unmodelled_path(layout, profile=None) -> str | None:
         if engine.speculative is not None and engine.speculative.method == "mtp":
             return f"engine.connector={engine.connector.describe()} with MTP"
     elif kind == "simple_cpu":
-        gap = _simple_cpu_gap(layout)
+        gap = _simple_cpu_gap(layout, profile)
         if gap is not None:
             return f"engine.connector={engine.connector.describe()} with {gap}"
     elif kind != "offloading":
@@ -83,13 +83,47 @@ def predicts_config(layout) -> bool:
     return unmodelled_path(layout) is None and layout.engine.connector.kind != "simple_cpu"
 
 
-def _simple_cpu_gap(layout) -> str | None:
-    """What of ``layout`` the SimpleCPU model leaves out, if anything."""
+def _simple_cpu_gap(layout, profile=None) -> str | None:
+    """What of ``layout`` the SimpleCPU model leaves out, if anything (``profile``: the
+    release's; None, 0.33.0's rules). Of the Mamba layouts: fine-grained hash hits
+    (``geometry.partial_hash_hits``), whose producer partial-tail copy the GPU side hands over
+    (``MambaManager._cache_partial_tail_block`` and ``allocate_new_blocks``'
+    ``move_block_hashes``, single_type_kv_cache_manager.py 0.30.0:1890-1925, 2039-2127; not
+    modelled on any path); and by ``profile.extra["simple_cpu_mamba"]``, on 0.27.0-0.27.1
+    ("plain") speculative decoding (the CPU lookup of a Mamba state under ngram drafts) and DCP
+    (prefill chunks of a Mamba layout under DCP), gaps of the OffloadingConnector's path too
+    but one, and every Mamba layout on 0.25.1-0.26.0 ("none": those, and the GPU prefix hits
+    of eager offload after a store that never completes)."""
     from simsched.model.simple_cpu_scheduler import MODELLED_KINDS
     other = sorted({g.kind for g in layout.groups if g.kind not in MODELLED_KINDS})
     if other:
         return "+".join(other) + " groups"
+    if not any(g.kind == "mamba" for g in layout.groups):
+        return None
+    from simsched.profiles import DEFAULT_PROFILE, PROFILES
+    profile = profile if profile is not None else PROFILES[DEFAULT_PROFILE]
+    rule = profile.extra.get("simple_cpu_mamba", "modelled")
+    if rule == "none":
+        return "mamba groups (0.25.1-0.26.0)"
+    if rule == "plain" and layout.engine.speculative is not None:
+        return "mamba groups and speculative decoding (0.27.0-0.27.1)"
+    if rule == "plain" and layout.engine.dcp_size > 1:
+        return "mamba groups under DCP (0.27.0-0.27.1)"
+    if _fine_grained_hash_hits(layout, profile):
+        return "mamba groups with fine-grained hash hits"
     return None
+
+
+def _fine_grained_hash_hits(layout, profile) -> bool:
+    """``geometry.partial_hash_hits`` of the case's geometry (False where the release refuses
+    the block sizes: no run to model)."""
+    from simsched.geometry import partial_hash_hits, resolve_block_sizes
+    from simsched.profiles import ConfigError
+    try:
+        _, tokens_per_hash = resolve_block_sizes(layout, profile)
+    except ConfigError:
+        return False
+    return partial_hash_hits(layout, profile, tokens_per_hash)
 
 
 def unmodelled_knobs(layout) -> list[str]:

@@ -155,8 +155,8 @@ class Model:
         # the SimpleCPUOffloadConnector (engine.connector "simple_cpu"): its CPU tier is a
         # coordinator of the GPU pool's groups over cpu_chunks blocks (_derive_cpu_config),
         # built as the scheduler's (get_kv_cache_coordinator, use_eagle_block_drop): it reads
-        # the GPU coordinator's configuration (without Mamba groups no fine-grained hits, the
-        # one rule its allow_partial_hash_hits=not lazy_offload could change)
+        # the GPU coordinator's configuration, but in lazy mode from 0.30.0 fine-grained hits
+        # (allow_partial_hash_hits=not lazy_offload: lazy_without_partial_hash_hits, below)
         self.simple: SimpleCPUOffloadScheduler | None = None
         if simple_cpu:
             cpu_coordinator = KVCacheManager(layout.groups, sizes, layout.engine.cpu_chunks,
@@ -174,7 +174,7 @@ class Model:
                 bool(profile.extra.get("simple_cpu_reset_at_preemption", False)),
                 bool(profile.extra.get("simple_cpu_chunked_local_guard", False)),
                 bool(profile.extra.get("simple_cpu_eagle_cacheable_block", False)),
-                case.asserts)
+                case.asserts, layout.engine.dcp_size)
         # the connector the scheduler's hooks call, and its jobs
         self.conn: OffloadingConnectorScheduler | SimpleCPUOffloadScheduler = \
             self.simple or self.off
@@ -254,6 +254,11 @@ class Model:
             # the KV cache config marks (is_eagle_group), and with none, no group rather than
             # every group (kv_cache_coordinator.py 0.26.0:98-104): its lookups drop no block
             self.simple.cpu_coordinator.use_config(self.kv.config.without_eagle())
+        if (self.simple is not None and self.simple.lazy_mode and self.kv.config.partial_hash_hits
+                and self.simple.lazy_without_partial_hash_hits):
+            # 0.30.0+'s lazy CPU coordinator takes no fine-grained hits (mgr 0.30.0:200)
+            cpu = self.simple.cpu_coordinator
+            cpu.use_config(cpu.config.without_partial_hash_hits())
         self.mamba_tail_eagle_shift = eagle and bool(self.mamba_tail_unit) and bool(
             profile.extra.get("mamba_tail_eagle_shift", True))
         # ChunkedLocalAttentionManager.find_longest_cache_hit asserts drop_eagle_block is False

@@ -27,8 +27,13 @@ Size: the manager's own state and hooks, each beside the vLLM method it mirrors 
 module is 1,368 to 1,481 lines in 0.30.0-0.33.0), and the worker's cut of events into jobs,
 which the trace names.
 
-Not modelled (``simsched.model.unmodelled_path``): Mamba groups (boundary hand-offs,
-fine-grained hash hits, the finish flush's partial tail).
+An align-mode Mamba group (eager mode) is not scanned by position: its states are stored as
+the KV cache manager hands them over (``take_boundary_state_offloads``), in the step that
+allocates them, before the step's positional picks (``_prepare_boundary_store_specs``).
+
+Not modelled (``simsched.model.unmodelled_path``): Mamba groups under fine-grained hash hits
+(the GPU side's producer partial-tail copy, on no path); the rules that only they reach are here
+(the finish flush's partial tail, the lazy CPU coordinator without fine-grained hits).
 """
 
 from __future__ import annotations
@@ -39,15 +44,16 @@ from simsched.model.block_pool import NULL, BlockPool
 from simsched.model.kv_cache_manager import KVCacheManager
 from simsched.model.offloading_common import Job
 from simsched.model.offloading_scheduler import ModelCrash
-from simsched.model.request import Request, key_group, key_ident
+from simsched.model.request import Request, key_group, key_ident, make_key
 from simsched.model.single_type_kv_cache_manager import (
-    ChunkedLocalAttentionManager, SlidingWindowManager)
+    ChunkedLocalAttentionManager, FullAttentionManager, MambaManager, SlidingWindowManager)
 from simsched.profiles import ConfigError
 
 MANAGER_PY = "v1/simple_kv_offload/manager.py"
 
 #: the group kinds the model covers on this path
-MODELLED_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local", "ring")
+MODELLED_KINDS = ("full", "mla", "sliding_window", "sliding_window_mla", "chunked_local", "ring",
+                  "mamba")
 
 
 def block_geometry(layout, profile, asserts: bool = True) -> Geometry:
@@ -169,12 +175,15 @@ class SimpleCPUOffloadScheduler:
     alloc_all_groups = True
     # the engine steps on while stores are pending (has_pending_push_work, 0.30.0+)
     strands_at_idle = False
+    # the CPU coordinator is built with allow_partial_hash_hits=not lazy_offload (mgr
+    # 0.30.0:200): in lazy mode its lookups land on scheduler blocks only
+    lazy_without_partial_hash_hits = True
 
     def __init__(self, geometry: Geometry, gpu: KVCacheManager, cpu_coordinator: KVCacheManager,
                  prefix_cacheable: list[bool], prefix_cacheable_only: bool, lazy_offload: bool,
                  max_num_batched_tokens: int, reset_at_preemption: bool,
                  chunked_local_guard: bool, eagle_cacheable_block: bool,
-                 asserts: bool = True) -> None:
+                 asserts: bool = True, cp_world_size: int = 1) -> None:
         self.block_size = geometry.scheduler_block_size
         self.hash_block_size = geometry.tokens_per_hash
         self.gpu, self.cpu_coordinator = gpu, cpu_coordinator
@@ -183,11 +192,17 @@ class SimpleCPUOffloadScheduler:
         self.group_block_sizes = [m.block_size for m in gpu.managers]
         # the groups stored (prefix_cacheable_group_ids, 0.31.0+; every group before)
         self.stored_groups = [c or not prefix_cacheable_only for c in prefix_cacheable]
+        # has_positionally_stable_blocks: an align-mode Mamba group nulls interior states and
+        # moves its speculative blocks, so no positional scan follows its table; its states
+        # reach the CPU pool as the KV cache manager hands them over (single_type_kv_cache_
+        # manager.py 0.30.0:1444-1450; mgr 0.30.0:835)
+        self.positional = [not (isinstance(m, MambaManager) and m.align) for m in gpu.managers]
         self.lazy_mode = lazy_offload
         self.reset_at_preemption = reset_at_preemption
         self.chunked_local_guard = chunked_local_guard
         self.eagle_cacheable_block = eagle_cacheable_block
         self.asserts = asserts                  # False: python -O strips vLLM's asserts
+        self.cp_world_size = cp_world_size      # decode_context_parallel_size
         self.target_free = self._estimate_lazy_target_blocks(max_num_batched_tokens) \
             if lazy_offload else 0
         self.cursor = NULL                      # the lazy walk's last block (NULL: the head)
@@ -217,13 +232,23 @@ class SimpleCPUOffloadScheduler:
         self.scheduled_before: set[str] = set()  # scheduled in an earlier step
         self.resumed: set[str] = set()          # preempted, so resumed when scheduled again
 
+    @property
+    def fa_gidx(self) -> int:
+        """``fa_gidx``: the first full-attention group (an MLA or drafter group is one; mgr
+        0.30.0:170-175, 0.29.0:101-116); without one (asserts stripped) the index stays -1,
+        the last group."""
+        return next((g for g, m in enumerate(self.gpu.managers)
+                     if isinstance(m, FullAttentionManager)), -1)
+
     def _estimate_lazy_target_blocks(self, max_num_batched_tokens: int) -> int:
         """GPU blocks the lazy walk keeps offloaded or free per step (``WATERMARK_RATIO`` 1)."""
         target = 0
         for m, stored in zip(self.gpu.managers, self.stored_groups):
             if not stored:
                 continue
-            if isinstance(m, SlidingWindowManager):
+            if isinstance(m, MambaManager):
+                target += 2                     # (mgr 0.30.0:307, 0.29.0:232)
+            elif isinstance(m, SlidingWindowManager):
                 target += -(-m.window // m.block_size) + 1
             else:
                 target += -(-max_num_batched_tokens // m.block_size)
@@ -337,7 +362,8 @@ class SimpleCPUOffloadScheduler:
         self.owners.update()
         flush = {jid for event in self.store_order for jid in self.event_jobs[event]} \
             if preempted else set()
-        gpu_ids, cpu_ids, req_ids = self.prepare_store_specs(scheduled, new_blocks, preempted)
+        gpu_ids, cpu_ids, req_ids = self.prepare_store_specs(scheduled, new_blocks, preempted,
+                                                             finished, offers)
         for transfer in self.pending_finished_stores:
             gpu_ids += transfer.gpu_block_ids
             cpu_ids += transfer.cpu_block_ids
@@ -355,10 +381,47 @@ class SimpleCPUOffloadScheduler:
         return stores, self._load_jobs(), flush
 
     def prepare_store_specs(self, scheduled: dict[str, int], new_blocks: dict[str, list],
-                            preempted: list[str]) -> tuple[list[int], list[int], list[str]]:
+                            preempted: list[str], finished: list[str], offers
+                            ) -> tuple[list[int], list[int], list[str]]:
+        """The step's store picks; ``offers``: the Mamba boundary states the KV cache manager
+        hands over this step (``KVCacheManager.take_offers``), which lazy mode leaves."""
         if self.lazy_mode:
             return self._prepare_lazy_store_specs()
-        return self._prepare_eager_store_specs(scheduled, new_blocks, preempted)
+        gpu_ids, cpu_ids, req_ids = self._prepare_boundary_store_specs(offers, preempted,
+                                                                       finished)
+        more = self._prepare_eager_store_specs(scheduled, new_blocks, preempted)
+        # (a request with boundary and positional blocks is one ID: dict.fromkeys, 0.30.0:783)
+        return gpu_ids + more[0], cpu_ids + more[1], list(dict.fromkeys(req_ids + more[2]))
+
+    def _prepare_boundary_store_specs(self, offers, preempted: list[str], finished: list[str]
+                                      ) -> tuple[list[int], list[int], list[str]]:
+        """The boundary hand-offs (``_prepare_eager_store_specs``, mgr 0.30.0:657-720): per
+        request in the order its first state was cached, each state block stored if it is
+        ready (hashed, not in flight, not in the CPU pool) and the CPU pool has a free block
+        (a hand-off declined is not retried). A request that finished or was preempted in
+        this step, or is not registered, gives up its blocks: its hand-offs are dropped."""
+        by_req: dict[str, list[int]] = {}
+        for rid, _gid, b, _boundary in offers:
+            by_req.setdefault(rid, []).append(b)
+        num_free = self.cpu_block_pool.get_num_free_blocks()
+        gpu_ids: list[int] = []
+        req_ids: list[str] = []
+        for rid, blocks in by_req.items():
+            state = self.reqs_to_store.get(rid)
+            if state is None or state.finished or rid in preempted or rid in finished:
+                continue
+            for b in blocks:
+                # (_classify_store_candidate; a null block is not hashed either)
+                if not self._ready_to_store(b) or num_free <= 0:
+                    continue
+                gpu_ids.append(b)
+                self.in_flight_store_gpu_blocks.add(b)
+                num_free -= 1
+                if not req_ids or req_ids[-1] != rid:
+                    req_ids.append(rid)
+        cpu_ids = self.cpu_block_pool.get_new_blocks(len(gpu_ids))
+        self.gpu_block_pool.touch(gpu_ids)
+        return gpu_ids, cpu_ids, req_ids
 
     def _prepare_lazy_store_specs(self) -> tuple[list[int], list[int], list[str]]:
         """The walk of the GPU free queue from the cursor: up to ``target_free`` blocks, the
@@ -458,7 +521,7 @@ class SimpleCPUOffloadScheduler:
         gpu_ids: list[int] = []
         advanced = [0] * len(block_ids_by_group)
         for g, group_ids in enumerate(block_ids_by_group):
-            if not self.stored_groups[g]:
+            if not self.stored_groups[g] or not self.positional[g]:
                 continue
             if len(gpu_ids) >= num_free:
                 break
@@ -664,12 +727,43 @@ class SimpleCPUOffloadScheduler:
         if state is None:
             return
         gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids)
+        tail = self._find_fa_partial_tail_source(req, block_ids)
+        # (decode tokens can fill the tail's block: the scan above picked it then)
+        if (tail is not None and tail not in gpu_ids
+                and len(gpu_ids) < self.cpu_block_pool.get_num_free_blocks()):
+            gpu_ids.append(tail)
         if not gpu_ids:
             return
         cpu_ids = self.cpu_block_pool.get_new_blocks(len(gpu_ids))
         self.pending_finished_stores.append(TransferMeta(gpu_ids, cpu_ids))
         self.in_flight_store_gpu_blocks.update(gpu_ids)
         self.gpu_block_pool.touch(gpu_ids)
+
+    def _find_fa_partial_tail_source(self, req: Request, block_ids: list[list[int]]
+                                     ) -> int | None:
+        """With fine-grained hits on the CPU coordinator, the full-attention block in which the
+        prompt's last hash boundary falls, cached under that boundary's hash
+        (``FullAttentionManager._cache_partial_tail_block``), if the CPU pool lacks it
+        (mgr 0.30.0:1202-1248): no positional scan reaches a boundary inside a block."""
+        if not self.cpu_coordinator.config.partial_hash_hits:
+            return None
+        tph = self.hash_block_size
+        fa = self.fa_gidx
+        fa_bs = self.group_block_sizes[fa]
+        boundary = req.num_prompt // tph * tph
+        if boundary == 0 or boundary > req.num_computed or boundary % fa_bs == 0:
+            return None
+        i = boundary // fa_bs
+        if i >= len(block_ids[fa]):
+            return None
+        b = block_ids[fa][i]
+        if b == NULL or b in self.in_flight_store_gpu_blocks:
+            return None
+        ident = req.ident_at(boundary)          # (None: the hash is not computed yet)
+        key = make_key(fa, ident) if ident is not None else None
+        if key is None or self.gpu_block_pool.key[b] != key:
+            return None                         # (the block was promoted, or never cached)
+        return None if self.cpu_block_pool.holder(key) is not None else b
 
     # --- the engine's questions -----------------------------------------------------------
     def has_pending_stores(self) -> bool:

@@ -33,8 +33,10 @@ case format), 0.25.1-0.28.0 size the CPU tier from the sum of separate ``KVCache
 (``_derive_cpu_config``), which the harness's ``kv_bytes_per_block`` follows, and the lazy
 walk's cursor loop became ``iter_blocks_after`` in 0.26.0 (mgr 0.25.1:492-522, same walk).
 Every block is scaled by the DCP size (``spec.block_size * cp_world_size``), not only full
-attention's (0.30.0), which no layout tells apart: DCP serves full-attention and Mamba groups
-only (``layout.DCP_UNSUPPORTED_KINDS``).
+attention's (0.30.0): a Mamba group's too, whose blocks neither pool scales
+(``spec_block_sizes``; DCP serves full-attention and Mamba groups only,
+``layout.DCP_UNSUPPORTED_KINDS``). No boundary hand-offs: an align-mode Mamba group's states
+are stored by the positional scan, the step after they were computed.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ from __future__ import annotations
 from simsched.model.block_pool import NULL
 from simsched.model.offloading_common import Job
 from simsched.model.request import Request
-from simsched.model.simple_cpu_scheduler import SimpleCPUOffloadScheduler, StoreRequestState
-from simsched.model.single_type_kv_cache_manager import FullAttentionManager
+from simsched.model.offloading_scheduler import ModelCrash
+from simsched.model.single_type_kv_cache_manager import MambaManager
+from simsched.model.simple_cpu_scheduler import (MANAGER_PY, SimpleCPUOffloadScheduler,
+                                                 StoreRequestState)
 
 
 class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
@@ -53,14 +57,19 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     #: after the last request the engine idles with stores in flight (module docstring)
     strands_at_idle = True
+    #: the CPU coordinator takes the GPU's fine-grained hits in either mode (no
+    #: allow_partial_hash_hits before 0.30.0: mgr 0.29.0:129-140)
+    lazy_without_partial_hash_hits = False
 
     @property
-    def fa_gidx(self) -> int:
-        """``fa_gidx``: the first full-attention group (an MLA or drafter group is one), whose
-        hashed blocks count the local prefix (mgr 0.29.0:101-116); without one (asserts
-        stripped) the index stays -1, the last group."""
-        return next((g for g, m in enumerate(self.gpu.managers)
-                     if isinstance(m, FullAttentionManager)), -1)
+    def spec_block_sizes(self) -> list[int]:
+        """Per group ``kv_cache_spec.block_size * cp_world_size`` (mgr 0.29.0:354-357,
+        375-376, 594-595): under DCP a Mamba group's block too is scaled, which neither the
+        GPU pool nor the CPU coordinator scales (``group_block_sizes``: the blocks the pools
+        hold); the selection and the load's placement count in these."""
+        # (DCP serves full-attention and Mamba groups only: layout.DCP_UNSUPPORTED_KINDS)
+        return [bs * self.cp_world_size if isinstance(m, MambaManager) else bs
+                for m, bs in zip(self.gpu.managers, self.group_block_sizes)]
 
     # --- requests -------------------------------------------------------------------------
     def _declines_lookup(self, req: Request, num_computed: int) -> bool:
@@ -93,8 +102,12 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         total = num_computed + num_external
         gpu_block_ids: list[int] = []
         cpu_block_ids: list[int] = []
-        for g, cpu_blocks in enumerate(pending[0]):
-            bs = self.group_block_sizes[g]
+        for g, (cpu_blocks, bs) in enumerate(zip(pending[0], self.spec_block_sizes)):
+            if self.asserts and num_external % bs:
+                # (a Mamba block scaled past the scheduler block under DCP)
+                raise ModelCrash("AssertionError", "update_state_after_alloc", "schedule",
+                                 f"num_external_tokens={num_external} not aligned to group "
+                                 f"{g} block_size={bs}", MANAGER_PY)
             taken = cpu_blocks[:num_external // bs]
             start = -(-total // bs) - len(taken)
             for i, c in enumerate(taken):
@@ -105,6 +118,12 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         return None
 
     # --- the step's events ----------------------------------------------------------------
+    def _prepare_boundary_store_specs(self, offers, preempted: list[str], finished: list[str]
+                                      ) -> tuple[list[int], list[int], list[str]]:
+        """No boundary hand-offs (0.30.0 added them): an align-mode Mamba group's state blocks
+        are stored positionally like every group's (mgr 0.29.0:576-634)."""
+        return [], [], []
+
     def _select_eager_blocks_to_store(self, state: StoreRequestState,
                                       block_ids_by_group: list[list[int]]
                                       ) -> tuple[list[int], list[int]]:
@@ -119,8 +138,8 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         num_free = self.cpu_block_pool.get_num_free_blocks()
         gpu_ids: list[int] = []
         advanced = [0] * len(block_ids_by_group)
-        for g, group_ids in enumerate(block_ids_by_group):
-            ready = min(len(group_ids), aligned_tokens // self.group_block_sizes[g])
+        for g, (group_ids, bs) in enumerate(zip(block_ids_by_group, self.spec_block_sizes)):
+            ready = min(len(group_ids), aligned_tokens // bs)
             for i in range(state.num_stored_blocks[g], ready):
                 b = group_ids[i]
                 if b == NULL or not self._ready_to_store(b):

@@ -94,6 +94,20 @@ class PrefixCacheConfig:
         out.drafter_specs = self.drafter_specs
         return out
 
+    def without_partial_hash_hits(self) -> PrefixCacheConfig:
+        """This configuration as a coordinator built with ``allow_partial_hash_hits=False``
+        reads it (the SimpleCPUOffloadConnector's CPU coordinator in lazy mode, 0.30.0+:
+        kv_cache_coordinator.py 0.30.0:700-701): hits on scheduler blocks only."""
+        out = PrefixCacheConfig(self.block_size, self.retention_interval)
+        out.tokens_per_hash = self.tokens_per_hash
+        out.partial_tail = self.partial_tail
+        out.partial_tail_below_prompt = self.partial_tail_below_prompt
+        out.eagle_drop, out.eagle_margin = self.eagle_drop, self.eagle_margin
+        out.eagle_replay_pair = self.eagle_replay_pair
+        out.eagle_junction_below = self.eagle_junction_below
+        out.drafter_specs = self.drafter_specs
+        return out
+
     def use_eagle(self, spec: tuple) -> bool:
         """``manager.use_eagle``: EAGLE-style drafting, and the group a drafter group or of the
         spec of one (verify_and_split_kv_cache_groups marks every group whose spec equals an EAGLE
