@@ -314,13 +314,10 @@ class SimpleCPUOffloadScheduler:
     def _free_pending_cpu_hit(self, pending: tuple[list[list[int]], int, int]) -> None:
         self.cpu_block_pool.free_blocks([b for group in pending[0] for b in group])
 
-    def update_state_after_alloc(self, req: Request, tables: list[list[int]],
-                                 num_external: int, block_keys=None,
-                                 scheduled: bool = True) -> Job | None:
-        """Registers the request for eager stores; pairs the first ``num_external`` tokens'
-        CPU hit blocks with the GPU blocks after the local prefix, pins both, and records the
-        load (issued by the next ``build_connector_meta``). Returns no job: the load's job is
-        made with the step's load event."""
+    def _take_cpu_hit(self, req: Request, tables: list[list[int]], num_external: int):
+        """``update_state_after_alloc``'s start, in every release: the request registered for
+        eager stores, then its pending CPU hit taken (None: nothing to load; a hit the
+        scheduler took no token of is released)."""
         if not self.lazy_mode and req.rid not in self.reqs_to_store:
             self.reqs_to_store[req.rid] = StoreRequestState(req, len(tables))
         pending = self.pending_cpu_hits.pop(req.rid, None)
@@ -328,6 +325,18 @@ class SimpleCPUOffloadScheduler:
             return None
         if num_external == 0:
             self._free_pending_cpu_hit(pending)
+            return None
+        return pending
+
+    def update_state_after_alloc(self, req: Request, tables: list[list[int]],
+                                 num_external: int, block_keys=None,
+                                 scheduled: bool = True) -> Job | None:
+        """Registers the request for eager stores; pairs the first ``num_external`` tokens'
+        CPU hit blocks with the GPU blocks after the local prefix, pins both, and records the
+        load (issued by the next ``build_connector_meta``). Returns no job: the load's job is
+        made with the step's load event."""
+        pending = self._take_cpu_hit(req, tables, num_external)
+        if pending is None:
             return None
         hit_blocks, _, num_computed = pending
         gpu_block_ids: list[int] = []

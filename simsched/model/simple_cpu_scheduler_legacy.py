@@ -88,13 +88,8 @@ class LegacySimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         group's hashed blocks, the new ones not hashed yet (their caching waits for the load);
         per group the hit's blocks end where the computed range does (``cdiv(total, block) -
         n_ext``)."""
-        if not self.lazy_mode and req.rid not in self.reqs_to_store:
-            self.reqs_to_store[req.rid] = StoreRequestState(req, len(tables))
-        pending = self.pending_cpu_hits.pop(req.rid, None)
+        pending = self._take_cpu_hit(req, tables, num_external)
         if pending is None:
-            return None
-        if num_external == 0:
-            self._free_pending_cpu_hit(pending)
             return None
         fa = self.fa_gidx
         keys = self.gpu_block_pool.key
