@@ -166,7 +166,3 @@ class FileSystemTierManager:
     def get_finished_jobs(self) -> list[TransferJob]:
         done, self.finished = self.finished, []
         return done
-
-    def busy(self) -> bool:
-        """A job queued, its I/O not yet run (the harness's ``FsIo.busy``)."""
-        return bool(self.load_q or self.store_q)

@@ -41,10 +41,9 @@ class RequestState:
     """``RequestState``: the request's stores prepared but not completed (each may still
     cascade), and whether it finished; the tiers forget its probes once both are over."""
 
-    __slots__ = ("st", "pending_primary_stores", "is_finished")
+    __slots__ = ("pending_primary_stores", "is_finished")
 
-    def __init__(self, st):
-        self.st = st
+    def __init__(self) -> None:
         self.pending_primary_stores = 0
         self.is_finished = False
 
@@ -205,7 +204,7 @@ class TieringOffloadingManager:
 
     # -- requests -------------------------------------------------------------------------------
     def on_new_request(self, st) -> None:
-        self.req_state[st.req.rid] = RequestState(st)
+        self.req_state[st.req.rid] = RequestState()
 
     def on_request_finished(self, st) -> None:
         self.primary.on_request_finished(st)
@@ -235,9 +234,6 @@ class TieringOffloadingManager:
     def has_pending_work(self) -> bool:
         """The engine keeps stepping while a tier job is tracked (``has_pending_push_work``)."""
         return bool(self.jobs)
-
-    def io_live(self) -> bool:
-        return any(tier.busy() for tier in self.tiers)
 
     def before_schedule(self, step: int) -> list[str]:
         """The harness's fixed point before ``schedule()``: the promotions submitted since
